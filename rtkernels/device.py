@@ -1,0 +1,65 @@
+"""What GPU (if any) this process has, without touching the driver at import time."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+DEFAULT_ARCH = "sm_90"
+
+
+@lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """Number of visible CUDA devices; 0 when there is no driver or no device."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def has_gpu() -> bool:
+    return gpu_count() > 0
+
+
+def current_device() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
+@lru_cache(maxsize=None)
+def _props(device: int) -> dict:
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(device)
+
+
+def device_arch(device: int | None = None) -> str:
+    p = _props(current_device() if device is None else device)
+    return f"sm_{p['major']}{p['minor']}"
+
+
+def current_arch() -> str:
+    """Target arch: ``RTKERNELS_ARCH`` if set, else the current GPU's exact arch, else sm_90."""
+    env = os.environ.get("RTKERNELS_ARCH")
+    if env:
+        return env
+    return device_arch() if has_gpu() else DEFAULT_ARCH
+
+
+def sm_count(device: int | None = None) -> int:
+    return int(_props(current_device() if device is None else device)["multiProcessorCount"])
+
+
+def device_name(device: int | None = None) -> str:
+    name = _props(current_device() if device is None else device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def max_shared_per_block_optin(device: int | None = None) -> int:
+    return int(_props(current_device() if device is None else device)["sharedMemPerBlockOptin"])
+
+
+@lru_cache(maxsize=None)
+def driver_version() -> int:
+    """CUDA version the driver supports, e.g. 13000 for 13.0."""
+    import cupy
+    return int(cupy.cuda.runtime.driverGetVersion())

@@ -1,0 +1,531 @@
+"""Compiled kernels: build (render -> cache -> NVRTC), inspect, load per device, launch.
+
+``Module`` is one compiled program (CUBIN, source, ptxas report); ``Kernel`` is one entry
+point of it.  Launch goes through CuPy's ``cupy.cuda.function.Function`` - the same C path
+RawKernel uses - after our own argument packing, which converts each argument to exactly
+the type the kernel's signature declares (parsed from the source once, at build time).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+import threading
+from functools import cached_property
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import cache, device
+from ._version import __version__
+from .compiler import CompileOptions, Resources, compile_source, nvrtc_version, parse_arch
+from .errors import ConfigError, DeviceError, LaunchError
+from .render import Rendered, Template, render
+
+_SMEM_DEFAULT_LIMIT = 48 * 1024
+_memo: dict = {}
+_memo_lock = threading.Lock()
+
+
+def _clear_memo() -> None:
+    with _memo_lock:
+        _memo.clear()
+
+
+# ---- kernel signatures -----------------------------------------------------------------
+_SCALARS = {
+    "bool": np.bool_, "char": np.int8, "signed char": np.int8, "int8_t": np.int8, "unsigned char": np.uint8,
+    "uint8_t": np.uint8, "short": np.int16, "int16_t": np.int16, "unsigned short": np.uint16,
+    "uint16_t": np.uint16, "int": np.int32, "signed": np.int32, "signed int": np.int32, "int32_t": np.int32,
+    "unsigned": np.uint32, "unsigned int": np.uint32, "uint32_t": np.uint32, "long": np.int64,
+    "long int": np.int64, "long long": np.int64, "long long int": np.int64, "int64_t": np.int64,
+    "ptrdiff_t": np.int64, "unsigned long": np.uint64, "unsigned long long": np.uint64,
+    "unsigned long long int": np.uint64, "uint64_t": np.uint64, "size_t": np.uint64, "float": np.float32,
+    "double": np.float64, "__half": np.float16, "half": np.float16, "__nv_bfloat16": "bfloat16",
+}
+_QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict", "__grid_constant__", "struct"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    decl: str             # as written, e.g. "const __half* __restrict__ a"
+    kind: str             # "pointer" | "scalar" | "struct"
+    ctype: str            # "__half*" / "int" / "CUtensorMap"
+    np_type: Any = None   # NumPy scalar type for scalars
+
+
+def parse_signature(source: str, name: str) -> list[Param] | None:
+    """Parameters of ``__global__ void name(...)`` in ``source``; None if not found."""
+    m = re.search(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+                  + re.escape(name) + r"\s*\(", source)
+    if not m:
+        return None
+    depth, i, start = 1, m.end(), m.end()
+    while depth and i < len(source):
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        i += 1
+    body = re.sub(r"/\*.*?\*/|//[^\n]*", " ", source[start:i - 1], flags=re.S)
+    params, depth, cur = [], 0, ""
+    for ch in body:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            params.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        params.append(cur)
+    out = []
+    for decl in (p.strip() for p in params):
+        if decl in ("", "void"):
+            continue
+        decl = re.sub(r"\s+", " ", decl.split("=")[0]).strip()
+        if "*" in decl or "&" in decl:
+            base = " ".join(t for t in re.split(r"[\s*&]+", decl.rsplit(None, 1)[0]) if t and t not in _QUALIFIERS)
+            out.append(Param(decl, "pointer", base + "*"))
+            continue
+        tokens = [t for t in decl.split(" ") if t not in _QUALIFIERS]
+        ctype = " ".join(tokens[:-1]) if len(tokens) > 1 else tokens[0]
+        np_type = _SCALARS.get(ctype)
+        out.append(Param(decl, "scalar" if np_type is not None else "struct", ctype, np_type))
+    return out
+
+
+def kernel_names(source: str) -> list[str]:
+    """Names of the ``extern "C" __global__`` functions in a source text."""
+    return re.findall(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
+                      r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(', source)
+
+
+# ---- modules ---------------------------------------------------------------------------
+class Module:
+    """One compiled program: code (CUBIN or PTX), rendered source, ptxas report."""
+
+    def __init__(self, *, label: str, config_repr: str, arch: str, options: CompileOptions, output: str,
+                 code: bytes, source: str, resources: dict, log: str, key: str, lowered: dict,
+                 rendered: Rendered | None, template, params: dict):
+        self.label, self.config_repr, self.arch, self.options = label, config_repr, arch, options
+        self.output, self.code, self.source, self.resources = output, code, source, resources
+        self.log, self.key, self.lowered = log, key, lowered
+        self._template, self._params = template, params
+        self._loaded: dict[int, Any] = {}
+        self._load_lock = threading.Lock()
+
+    @cached_property
+    def sass(self) -> str:
+        """Disassembly of the whole CUBIN (nvdisasm from the nvidia-cuda-nvdisasm wheel)."""
+        if self.output != "cubin":
+            raise ConfigError(f"{self.label}: SASS needs a CUBIN; this module holds {self.output}")
+        return disassemble(self.code)
+
+    def load(self, dev: int):
+        """The CuPy module for device ``dev`` (loaded once per device context)."""
+        mod = self._loaded.get(dev)
+        if mod is not None:
+            return mod
+        with self._load_lock:
+            if dev in self._loaded:
+                return self._loaded[dev]
+            import cupy
+            if self.output == "ptx":
+                drv = device.driver_version()
+                if nvrtc_version() > (drv // 1000, (drv % 1000) // 10):
+                    raise DeviceError(
+                        f"{self.label}: PTX from NVRTC {'.'.join(map(str, nvrtc_version()))} cannot be loaded by "
+                        f"this driver (CUDA {drv // 1000}.{(drv % 1000) // 10}): the driver rejects newer PTX "
+                        "(CUDA_ERROR_UNSUPPORTED_PTX_VERSION). Load the CUBIN instead (the default output), or "
+                        "install an NVRTC no newer than the driver.")
+            with cupy.cuda.Device(dev):
+                mod = cupy.cuda.function.Module()
+                try:
+                    mod.load(self.code)
+                except cupy.cuda.driver.CUDADriverError as exc:
+                    raise LaunchError(f"{self.label}: loading the {self.output} for {self.arch} on device {dev} "
+                                      f"({device.device_name(dev)}, {device.device_arch(dev)}) failed: {exc}") from None
+            self._loaded[dev] = mod
+            return mod
+
+
+def disassemble(cubin: bytes) -> str:
+    import cuda.pathfinder as pf
+    exe = pf.find_nvidia_binary_utility("nvdisasm")
+    if not exe:
+        raise DeviceError("nvdisasm not found: install the 'nvidia-cuda-nvdisasm' wheel")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([exe, "-c", f.name], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise DeviceError(f"nvdisasm failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def function_sass(sass: str, name: str) -> str:
+    """The part of a module's SASS that belongs to one function."""
+    parts = re.split(r"(?m)^//-+ \.text\.", sass)
+    for part in parts[1:]:
+        if part.split(None, 1)[0] == name:
+            return "//--------------------- .text." + part
+    return ""
+
+
+def build_module(template: str | Template, params: dict, *, label: str, config_repr: str, arch: str,
+                 options: CompileOptions, output: str = "cubin", name_expressions: Sequence[str] = ()) -> Module:
+    """Render, then return the module from memory, from disk, or from a fresh NVRTC compile."""
+    rendered = render(template, params, family=label)
+    exprs = tuple(sorted(name_expressions))
+    parts = {
+        "source": rendered.compiled_source, "arch": arch, "output": output,
+        # include folders differ between installs; their contents are hashed separately
+        "options": [a for a in options.nvrtc_args(arch, output) if not a.startswith("-I")],
+        "name_expressions": list(exprs), "nvrtc": list(nvrtc_version()),
+        "headers": cache.headers_digest(), "package": __version__,
+    }
+    key = cache.make_key(parts)
+    hit = cache.memory_get(key)
+    if hit is not None:
+        return hit
+    found = cache.disk_get(key)
+    if found is not None:
+        code, meta, _ = found
+        resources = {n: Resources(**r) for n, r in meta.get("resources", {}).items()}
+        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, code=code,
+                        source=rendered.source, resources=resources, log=meta.get("log", ""), key=key,
+                        lowered=meta.get("lowered", {}), rendered=rendered, template=template, params=params)
+    else:
+        cache._count("misses")
+        res = compile_source(rendered, name=re.sub(r"\W", "_", label) or "kernel", arch=arch, options=options,
+                             output=output, name_expressions=exprs, context=f"{label} [{config_repr}]")
+        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output,
+                        code=res.code, source=rendered.source, resources=res.resources, log=res.log, key=key,
+                        lowered=res.lowered_names, rendered=rendered, template=template, params=params)
+        meta = {"family": label, "config": config_repr, "arch": arch, "output": output,
+                "nvrtc_version": ".".join(map(str, nvrtc_version())), "package_version": __version__,
+                "key_parts": {k: v for k, v in parts.items() if k != "source"},
+                "resources": {n: r.as_dict() for n, r in res.resources.items()}, "log": res.log,
+                "lowered": res.lowered_names}
+        cache.disk_put(key, res.code, "kernel.cubin" if output == "cubin" else "kernel.ptx", meta, rendered.source)
+    cache.memory_put(key, module)
+    return module
+
+
+# ---- kernels ---------------------------------------------------------------------------
+class Kernel:
+    """One entry point of a compiled module: inspect it, launch it.
+
+    Attributes
+    ----------
+    name : the entry point (``extern "C"`` name or C++ name expression).
+    config : the family config it was built from (None for user templates).
+    arch : the target it was compiled for, e.g. ``"sm_90"``.
+    """
+
+    def __init__(self, module: Module, name: str, config=None):
+        self.module, self.name, self.config = module, name, config
+        self.arch = module.arch
+        self.lowered_name = module.lowered.get(name, name)
+        self.signature = parse_signature(module.source, name) if name == self.lowered_name else None
+        self._functions: dict[int, Any] = {}
+        self._smem_set: dict[int, int] = {}
+        self._converters = None if self.signature is None else [_converter(self, i, p)
+                                                                  for i, p in enumerate(self.signature)]
+
+    def __repr__(self) -> str:
+        r = self.resources
+        return (f"<rtkernels.Kernel {self.name} of {self.module.label} [{self.module.config_repr}] for {self.arch}: "
+                f"{r.registers} registers, {r.spill_stores}/{r.spill_loads} B spilled, {r.shared_static} B static smem>")
+
+    # -- inspection
+    @property
+    def resources(self) -> Resources:
+        """Registers, spills, stack frame, static shared memory ... from the ptxas report."""
+        if self.module.output != "cubin":
+            return Resources()
+        return self.module.resources.get(self.lowered_name, Resources())
+
+    @property
+    def cubin(self) -> bytes:
+        if self.module.output != "cubin":
+            raise ConfigError(f"{self.module.label}: this kernel was compiled to {self.module.output}, not CUBIN")
+        return self.module.code
+
+    @property
+    def source(self) -> str:
+        """The rendered CUDA source (without the #line directives NVRTC was given)."""
+        return self.module.source
+
+    @property
+    def sass(self) -> str:
+        """SASS of this kernel's function (nvdisasm), disassembled on first access."""
+        return function_sass(self.module.sass, self.lowered_name) or self.module.sass
+
+    @cached_property
+    def ptx(self) -> str:
+        """PTX text, compiled on request (same source, options and arch family)."""
+        if self.module.output == "ptx":
+            return self.module.code.decode()
+        m = build_module(self.module._template, self.module._params, label=self.module.label,
+                         config_repr=self.module.config_repr, arch=self.arch, options=self.module.options,
+                         output="ptx", name_expressions=tuple(self.module.lowered))
+        return m.code.decode()
+
+    def report(self, **kw) -> dict:
+        """Registers, spills, occupancy, SASS statistics and flags (see rtkernels.inspect)."""
+        from . import inspect
+        return inspect.report(self, **kw)
+
+    # -- launching
+    def function(self, device_id: int | None = None):
+        """The loaded ``cupy.cuda.function.Function`` on a device (handle: ``.ptr``)."""
+        dev = device.current_device() if device_id is None else device_id
+        fn = self._functions.get(dev)
+        if fn is None:
+            fn = self._functions[dev] = self.module.load(dev).get_function(self.lowered_name)
+        return fn
+
+    def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
+        """Launch on CuPy's current stream (or ``stream``: a CuPy stream or anything with ``.ptr``).
+
+        Pointer parameters take CuPy arrays, ``__cuda_array_interface__`` or DLPack objects on the
+        current device (or None for a null pointer); scalars are converted to the declared C type.
+        A grid with a zero dimension launches nothing.
+        """
+        import cupy
+        dev = cupy.cuda.runtime.getDevice()
+        fn = self._functions.get(dev) or self.function(dev)
+        if self._converters is None:
+            packed = list(args)
+        else:
+            if len(args) != len(self._converters):
+                raise TypeError(f"{self.name}() takes {len(self._converters)} arguments "
+                                f"({', '.join(p.decl for p in self.signature)}); {len(args)} given")
+            packed = [conv(a, dev) for conv, a in zip(self._converters, args)]
+        grid = _dim3(grid, "grid")
+        block = _dim3(block, "block")
+        if not (grid[0] and grid[1] and grid[2]):
+            return
+        if shared_mem > _SMEM_DEFAULT_LIMIT and self._smem_set.get(dev, 0) < shared_mem:
+            self._raise_smem_limit(fn, dev, shared_mem)
+        if stream is not None and not hasattr(stream, "ptr"):
+            stream = _StreamPtr(stream)
+        try:
+            fn(grid, block, packed, shared_mem, stream)
+        except cupy.cuda.driver.CUDADriverError as exc:
+            r = self.resources
+            raise LaunchError(f"{self.name}: launch failed with grid={grid}, block={block}, shared_mem={shared_mem} "
+                              f"({r.registers} registers/thread, {r.shared_static} B static smem): {exc}") from None
+        if _SYNC_CHECK:
+            try:
+                cupy.cuda.get_current_stream().synchronize() if stream is None else cupy.cuda.runtime.streamSynchronize(stream.ptr)
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise LaunchError(f"{self.name}: kernel failed (RTKERNELS_SYNC_LAUNCH=1): {exc}") from None
+
+    def _raise_smem_limit(self, fn, dev: int, nbytes: int) -> None:
+        from cupy_backends.cuda.api import driver as cdrv
+        limit = device.max_shared_per_block_optin(dev)
+        if nbytes + self.resources.shared_static > limit:
+            raise LaunchError(f"{self.name}: shared_mem={nbytes} B (+{self.resources.shared_static} B static) exceeds "
+                              f"the device's {limit} B per block")
+        cdrv.funcSetAttribute(fn.ptr, cdrv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        self._smem_set[dev] = nbytes
+
+
+_SYNC_CHECK = os.environ.get("RTKERNELS_SYNC_LAUNCH", "0") == "1"
+
+
+class _StreamPtr:
+    __slots__ = ("ptr",)
+
+    def __init__(self, s):
+        ptr = getattr(s, "cuda_stream", None)  # torch.cuda.Stream
+        if ptr is None:
+            if isinstance(s, int):
+                ptr = s
+            else:
+                raise TypeError(f"stream must be a CuPy stream, a torch.cuda.Stream or an object with .ptr; "
+                                f"got {type(s).__name__}")
+        self.ptr = int(ptr)
+
+
+def _dim3(v, what: str) -> tuple:
+    if isinstance(v, (int, np.integer)):
+        v = (int(v),)
+    try:
+        t = tuple(int(x) for x in v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int or a tuple of up to 3 ints, got {v!r}") from None
+    if not 1 <= len(t) <= 3 or any(x < 0 for x in t):
+        raise ValueError(f"{what} must be 1 to 3 non-negative ints, got {v!r}")
+    return t + (1,) * (3 - len(t))
+
+
+def _bf16_bits(x: float) -> np.uint16:
+    b = int(np.array(x, dtype=np.float32).view(np.uint32))
+    b += 0x7FFF + ((b >> 16) & 1)   # round to nearest even
+    return np.uint16((b >> 16) & 0xFFFF)
+
+
+def _converter(kernel: Kernel, index: int, p: Param):
+    where = f"{kernel.name}() argument {index} ({p.decl})"
+    if p.kind == "pointer":
+        def conv(a, dev):
+            if a is None:
+                return None
+            dev_of = getattr(getattr(a, "data", None), "device_id", None)  # CuPy ndarray fast path
+            if dev_of is None:
+                return _foreign_pointer(a, dev, where)
+            if dev_of != dev:
+                raise LaunchError(f"{where}: array is on device {dev_of}, but the launch is on device {dev}")
+            return a
+        return conv
+    if p.kind == "struct":
+        def conv(a, dev):
+            if isinstance(a, (np.generic, np.ndarray)) and a.dtype.itemsize > 0:
+                return a
+            raise TypeError(f"{where}: a by-value struct needs a NumPy scalar/record of its exact bytes, "
+                            f"got {type(a).__name__}")
+        return conv
+    t = p.np_type
+    if t == "bfloat16":
+        def conv(a, dev):
+            if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{where} must be a real number, got {type(a).__name__}")
+            return _bf16_bits(float(a))
+        return conv
+    if issubclass(t, np.bool_):
+        def conv(a, dev):
+            if not isinstance(a, (bool, np.bool_)):
+                raise TypeError(f"{where} must be a bool, got {type(a).__name__}")
+            return np.bool_(a)
+        return conv
+    if issubclass(t, np.integer):
+        info = np.iinfo(t)
+
+        def conv(a, dev):
+            if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+                raise TypeError(f"{where} must be an integer, got {type(a).__name__} {a!r}")
+            a = int(a)
+            if not info.min <= a <= info.max:
+                raise OverflowError(f"{where}: {a} does not fit in {p.ctype} [{info.min}, {info.max}]")
+            return t(a)
+        return conv
+
+    def conv(a, dev):
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{where} must be a real number, got {type(a).__name__}")
+        return t(a)
+    return conv
+
+
+def _foreign_pointer(a, dev: int, where: str):
+    """Device pointer of a non-CuPy array (``__cuda_array_interface__``, DLPack, torch)."""
+    import cupy
+    ptr = owner = None
+    cai = None
+    try:
+        cai = a.__cuda_array_interface__
+    except (AttributeError, TypeError, ValueError):   # torch raises TypeError for bfloat16
+        pass
+    if cai is not None:
+        ptr = int(cai["data"][0])
+    elif hasattr(a, "data_ptr") and hasattr(a, "device"):   # torch tensors of dtypes CAI cannot name
+        if getattr(a.device, "type", None) != "cuda":
+            raise LaunchError(f"{where}: tensor is on {a.device}, not on a CUDA device")
+        ptr, owner = int(a.data_ptr()), a.device.index
+    elif hasattr(a, "__dlpack_device__"):
+        kind, owner = a.__dlpack_device__()
+        if int(kind) not in (2, 13):   # kDLCUDA, kDLCUDAManaged
+            raise LaunchError(f"{where}: DLPack array is not in CUDA device memory (device type {int(kind)})")
+        return _check_dev(cupy.from_dlpack(a), dev, where)
+    elif isinstance(a, cupy.cuda.MemoryPointer):
+        if a.device_id != dev:
+            raise LaunchError(f"{where}: memory is on device {a.device_id}, but the launch is on device {dev}")
+        return a
+    else:
+        raise TypeError(f"{where} expects a device array (CuPy array, __cuda_array_interface__ or DLPack object) "
+                        f"or None, got {type(a).__name__}")
+    if ptr and owner is None:
+        owner = cupy.cuda.runtime.pointerGetAttributes(ptr).device
+    if ptr and owner != dev:
+        raise LaunchError(f"{where}: array is on device {owner}, but the launch is on device {dev}")
+    return np.uint64(ptr)
+
+
+def _check_dev(arr, dev: int, where: str):
+    if arr.data.device_id != dev:
+        raise LaunchError(f"{where}: array is on device {arr.data.device_id}, but the launch is on device {dev}")
+    return arr
+
+
+# ---- the public compile entry points -----------------------------------------------------
+def resolve_arch(arch: str | None, arch_specific: bool = False) -> str:
+    arch = arch or device.current_arch()
+    kind, num, suffix = parse_arch(arch)
+    if kind != "sm":
+        raise ConfigError.bad_value("compile", "arch", arch, "a real GPU arch like 'sm_90' (CUBIN is built for it)")
+    if arch_specific and not suffix and int(num) >= 90:
+        arch = f"sm_{num}a"   # wgmma/setmaxnreg exist only in the arch-specific target
+    return arch
+
+
+def get_kernel(config, kernel: str | None = None, *, arch: str | None = None, options: CompileOptions | None = None,
+               output: str = "cubin") -> Kernel:
+    """The kernel ``kernel`` (default: the family's first) of a family config, memoized in process."""
+    memo_key = (config, kernel, arch, options, output, os.environ.get("RTKERNELS_ARCH"))
+    k = _memo.get(memo_key)
+    if k is not None:
+        return k
+    name = kernel or config.kernels[0]
+    if name not in config.kernels:
+        raise ConfigError.bad_value(config.family, "kernel", name, "one of " + ", ".join(config.kernels))
+    if output not in ("cubin", "ptx"):
+        raise ConfigError.bad_value(config.family, "output", output, "'cubin' or 'ptx'")
+    target = resolve_arch(arch, config.needs_arch_specific)
+    module = build_module(config.template, config.template_params(), label=config.family,
+                          config_repr=config.key(), arch=target, options=options or config.compile_options(),
+                          output=output)
+    k = Kernel(module, name, config)
+    with _memo_lock:
+        _memo[memo_key] = k
+    return k
+
+
+def compile_template(template: Template, *, kernel: str | None, arch: str | None, options: CompileOptions | None,
+                     output: str, params: dict) -> Kernel:
+    from .config import check_user_params
+    if output not in ("cubin", "ptx"):
+        raise ConfigError.bad_value(template.name, "output", output, "'cubin' or 'ptx'")
+    params = check_user_params(params, template.name)
+    memo_key = (template, tuple(sorted(params.items())), kernel, arch, options, output,
+                os.environ.get("RTKERNELS_ARCH"))
+    k = _memo.get(memo_key)
+    if k is not None:
+        return k
+    target = resolve_arch(arch)
+    exprs: tuple = ()
+    if kernel is None:
+        names = kernel_names(render(template, params, family=template.name).source)
+        if len(names) != 1:
+            found = ", ".join(names) if names else 'no extern "C" __global__ function'
+            raise ConfigError(f"{template.name}: pass kernel=... to pick the entry point; the template defines "
+                              f"{found}",
+                              field="kernel", value=None, allowed=", ".join(names))
+        kernel = names[0]
+    elif not re.match(r"^[A-Za-z_]\w*$", kernel):
+        exprs = (kernel,)   # a C++ name expression such as "scale<float, 4>"
+    label = os.path.basename(template.name) if template.path else template.name
+    config_repr = ", ".join(f"{k}={v!r}" for k, v in sorted(params.items()))
+    module = build_module(template, params, label=label, config_repr=config_repr, arch=target,
+                          options=options or CompileOptions(), output=output, name_expressions=exprs)
+    if not exprs and kernel not in kernel_names(module.source) and parse_signature(module.source, kernel) is None:
+        raise ConfigError(f"{label}: no __global__ function named {kernel!r}; found "
+                          f"{', '.join(kernel_names(module.source)) or 'none'}", field="kernel", value=kernel)
+    k = Kernel(module, kernel)
+    with _memo_lock:
+        _memo[memo_key] = k
+    return k

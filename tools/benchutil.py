@@ -1,0 +1,115 @@
+"""Shared timing and reporting for the benchmark scripts (run on a GPU host with PYTHONPATH=.).
+
+Timing follows METHOD.md: warm up first, time with CUDA events, take the median of
+repeats, and rotate among several input sets when one set would fit in L2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for JSON/PNG results")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    return p
+
+
+def time_cuda(fn, *, warmup: int = 3, repeat: int = 20, inputs=None) -> float:
+    """Median milliseconds of ``fn(*inputs[i % len(inputs)])`` (or ``fn()``) over ``repeat`` timed calls."""
+    import cupy as cp
+    sets = inputs or [()]
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    for i in range(repeat):
+        start.record()
+        fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def time_host(fn, calls: int) -> float:
+    """Microseconds per call of a host loop of ``calls`` calls, ending with a device synchronize."""
+    import cupy as cp
+    for _ in range(100):
+        fn()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, GB/s counting bytes read plus bytes written (the memory-bound ceiling)."""
+    import cupy as cp
+    x = cp.empty(nbytes // 4, dtype=cp.float32)
+    x.fill(1.0)
+    y = cp.empty_like(x)
+    ms = time_cuda(lambda: y.data.copy_from_device(x.data, nbytes), warmup=3, repeat=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def environment() -> dict:
+    import cupy as cp
+    from rtkernels import device
+    from rtkernels.compiler import nvrtc_version
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": device.device_name(), "arch": device.device_arch(),
+            "sms": device.sm_count(), "driver": device.driver_version(), "nvrtc": ".".join(map(str, nvrtc_version())),
+            "cupy": cp.__version__, "python": platform.python_version()}
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant figures)."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(out: str, name: str, payload: dict) -> Path:
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def plot(out: str, name: str, series: dict, xlabel: str, ylabel: str, title: str, logx: bool = True) -> Path | None:
+    """series: label -> (xs, ys).  Skipped quietly when matplotlib is absent."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = Path(out) / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
