@@ -80,6 +80,10 @@ def parse_signature(source: str, name: str) -> list[Param] | None:
             cur += ch
     if cur.strip():
         params.append(cur)
+    aliases = {m.group(1): re.sub(r"\s+", " ", m.group(2)).strip()
+               for m in re.finditer(r"\busing\s+(\w+)\s*=\s*([\w\s:]+?)\s*;", source)}
+    aliases.update({m.group(2): re.sub(r"\s+", " ", m.group(1)).strip()
+                    for m in re.finditer(r"\btypedef\s+([\w\s:]+?)\s+(\w+)\s*;", source)})
     out = []
     for decl in (p.strip() for p in params):
         if decl in ("", "void"):
@@ -91,6 +95,10 @@ def parse_signature(source: str, name: str) -> list[Param] | None:
             continue
         tokens = [t for t in decl.split(" ") if t not in _QUALIFIERS]
         ctype = " ".join(tokens[:-1]) if len(tokens) > 1 else tokens[0]
+        seen = set()
+        while ctype in aliases and ctype not in seen:   # using acc_t = float; typedef float real;
+            seen.add(ctype)
+            ctype = aliases[ctype]
         np_type = _SCALARS.get(ctype)
         out.append(Param(decl, "scalar" if np_type is not None else "struct", ctype, np_type))
     return out
@@ -234,6 +242,8 @@ class Kernel:
         self._smem_set: dict[int, int] = {}
         self._converters = None if self.signature is None else [_converter(self, i, p)
                                                                   for i, p in enumerate(self.signature)]
+        if self._converters is not None:
+            self.launch = self._make_launcher()
 
     def __repr__(self) -> str:
         r = self.resources
@@ -292,38 +302,119 @@ class Kernel:
         """Launch on CuPy's current stream (or ``stream``: a CuPy stream or anything with ``.ptr``).
 
         Pointer parameters take CuPy arrays, ``__cuda_array_interface__`` or DLPack objects on the
-        current device (or None for a null pointer); scalars are converted to the declared C type.
-        A grid with a zero dimension launches nothing.
+        current device (or None for a null pointer); scalars are converted to the declared C type,
+        and a wrong count or type is a TypeError before anything is launched.  A grid with a zero
+        dimension launches nothing.  ``RTKERNELS_SYNC_LAUNCH=1`` synchronizes after each launch
+        and reports asynchronous kernel faults at the launch that caused them.
         """
+        # Replaced per instance by a launcher generated for this kernel's signature (see
+        # _make_launcher); this body serves kernels whose signature could not be parsed.
         import cupy
         dev = cupy.cuda.runtime.getDevice()
         fn = self._functions.get(dev) or self.function(dev)
-        if self._converters is None:
-            packed = list(args)
-        else:
-            if len(args) != len(self._converters):
-                raise TypeError(f"{self.name}() takes {len(self._converters)} arguments "
-                                f"({', '.join(p.decl for p in self.signature)}); {len(args)} given")
-            packed = [conv(a, dev) for conv, a in zip(self._converters, args)]
-        grid = _dim3(grid, "grid")
-        block = _dim3(block, "block")
-        if not (grid[0] and grid[1] and grid[2]):
-            return
-        if shared_mem > _SMEM_DEFAULT_LIMIT and self._smem_set.get(dev, 0) < shared_mem:
-            self._raise_smem_limit(fn, dev, shared_mem)
+        self._launch_checked(fn, dev, _dim3(grid, "grid"), _dim3(block, "block"), tuple(args), shared_mem, stream)
+
+    def _launch_checked(self, fn, dev, grid, block, packed, shared_mem, stream):
+        if grid[0] <= 0 or grid[1] <= 0 or grid[2] <= 0:
+            return self._empty_grid(grid)
+        if shared_mem > _SMEM_DEFAULT_LIMIT:
+            self._smem_check(fn, dev, shared_mem)
         if stream is not None and not hasattr(stream, "ptr"):
             stream = _StreamPtr(stream)
         try:
             fn(grid, block, packed, shared_mem, stream)
-        except cupy.cuda.driver.CUDADriverError as exc:
-            r = self.resources
-            raise LaunchError(f"{self.name}: launch failed with grid={grid}, block={block}, shared_mem={shared_mem} "
-                              f"({r.registers} registers/thread, {r.shared_static} B static smem): {exc}") from None
+        except Exception as exc:
+            self._launch_failed(exc, grid, block, shared_mem)
         if _SYNC_CHECK:
-            try:
-                cupy.cuda.get_current_stream().synchronize() if stream is None else cupy.cuda.runtime.streamSynchronize(stream.ptr)
-            except cupy.cuda.runtime.CUDARuntimeError as exc:
-                raise LaunchError(f"{self.name}: kernel failed (RTKERNELS_SYNC_LAUNCH=1): {exc}") from None
+            self._sync_check(stream)
+
+    def _empty_grid(self, grid):
+        if min(grid) < 0:
+            raise ValueError(f"{self.name}: grid={grid} has a negative dimension")
+
+    def _smem_check(self, fn, dev, shared_mem):
+        if self._smem_set.get(dev, 0) < shared_mem:
+            self._raise_smem_limit(fn, dev, shared_mem)
+
+    def _launch_failed(self, exc, grid, block, shared_mem):
+        import cupy
+        if not isinstance(exc, cupy.cuda.driver.CUDADriverError):
+            raise exc
+        r = self.resources
+        raise LaunchError(f"{self.name}: launch failed with grid={grid}, block={block}, shared_mem={shared_mem} "
+                          f"({r.registers} registers/thread, {r.shared_static} B static smem): {exc}") from None
+
+    def _sync_check(self, stream):
+        import cupy
+        try:
+            if stream is None:
+                cupy.cuda.get_current_stream().synchronize()
+            else:
+                cupy.cuda.runtime.streamSynchronize(stream.ptr)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise LaunchError(f"{self.name}: kernel failed (RTKERNELS_SYNC_LAUNCH=1): {exc}") from None
+
+    def _make_launcher(self):
+        """Generate ``launch`` for this signature: straight-line type checks, no per-call loops.
+
+        CuPy arrays and exactly-typed Python scalars take a fast path of one ``type(x) is``
+        test each; anything else goes through the general converter (with its error messages).
+        This keeps the per-call cost at CuPy RawKernel's, measured in tools/bench_core.py.
+        """
+        import cupy
+        n = len(self.signature)
+        names = [f"a{i}" for i in range(n)]
+        g = {"_ndarray": cupy.ndarray, "_getdev": cupy.cuda.runtime.getDevice, "_fns": self._functions,
+             "_kernel": self, "_dim3": _dim3, "_multi": device.gpu_count() > 1, "_StreamPtr": _StreamPtr,
+             "_sync": _SYNC_CHECK}
+        lines = ["def launch(grid, block, *args, shared_mem=0, stream=None):",
+                 f"    if len(args) != {n}:",
+                 "        _kernel._wrong_count(args)",
+                 f"    {', '.join(names)}{',' if n == 1 else ''} = args" if n else "    pass",
+                 "    dev = _getdev() if _multi else 0",
+                 "    fn = _fns.get(dev)",
+                 "    if fn is None:",
+                 "        fn = _kernel.function(dev)"]
+        for i, (p, conv) in enumerate(zip(self.signature, self._converters)):
+            g[f"_c{i}"] = conv
+            a = names[i]
+            if p.kind == "pointer":
+                lines.append(f"    if type({a}) is not _ndarray or (_multi and {a}.data.device_id != dev): "
+                             f"{a} = _c{i}({a}, dev)")
+            elif p.kind == "scalar" and p.np_type in (np.int64,):
+                lines.append(f"    if type({a}) is not int or not -9223372036854775808 <= {a} <= 9223372036854775807: "
+                             f"{a} = _c{i}({a}, dev)")   # CuPy passes a Python int as int64
+            elif p.kind == "scalar" and p.np_type is np.float64:
+                lines.append(f"    if type({a}) is not float: {a} = _c{i}({a}, dev)")
+            elif p.kind == "scalar" and isinstance(p.np_type, type) and issubclass(p.np_type, np.number):
+                g[f"_t{i}"] = p.np_type
+                kind = "int" if issubclass(p.np_type, np.integer) else "float"
+                if kind == "int":
+                    info = np.iinfo(p.np_type)
+                    lines.append(f"    {a} = _t{i}({a}) if type({a}) is int and {info.min} <= {a} <= {info.max} "
+                                 f"else _c{i}({a}, dev)")
+                else:
+                    lines.append(f"    {a} = _t{i}({a}) if type({a}) is float else _c{i}({a}, dev)")
+            else:
+                lines.append(f"    {a} = _c{i}({a}, dev)")
+        lines += ["    if type(grid) is not tuple or len(grid) != 3: grid = _dim3(grid, 'grid')",
+                  "    if type(block) is not tuple or len(block) != 3: block = _dim3(block, 'block')",
+                  "    if grid[0] <= 0 or grid[1] <= 0 or grid[2] <= 0: return _kernel._empty_grid(grid)",
+                  f"    if shared_mem > {_SMEM_DEFAULT_LIMIT}: _kernel._smem_check(fn, dev, shared_mem)",
+                  "    if stream is not None and not hasattr(stream, 'ptr'): stream = _StreamPtr(stream)",
+                  "    try:",
+                  f"        fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",
+                  "    except Exception as exc:",
+                  "        _kernel._launch_failed(exc, grid, block, shared_mem)",
+                  "    if _sync: _kernel._sync_check(stream)"]
+        exec("\n".join(lines), g)   # noqa: S102 - code built above from the parsed signature only
+        launcher = g["launch"]
+        launcher.__doc__ = Kernel.launch.__doc__
+        return launcher
+
+    def _wrong_count(self, args):
+        raise TypeError(f"{self.name}() takes {len(self.signature)} arguments "
+                        f"({', '.join(p.decl for p in self.signature)}); {len(args)} given")
 
     def _raise_smem_limit(self, fn, dev: int, nbytes: int) -> None:
         from cupy_backends.cuda.api import driver as cdrv

@@ -150,6 +150,9 @@ def test_signature_parser():
                                                 ("scalar", "long long"), ("scalar", "unsigned"),
                                                 ("struct", "CUtensorMap"), ("scalar", "__nv_bfloat16")]
     assert kernel_names(src) == ["f"]
+    aliased = "using acc_t = float;\ntypedef long long idx_t;\n" + src.replace("float s", "acc_t s").replace(
+        "long long n", "idx_t n")
+    assert [p.ctype for p in parse_signature(aliased, "f")][1:3] == ["float", "long long"]
 
 
 # ---- errors -------------------------------------------------------------------------------

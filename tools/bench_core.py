@@ -78,6 +78,26 @@ def bandwidth(copy_gbs: float, quick: bool) -> list[dict]:
     return rows
 
 
+def sweep(copy_gbs: float, quick: bool) -> list[dict]:
+    """Tuning sweep of the elementwise knobs on memory-bound expressions (feeds the heuristics)."""
+    import itertools
+    import cupy as cp
+    import rtkernels as rtk
+    n = 1 << (26 if quick else 28)
+    rows = []
+    for expr, dtype, narr in (("y = 2*x + 1", "float32", 2), ("y = 2*x + 1", "float16", 2), ("z = x + w", "float32", 3)):
+        xs = [cp.random.standard_normal(n, dtype=cp.float32).astype(dtype) for _ in range(narr - 1)]
+        out = cp.empty(n, dtype=dtype)
+        nbytes = narr * n * out.itemsize
+        for unroll, block, waves, streaming in itertools.product((1, 2, 4, 8), (128, 256, 512), (1, 2, 4, 0),
+                                                                 (False, True)):
+            f = rtk.elementwise(expr, unroll=unroll, block_size=block, grid_waves=waves, streaming=streaming)
+            ms = bu.time_cuda(lambda: f(*xs, out=out), repeat=10)
+            rows.append({"expr": expr, "dtype": dtype, "unroll": unroll, "block": block, "waves": waves,
+                         "streaming": streaming, "GBs": nbytes / ms / 1e6, "pct_of_copy": 100 * nbytes / ms / 1e6 / copy_gbs})
+    return rows
+
+
 def compile_times() -> dict:
     import rtkernels as rtk
     from rtkernels import cache
@@ -101,8 +121,12 @@ def main():
     over = launch_overhead(5000 if args.quick else 20000)
     bw = bandwidth(copy_gbs, args.quick)
     ct = compile_times()
+    sw = sweep(copy_gbs, args.quick)
     bu.save(args.out, "bench_core", {"env": env, "copy_GBs": copy_gbs, "launch": over, "bandwidth": bw,
-                                     "compile": ct})
+                                     "compile": ct, "sweep": sw})
+    for key in sorted({(r["expr"], r["dtype"]) for r in sw}):
+        best = sorted((r for r in sw if (r["expr"], r["dtype"]) == key), key=lambda r: -r["GBs"])[:4]
+        print(bu.table(best, ["expr", "dtype", "unroll", "block", "waves", "streaming", "GBs", "pct_of_copy"]))
     print(f"\n{env['gpu']} ({env['arch']}, {env['sms']} SMs), driver {env['driver']}, NVRTC {env['nvrtc']}, "
           f"{env['date']}; device copy {copy_gbs:.0f} GB/s")
     print(bu.table(over, ["what", "us_per_call"]))

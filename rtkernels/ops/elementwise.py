@@ -50,6 +50,7 @@ class ElementwiseConfig(KernelConfig):
     unroll: int = 4
     block_size: int = 256
     fast_math: bool = False
+    streaming: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "statements", tuple(self.statements))
@@ -128,8 +129,11 @@ def parse_statements(expr: str, outputs: tuple[str, ...] | None = None):
 class ElementwiseFunction:
     """A callable fused kernel; specialized (and cached) per input dtypes and alignment."""
 
-    def __init__(self, expr: str, outputs=None, out_dtype=None, fast_math: bool = False, block_size: int = 256):
+    def __init__(self, expr: str, outputs=None, out_dtype=None, fast_math: bool = False, block_size: int = 256,
+                 unroll: int | None = None, grid_waves: int | None = None, streaming: bool = False):
         self.expr = expr
+        self.unroll, self.grid_waves, self.streaming = unroll, grid_waves, streaming
+        self._fast: dict = {}
         self.statements, self.input_names, self.output_names = parse_statements(
             expr, tuple(outputs) if outputs else None)
         self.out_dtype = None if out_dtype is None else dtype_name(np.empty(0, dtype=out_dtype)) \
@@ -148,6 +152,10 @@ class ElementwiseFunction:
         ``dtype="bfloat16"`` reads uint16 CuPy arrays as bfloat16 bits.  ``out`` is an array
         (one output) or a tuple of arrays.
         """
+        if dtype is None and (out is None or type(out) is _cupy_ndarray()):
+            res = self._fast_call(args, out, stream)
+            if res is not _SLOW:
+                return res
         if len(args) != len(self.input_names):
             raise TypeError(f"elementwise {self.expr!r} takes {len(self.input_names)} inputs "
                             f"({', '.join(self.input_names)}), got {len(args)}")
@@ -188,21 +196,69 @@ class ElementwiseFunction:
         while vec > 1 and any(p % (vec * s) for p, s in zip(ptrs, sizes)):
             vec //= 2   # misaligned views (e.g. offset by one element) take narrower accesses
         compute = "float64" if "float64" in in_dts + [out_dt] else "float32"
-        plan_key = (tuple(kinds), out_dt, vec, compute)
-        k = self._plans.get(plan_key)
-        if k is None:
+        plan_key = (tuple(kinds), out_dt, vec, compute, device.current_device())
+        plan = self._plans.get(plan_key)
+        if plan is None:
             cfg = ElementwiseConfig(statements=self.statements,
                                     inputs=tuple(zip(self.input_names, kinds)),
                                     outputs=tuple((o, out_dt) for o in self.output_names),
-                                    compute=compute, vec=vec, unroll=4 if len(in_dts) <= 2 else 2,
-                                    block_size=self.block_size, fast_math=self.fast_math)
-            k = self._plans[plan_key] = get_kernel(cfg)
-        cfg = k.config
-        per_block = cfg.block_size * cfg.unroll * cfg.vec
-        # one full wave of resident blocks, each looping; fewer when the array is small
-        grid = max(1, min((n + per_block - 1) // per_block, device.sm_count() * (2048 // cfg.block_size)))
-        k.launch((grid,), (cfg.block_size,), *arrays, *outs, n, stream=stream)
+                                    compute=compute, vec=vec, unroll=self.unroll or _unroll(len(in_dts)),
+                                    block_size=self.block_size, fast_math=self.fast_math, streaming=self.streaming)
+            k = get_kernel(cfg)
+            waves = self.grid_waves if self.grid_waves is not None else GRID_WAVES
+            max_grid = device.sm_count() * (2048 // cfg.block_size) * waves if waves else 2 ** 31 - 1
+            plan = self._plans[plan_key] = (k, cfg.block_size * cfg.unroll * cfg.vec, max_grid,
+                                            _np_dtype(out_dt), cfg.block_size)
+            if vec == 16 // widest and len(outs) == 1 and out_dt != "bfloat16" and "bfloat16" not in in_dts:
+                fast_key = (tuple(None if k_ == "scalar" else np.dtype(k_) for k_ in kinds), plan_key[-1])
+                self._fast[fast_key] = plan
+        k, per_block, max_grid, _, bs = plan
+        grid = max(1, min((n + per_block - 1) // per_block, max_grid))
+        k.launch((grid, 1, 1), (bs, 1, 1), *arrays, *outs, n, stream=stream)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _fast_call(self, args, out, stream):
+        """CuPy arrays of equal shape, contiguous and 16-byte aligned, seen before: no re-planning."""
+        nd = _cupy_ndarray()
+        if len(args) != len(self.input_names) or len(self.output_names) != 1:
+            return _SLOW
+        first = None
+        sig = []
+        align = 0
+        for a in args:
+            t = type(a)
+            if t is nd:
+                if first is None:
+                    first = a
+                elif a.shape != first.shape:
+                    return _SLOW
+                if not a.flags.c_contiguous:
+                    return _SLOW
+                sig.append(a.dtype)
+                align |= a.data.ptr
+            elif t is float or t is int:
+                sig.append(None)
+            else:
+                return _SLOW
+        if first is None:
+            return _SLOW
+        dev = first.data.device_id
+        plan = self._fast.get((tuple(sig), dev))
+        if plan is None:
+            return _SLOW
+        k, per_block, max_grid, out_dtype, bs = plan
+        if out is None:
+            out = _cupy_empty(first.shape, out_dtype)
+        elif out.shape != first.shape or out.dtype != out_dtype or not out.flags.c_contiguous:
+            return _SLOW
+        if (align | out.data.ptr) & 15:
+            return _SLOW
+        n = first.size
+        if n == 0:
+            return out
+        grid = (n + per_block - 1) // per_block
+        k.launch((grid if grid < max_grid else max_grid, 1, 1), (bs, 1, 1), *args, out, n, stream=stream)
+        return out
 
     def _outputs(self, out, first, shape, out_dt):
         if out is None:
@@ -219,6 +275,31 @@ class ElementwiseFunction:
         return outs
 
 
+# Measured on an H200 (2026-11-21, tools/bench_core.py sweep): see _unroll and GRID_WAVES.
+GRID_WAVES = 1
+
+
+def _unroll(n_inputs: int) -> int:
+    return 4 if n_inputs <= 2 else 2
+
+
+_SLOW = object()
+
+
+def _cupy_ndarray():
+    import cupy
+    return cupy.ndarray
+
+
+def _cupy_empty(shape, dtype):
+    import cupy
+    return cupy.empty(shape, dtype)
+
+
+def _np_dtype(name: str):
+    return np.dtype("uint16" if name == "bfloat16" else name)
+
+
 def _ptr(a) -> int:
     data = getattr(a, "data", None)
     if hasattr(data, "ptr"):
@@ -228,8 +309,14 @@ def _ptr(a) -> int:
     return int(a.__cuda_array_interface__["data"][0])
 
 
-def elementwise(expr: str, *, outputs=None, out_dtype=None, fast_math: bool = False,
-                block_size: int = 256) -> ElementwiseFunction:
-    """Build a fused elementwise kernel from an expression (compiled on first call per dtype)."""
+def elementwise(expr: str, *, outputs=None, out_dtype=None, fast_math: bool = False, block_size: int = 256,
+                unroll: int | None = None, grid_waves: int | None = None,
+                streaming: bool = False) -> ElementwiseFunction:
+    """Build a fused elementwise kernel from an expression (compiled on first call per dtype).
+
+    ``unroll`` (vectors in flight per thread), ``grid_waves`` (resident-grid multiples; 0 = one
+    thread per vector group) and ``streaming`` (evict-first loads/stores) are tuning knobs; the
+    defaults are the measured best (tools/bench_core.py).
+    """
     return ElementwiseFunction(expr, outputs=outputs, out_dtype=out_dtype, fast_math=fast_math,
-                               block_size=block_size)
+                               block_size=block_size, unroll=unroll, grid_waves=grid_waves, streaming=streaming)
