@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import cache, device
+from . import arch, cache, device, inspect
 from ._version import __version__
 from .compiler import CompileOptions, Resources
 from .config import KernelConfig, families, register_family
@@ -65,4 +65,4 @@ from .ops import __all__ as _ops_all  # noqa: E402
 
 __all__ = ["compile", "get_kernel", "Kernel", "Template", "CompileOptions", "Resources", "KernelConfig",
            "register_family", "families", "CompileError", "ConfigError", "LaunchError", "DeviceError",
-           "RtkError", "cache", "device", "__version__", *_ops_all]
+           "RtkError", "arch", "cache", "device", "inspect", "__version__", *_ops_all]
