@@ -60,8 +60,13 @@ def compile(family_or_template: Any, *, arch: str | None = None, kernel: str | N
     return get_kernel(cfg, kernel, arch=arch, options=options, output=output)
 
 
-from .ops import *  # noqa: E402,F401,F403  (the public ops: vector_add, elementwise, ...)
-from .ops import __all__ as _ops_all  # noqa: E402
+from . import ops as _ops  # noqa: E402
+
+_ops_all = []
+for _mod, _names in _ops.PUBLIC.items():
+    for _name in _names:
+        globals()[_name] = getattr(getattr(_ops, _mod), _name)
+        _ops_all.append(_name)
 
 __all__ = ["compile", "get_kernel", "Kernel", "Template", "CompileOptions", "Resources", "KernelConfig",
            "register_family", "families", "CompileError", "ConfigError", "LaunchError", "DeviceError",

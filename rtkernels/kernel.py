@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 from functools import cached_property
@@ -389,7 +390,14 @@ class Kernel:
             elif p.kind == "scalar" and isinstance(p.np_type, type) and issubclass(p.np_type, np.number):
                 g[f"_t{i}"] = p.np_type
                 kind = "int" if issubclass(p.np_type, np.integer) else "float"
-                if kind == "int":
+                if kind == "int" and _LITTLE_ENDIAN and np.dtype(p.np_type).itemsize <= 8:
+                    # CuPy passes a Python int as 8 bytes and the driver copies the parameter's own
+                    # size from it: on a little-endian host the low bytes are the value, so an
+                    # in-range int needs no NumPy scalar (saves ~0.2 us per scalar per launch).
+                    info = np.iinfo(p.np_type)
+                    lines.append(f"    if type({a}) is not int or not {info.min} <= {a} <= {info.max}: "
+                                 f"{a} = _c{i}({a}, dev)")
+                elif kind == "int":
                     info = np.iinfo(p.np_type)
                     lines.append(f"    {a} = _t{i}({a}) if type({a}) is int and {info.min} <= {a} <= {info.max} "
                                  f"else _c{i}({a}, dev)")
@@ -427,6 +435,7 @@ class Kernel:
 
 
 _SYNC_CHECK = os.environ.get("RTKERNELS_SYNC_LAUNCH", "0") == "1"
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class _StreamPtr:
@@ -444,6 +453,8 @@ class _StreamPtr:
 
 
 def _dim3(v, what: str) -> tuple:
+    if type(v) is tuple and 1 <= len(v) <= 3 and all(type(x) is int and x >= 0 for x in v):
+        return v + (1,) * (3 - len(v))
     if isinstance(v, (int, np.integer)):
         v = (int(v),)
     try:

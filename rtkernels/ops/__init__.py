@@ -1,5 +1,14 @@
-"""Kernel families with their Python wrappers.  Importing a module registers its family."""
-from .vector_add import VectorAddConfig, vector_add
-from .elementwise import ElementwiseConfig, ElementwiseFunction, elementwise
+"""Kernel families, one module each (config, heuristics, wrapper).  Importing registers them.
 
-__all__ = ["vector_add", "VectorAddConfig", "elementwise", "ElementwiseConfig", "ElementwiseFunction"]
+The public functions are re-exported by ``rtkernels`` itself, not here: a package attribute
+named like its submodule (``rtkernels.ops.matmul``) must stay the module, so that
+``import rtkernels.ops.matmul as m`` gives the module and not the function.
+"""
+from . import attention, elementwise, matmul, vector_add  # noqa: F401
+
+PUBLIC = {
+    "vector_add": ("vector_add", "VectorAddConfig"),
+    "elementwise": ("elementwise", "ElementwiseConfig", "ElementwiseFunction"),
+    "matmul": ("matmul", "MatmulConfig", "matmul_reference"),
+    "attention": ("attention", "AttentionConfig", "attention_reference"),
+}

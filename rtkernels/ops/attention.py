@@ -1,0 +1,418 @@
+"""attention: FlashAttention-2 forward, compiled for the exact head dim at run time.
+
+``o, lse = attention(q, k, v, causal=False, softmax_scale=None, return_lse=True, out=None)``
+
+q is (batch, seqlen_q, nheads, head_dim), k and v are (batch, seqlen_k, nheads_kv, head_dim)
+(FlashAttention's layout); head_dim is any multiple of 8 in [8, 256] and each value gets its
+own kernel (templates/attention_fwd.cu.j2).  The tile shape comes from one place,
+:func:`choose_config`, which reads :data:`HEURISTICS`; an autotuner can later replace the
+lookup without touching the wrapper.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from .. import arch as _arch
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+
+FAMILY = "attention"
+
+
+@register_family
+@dataclass(frozen=True)
+class AttentionConfig(KernelConfig):
+    """One specialization of the FlashAttention-2 forward kernel.
+
+    Parameters
+    ----------
+    dtype : "float16" or "bfloat16" (q, k, v and o; float32 accumulation).
+    head_dim : multiple of 8 in [8, 256].
+    causal : bottom-right aligned causal mask (compiled in: the non-causal kernel has no mask code
+        on interior tiles either way, but the causal one skips tiles and needs the diagonal test).
+    block_m : query rows per thread block, 16 or 32 per warp (block_m / num_warps).
+    block_n : keys per K/V tile, multiple of 16 in [16, 256].
+    num_warps : 1, 2, 4 or 8.
+    num_stages : 2 = K/V double buffer; 1 = FlashAttention-2's K/V interleave (less smem).
+    q_in_regs : keep the Q tile's A fragments in registers instead of re-reading shared memory.
+    """
+
+    family: ClassVar[str] = FAMILY
+    template: ClassVar[str] = "attention_fwd.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("attention_fwd",)
+    expects_tensor_cores: ClassVar[bool] = True
+    expected_global_width: ClassVar[int | None] = 128
+
+    dtype: str = "float16"
+    head_dim: int = 64
+    causal: bool = False
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    q_in_regs: bool = False
+
+    def __post_init__(self):
+        self._check_dtype("dtype", ("float16", "bfloat16"))
+        self._check_int("head_dim", 8, 256, multiple_of=8)
+        self._check_choice("causal", (False, True))
+        self._check_choice("q_in_regs", (False, True))
+        self._check_choice("num_warps", (1, 2, 4, 8))
+        self._check_choice("num_stages", (1, 2))
+        self._check_int("block_n", 16, 256, multiple_of=16)
+        if self.block_m not in (16 * self.num_warps, 32 * self.num_warps):
+            self._fail("block_m", f"16 or 32 rows per warp: {16 * self.num_warps} or {32 * self.num_warps} "
+                                  f"with num_warps={self.num_warps}")
+
+    # ---- derived values (the template re-checks them with static_assert) --------------
+    @property
+    def threads_per_block(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def head_dim_padded(self) -> int:
+        """Q/K width in shared memory: QK^T steps k by 16."""
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """Dynamic shared memory: Q tile + num_stages x (K tile + V tile), rows padded to an odd
+        number of 16-byte chunks (the template's bank-conflict-free layout)."""
+        qk_stride = ((self.head_dim_padded // 8) | 1) * 8
+        v_stride = ((self.head_dim // 8) | 1) * 8
+        elems = self.block_m * qk_stride + self.num_stages * self.block_n * (qk_stride + v_stride)
+        return 2 * elems
+
+    def template_params(self) -> dict[str, Any]:
+        p = super().template_params()
+        p["smem_bytes"] = self.shared_mem_bytes
+        return p
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    q_in_regs: bool
+    why: str
+
+
+# (lowest head_dim, highest head_dim, causal or None for both) -> tiles in order of preference;
+# the first that fits the target's shared memory per block is used.  Reasons are ptxas reports
+# (NVRTC 13.5, sm_80 and sm_90, both dtypes); measured timings are added after GPU runs.
+HEURISTICS: list[tuple[int, int, bool | None, tuple[Tile, ...]]] = [
+    (8, 64, None, (
+        Tile(128, 64, 4, 2, False,
+             "32 rows/warp halves K/V ldmatrix traffic per mma vs 16; 126-240 regs, 0 spills sm_80/sm_90; "
+             "double buffer fits easily (<= 54 KiB). 128x128 w4 (FlashAttention-2's d64 tile) needs 255 regs and "
+             "spills 8 B on sm_80 (ptxas, NVRTC 13.5, 2026-11-21)"),
+        Tile(128, 64, 4, 1, False, "same tile, single K/V buffer: fallback when smem is short"),
+    )),
+    (72, 136, None, (
+        Tile(128, 64, 4, 1, False,
+             "FlashAttention-2's d96/d128 tile; K/V interleaved single buffer (2 barriers/tile) because the "
+             "double-buffered 128x64 w4 spills 4-108 B at d72-136 on sm_90, while this one stays at <= 255 regs "
+             "with 0 spills; 2 CTAs/SM by registers (ptxas, NVRTC 13.5, 2026-11-21)"),
+        Tile(128, 32, 4, 1, False, "smaller K/V tiles: fallback when smem is short (sm_86/89 at 99 KiB)"),
+    )),
+    (144, 256, None, (
+        Tile(128, 64, 8, 1, False,
+             "16 rows/warp: with 32 rows/warp every d>=144 tile spills (d144 128x64 w4: 8 B; d256: 2300 B on "
+             "sm_90); 8 warps keep 182-240 regs, 0 spills; single K/V buffer keeps d256 at 132 KiB, within "
+             "sm_80's 163 KiB (FlashAttention-2 uses 128x64 w8 for d192-256) (ptxas, NVRTC 13.5, 2026-11-21)"),
+        Tile(64, 64, 4, 1, False, "fallback when 128-row tiles do not fit smem (sm_86/89: 99 KiB)"),
+        Tile(64, 32, 4, 1, False, "last resort for the smallest smem budgets"),
+    )),
+]
+
+
+def _smem_limit(arch: str) -> int:
+    try:
+        return _arch.limits(arch).max_smem_per_block_optin
+    except ConfigError:
+        return 99 * 1024   # unknown arch: assume the smallest sm_8x/sm_12x budget
+
+
+def candidates(head_dim: int, causal: bool) -> tuple[Tile, ...]:
+    for lo, hi, c, tiles in HEURISTICS:
+        if lo <= head_dim <= hi and (c is None or c == causal):
+            return tiles
+    raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
+
+
+def choose_config(dtype: str, head_dim: int, causal: bool, arch: str) -> AttentionConfig:
+    """The config the heuristics pick for (dtype, head_dim, causal, arch)."""
+    limit = _smem_limit(arch)
+    tiles = candidates(head_dim, causal)
+    for t in tiles:
+        cfg = AttentionConfig(dtype=dtype, head_dim=head_dim, causal=causal, block_m=t.block_m,
+                              block_n=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+                              q_in_regs=t.q_in_regs)
+        if cfg.shared_mem_bytes <= limit:
+            return cfg
+    raise ConfigError(f"attention: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
+                      f"block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
+
+
+def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16")) -> list[AttentionConfig]:
+    """Every config the heuristics can pick on ``arch`` (head_dim 8..256 step 8 x dtype x causal):
+    the sweep `rtk report attention` and the no-spill test compile."""
+    return [choose_config(dt, d, c, arch) for d in range(8, 257, 8) for dt in dtypes for c in (False, True)]
+
+
+# ---- the op -------------------------------------------------------------------------------
+_FLOATS = ("float16", "bfloat16")
+_GRID_YZ_MAX = 65535
+
+
+def _kernel_for(dtype: str, head_dim: int, causal: bool, arch: str):
+    """(Kernel, config), memoized: a hot call neither rebuilds the config nor re-renders."""
+    key = (dtype, head_dim, causal, arch)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        from ..kernel import get_kernel
+        cfg = choose_config(dtype, head_dim, causal, arch)
+        hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
+    return hit
+
+
+_KERNELS: dict = {}
+
+
+def _bad(field: str, value: Any, message: str) -> ConfigError:
+    return ConfigError(f"attention: {message}", family=FAMILY, field=field, value=value, allowed=message)
+
+
+def _elem_strides(view, name: str) -> tuple[int, ...]:
+    """Strides in elements; the last must be 1 and the others whole 16-byte chunks (cp.async)."""
+    item = view.itemsize
+    shape, strides = view.shape, view.strides
+    out = []
+    for dim, (n, s) in enumerate(zip(shape, strides)):
+        if s % item:
+            raise _bad(name, strides, f"{name} has stride {s} bytes in dim {dim}, not a whole number of elements")
+        out.append(0 if n == 1 else s // item)   # a size-1 dim's stride is never used
+    if shape[-1] > 1 and out[-1] != 1:
+        raise _bad(name, strides, f"{name} must have a contiguous last dimension (stride 1), got strides "
+                                  f"{tuple(s // item for s in strides)} elements; pass {name}.copy() or a "
+                                  "contiguous view")
+    if any(s % 8 for s in out[:-1]):
+        raise _bad(name, strides, f"{name} strides {tuple(out)} (elements) must be multiples of 8 (16-byte rows "
+                                  f"for cp.async) in every dimension but the last; pass a contiguous copy")
+    if view.data.ptr % 16:
+        raise _bad(name, view.data.ptr, f"{name} must start at a 16-byte aligned address (got {view.data.ptr:#x}); "
+                                        "pass a contiguous copy")
+    return tuple(out)
+
+
+def _dtype_of(x, name: str, dtype: str | None) -> str:
+    from ._arrays import dtype_name
+    actual = dtype_name(x)
+    if dtype is not None:
+        want = _canonical_float(dtype)
+        if actual == "uint16" and want == "bfloat16":
+            return "bfloat16"
+        if actual != want:
+            raise _bad(name, actual, f"{name} has dtype {actual}, but dtype={want!r} was given "
+                                     "(uint16 arrays are read as bfloat16 bits only with dtype='bfloat16')")
+        return want
+    if actual == "uint16":
+        raise _bad(name, actual, f"{name} has dtype uint16; to pass bfloat16 bits in a uint16 CuPy array, "
+                                 "call attention(..., dtype='bfloat16')")
+    if actual not in _FLOATS:
+        raise _bad(name, actual, f"{name} has dtype {actual}; allowed: float16, bfloat16")
+    return actual
+
+
+def _canonical_float(dtype) -> str:
+    from .. import dtypes
+    return dtypes.canonical(dtype, family=FAMILY, field="dtype", allowed=_FLOATS)
+
+
+def _device_of(view) -> int:
+    return int(view.device.id)
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = True,
+              out=None, *, dtype: str | None = None, stream=None):
+    """FlashAttention-2 forward: ``softmax(softmax_scale * q k^T [+ causal mask]) v``.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads, head_dim) device array.
+    k, v : (batch, seqlen_k, nheads_kv, head_dim); ``nheads % nheads_kv == 0`` (GQA / MQA read
+        each K/V head for its group of query heads, nothing is repeated in memory).
+        Accepted arrays: CuPy arrays, torch CUDA tensors, and any ``__cuda_array_interface__`` or
+        DLPack device array.  float16 or bfloat16, all three the same.  bfloat16 comes as torch
+        tensors, or as uint16 CuPy arrays of bfloat16 bits together with ``dtype="bfloat16"``.
+        Strides are free except: last dimension contiguous, other strides multiples of 8 elements
+        and a 16-byte aligned start (true for contiguous arrays and for slices of a packed
+        (batch, seqlen, 3, nheads, head_dim) qkv array) - no copy is made.
+    causal : mask aligned to the bottom-right corner: query i sees key j iff
+        ``j <= i + seqlen_k - seqlen_q``.  A query that sees no key gets o = 0 and lse = -inf.
+    softmax_scale : positive finite float; default ``1 / sqrt(head_dim)``.
+    return_lse : also return the log-sum-exp (natural log) per (batch, head, query row).
+    out : optional output array for o: shape of q, same dtype and device, last dimension contiguous
+        (other strides as for q).
+    dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits (else taken from the arrays).
+    stream : CuPy stream, torch stream or raw handle; default the current CuPy stream, or torch's
+        current stream when the inputs are torch tensors.
+
+    Returns
+    -------
+    ``(o, lse)`` or ``o`` when ``return_lse`` is False.  o has q's shape and dtype and is the same
+    kind of array as q (torch in, torch out; CuPy in, CuPy out - uint16 bits for bfloat16); lse is
+    float32 (batch, nheads, seqlen_q), contiguous.
+
+    Raises
+    ------
+    ConfigError : wrong dtype, shape, head_dim (a multiple of 8 in [8, 256]), strides, devices, or
+        out; nothing is launched.
+    """
+    from ._arrays import as_device_array, new_like, _is_torch
+    import cupy
+
+    q_, k_, v_ = (as_device_array(a, FAMILY, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    dts = {n: _dtype_of(a, n, dtype) for a, n in ((q, "q"), (k, "k"), (v, "v"))}
+    if len(set(dts.values())) != 1:
+        raise _bad("dtype", dts, "q, k and v must have the same dtype, got "
+                   + ", ".join(f"{n}={d}" for n, d in dts.items()))
+    dt = dts["q"]
+    for name, view in (("q", q_), ("k", k_), ("v", v_)):
+        if view.ndim != 4:
+            raise _bad(name, view.shape, f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape "
+                                         f"{tuple(view.shape)}")
+    batch, seqlen_q, nheads, head_dim = q_.shape
+    _, seqlen_k, nheads_kv, _ = k_.shape
+    if v_.shape != k_.shape:
+        raise _bad("v", v_.shape, f"v must have k's shape {tuple(k_.shape)}, got {tuple(v_.shape)}")
+    if k_.shape[0] != batch or k_.shape[3] != head_dim:
+        raise _bad("k", k_.shape, f"k must be (batch={batch}, seqlen_k, nheads_kv, head_dim={head_dim}) to match q "
+                                  f"{tuple(q_.shape)}, got {tuple(k_.shape)}")
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256] (q.shape[-1])")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise _bad("nheads_kv", nheads_kv, f"nheads={nheads} must be a multiple of nheads_kv={nheads_kv} "
+                                           "(k.shape[2])")
+    devs = {n: _device_of(view) for view, n in ((q_, "q"), (k_, "k"), (v_, "v"))}
+    if len(set(devs.values())) != 1:
+        raise _bad("device", devs, "q, k and v must be on the same device, got "
+                   + ", ".join(f"{n} on {d}" for n, d in devs.items()))
+    dev = devs["q"]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise _bad("softmax_scale", softmax_scale, f"softmax_scale must be a positive finite float, got "
+                                                   f"{softmax_scale!r}")
+    causal = bool(causal)
+    if batch > _GRID_YZ_MAX or nheads > _GRID_YZ_MAX:
+        raise _bad("q", q_.shape, f"batch and nheads must be at most {_GRID_YZ_MAX} (grid dimensions), got "
+                                  f"batch={batch}, nheads={nheads}")
+
+    empty = batch == 0 or seqlen_q == 0 or nheads == 0
+    if not empty:
+        sq_, sk_, sv_ = (_elem_strides(view, n) for view, n in ((q_, "q"), (k_, "k"), (v_, "v")))
+
+    with cupy.cuda.Device(dev):
+        if out is None:
+            o = new_like(q, (batch, seqlen_q, nheads, head_dim), dt)
+        else:
+            o = out
+        o_ = as_device_array(o, FAMILY, "out")
+        if out is not None:
+            from ._arrays import dtype_name
+            odt = "bfloat16" if (dt == "bfloat16" and str(o_.dtype) == "uint16") else dtype_name(o)
+            if tuple(o_.shape) != tuple(q_.shape) or odt != dt or _device_of(o_) != dev:
+                raise _bad("out", o_.shape, f"out must be a {dt} array of shape {tuple(q_.shape)} on device {dev}, "
+                                            f"got {odt} {tuple(o_.shape)} on device {_device_of(o_)}")
+        so_ = None if empty else _elem_strides(o_, "out")
+        lse = new_like(q, (batch, nheads, seqlen_q), "float32") if return_lse else None
+        if empty:
+            return (o, lse) if return_lse else o
+        lse_ = as_device_array(lse, FAMILY, "lse") if return_lse else None
+
+        arch = _device_arch(dev)
+        kern, cfg = _kernel_for(dt, head_dim, causal, arch)
+        grid = (-(-seqlen_q // cfg.block_m), nheads, batch)
+        if stream is None and _is_torch(q):
+            torch = sys.modules["torch"]
+            stream = torch.cuda.current_stream(dev).cuda_stream
+        kern.launch(grid, (cfg.threads_per_block,), q_, k_, v_, o_, lse_,
+                    seqlen_q, seqlen_k, nheads // nheads_kv,
+                    sq_[0], sq_[1], sq_[2], sk_[0], sk_[1], sk_[2], sv_[0], sv_[1], sv_[2], so_[0], so_[1], so_[2],
+                    float(softmax_scale), shared_mem=cfg.shared_mem_bytes, stream=stream)
+    return (o, lse) if return_lse else o
+
+
+def _device_arch(dev: int) -> str:
+    import os
+    from .. import device
+    return os.environ.get("RTKERNELS_ARCH") or device.device_arch(dev)
+
+
+# ---- reference ----------------------------------------------------------------------------
+def _to_f32(x, dtype: str | None):
+    """A float32 CuPy copy of a device array's values (bfloat16 bits decoded)."""
+    import cupy
+    from ._arrays import as_device_array, dtype_name
+    view = as_device_array(x, FAMILY, "input")
+    dt = dtype or dtype_name(x)
+    if dt == "bfloat16" or (dt == "uint16" and dtype == "bfloat16"):
+        bits = cupy.ascontiguousarray(view).view(cupy.uint16)
+        return (bits.astype(cupy.uint32) << 16).view(cupy.float32)
+    return view.astype(cupy.float32)
+
+
+def _round(x, dtype: str):
+    """Round float32 values to float16/bfloat16 (nearest even), kept as float32."""
+    import cupy
+    if dtype == "float16":
+        return x.astype(cupy.float16).astype(cupy.float32)
+    b = cupy.ascontiguousarray(x, dtype=cupy.float32).view(cupy.uint32)
+    b = (b + cupy.uint32(0x7FFF) + ((b >> 16) & cupy.uint32(1))) & cupy.uint32(0xFFFF0000)
+    return b.view(cupy.float32)
+
+
+def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
+                        dtype: str | None = None, compute: str = "float32", round_to: str | None = None):
+    """Plain CuPy attention for tests and benchmarks: ``(o, lse)`` as float32/float64 CuPy arrays.
+
+    Same layouts and conventions as :func:`attention` (GQA, bottom-right causal, o = 0 and
+    lse = -inf for a row that sees no key).  ``compute`` is "float32" or "float64".
+    ``round_to="float16"|"bfloat16"`` imitates running the reference in that dtype (scores,
+    probabilities and output rounded to it, as a framework's low-precision matmuls would):
+    FlashAttention's test rule compares the kernel's error with that reference's error.
+    Scores are materialized one (batch, head) at a time: O(seqlen_q * seqlen_k) memory.
+    """
+    import cupy
+    ft = cupy.float64 if compute == "float64" else cupy.float32
+    qf, kf, vf = (_to_f32(a, dtype).astype(ft) for a in (q, k, v))
+    batch, sq, nheads, d = qf.shape
+    sk, nheads_kv = kf.shape[1], kf.shape[2]
+    group = nheads // nheads_kv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    rnd = (lambda x: _round(x.astype(cupy.float32), round_to).astype(ft)) if round_to else (lambda x: x)
+    o = cupy.zeros((batch, sq, nheads, d), ft)
+    lse = cupy.full((batch, nheads, sq), -cupy.inf, ft)
+    if causal:
+        visible = cupy.arange(sk)[None, :] <= cupy.arange(sq)[:, None] + (sk - sq)
+    for b in range(batch):
+        for h in range(nheads):
+            s = rnd(scale * (qf[b, :, h] @ kf[b, :, h // group].T))
+            if causal:
+                s = cupy.where(visible, s, -cupy.inf)
+            m = s.max(axis=1, keepdims=True) if sk else cupy.full((sq, 1), -cupy.inf, ft)
+            seen = cupy.isfinite(m)
+            m = cupy.where(seen, m, 0)
+            p = cupy.exp(s - m)
+            l = p.sum(axis=1, keepdims=True)
+            safe_l = cupy.where(l > 0, l, 1)
+            o[b, :, h] = cupy.where(seen, rnd(rnd(p / safe_l) @ vf[b, :, h // group]), 0)
+            lse[b, h] = cupy.where(seen[:, 0], m[:, 0] + cupy.log(safe_l[:, 0]), -cupy.inf)
+    return o, lse

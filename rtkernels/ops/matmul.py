@@ -1,0 +1,462 @@
+"""matmul: tiled tensor-core GEMM with a fused bias + activation epilogue.
+
+>>> c = rtk.matmul(a, b)                                   # (M, K) @ (K, N)
+>>> c = rtk.matmul(a, b, bias=bias, activation="gelu")     # act(a @ b + bias), one pass over C
+>>> c = rtk.matmul(a, b, trans_b=True)                     # a @ b.T without a copy
+
+float16 / bfloat16 run on tensor cores (mma.sync m16n8k16, float32 accumulators, a cp.async
+multi-stage pipeline, see templates/matmul.cu.j2); float32 runs a SIMT FFMA kernel (no tf32).
+Tile sizes come from a wave-aware heuristic (:func:`heuristic_config`), or from the autotuner
+with ``RTKERNELS_AUTOTUNE=1``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .. import arch as arch_mod
+from .. import autotune, device
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+from ..kernel import get_kernel
+from ._arrays import as_device_array, dtype_name, new_like
+
+ACTIVATIONS = ("none", "relu", "gelu", "silu")
+_DTYPES = ("float16", "bfloat16", "float32")
+_SMEM_LIMIT = 227 * 1024     # sm_90 opt-in per block; smaller archs are pruned by the autotuner
+
+
+@register_family
+@dataclass(frozen=True)
+class MatmulConfig(KernelConfig):
+    """One matmul specialization: tiles, pipeline depth, operand layouts, load widths, epilogue.
+
+    ``a_kmajor``: A's K dimension is contiguous (a row-major (M, K)); else M is.
+    ``b_kmajor``: B's K dimension is contiguous (``trans_b`` of a row-major (N, K)); else N is.
+    ``vec_a`` / ``vec_b``: elements per global load (8 = 16 bytes), lowered by the host when a
+    stride or base pointer is not aligned for wider ones.
+    """
+
+    family: ClassVar[str] = "matmul"
+    template: ClassVar[str] = "matmul.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("matmul",)
+    expected_global_width: ClassVar[int | None] = 128
+    dtype: str = "bfloat16"
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 32
+    num_warps: int = 8
+    num_stages: int = 4
+    warps_m: int = 2
+    group_m: int = 8
+    a_kmajor: bool = True
+    b_kmajor: bool = False
+    vec_a: int = 8
+    vec_b: int = 8
+    has_bias: bool = False
+    activation: str = "none"
+
+    @property
+    def expects_tensor_cores(self) -> bool:
+        return self.dtype != "float32"
+
+    def __post_init__(self):
+        if self.activation is None:
+            object.__setattr__(self, "activation", "none")
+        self._check_dtype("dtype", _DTYPES)
+        self._check_choice("activation", ACTIVATIONS)
+        for f in ("a_kmajor", "b_kmajor", "has_bias"):
+            if not isinstance(getattr(self, f), bool):
+                self._fail(f, "True or False")
+        self._check_int("block_m", 16, 256, multiple_of=16)
+        self._check_int("block_n", 16, 256, multiple_of=16)
+        self._check_int("num_warps", 1, 16, power_of_two=True)
+        self._check_int("warps_m", 1, self.num_warps, power_of_two=True)
+        self._check_int("group_m", 1, 64)
+        if self.num_warps % self.warps_m:
+            self._fail("warps_m", f"a divisor of num_warps={self.num_warps}")
+        if self.dtype == "float32":
+            self._check_int("block_k", 4, 32, power_of_two=True)
+            if self.num_warps != 8:
+                self._fail("num_warps", "8 for float32 (the SIMT kernel is a 16 x 16 thread grid)")
+            self._check_int("block_m", 16, 128, multiple_of=16)
+            self._check_int("block_n", 16, 128, multiple_of=16)
+            self._check_int("num_stages", 1, 1)
+            self._check_int("vec_a", 1, 1)
+            self._check_int("vec_b", 1, 1)
+            return
+        self._check_int("block_k", 16, 128, power_of_two=True)
+        self._check_int("num_stages", 2, 8)
+        self._check_int("vec_a", 1, 8, power_of_two=True)
+        self._check_int("vec_b", 1, 8, power_of_two=True)
+        warps_n = self.num_warps // self.warps_m
+        if self.block_m % (16 * self.warps_m):
+            self._fail("block_m", f"a multiple of 16 * warps_m = {16 * self.warps_m}")
+        if self.block_n % (16 * warps_n):
+            self._fail("block_n", f"a multiple of 16 * (num_warps / warps_m) = {16 * warps_n}")
+        acc = (self.block_m // self.warps_m) * (self.block_n // warps_n) // 32
+        if acc > 128:
+            self._fail("block_n", f"such that a warp's tile has at most 64 x 64 accumulators (got "
+                                  f"{self.block_m // self.warps_m} x {self.block_n // warps_n}: it would spill)")
+        threads = self.num_warps * 32
+        for name, vec in (("vec_a", self.vec_a), ("vec_b", self.vec_b)):
+            outer = self.block_m if name == "vec_a" else self.block_n
+            if (outer * self.block_k // vec) % threads:
+                self._fail(name, f"such that the {outer} x {self.block_k} tile splits into whole "
+                                 f"{vec}-element chunks per thread ({threads} threads)")
+        if self.shared_mem_bytes > _SMEM_LIMIT:
+            self._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory "
+                                     f"(needs {self.shared_mem_bytes})")
+
+    @property
+    def use_mma(self) -> bool:
+        return self.dtype != "float32"
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """Dynamic shared memory: the cp.async ring (0 for the SIMT path, whose tiles are static)."""
+        if not self.use_mma:
+            return 0
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
+
+    def template_params(self):
+        p = super().template_params()
+        p.update(use_mma=self.use_mma, activation_id=ACTIVATIONS.index(self.activation),
+                 shared_mem_bytes=self.shared_mem_bytes)
+        return p
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    warps_m: int
+    blocks_per_sm: int   # resident CTAs per SM (ptxas registers / smem on sm_90)
+    efficiency: float    # relative tensor-core throughput per resident SM
+    why: str
+
+
+# Each tile's efficiency is reasoned from its arithmetic intensity per byte of shared memory
+# traffic (block_m * block_n / (block_m + block_n)): 85 for 128x256, 64 for 128x128, 43 for
+# 128x64, 32 for 64x64; mma.sync on H100 needs ~80+ to keep the tensor pipes fed.
+# blocks_per_sm from the ptxas report (test_matmul prints it) and the smem ring.
+# TODO(lead): replace with the H100/H200 numbers from tools/bench_matmul.py.
+TC_TILES = (
+    _Tile(128, 256, 32, 8, 4, 2, 1, 1.00, "64x64 warp tiles, 96 KiB ring: the large-problem workhorse"),
+    _Tile(256, 128, 32, 8, 4, 4, 1, 1.00, "same work as 128x256, better when N is the short side"),
+    _Tile(128, 128, 32, 4, 4, 2, 2, 0.85, "64x64 warp tiles with half the CTA: fills the last wave"),
+    _Tile(128, 64, 32, 4, 4, 2, 3, 0.65, "thin N or many small tiles"),
+    _Tile(64, 64, 32, 4, 4, 2, 4, 0.50, "tiny/skinny problems: most CTAs"),
+)
+# Extra shapes the autotuner may try (never picked by the heuristic without a measurement).
+TUNE_ONLY = (
+    _Tile(128, 256, 64, 8, 3, 2, 1, 1.00, "fewer barriers per K; 144 KiB ring"),
+    _Tile(256, 128, 64, 8, 3, 4, 1, 1.00, "fewer barriers per K; 144 KiB ring"),
+    _Tile(128, 256, 32, 8, 3, 2, 1, 1.00, "shallower ring, 2 CTAs of smem"),
+)
+# Narrow loads (vec_a or vec_b < 8: unaligned strides such as K % 8 != 0) issue up to 8x
+# more copies per thread; 64x32 warp tiles over 8 warps keep their addresses in registers
+# (128x256 with 1-element A loads spills 308 bytes on sm_90).
+NARROW_TILES = (
+    _Tile(128, 128, 32, 8, 4, 2, 2, 0.80, "8 warps of 64x32: half the accumulators, room for per-chunk addresses"),
+    _Tile(64, 64, 32, 4, 4, 2, 4, 0.50, "tiny/skinny problems"),
+)
+# float32 SIMT: 128x128 (8x8 per thread) when it still gives every SM a tile, else 64x64.
+F32_TILES = (
+    _Tile(128, 128, 16, 8, 1, 1, 1, 1.0, "8x8 outputs per thread"),
+    _Tile(64, 64, 16, 8, 1, 1, 2, 0.6, "4x4 outputs per thread, 4x the CTAs"),
+)
+
+
+def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> float:
+    """Relative time: waves x (work an SM does per wave) / efficiency.
+
+    One wave runs ``blocks_per_sm`` CTAs per SM side by side, each ``block_m * block_n`` of C;
+    a nearly empty last wave costs as much as a full one, which is what moves 1793^2 from
+    128x128 to 128x256 tiles on 132 SMs.
+    """
+    tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
+    w = arch_mod.waves(tiles, sm_count, tile.blocks_per_sm)
+    return w.waves * tile.blocks_per_sm * tile.block_m * tile.block_n / tile.efficiency
+
+
+def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: bool = False) -> _Tile:
+    tiles = F32_TILES if dtype == "float32" else NARROW_TILES if narrow else TC_TILES
+    # ties go to the smaller tile: less work wasted on the zero-filled border
+    return min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
+
+
+def _config(tile: _Tile, dtype: str, **layout) -> MatmulConfig:
+    return MatmulConfig(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k,
+                        num_warps=tile.num_warps, num_stages=tile.num_stages, warps_m=tile.warps_m, **layout)
+
+
+def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int | None = None,
+                     **layout) -> MatmulConfig:
+    """The heuristic's config for a problem; ``layout``: a_kmajor, b_kmajor, vec_a, vec_b, has_bias, activation."""
+    if sm_count is None:
+        sm_count = device.sm_count() if device.has_gpu() else 132
+    if dtype == "float32":
+        layout = {**layout, "vec_a": 1, "vec_b": 1}
+    narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
+    return _config(_choose_tile(dtype, m, n, batch, sm_count, narrow), dtype, **layout)
+
+
+def candidate_configs(dtype: str, **layout) -> list[MatmulConfig]:
+    """Every config the autotuner considers for this dtype and layout."""
+    if dtype == "float32":
+        layout = {**layout, "vec_a": 1, "vec_b": 1}
+        return [_config(t, dtype, **layout) for t in F32_TILES]
+    out = []
+    narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
+    for t in NARROW_TILES if narrow else TC_TILES + TUNE_ONLY:
+        try:
+            out.append(_config(t, dtype, **layout))
+        except ConfigError:
+            pass   # e.g. a narrow vec that does not split this tile evenly
+    return out
+
+
+def _bucket(x: int) -> int:
+    """Shape bucket of the tuning key: powers of two up to 512, then multiples of 256.
+
+    Fine enough that 1792 and 1793 (different wave counts) tune separately.
+    """
+    if x <= 512:
+        return 1 << max(0, (x - 1).bit_length())
+    return -(-x // 256) * 256
+
+
+# ---- the op -----------------------------------------------------------------------------
+def _resolve_dtype(x, view, name: str, dtype) -> str:
+    if dtype is None:
+        return dtype_name(x)
+    from .. import dtypes
+    want = dtypes.canonical(dtype, family="matmul", field="dtype", allowed=_DTYPES)
+    have = dtype_name(x)
+    if want == "bfloat16" and have in ("uint16", "int16", "bfloat16"):
+        return want
+    if have != want:
+        raise ConfigError(f"matmul: {name} has dtype {have}, but dtype={want!r} was given", field=name, value=have)
+    return want
+
+
+def _layout(name: str, outer: str, shape, strides) -> tuple[bool, int]:
+    """(k_major, leading stride) of an operand given its logical (rows, cols) extents and strides.
+
+    For A the logical dims are (M, K) and outer = "M"; for B they are (K, N), passed here
+    reordered as (N, K) so the second dim is always K.  A dim of extent 1 has no stride.
+    """
+    (d_outer, d_k), (s_outer, s_k) = shape, strides
+    s_outer = 0 if d_outer == 1 else s_outer
+    s_k = 0 if d_k == 1 else s_k
+    if s_outer < 0 or s_k < 0:
+        raise ConfigError(f"matmul: {name} has a negative stride ({s_outer}, {s_k} elements); pass a copy",
+                          field=name, value=(s_outer, s_k))
+    if s_k == 1 or (s_k == 0 and s_outer != 1):
+        return True, s_outer
+    if s_outer in (0, 1):
+        return False, s_k
+    raise ConfigError(f"matmul: {name} has element strides {outer}={s_outer}, K={s_k}; one of its two matrix "
+                      "dimensions must have unit stride (the kernel reads contiguous rows or columns); "
+                      "pass a contiguous copy", field=name, value=(s_outer, s_k), allowed="unit inner stride")
+
+
+def _vec(ptr: int, *strides: int) -> int:
+    """Widest load (elements of 2 bytes) the alignment of base and strides allows."""
+    for v in (8, 4, 2):
+        if ptr % (2 * v) == 0 and all(s % v == 0 for s in strides):
+            return v
+    return 1
+
+
+def _elem_strides(view, name: str) -> tuple[int, ...]:
+    out = []
+    for s in view.strides:
+        if s % view.itemsize:
+            raise ConfigError(f"matmul: {name} has byte strides {view.strides}, not whole elements", field=name)
+        out.append(s // view.itemsize)
+    return tuple(out)
+
+
+_plans: dict = {}
+
+
+def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a: bool = False,
+           trans_b: bool = False, dtype: str | None = None, stream=None):
+    """``activation(a @ b + bias)`` on the GPU, computed in float32 and stored in the input dtype.
+
+    Parameters
+    ----------
+    a : (M, K) or (B, M, K) array; with ``trans_a`` its last two dims are (K, M).
+    b : (K, N) or (B, K, N) array; with ``trans_b`` its last two dims are (N, K).  A 2-D
+        operand is broadcast over the other's batch.
+    bias : optional (N,) array of the same dtype, added before the activation.
+    activation : None, "relu", "gelu" (erf form) or "silu".
+    out : optional output of shape (M, N) / (B, M, N), same dtype, unit stride along N.
+    trans_a, trans_b : use the transpose of the last two dims (no copy is made).
+    dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits.
+    stream : CuPy stream (default: the current one).
+
+    One of each operand's last two dims must have unit stride (any row/column stride, any
+    batch stride); float16 / bfloat16 use tensor cores, float32 a SIMT kernel.
+    """
+    if activation not in (None, *ACTIVATIONS):
+        raise ConfigError.bad_value("matmul", "activation", activation, "None, 'relu', 'gelu' or 'silu'")
+    act = activation or "none"
+    av, bv = as_device_array(a, "matmul", "a"), as_device_array(b, "matmul", "b")
+    da, db = _resolve_dtype(a, av, "a", dtype), _resolve_dtype(b, bv, "b", dtype)
+    if da != db:
+        raise ConfigError(f"matmul: a is {da} and b is {db}; both operands must have the same dtype "
+                          f"({', '.join(_DTYPES)})", field="dtype", value=(da, db))
+    if da not in _DTYPES:
+        raise ConfigError.bad_value("matmul", "dtype", da, "one of " + ", ".join(_DTYPES))
+    for name, v in (("a", av), ("b", bv)):
+        if v.ndim not in (2, 3):
+            raise ConfigError(f"matmul: {name} has shape {v.shape}; expected 2-D (rows, cols) or 3-D "
+                              "(batch, rows, cols)", field=name, value=v.shape)
+    if trans_a:
+        av = av.swapaxes(-1, -2)
+    if trans_b:
+        bv = bv.swapaxes(-1, -2)
+    m, k = av.shape[-2:]
+    k2, n = bv.shape[-2:]
+    if k != k2:
+        raise ConfigError(f"matmul: a is {m} x {k}{' (after trans_a)' if trans_a else ''} and b is {k2} x {n}"
+                          f"{' (after trans_b)' if trans_b else ''}; a.shape[-1] must equal b.shape[-2]",
+                          field="shape", value=(av.shape, bv.shape))
+    ba = av.shape[0] if av.ndim == 3 else None
+    bb = bv.shape[0] if bv.ndim == 3 else None
+    if ba is not None and bb is not None and ba != bb and 1 not in (ba, bb):
+        raise ConfigError(f"matmul: batch sizes differ (a: {ba}, b: {bb}); they must be equal or one must be 1",
+                          field="shape", value=(av.shape, bv.shape))
+    batch = max(ba or 1, bb or 1)
+    sa, sb = _elem_strides(av, "a"), _elem_strides(bv, "b")
+    a_kmajor, lda = _layout("a" + (" (after trans_a)" if trans_a else ""), "M", (m, k), sa[-2:])
+    b_kmajor, ldb = _layout("b" + (" (after trans_b)" if trans_b else ""), "N", (n, k), (sb[-1], sb[-2]))
+    batch_a = sa[0] if av.ndim == 3 and av.shape[0] > 1 else 0
+    batch_b = sb[0] if bv.ndim == 3 and bv.shape[0] > 1 else 0
+    out_shape = (batch, m, n) if (ba is not None or bb is not None) else (m, n)
+
+    if out is None:
+        out = new_like(a, out_shape, da)
+        cv = as_device_array(out, "matmul", "out")
+    else:
+        cv = as_device_array(out, "matmul", "out")
+        dc = _resolve_dtype(out, cv, "out", dtype)
+        if dc != da or cv.shape != out_shape:
+            raise ConfigError(f"matmul: out is {dc} {cv.shape}; expected {da} {out_shape}", field="out",
+                              value=(dc, cv.shape))
+    sc = _elem_strides(cv, "out")
+    if n > 1 and sc[-1] != 1:
+        raise ConfigError(f"matmul: out has element stride {sc[-1]} along N; it must be 1", field="out",
+                          value=sc[-1], allowed="1")
+    ldc = sc[-2] if m > 1 else 0
+    batch_c = sc[0] if cv.ndim == 3 and batch > 1 else 0
+    if sc[-2] < 0 or batch_c < 0:
+        raise ConfigError(f"matmul: out has a negative stride {sc}", field="out", value=sc)
+
+    if bias is not None:
+        biv = as_device_array(bias, "matmul", "bias")
+        dbias = _resolve_dtype(bias, biv, "bias", dtype)
+        if dbias != da or biv.shape != (n,) or (n > 1 and _elem_strides(biv, "bias")[0] != 1):
+            raise ConfigError(f"matmul: bias must be a contiguous {da} array of shape ({n},), got {dbias} "
+                              f"{biv.shape}", field="bias", value=(dbias, biv.shape))
+    else:
+        biv = None
+
+    if m == 0 or n == 0 or batch == 0:
+        return out
+    tiles_limit = 2 ** 31 - 1
+    if batch > 65535:
+        raise ConfigError(f"matmul: batch={batch} is more than the 65535 the grid's z dimension holds",
+                          field="batch", value=batch, allowed="<= 65535")
+    if max(m, n, k) >= 2 ** 31:
+        raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
+
+    if da == "float32":
+        vec_a = vec_b = 1
+    else:
+        vec_a = _vec(av.data.ptr, lda, batch_a)
+        vec_b = _vec(bv.data.ptr, ldb, batch_b)
+    c_pairs = int(da != "float32" and cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
+    layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, vec_a=vec_a, vec_b=vec_b, has_bias=biv is not None,
+                  activation=act)
+    dev = device.current_device()
+    plan_key = (da, m, n, k, batch, tuple(layout.values()), dev, autotune.enabled())
+    plan = _plans.get(plan_key)
+    if plan is None:
+        cfg = heuristic_config(da, m, n, k, batch, sm_count=device.sm_count(), **layout)
+        if autotune.enabled():
+            cfg = _tuned(cfg, da, m, n, k, batch, layout, av, bv, biv, cv,
+                         (lda, ldb, ldc, batch_a, batch_b, batch_c, c_pairs), stream)
+        kern = get_kernel(cfg)
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        if tiles > tiles_limit:
+            raise ConfigError(f"matmul: {tiles} tiles exceed the grid limit", field="shape")
+        plan = _plans[plan_key] = (kern, (tiles, 1, batch), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes)
+    kern, grid, block, smem = plan
+    kern.launch(grid, block, av, bv, biv, cv, m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_pairs,
+                shared_mem=smem, stream=stream)
+    return out
+
+
+def _tuned(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, ints, stream):
+    lda, ldb, ldc, batch_a, batch_b, batch_c, c_pairs = ints
+    key = {"dtype": dtype, "m": _bucket(m), "n": _bucket(n), "k": _bucket(k), "batch": _bucket(batch), **layout}
+    scratch = autotune._clone(cv, autotune._span(cv))   # same strides as out, which stays untouched
+    sets = autotune.rotated_copies([av, bv])
+    counter = [0]
+
+    def run(cfg):
+        a_, b_ = sets[counter[0] % len(sets)]
+        counter[0] += 1
+        kern = get_kernel(cfg)
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        kern.launch((tiles, 1, batch), (cfg.threads_per_block, 1, 1), a_, b_, biv, scratch, m, n, k, lda, ldb,
+                    ldc, batch_a, batch_b, batch_c, c_pairs, shared_mem=cfg.shared_mem_bytes, stream=stream)
+
+    return autotune.pick("matmul", key, candidate_configs(dtype, **layout), run, default)
+
+
+# ---- reference ----------------------------------------------------------------------------
+def _act_np(x: np.ndarray, activation: str | None) -> np.ndarray:
+    if activation in (None, "none"):
+        return x
+    if activation == "relu":
+        return np.maximum(x, 0.0)
+    if activation == "gelu":
+        try:
+            from scipy.special import erf
+        except ImportError:
+            erf = np.vectorize(math.erf, otypes=[np.float64])
+        return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+    if activation == "silu":
+        return x / (1.0 + np.exp(-x))
+    raise ConfigError.bad_value("matmul", "activation", activation, "None, 'relu', 'gelu' or 'silu'")
+
+
+def matmul_reference(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None, activation: str | None = None,
+                     trans_a: bool = False, trans_b: bool = False) -> np.ndarray:
+    """float64 NumPy reference of :func:`matmul` (host arrays of any float dtype)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if trans_a:
+        a = np.swapaxes(a, -1, -2)
+    if trans_b:
+        b = np.swapaxes(b, -1, -2)
+    c = np.matmul(a, b)
+    if bias is not None:
+        c = c + np.asarray(bias, dtype=np.float64)
+    return _act_np(c, activation)

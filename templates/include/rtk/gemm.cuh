@@ -1,0 +1,65 @@
+// GEMM helpers on top of rtk/mma.cuh: cp.async with partial source sizes (narrow chunks and
+// K tails), the XOR swizzle of a shared-memory tile, and epilogue activations.
+// Plain CUDA C++ (no Jinja), included by templates as "rtk/gemm.cuh".
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "rtk/mma.cuh"
+
+namespace rtk {
+
+// cp.async of BYTES (16 / 8 / 4) into shared memory; only the first `src_bytes` are read
+// from global memory and the rest of the destination is zero-filled, so a chunk that
+// straddles the end of a row (K % 8 != 0) or lies wholly outside (src_bytes == 0) needs no
+// separate path.  16-byte copies bypass L1 (.cg); 8/4-byte copies only exist as .ca.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, int src_bytes) {
+    static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4, "cp.async moves 4, 8 or 16 bytes");
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                     :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                     :: "r"(smem_addr(smem)), "l"(gmem), "n"(BYTES), "r"(src_bytes) : "memory");
+    }
+}
+
+// Swizzled element offset inside a ROWS x COLS tile of 16-bit values, COLS contiguous.
+// A row holds CH = COLS / 8 chunks of 16 bytes.  ldmatrix reads one chunk column of 8
+// consecutive rows per phase; those 8 chunks must sit in 8 different 16-byte bank groups
+// (128 bytes = all 32 banks).  With CH >= 8 every row spans the banks once, so XOR-ing the
+// chunk index with (row % 8) spreads the 8 rows; with CH < 8 a 128-byte line holds 8 / CH
+// rows, which already differ in the line offset, and the XOR with (row / (8 / CH)) % CH
+// separates rows that share it.  The XOR only permutes chunks within a row, so a row stays
+// contiguous for cp.async and no padding is needed.
+template <int COLS>
+__device__ __forceinline__ int swizzle(int row, int col) {
+    constexpr int CH = COLS / 8;
+    static_assert(COLS % 8 == 0 && (CH & (CH - 1)) == 0 && CH >= 2, "COLS must be 16 * 2^k");
+    int chunk = col >> 3;
+    if constexpr (CH >= 8) {
+        chunk ^= row & 7;
+    } else {
+        chunk ^= (row / (8 / CH)) & (CH - 1);
+    }
+    return row * COLS + (chunk << 3) + (col & 7);
+}
+
+// ---- epilogue activations (float in, float out) ----------------------------------------
+enum Activation { kActNone = 0, kActRelu = 1, kActGelu = 2, kActSilu = 3 };
+
+template <int ACT>
+__device__ __forceinline__ float activate(float x) {
+    if constexpr (ACT == kActRelu) {
+        return fmaxf(x, 0.0f);
+    } else if constexpr (ACT == kActGelu) {
+        // exact (erf) GELU, as torch.nn.functional.gelu's default
+        return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    } else if constexpr (ACT == kActSilu) {
+        return x / (1.0f + __expf(-x));
+    } else {
+        return x;
+    }
+}
+
+}  // namespace rtk

@@ -1,0 +1,486 @@
+"""matmul family: config validation, compile/SASS checks, a NumPy model of the kernel's
+index math, the wave-aware heuristic, the autotuner's persistence, and GPU correctness."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from rtkernels.errors import ConfigError
+from rtkernels.ops import matmul as mm
+from rtkernels.ops.matmul import MatmulConfig
+
+ARCHS = ("sm_80", "sm_90")
+
+
+# ---- config validation ---------------------------------------------------------------------
+@pytest.mark.parametrize("bad, field", [
+    (dict(dtype="float64"), "dtype"),
+    (dict(block_m=100), "block_m"),
+    (dict(block_k=24), "block_k"),
+    (dict(num_warps=3), "num_warps"),
+    (dict(warps_m=16), "warps_m"),
+    (dict(activation="tanh"), "activation"),
+    (dict(vec_a=3), "vec_a"),
+    (dict(num_stages=1), "num_stages"),
+    (dict(block_m=256, block_n=256, warps_m=2), "block_n"),            # 128x64 warp tile would spill
+    (dict(block_m=256, block_n=128, block_k=128, num_stages=4, warps_m=4), "num_stages"),  # smem
+    (dict(dtype="float32", num_warps=4), "num_warps"),
+])
+def test_config_errors(bad, field):
+    with pytest.raises(ConfigError) as e:
+        MatmulConfig(**bad)
+    assert e.value.field == field and "matmul" in str(e.value)
+
+
+def test_config_derived():
+    c = MatmulConfig()
+    assert c.threads_per_block == 256 and c.shared_mem_bytes == 4 * (128 + 256) * 32 * 2
+    assert c.expects_tensor_cores and not MatmulConfig(dtype="float32", block_m=64, block_n=64, block_k=16,
+                                                       num_stages=1, vec_a=1, vec_b=1).expects_tensor_cores
+    assert MatmulConfig(activation=None).activation == "none"
+
+
+# ---- compile, ptxas and SASS ------------------------------------------------------------
+def _heuristic_configs():
+    out = []
+    for t in mm.TC_TILES:
+        for ak, bk in ((True, False), (False, True)):
+            out.append(mm._config(t, "bfloat16", a_kmajor=ak, b_kmajor=bk))
+        out.append(mm._config(t, "float16", has_bias=True, activation="gelu"))
+    for t in mm.NARROW_TILES:
+        for va, vb in ((1, 1), (2, 2), (4, 4), (1, 8), (8, 2)):
+            out.append(mm._config(t, "bfloat16", vec_a=va, vec_b=vb, has_bias=True, activation="silu"))
+    for t in mm.F32_TILES:
+        out.append(mm._config(t, "float32", vec_a=1, vec_b=1, has_bias=True, activation="relu"))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_heuristic_configs_compile_clean(arch):
+    import rtkernels as rtk
+    from rtkernels.inspect import sass_stats
+    for cfg in _heuristic_configs():
+        k = rtk.get_kernel(cfg, arch=arch)
+        r = k.resources
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (cfg.key(), r)
+        assert r.registers <= 255
+        s = sass_stats(k.sass)
+        assert s["ldl"] == 0 and s["stl"] == 0, cfg.key()
+        if cfg.use_mma:
+            assert s["hmma"] > 0 and s["ldsm"] > 0, cfg.key()
+            if min(cfg.vec_a, cfg.vec_b) > 1:
+                assert s["ldgsts"] > 0, cfg.key()
+        else:
+            assert s["hmma"] == 0
+
+
+def test_tune_only_configs_compile_clean():
+    import rtkernels as rtk
+    for t in mm.TUNE_ONLY:
+        r = rtk.get_kernel(mm._config(t, "bfloat16"), arch="sm_90").resources
+        assert r.spill_stores == 0 and r.stack_frame == 0
+
+
+# ---- a NumPy model of one CTA: load_tile, swizzle, ldmatrix, mma fragments, epilogue -------
+def _swizzle(cols, row, col):
+    ch = cols // 8
+    chunk = col >> 3
+    chunk ^= (row & 7) if ch >= 8 else (row // (8 // ch)) & (ch - 1)
+    return row * cols + (chunk << 3) + (col & 7)
+
+
+def _load_tile(g, kmajor, outer, bk, vec, outer0, outer_n, k0, K, threads, ld):
+    rows, cols = (outer, bk) if kmajor else (bk, outer)
+    s = np.full(rows * cols, np.nan)
+    per_row = cols // vec
+    row0, col0 = (outer0, k0) if kmajor else (k0, outer0)
+    row_n, col_n = (outer_n, K) if kmajor else (K, outer_n)
+    for c in range(rows * per_row):
+        r, col = divmod(c, per_row)
+        col *= vec
+        gr, gc = row0 + r, col0 + col
+        valid = max(0, min(vec, col_n - gc)) if gr < row_n else 0
+        dst = _swizzle(cols, r, col)
+        assert dst % vec == 0   # a chunk stays contiguous and aligned after the swizzle
+        for e in range(vec):
+            s[dst + e] = g[gr * ld + gc + e] if e < valid else 0.0
+    return s, cols
+
+
+def _frag_row(cols, kmajor, o, kb, l8):
+    return _swizzle(cols, o + l8, kb) if kmajor else _swizzle(cols, kb + l8, o)
+
+
+def _ldmatrix_x4(s, addrs, trans):
+    """addrs[lane] = element offset of the row lane supplies; returns regs[lane][j] = (lo, hi)."""
+    mats = [np.array([s[addrs[8 * j + r]: addrs[8 * j + r] + 8] for r in range(8)]) for j in range(4)]
+    for j in range(4):   # the bank-conflict check: 8 rows of one phase hit 8 different 16-byte groups
+        groups = {(2 * addrs[8 * j + r] // 16) % 8 for r in range(8)}
+        assert len(groups) == 8, "ldmatrix phase has a bank conflict"
+    out = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        regs = []
+        for j in range(4):
+            m = mats[j]
+            regs.append((m[2 * t][g], m[2 * t + 1][g]) if trans else (m[g][2 * t], m[g][2 * t + 1]))
+        out.append(regs)
+    return out
+
+
+def _cta(A, B, cfg, m0, n0, lda_layout, ldb_layout):
+    """Emulate one CTA; A, B logical (M, K), (K, N); returns the dict (row, col) -> value."""
+    M, K = A.shape
+    N = B.shape[1]
+    ga = (A if cfg.a_kmajor else A.T).ravel()       # contiguous along the stored inner dim
+    gb = (B.T if cfg.b_kmajor else B).ravel()
+    lda = K if cfg.a_kmajor else M
+    ldb = K if cfg.b_kmajor else N
+    threads = cfg.num_warps * 32
+    warps_n = cfg.num_warps // cfg.warps_m
+    wm_, wn_ = cfg.block_m // cfg.warps_m, cfg.block_n // warps_n
+    mi, ni = wm_ // 16, wn_ // 8
+    acc = np.zeros((cfg.num_warps, mi, ni, 32, 4))
+    for kt in range(-(-K // cfg.block_k)):
+        sa, ca = _load_tile(ga, cfg.a_kmajor, cfg.block_m, cfg.block_k, cfg.vec_a, m0, M, kt * cfg.block_k, K,
+                            threads, lda)
+        sb, cb = _load_tile(gb, cfg.b_kmajor, cfg.block_n, cfg.block_k, cfg.vec_b, n0, N, kt * cfg.block_k, K,
+                            threads, ldb)
+        for w in range(cfg.num_warps):
+            wm0, wn0 = (w // warps_n) * wm_, (w % warps_n) * wn_
+            for kk in range(0, cfg.block_k, 16):
+                af = [_ldmatrix_x4(sa, [_frag_row(ca, cfg.a_kmajor, wm0 + i * 16 + ((l >> 3) & 1) * 8,
+                                                  kk + (l >> 4) * 8, l & 7) for l in range(32)],
+                                   not cfg.a_kmajor) for i in range(mi)]
+                bf = {}
+                for j in range(0, ni, 2):
+                    r = _ldmatrix_x4(sb, [_frag_row(cb, cfg.b_kmajor, wn0 + j * 8 + (l >> 4) * 8,
+                                                    kk + ((l >> 3) & 1) * 8, l & 7) for l in range(32)],
+                                     not cfg.b_kmajor)
+                    bf[j] = [(x[0], x[1]) for x in r]
+                    bf[j + 1] = [(x[2], x[3]) for x in r]
+                for i in range(mi):
+                    a16 = np.zeros((16, 16))
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        for reg, (ro, co) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                            a16[g + ro, co + 2 * t: co + 2 * t + 2] = af[i][lane][reg]
+                    for j in range(ni):
+                        b16 = np.zeros((16, 8))
+                        for lane in range(32):
+                            g, t = lane // 4, lane % 4
+                            b16[2 * t: 2 * t + 2, g] = bf[j][lane][0]
+                            b16[2 * t + 8: 2 * t + 10, g] = bf[j][lane][1]
+                        d = a16 @ b16
+                        for lane in range(32):
+                            g, t = lane // 4, lane % 4
+                            acc[w, i, j, lane] += [d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]]
+    out = {}
+    for w in range(cfg.num_warps):
+        wm0, wn0 = (w // warps_n) * wm_, (w % warps_n) * wn_
+        for i in range(mi):
+            for j in range(ni):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for e in range(4):
+                        row = m0 + wm0 + i * 16 + g + (e // 2) * 8
+                        col = n0 + wn0 + j * 8 + 2 * t + e % 2
+                        if row < M and col < N:
+                            assert (row, col) not in out
+                            out[(row, col)] = acc[w, i, j, lane, e]
+    return out
+
+
+@pytest.mark.parametrize("ak, bk, va, vb, shape", [
+    (True, False, 8, 8, (40, 50, 70)),
+    (False, True, 8, 8, (33, 17, 45)),
+    (True, True, 4, 2, (64, 64, 37)),
+    (False, False, 1, 8, (20, 64, 9)),
+])
+def test_numpy_model_of_cta(ak, bk, va, vb, shape):
+    M, N, K = shape
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    cfg = MatmulConfig(dtype="float16", block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, warps_m=2,
+                       a_kmajor=ak, b_kmajor=bk, vec_a=va, vec_b=vb)
+    got = _cta(A, B, cfg, 0, 0, None, None)
+    ref = A @ B
+    assert len(got) == min(M, 64) * min(N, 64)
+    for (r, c), v in got.items():
+        assert abs(v - ref[r, c]) < 1e-9
+
+
+def test_swizzle_is_a_permutation_of_chunks():
+    for cols in (16, 32, 64, 128, 256):
+        for rows in (16, 64):
+            offs = sorted(_swizzle(cols, r, c) for r in range(rows) for c in range(cols))
+            assert offs == list(range(rows * cols))
+
+
+def test_grouped_order_covers_every_tile_once():
+    def origin(pid, M, N, bm, bn, gm):
+        tm, tn = -(-M // bm), -(-N // bn)
+        per = gm * tn
+        first = (pid // per) * gm
+        rows = min(tm - first, gm)
+        ig = pid % per
+        return (first + ig % rows) * bm, (ig // rows) * bn
+    for M, N, gm in ((1000, 300, 8), (4096, 4096, 8), (129, 4000, 3), (16, 16, 8)):
+        tm, tn = -(-M // 128), -(-N // 256)
+        seen = {origin(p, M, N, 128, 256, gm) for p in range(tm * tn)}
+        assert seen == {(i * 128, j * 256) for i in range(tm) for j in range(tn)}
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+def test_wave_aware_choice():
+    big = mm.heuristic_config("bfloat16", 4096, 4096, 4096, sm_count=132)
+    assert (big.block_m * big.block_n) == 128 * 256
+    for n in (1792, 1793, 4095, 8192):   # no nearly empty last wave on 132 SMs
+        c = mm.heuristic_config("bfloat16", n, n, n, sm_count=132)
+        tile = next(t for t in mm.TC_TILES if (t.block_m, t.block_n) == (c.block_m, c.block_n))
+        from rtkernels import arch
+        w = arch.waves(arch.matmul_tiles(n, n, c.block_m, c.block_n), 132, tile.blocks_per_sm)
+        assert w.waves == 1 or w.tail_efficiency > 0.5, (n, c.block_m, c.block_n, w)
+    skinny = mm.heuristic_config("bfloat16", 65536, 64, 64, sm_count=132)
+    assert skinny.block_n <= 64
+    narrow = mm.heuristic_config("float16", 1000, 1000, 999, sm_count=132, vec_a=1, vec_b=8)
+    assert (narrow.block_m, narrow.block_n) in {(t.block_m, t.block_n) for t in mm.NARROW_TILES}
+    assert mm.heuristic_config("float32", 512, 512, 512, sm_count=132).num_stages == 1
+
+
+def test_layout_rules():
+    assert mm._layout("a", "M", (5, 7), (7, 1)) == (True, 7)
+    assert mm._layout("a", "M", (5, 7), (1, 5)) == (False, 5)
+    assert mm._layout("a", "M", (1, 7), (123, 1)) == (True, 0)
+    assert mm._layout("a", "M", (5, 1), (1, 99)) == (False, 0)
+    with pytest.raises(ConfigError, match="unit stride"):
+        mm._layout("a", "M", (5, 7), (14, 2))
+    assert mm._vec(256, 64, 0) == 8 and mm._vec(256, 36) == 4 and mm._vec(258, 64) == 1 and mm._vec(0, 9) == 1
+    assert mm._bucket(1792) == 1792 and mm._bucket(1793) == 2048 and mm._bucket(4095) == 4096
+    assert mm._bucket(17) == 32 and mm._bucket(1) == 1
+
+
+def test_reference():
+    rng = np.random.default_rng(1)
+    a, b, bias = rng.standard_normal((3, 4, 5)), rng.standard_normal((3, 6, 5)), rng.standard_normal(6)
+    r = mm.matmul_reference(a, b, bias=bias, activation="relu", trans_b=True)
+    assert np.allclose(r, np.maximum(a @ b.transpose(0, 2, 1) + bias, 0))
+
+
+# ---- autotuner (CPU: fake timings) ----------------------------------------------------------
+@pytest.fixture
+def tune_env(fresh_cache, monkeypatch):
+    from rtkernels import autotune
+    monkeypatch.setenv("RTKERNELS_AUTOTUNE", "1")
+    autotune.clear_memory()
+    yield autotune
+    autotune.clear_memory()
+
+
+def _cands():
+    return [mm._config(t, "bfloat16") for t in mm.TC_TILES[:3]]
+
+
+def test_autotune_off_returns_default(fresh_cache, monkeypatch):
+    from rtkernels import autotune
+    monkeypatch.setenv("RTKERNELS_AUTOTUNE", "0")
+    c = _cands()
+    assert autotune.pick("matmul", {"m": 1}, c, run=None, default=c[0]) is c[0]
+    assert not autotune.path().exists()
+
+
+def test_autotune_persists_and_reuses(tune_env):
+    autotune = tune_env
+    c = _cands()
+    calls = []
+
+    def measure(run, cfg):
+        calls.append(cfg)
+        return {0: 3.0, 1: 1.0, 2: 2.0}[c.index(cfg)]
+    best = autotune.pick("matmul", {"m": 256}, c, None, c[0], arch="sm_90", measure=measure)
+    assert best == c[1] and len(calls) == 3
+    data = json.loads(autotune.path().read_text())
+    assert data["schema"] == 1 and len(data["entries"]) == 1
+    entry = next(iter(data["entries"].values()))
+    assert entry["config"]["block_m"] == c[1].block_m and entry["family"] == "matmul"
+    key = next(iter(data["entries"]))
+    for part in ('"device"', '"driver"', '"nvrtc"', '"family":"matmul"', '"k.m":256'):
+        assert part in key
+    autotune.clear_memory()   # a later process: the file answers, nothing is timed
+    assert autotune.pick("matmul", {"m": 256}, c, None, c[0], measure=lambda r, x: pytest.fail("timed")) == c[1]
+
+
+def test_autotune_prunes_before_launch(tune_env):
+    autotune = tune_env
+    big = mm._config(mm.TUNE_ONLY[0], "bfloat16")         # 144 KiB ring: more than sm_86 allows
+    small = mm._config(mm.TC_TILES[-1], "bfloat16")
+    assert autotune.prune([big, small], arch="sm_86") == [small]
+    seen = []
+    autotune.pick("matmul", {"m": 1}, [big, small], None, small, arch="sm_86",
+                  measure=lambda r, cfg: seen.append(cfg) or 1.0)
+    assert seen == [small]
+
+
+def test_autotune_corrupt_file_is_ignored(tune_env):
+    autotune = tune_env
+    autotune.path().parent.mkdir(parents=True, exist_ok=True)
+    autotune.path().write_text("{not json")
+    c = _cands()
+    with pytest.warns(autotune.AutotuneWarning):
+        best = autotune.pick("matmul", {"m": 2}, c, None, c[0], measure=lambda r, cfg: float(cfg.block_n))
+    assert best.block_n == min(x.block_n for x in c)
+    assert len(autotune.load()) == 1
+
+
+def test_autotune_concurrent_writers_merge(fresh_cache):
+    """Eight processes store different keys at once; none is lost and the file stays valid JSON."""
+    code = textwrap.dedent("""
+        import sys
+        from rtkernels import autotune
+        i = int(sys.argv[1])
+        for j in range(5):
+            assert autotune.store({f"p{i}-{j}": {"config": {"i": i, "j": j}, "ms": 1.0}})
+    """)
+    env = dict(os.environ, RTKERNELS_CACHE_DIR=str(fresh_cache), PYTHONPATH=os.getcwd())
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], env=env) for i in range(8)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    from rtkernels import autotune
+    entries = autotune.load()
+    assert set(entries) == {f"p{i}-{j}" for i in range(8) for j in range(5)}
+
+
+# ---- GPU correctness --------------------------------------------------------------------------
+def _inputs(rng, shape, dtype):
+    from gpu_util import random_array
+    return random_array(rng, shape, dtype)
+
+
+def _cublas(a, b, dtype, trans_a=False, trans_b=False):
+    """The same product by cuBLAS (cupy.matmul) in the input dtype, as float64 on the host."""
+    import cupy as cp
+    from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits
+    if dtype == "bfloat16":
+        import torch
+        ta = torch.from_dlpack(a).view(torch.bfloat16)
+        tb = torch.from_dlpack(b).view(torch.bfloat16)
+        ta = ta.transpose(-1, -2) if trans_a else ta
+        tb = tb.transpose(-1, -2) if trans_b else tb
+        return (ta @ tb).double().cpu().numpy()
+    a_ = a.swapaxes(-1, -2) if trans_a else a
+    b_ = b.swapaxes(-1, -2) if trans_b else b
+    return cp.matmul(a_, b_).get().astype(np.float64)
+
+
+def _check(got, ref, peer, what):
+    err = np.abs(got - ref).max()
+    peer_err = np.abs(peer - ref).max()
+    scale = max(np.abs(ref).max(), 1.0)
+    assert np.isfinite(got).all(), what
+    assert err <= 2 * peer_err + 1e-6 * scale, f"{what}: max error {err:.3g} vs cuBLAS {peer_err:.3g}"
+
+
+SHAPES = [(1, 1, 1), (17, 33, 9), (127, 129, 65), (1000, 1000, 1000), (4096, 4096, 4096), (65536, 64, 64),
+          (64, 64, 65536)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_shapes(dtype, shape):
+    from gpu_util import poison, to_f64
+    import rtkernels as rtk
+    M, N, K = shape
+    if dtype == "float32" and M * N * K > 2 ** 33:
+        pytest.skip("SIMT float32 at this size is slow and adds nothing")
+    rng = np.random.default_rng(M + N + K)
+    a, ah = _inputs(rng, (M, K), dtype)
+    b, bh = _inputs(rng, (K, N), dtype)
+    out = poison(_empty((M, N), dtype))
+    rtk.matmul(a, b, out=out, dtype=dtype if dtype == "bfloat16" else None)
+    _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), f"{dtype} {shape}")
+
+
+def _empty(shape, dtype):
+    import cupy as cp
+    return cp.empty(shape, dtype=cp.uint16 if dtype == "bfloat16" else dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_epilogue_and_layouts(dtype, activation, trans_a, trans_b):
+    from gpu_util import poison, to_f64
+    import rtkernels as rtk
+    M, N, K = 127, 200, 72
+    rng = np.random.default_rng(7)
+    a, ah = _inputs(rng, (K, M) if trans_a else (M, K), dtype)
+    b, bh = _inputs(rng, (N, K) if trans_b else (K, N), dtype)
+    bias, biash = _inputs(rng, (N,), dtype)
+    out = poison(_empty((M, N), dtype))
+    rtk.matmul(a, b, bias=bias, activation=activation, out=out, trans_a=trans_a, trans_b=trans_b,
+               dtype=dtype if dtype == "bfloat16" else None)
+    ref = mm.matmul_reference(ah, bh, bias=biash, activation=activation, trans_a=trans_a, trans_b=trans_b)
+    peer_lin = _cublas(a, b, dtype, trans_a, trans_b) + biash
+    _check(to_f64(out, dtype), ref, mm._act_np(peer_lin, activation), f"{dtype} {activation} {trans_a}{trans_b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(3, 65, 70, 33), (5, 128, 256, 64), (2, 9, 7, 13)])
+def test_gpu_batched_and_views(dtype, shape):
+    from gpu_util import poison, to_f64
+    import rtkernels as rtk
+    B, M, N, K = shape
+    rng = np.random.default_rng(B * M)
+    a, ah = _inputs(rng, (B, M, K + 3), dtype)     # a column-sliced view: row stride K + 3
+    b, bh = _inputs(rng, (B, K, N), dtype)
+    a, ah = a[:, :, 1:K + 1], ah[:, :, 1:K + 1]     # and an unaligned base
+    out = poison(_empty((B, M, N), dtype))
+    rtk.matmul(a, b, out=out, dtype=dtype if dtype == "bfloat16" else None)
+    _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), f"batched {dtype} {shape}")
+    b2, b2h = _inputs(rng, (K, N), dtype)           # broadcast 2-D b over the batch
+    out2 = rtk.matmul(a, b2, dtype=dtype if dtype == "bfloat16" else None)
+    assert out2.shape == (B, M, N)
+    ref = ah @ b2h
+    got = to_f64(out2, dtype)
+    assert np.abs(got - ref).max() <= 2 * np.abs(_cublas(a, b2[None].repeat(B, 0), dtype) - ref).max() + 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_errors():
+    import cupy as cp
+    import rtkernels as rtk
+    a = cp.ones((4, 5), cp.float16)
+    with pytest.raises(ConfigError, match="a.shape\\[-1\\] must equal b.shape\\[-2\\]"):
+        rtk.matmul(a, cp.ones((4, 3), cp.float16))
+    with pytest.raises(ConfigError, match="same dtype"):
+        rtk.matmul(a, cp.ones((5, 3), cp.float32))
+    with pytest.raises(ConfigError, match="unit stride"):
+        rtk.matmul(cp.ones((8, 10), cp.float16)[::2, ::2], cp.ones((5, 3), cp.float16))
+    with pytest.raises(ConfigError, match="activation"):
+        rtk.matmul(a, cp.ones((5, 3), cp.float16), activation="tanh")
+    with pytest.raises(ConfigError, match="bias"):
+        rtk.matmul(a, cp.ones((5, 3), cp.float16), bias=cp.ones(4, cp.float16))
+    with pytest.raises(ConfigError, match="float64"):
+        rtk.matmul(cp.ones((4, 5)), cp.ones((5, 3)))
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_matches_heuristic_result(fresh_cache, monkeypatch):
+    import cupy as cp
+    import rtkernels as rtk
+    from rtkernels import autotune
+    rng = np.random.default_rng(3)
+    a = cp.asarray(rng.standard_normal((513, 300)).astype(np.float16))
+    b = cp.asarray(rng.standard_normal((300, 257)).astype(np.float16))
+    ref = rtk.matmul(a, b)
+    monkeypatch.setenv("RTKERNELS_AUTOTUNE", "1")
+    autotune.clear_memory()
+    tuned = rtk.matmul(a, b)
+    assert autotune.path().exists() and len(autotune.load()) == 1
+    assert float(cp.abs(tuned.astype(cp.float32) - ref.astype(cp.float32)).max()) == 0.0
