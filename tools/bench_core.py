@@ -114,14 +114,16 @@ def compile_times() -> dict:
 
 
 def main():
-    args = bu.parser(__doc__).parse_args()
+    ap = bu.parser(__doc__)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the elementwise tuning sweep")
+    args = ap.parse_args()
     os.environ.setdefault("RTKERNELS_CACHE_DIR", tempfile.mkdtemp(prefix="rtk-bench-cache-"))
     env = bu.environment()
     copy_gbs = bu.copy_bandwidth()
     over = launch_overhead(5000 if args.quick else 20000)
     bw = bandwidth(copy_gbs, args.quick)
     ct = compile_times()
-    sw = sweep(copy_gbs, args.quick)
+    sw = [] if args.no_sweep else sweep(copy_gbs, args.quick)
     bu.save(args.out, "bench_core", {"env": env, "copy_GBs": copy_gbs, "launch": over, "bandwidth": bw,
                                      "compile": ct, "sweep": sw})
     for key in sorted({(r["expr"], r["dtype"]) for r in sw}):
