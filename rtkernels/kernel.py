@@ -316,8 +316,8 @@ class Kernel:
         self._launch_checked(fn, dev, _dim3(grid, "grid"), _dim3(block, "block"), tuple(args), shared_mem, stream)
 
     def _launch_checked(self, fn, dev, grid, block, packed, shared_mem, stream):
-        if grid[0] <= 0 or grid[1] <= 0 or grid[2] <= 0:
-            return self._empty_grid(grid)
+        if min(grid) <= 0 or min(block) <= 0:
+            return self._empty_grid(grid, block)
         if shared_mem > _SMEM_DEFAULT_LIMIT:
             self._smem_check(fn, dev, shared_mem)
         if stream is not None and not hasattr(stream, "ptr"):
@@ -329,9 +329,10 @@ class Kernel:
         if _SYNC_CHECK:
             self._sync_check(stream)
 
-    def _empty_grid(self, grid):
-        if min(grid) < 0:
-            raise ValueError(f"{self.name}: grid={grid} has a negative dimension")
+    def _empty_grid(self, grid, block=(1,)):
+        if min(grid) < 0 or min(block) <= 0:
+            raise ValueError(f"{self.name}: grid={grid}, block={block}: dimensions must be positive "
+                             "(a zero grid dimension launches nothing)")
 
     def _smem_check(self, fn, dev, shared_mem):
         if self._smem_set.get(dev, 0) < shared_mem:
@@ -364,15 +365,14 @@ class Kernel:
         """
         import cupy
         n = len(self.signature)
-        names = [f"a{i}" for i in range(n)]
+        names = _param_names(self.signature)
+        multi = device.gpu_count() > 1
         g = {"_ndarray": cupy.ndarray, "_getdev": cupy.cuda.runtime.getDevice, "_fns": self._functions,
-             "_kernel": self, "_dim3": _dim3, "_multi": device.gpu_count() > 1, "_StreamPtr": _StreamPtr,
-             "_sync": _SYNC_CHECK}
-        lines = ["def launch(grid, block, *args, shared_mem=0, stream=None):",
-                 f"    if len(args) != {n}:",
-                 "        _kernel._wrong_count(args)",
-                 f"    {', '.join(names)}{',' if n == 1 else ''} = args" if n else "    pass",
-                 "    dev = _getdev() if _multi else 0",
+             "_kernel": self, "_dim3": _dim3, "_StreamPtr": _StreamPtr}
+        # Parameters are named after the kernel's own, so a wrong count reads e.g.
+        # "launch() missing 1 required positional argument: 'n'".
+        lines = [f"def launch(grid, block, {''.join(a + ', ' for a in names)}*, shared_mem=0, stream=None):",
+                 "    dev = _getdev()" if multi else "    dev = 0",
                  "    fn = _fns.get(dev)",
                  "    if fn is None:",
                  "        fn = _kernel.function(dev)"]
@@ -380,8 +380,8 @@ class Kernel:
             g[f"_c{i}"] = conv
             a = names[i]
             if p.kind == "pointer":
-                lines.append(f"    if type({a}) is not _ndarray or (_multi and {a}.data.device_id != dev): "
-                             f"{a} = _c{i}({a}, dev)")
+                dev_check = f" or {a}.data.device_id != dev" if multi else ""
+                lines.append(f"    if type({a}) is not _ndarray{dev_check}: {a} = _c{i}({a}, dev)")
             elif p.kind == "scalar" and p.np_type in (np.int64,):
                 lines.append(f"    if type({a}) is not int or not -9223372036854775808 <= {a} <= 9223372036854775807: "
                              f"{a} = _c{i}({a}, dev)")   # CuPy passes a Python int as int64
@@ -405,24 +405,23 @@ class Kernel:
                     lines.append(f"    {a} = _t{i}({a}) if type({a}) is float else _c{i}({a}, dev)")
             else:
                 lines.append(f"    {a} = _c{i}({a}, dev)")
-        lines += ["    if type(grid) is not tuple or len(grid) != 3: grid = _dim3(grid, 'grid')",
-                  "    if type(block) is not tuple or len(block) != 3: block = _dim3(block, 'block')",
-                  "    if grid[0] <= 0 or grid[1] <= 0 or grid[2] <= 0: return _kernel._empty_grid(grid)",
+        # CuPy's Function pads 1- and 2-tuples and clamps dimensions to >= 1, so a zero or negative
+        # dimension must be caught here: zero launches nothing, negative is an error.
+        lines += ["    if type(grid) is not tuple or len(grid) > 3: grid = _dim3(grid, 'grid')",
+                  "    if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
+                  "    if min(grid) <= 0 or min(block) <= 0: return _kernel._empty_grid(grid, block)",
                   f"    if shared_mem > {_SMEM_DEFAULT_LIMIT}: _kernel._smem_check(fn, dev, shared_mem)",
                   "    if stream is not None and not hasattr(stream, 'ptr'): stream = _StreamPtr(stream)",
                   "    try:",
                   f"        fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",
                   "    except Exception as exc:",
-                  "        _kernel._launch_failed(exc, grid, block, shared_mem)",
-                  "    if _sync: _kernel._sync_check(stream)"]
+                  "        _kernel._launch_failed(exc, grid, block, shared_mem)"]
+        if _SYNC_CHECK:
+            lines.append("    _kernel._sync_check(stream)")
         exec("\n".join(lines), g)   # noqa: S102 - code built above from the parsed signature only
         launcher = g["launch"]
         launcher.__doc__ = Kernel.launch.__doc__
         return launcher
-
-    def _wrong_count(self, args):
-        raise TypeError(f"{self.name}() takes {len(self.signature)} arguments "
-                        f"({', '.join(p.decl for p in self.signature)}); {len(args)} given")
 
     def _raise_smem_limit(self, fn, dev: int, nbytes: int) -> None:
         from cupy_backends.cuda.api import driver as cdrv
@@ -452,9 +451,22 @@ class _StreamPtr:
         self.ptr = int(ptr)
 
 
+def _param_names(signature: list[Param]) -> list[str]:
+    """Python-safe launcher parameter names taken from the C declarations."""
+    import keyword
+    taken = {"grid", "block", "shared_mem", "stream", "dev", "fn", "exc"}
+    out = []
+    for i, p in enumerate(signature):
+        m = re.search(r"(\w+)\s*(?:\[\s*\])?$", p.decl)
+        name = m.group(1) if m else ""
+        if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name in taken \
+                or name in out or name in _SCALARS or name in _QUALIFIERS:
+            name = f"arg{i}"
+        out.append(name)
+    return out
+
+
 def _dim3(v, what: str) -> tuple:
-    if type(v) is tuple and 1 <= len(v) <= 3 and all(type(x) is int and x >= 0 for x in v):
-        return v + (1,) * (3 - len(v))
     if isinstance(v, (int, np.integer)):
         v = (int(v),)
     try:

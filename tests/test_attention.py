@@ -311,7 +311,7 @@ def test_gpu_bad_inputs_raise_and_launch_nothing():
               v=cp.ones((1, 16, 2, 7), cp.float16)), "head_dim"),
         (dict(q=cp.ones((1, 16, 2, 264), cp.float16), k=cp.ones((1, 16, 2, 264), cp.float16),
               v=cp.ones((1, 16, 2, 264), cp.float16)), "head_dim"),
-        (dict(k=cp.ones((1, 16, 2, 32), cp.float16)), "k must be"),
+        (dict(k=cp.ones((1, 16, 2, 32), cp.float16), v=cp.ones((1, 16, 2, 32), cp.float16)), "k must be"),
         (dict(v=cp.ones((1, 15, 2, 64), cp.float16)), "v must have"),
         (dict(q=cp.ones((1, 16, 3, 64), cp.float16)), "multiple of nheads_kv"),
         (dict(q=cp.ones((1, 16, 2, 128), cp.float16)[..., ::2]), "contiguous last dimension"),

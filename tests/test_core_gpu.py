@@ -116,8 +116,13 @@ def test_argument_errors():
     import cupy as cp
     k = rtk.compile("vector_add", dtype="float32")
     a = cp.zeros(4, dtype=cp.float32)
-    with pytest.raises(TypeError, match=r"takes 4 arguments"):
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'n'"):
         k.launch((1,), (32,), a, a, a)
+    with pytest.raises(TypeError, match=r"takes 6 positional arguments but 7 were given"):
+        k.launch((1,), (32,), a, a, a, 4, 5)
+    with pytest.raises(ValueError, match=r"dimensions must be positive"):
+        k.launch((-1,), (32,), a, a, a, 4)
+    k.launch((0,), (32,), a, a, a, 4)   # an empty grid launches nothing
     with pytest.raises(TypeError, match=r"argument 3 \(long long n\) must be an integer"):
         k.launch((1,), (32,), a, a, a, 4.0)
     with pytest.raises(TypeError, match=r"argument 0 .* expects a device array"):
