@@ -1,0 +1,631 @@
+"""Memory-bound row operations over the last axis: softmax, log-softmax, RMSNorm, LayerNorm, reductions.
+
+>>> y = rtk.softmax(x)                       # also log_softmax=True
+>>> y = rtk.rmsnorm(x, weight, eps=1e-6)
+>>> y = rtk.layernorm(x, weight, bias, eps=1e-5)
+>>> s = rtk.reduce(x, op="argmax")           # "sum" | "max" | "min" | "argmax"
+
+Every op reads float16, bfloat16 or float32 rows and computes in float32.  Any leading shape is
+flattened to rows; the rows must be reachable with one row stride (leading dims collapsible, last
+axis contiguous), which covers contiguous arrays and row slices such as ``big[:, :n]``.  Other
+views are copied to a contiguous array first (one extra pass over the data).  Only the last axis
+is reduced: ``axis`` must be -1 (or ``ndim - 1``); move the axis yourself (``x.swapaxes(a, -1)``)
+for anything else.  bfloat16 travels as torch tensors or as uint16 CuPy arrays with
+``dtype="bfloat16"``.
+
+How a row is processed (one config field each, chosen on the host by :func:`plan`):
+
+* ``vec`` - elements per global access: 16 bytes when n, the row strides and every base pointer
+  allow, else the widest narrower vector that divides them all (down to scalar).
+* ``threads_per_row`` <= 32 - a group of lanes owns a row, several rows per block, no barriers
+  (short rows); ``threads_per_row == block_size`` - a block owns a row (warp shuffles + one shared
+  memory round); ``cluster_size`` > 1 (sm_90) - a cluster of blocks owns a row and combines the
+  block results through distributed shared memory.
+* ``vecs_per_thread`` - a compile-time count, so the row lives in a register array indexed only
+  by constants: 1 read + 1 write per element.  ``two_pass`` - rows too wide for the registers
+  of a block (and, on sm_80, of a cluster) take 2 reads + 1 write: softmax keeps an online
+  (max, sum) over the first pass, the norms their statistics.
+
+Semantics fixed here: softmax of an all -inf row is 0 (log-softmax -inf); NaN or +inf in a row
+makes the row NaN; all-equal rows give exactly fp32(1/n).  LayerNorm uses the biased variance.
+``reduce`` returns x's dtype for sum/max/min (sum accumulated in float32) and int64 for argmax
+(first occurrence; NaN counts as the maximum, as in NumPy); max/min propagate NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+import numpy as np
+
+from .. import device, dtypes
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+from ..kernel import get_kernel
+from ._arrays import as_device_array, dtype_name, new_like
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+REDUCE_OPS = ("sum", "max", "min", "argmax")
+MAX_WIDTH = 1 << 30   # two_pass handles any width whose element index fits in an int
+
+
+# ---- configs ------------------------------------------------------------------------------
+class _ClassOrInstance:
+    """A class attribute with a per-instance refinement: ``cls.attr`` is ``class_value``,
+    ``config.attr`` is ``fn(config)`` (inspect reads either)."""
+
+    def __init__(self, class_value, fn):
+        self.class_value, self.fn = class_value, fn
+
+    def __get__(self, obj, cls=None):
+        return self.class_value if obj is None else self.fn(obj)
+
+
+@dataclass(frozen=True)
+class _RowConfig(KernelConfig):
+    """Fields shared by the row families; see the module docstring for their meaning."""
+
+    dtype: str = "float16"
+    vec: int = 8
+    threads_per_row: int = 32
+    block_size: int = 128
+    vecs_per_thread: int = 4
+    cluster_size: int = 1
+
+    def __post_init__(self):
+        self._check_dtype("dtype", FLOAT_DTYPES)
+        self._check_int("vec", 1, 16 // dtypes.itemsize(self.dtype), power_of_two=True)
+        self._check_int("block_size", 32, 1024, power_of_two=True)
+        self._check_int("threads_per_row", 1, self.block_size, power_of_two=True)
+        if 32 < self.threads_per_row < self.block_size:
+            self._fail("threads_per_row", f"a power of two <= 32 (lane groups) or block_size={self.block_size} "
+                                          "(a block per row)")
+        self._check_int("vecs_per_thread", 1, 32)
+        self._check_choice("cluster_size", (1, 2, 4, 8))
+        if self.cluster_size > 1 and self.threads_per_row != self.block_size:
+            self._fail("cluster_size", f"1 unless threads_per_row == block_size (clusters split whole-block rows; "
+                                       f"threads_per_row={self.threads_per_row})")
+        if getattr(self, "two_pass", False):
+            if self.threads_per_row != self.block_size:
+                self._fail("two_pass", "False unless threads_per_row == block_size (two-pass rows are per block)")
+            if self.cluster_size != 1:
+                self._fail("two_pass", "False when cluster_size > 1 (a cluster holds its row in registers)")
+
+    # Bits per global access intended: 128 for the family, vec * itemsize for one config (a
+    # misaligned input's scalar config is narrow on purpose).
+    expected_global_width = _ClassOrInstance(128, lambda c: 8 * c.vec * dtypes.itemsize(c.dtype))
+
+    # derived values
+    @property
+    def threads_per_block(self) -> int:
+        return self.block_size
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block_size // self.threads_per_row
+
+    @property
+    def row_class(self) -> str:
+        if getattr(self, "two_pass", False):
+            return "two_pass"
+        if self.cluster_size > 1:
+            return "cluster"
+        return "group" if self.threads_per_row <= 32 and self.rows_per_block > 1 else "block"
+
+    @property
+    def chunk_elements(self) -> int:
+        """Elements one pass of the row's threads covers: the resident capacity of a row."""
+        return self.threads_per_row * self.cluster_size * self.vecs_per_thread * self.vec
+
+    @property
+    def min_arch(self) -> int:
+        return 90 if self.cluster_size > 1 else 80
+
+    def compile_options(self):
+        # A hard register cap instead of __launch_bounds__: with launch bounds ptxas trades a few
+        # spilled bytes for one more resident block (seen: 64 registers + 8 B spills at 128
+        # threads where 91 registers fit).  The cap keeps a block of block_size launchable.
+        from ..compiler import CompileOptions
+        return CompileOptions(max_registers=min(255, 65536 // self.block_size))
+
+    def grid(self, rows: int) -> int:
+        """Blocks for `rows` rows (kernels loop over rows, so a capped grid stays correct)."""
+        if self.threads_per_row < self.block_size:
+            blocks = -(-rows // self.rows_per_block)
+        else:
+            blocks = rows * self.cluster_size
+        cap = (2 ** 31 - 1) // self.cluster_size * self.cluster_size
+        return max(0, min(blocks, cap))
+
+
+@register_family
+@dataclass(frozen=True)
+class SoftmaxConfig(_RowConfig):
+    """Softmax / log-softmax over rows (templates/softmax.cu.j2)."""
+
+    family: ClassVar[str] = "softmax"
+    template: ClassVar[str] = "softmax.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("softmax_rows", "log_softmax_rows")
+    two_pass: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.two_pass, bool):
+            self._fail("two_pass", "True or False")
+        super().__post_init__()
+
+
+@register_family
+@dataclass(frozen=True)
+class NormConfig(_RowConfig):
+    """RMSNorm / LayerNorm over rows (templates/norm.cu.j2); weight/bias may be wider than x."""
+
+    family: ClassVar[str] = "norm"
+    template: ClassVar[str] = "norm.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_rows", "layernorm_rows")
+    weight_dtype: str = "float16"
+    two_pass: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.two_pass, bool):
+            self._fail("two_pass", "True or False")
+        super().__post_init__()
+        # Same as x, or float32 (mixed precision); other mixes only multiply the compiled variants.
+        self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
+
+
+@register_family
+@dataclass(frozen=True)
+class ReduceConfig(_RowConfig):
+    """sum / max / min / argmax over rows (templates/reduce.cu.j2); always one pass."""
+
+    family: ClassVar[str] = "reduce"
+    template: ClassVar[str] = "reduce.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("reduce_sum_rows", "reduce_max_rows", "reduce_min_rows",
+                                          "reduce_argmax_rows")
+
+    # Loads are vec-wide, but the one result per row is a scalar store: no width to hold it to.
+    expected_global_width = None
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+# Reasoned, not yet measured on a GPU (tools/bench_membound.py --sweep measures the alternatives).
+#
+# Register budget per thread for a resident row: softmax keeps its row as float32 after the exp
+# (32 floats: 56-64 registers, log-softmax 71-79 on sm_90); the norms keep the loaded vectors
+# packed plus the weight (and bias) vectors of the write phase, so 32 16-bit or 16 32-bit
+# elements (RMSNorm 56-80, LayerNorm 87-96 registers).  More per thread buys little: 16-byte
+# loads x vecs_per_thread x ~1000 threads per SM keep > 32 KiB in flight per SM, above the
+# H100/H200 bandwidth-latency product (~4.2 TB/s x ~0.8 us / 132 SMs ~= 25 KiB).
+_ELEMS_PER_THREAD = {"softmax": {2: 32, 4: 32}, "norm": {2: 32, 4: 16}, "reduce": {2: 32, 4: 16}}
+# Each slot costs a predicate and address arithmetic besides its data: narrow vectors with 16-32
+# slots spill at 512+ threads (seen: 32 scalar slots 84 B, LayerNorm with 16 4-byte slots 8 B).
+_MAX_VECS_PER_THREAD = 8
+# Threads per block for a block-owned row before splitting the row over a cluster: 256 threads
+# (~64 registers) leave 4 blocks per SM, so while one block sits in its reduction barrier the
+# others keep loading; a 1024-thread block would be alone on its SM and stall it every row.
+_BLOCK_PREFERRED = 256
+# Largest block when even a cluster of 8 preferred blocks cannot hold the row (>= 64k elements).
+# The norms' weight (+ bias) vectors need 70-80 registers: 1024 threads (64 max) spill.
+_BLOCK_MAX = {"softmax": 1024, "norm": 512, "layernorm": 512, "reduce": 512}
+_GROUP_BLOCK = 128   # lane-group rows: 4 warps, 4..128 rows per block
+_TWO_PASS_BLOCK = 512
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 if v <= 1 else 1 << (int(v) - 1).bit_length()
+
+
+def _arch_number(arch: str) -> int:
+    return int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()))
+
+
+def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 << 20, sms: int = 132,
+         weight_dtype: str | None = None, layer: bool = False) -> KernelConfig:
+    """The heuristic config for rows of ``n`` elements accessed ``vec`` at a time.
+
+    Depends on n only through the power of two >= n / vec (so a finite set of configs covers
+    every width; tests compile them all).  ``rows`` and ``sms`` matter only to ``reduce``, which
+    spreads a few wide rows over a cluster on sm_90.
+    """
+    size = dtypes.itemsize(dtype)
+    nvec = _pow2_ceil(-(-n // vec))
+    vmax = min(_MAX_VECS_PER_THREAD, max(1, _ELEMS_PER_THREAD[family][size] // vec))
+    need = _pow2_ceil(-(-nvec // vmax))          # threads if every thread holds vmax vectors
+    hopper = _arch_number(arch) >= 90
+    common = dict(dtype=dtype, vec=vec)
+    if family == "norm":
+        common["weight_dtype"] = weight_dtype or dtype
+    if need <= 32:                                # (a) a lane group per row
+        group = need
+        return _make(family, common, threads_per_row=group, block_size=_GROUP_BLOCK,
+                     vecs_per_thread=_pow2_ceil(-(-nvec // group)))
+    if family == "reduce":
+        # One pass whatever the width: a block loops over chunks; few wide rows on sm_90 spread
+        # over a cluster so that more SMs pull on one row.
+        block = min(need, _BLOCK_PREFERRED)
+        cluster = 1
+        if hopper and rows < sms:
+            cluster = max(1, min(8, need // block, _pow2_floor(max(1, sms // max(rows, 1)))))
+        return _make(family, common, threads_per_row=block, block_size=block, vecs_per_thread=vmax,
+                     cluster_size=cluster)
+    block_max = _BLOCK_MAX["layernorm" if layer else family]
+    if need <= _BLOCK_PREFERRED:                  # (b) a block per row, in registers
+        return _make(family, common, threads_per_row=need, block_size=need,
+                     vecs_per_thread=_pow2_ceil(-(-nvec // need)))
+    if hopper and need <= 8 * block_max:          # (b') a cluster per row, in registers
+        block = max(_BLOCK_PREFERRED, need // 8)
+        return _make(family, common, threads_per_row=block, block_size=block, vecs_per_thread=vmax,
+                     cluster_size=need // block)
+    if need <= block_max:                         # (b'') sm_80: one big block still beats 2 reads
+        return _make(family, common, threads_per_row=need, block_size=need, vecs_per_thread=vmax)
+    # (c) too wide for registers: two passes over the row.
+    return _make(family, common, threads_per_row=_TWO_PASS_BLOCK, block_size=_TWO_PASS_BLOCK,
+                 vecs_per_thread=vmax, two_pass=True)
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (int(v).bit_length() - 1)
+
+
+_CONFIG_CLASS = {"softmax": SoftmaxConfig, "norm": NormConfig, "reduce": ReduceConfig}
+
+
+def _make(family: str, common: dict, **fields) -> KernelConfig:
+    return _CONFIG_CLASS[family](**common, **fields)
+
+
+def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...]]]:
+    """Every (family, config, kernels it runs) that :func:`plan` can return for ``arch``.
+
+    Widths beyond 2**20 add nothing: they all take the same two_pass configs.
+    """
+    seen: dict = {}
+    for family in ("softmax", "norm", "reduce"):
+        for dtype in FLOAT_DTYPES:
+            size = dtypes.itemsize(dtype)
+            wdts = tuple(dict.fromkeys((dtype, "float32"))) if family == "norm" else (None,)
+            vec = 16 // size
+            while vec >= 1:
+                k = 0
+                while (1 << k) * vec <= 1 << 20:
+                    n = (1 << k) * vec
+                    for wdt in wdts:
+                        for layer in ((False, True) if family == "norm" else (False,)):
+                            for rows in ((1, 2, 4, 8, 16, 32, 64, 128, 1 << 20) if family == "reduce"
+                                         else (1 << 20,)):
+                                cfg = plan(family, n, dtype, vec, arch, rows=rows, weight_dtype=wdt, layer=layer)
+                                names = (("layernorm_rows",) if layer else ("rmsnorm_rows",)) \
+                                    if family == "norm" else cfg.kernels
+                                seen.setdefault((family, cfg), set()).update(names)
+                    k += 1
+                vec //= 2
+    return [(family, cfg, tuple(sorted(names))) for (family, cfg), names in seen.items()]
+
+
+# ---- array plumbing -------------------------------------------------------------------------
+def _dtype_of(x, dtype, op: str) -> str:
+    dt = dtype_name(x) if not (hasattr(x, "dtype") and str(x.dtype) == "uint16") else "uint16"
+    if dtype is not None:
+        want = dtypes.canonical(dtype, family=op, field="dtype", allowed=FLOAT_DTYPES)
+        if not (dt == want or (dt == "uint16" and want == "bfloat16")):
+            raise ConfigError(f"{op}: dtype={dtype!r} does not match the array's dtype {dt} "
+                              "(dtype='bfloat16' reads uint16 arrays as bfloat16 bits)",
+                              family=op, field="dtype", value=dtype, allowed=", ".join(FLOAT_DTYPES))
+        return want
+    if dt not in FLOAT_DTYPES:
+        raise ConfigError(f"{op}: x has dtype {dt}; allowed: {', '.join(FLOAT_DTYPES)} "
+                          "(uint16 bfloat16 bits need dtype='bfloat16')",
+                          family=op, field="dtype", value=dt, allowed=", ".join(FLOAT_DTYPES))
+    return dt
+
+
+def _ndim(x) -> int:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        shape = as_device_array(x, "rtkernels", "x").shape
+    return len(shape)
+
+
+def _check_axis(axis, ndim: int, op: str) -> None:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or axis not in (-1, ndim - 1):
+        raise ConfigError(f"{op}: axis={axis!r} is not allowed; axis must be -1 or {ndim - 1} (the last axis). "
+                          "For another axis, move it last first (x.swapaxes(axis, -1)).",
+                          family=op, field="axis", value=axis, allowed=f"-1, {ndim - 1}")
+
+
+def _row_layout(v) -> tuple[int, int, int] | None:
+    """(rows, n, row stride in elements) when one stride reaches every row, else None."""
+    if v.ndim == 0:
+        return None
+    item = v.itemsize
+    shape, strides = v.shape, [s // item for s in v.strides]
+    n = int(shape[-1])
+    rows = int(math.prod(shape[:-1]))
+    if n > 1 and strides[-1] != 1:
+        return None
+    lead = [(int(d), int(s)) for d, s in zip(shape[:-1], strides[:-1]) if d != 1]
+    if not lead:
+        return rows, n, n
+    for (_, s0), (d1, s1) in zip(lead, lead[1:]):
+        if s0 != s1 * d1:
+            return None
+    return rows, n, lead[-1][1]
+
+
+def _rows_of(x, op: str, name: str = "x"):
+    """A device view of x and its row layout, copying views that one row stride cannot reach."""
+    v = as_device_array(x, op, name)
+    if v.ndim == 0:
+        raise ConfigError(f"{op}: {name} must have at least one dimension, got a scalar")
+    lay = _row_layout(v)
+    if lay is None:
+        import cupy
+        v = cupy.ascontiguousarray(v)    # documented: non-collapsible views cost one extra copy
+        lay = _row_layout(v)
+    return v, lay
+
+
+def _out_rows(out, x, shape, dtype: str, op: str):
+    if out is None:
+        out = new_like(x, shape, dtype)
+    ov = as_device_array(out, op, "out")
+    odt = dtype_name(out) if str(getattr(out, "dtype", "")) != "uint16" else "uint16"
+    if tuple(ov.shape) != tuple(shape) or not (odt == dtype or (odt == "uint16" and dtype == "bfloat16")):
+        raise ConfigError(f"{op}: out must be a {dtype} array of shape {tuple(shape)}, got {odt} {tuple(ov.shape)}",
+                          family=op, field="out", value=f"{odt}{tuple(ov.shape)}", allowed=f"{dtype}{tuple(shape)}")
+    lay = _row_layout(ov) if ov.ndim else (1, 1, 1)
+    if lay is None:
+        raise ConfigError(f"{op}: out (strides {ov.strides}) must reach its rows with one row stride and have a "
+                          "contiguous last axis; pass a contiguous array or a row slice", family=op, field="out")
+    rows, n, stride = lay
+    if rows > 1 and abs(stride) < n:
+        raise ConfigError(f"{op}: out rows overlap (row stride {stride} < width {n})", family=op, field="out")
+    return out, ov, lay
+
+
+def _pick_vec(size: int, n: int, ptrs, strides) -> int:
+    """Widest power-of-two vector (<= 16 bytes) that divides n, every stride and every pointer."""
+    vec = 16 // size
+    while vec > 1 and (n % vec or any(p % (vec * size) for p in ptrs) or any(s % vec for s in strides)):
+        vec //= 2
+    return vec
+
+
+def _ptr(v) -> int:
+    return int(v.data.ptr)
+
+
+@lru_cache(maxsize=None)
+def _arch_info() -> tuple[str, int]:
+    arch = device.current_arch()
+    sms = device.sm_count() if device.has_gpu() else 132
+    return arch, sms
+
+
+@lru_cache(maxsize=4096)
+def _planned(family: str, n_bucket: int, dtype: str, vec: int, arch: str, rows_bucket: int, sms: int,
+             weight_dtype: str | None, layer: bool) -> KernelConfig:
+    return plan(family, n_bucket, dtype, vec, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
+                layer=layer)
+
+
+def _config_for(family: str, config, n: int, dtype: str, vec: int, rows: int, op: str,
+                weight_dtype: str | None = None, layer: bool = False) -> KernelConfig:
+    arch, sms = _arch_info()
+    if config is None:
+        # Only reduce looks at rows (fewer rows than SMs); bucket them so the memo stays small.
+        rows_bucket = _pow2_floor(max(rows, 1)) if family == "reduce" and rows < sms else 1 << 20
+        return _planned(family, _pow2_ceil(-(-n // vec)) * vec, dtype, vec, arch, rows_bucket, sms,
+                        weight_dtype, layer)
+    if not isinstance(config, _CONFIG_CLASS[family]):
+        raise ConfigError(f"{op}: config must be a {_CONFIG_CLASS[family].__name__}, got {type(config).__name__}",
+                          family=op, field="config", value=config)
+    if config.dtype != dtype or (weight_dtype and config.weight_dtype != weight_dtype):
+        raise ConfigError(f"{op}: config.dtype={config.dtype!r} does not match the input ({dtype})",
+                          family=op, field="config", value=config)
+    if vec % config.vec:
+        raise ConfigError(f"{op}: config.vec={config.vec} needs n, strides and pointers aligned to "
+                          f"{config.vec} elements; this input allows vec <= {vec}", family=op, field="config")
+    if not getattr(config, "two_pass", True) and config.chunk_elements < n:
+        raise ConfigError(f"{op}: config holds {config.chunk_elements} elements per row in registers, the row has "
+                          f"{n}; raise vecs_per_thread/threads_per_row/cluster_size or set two_pass=True",
+                          family=op, field="config")
+    return config
+
+
+# ---- public ops -------------------------------------------------------------------------------
+def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: str | None = None, stream=None,
+            config: SoftmaxConfig | None = None):
+    """Softmax (or log-softmax) over the last axis.
+
+    Parameters
+    ----------
+    x : CuPy array / torch tensor / CAI or DLPack object, float16, bfloat16 or float32, any
+        leading shape; the last axis holds 1 .. 2**30 elements.  Rows stay in registers (one
+        read) up to 262144 elements on sm_90 and 32768 on sm_80 with 16-byte access; wider rows
+        take two reads.  (Norms: 131072 / 65536 for 16-bit / float32 on sm_90, 16384 / 8192 on sm_80.)
+    axis : -1 (or ``x.ndim - 1``) only.
+    out : optional array of x's shape and dtype (rows reachable with one row stride).
+    log_softmax : return ``x - max - log(sum(exp(x - max)))``.
+    dtype : ``"bfloat16"`` to read a uint16 CuPy array as bfloat16 bits.
+    stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream).
+    config : a :class:`SoftmaxConfig` overriding the heuristic (tuning, benchmarks).
+
+    Returns
+    -------
+    ``out`` (new if None): same kind of array as ``x``.  All -inf rows give 0 (log: -inf).
+    """
+    op = "log_softmax" if log_softmax else "softmax"
+    dt = _dtype_of(x, dtype, op)
+    _check_axis(axis, _ndim(x), op)
+    xv, (rows, n, xs) = _rows_of(x, op)
+    _check_width(n, op)
+    out, ov, (_, _, ys) = _out_rows(out, x, xv.shape, dt, op)
+    if rows == 0 or n == 0:
+        return out
+    size = dtypes.itemsize(dt)
+    vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
+    cfg = _config_for("softmax", config, n, dt, vec, rows, op)
+    k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
+    k.launch((cfg.grid(rows),), (cfg.block_size,), xv, ov, rows, n, xs, ys, stream=stream)
+    return out
+
+
+def rmsnorm(x, weight, eps: float = 1e-6, out=None, *, dtype: str | None = None, stream=None,
+            config: NormConfig | None = None):
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last axis.
+
+    Parameters
+    ----------
+    x : float16 / bfloat16 / float32 array, any leading shape (see :func:`softmax`).
+    weight : ``n`` contiguous elements, float16 / bfloat16 / float32 (may differ from x's dtype).
+    eps, out, dtype, stream, config : as in :func:`softmax` (config: a :class:`NormConfig`).
+    """
+    return _norm("rmsnorm", x, weight, None, eps, out, dtype, stream, config)
+
+
+def layernorm(x, weight, bias, eps: float = 1e-5, out=None, *, dtype: str | None = None, stream=None,
+              config: NormConfig | None = None):
+    """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last axis (biased variance).
+
+    Parameters
+    ----------
+    x : float16 / bfloat16 / float32 array, any leading shape (see :func:`softmax`).
+    weight, bias : ``n`` contiguous elements each, one dtype (may differ from x's).
+    eps, out, dtype, stream, config : as in :func:`softmax` (config: a :class:`NormConfig`).
+    """
+    return _norm("layernorm", x, weight, bias, eps, out, dtype, stream, config)
+
+
+def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
+    dt = _dtype_of(x, dtype, op)
+    xv, (rows, n, xs) = _rows_of(x, op)
+    _check_width(n, op)
+    params = []
+    wdt = None
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None and name == "bias" and op == "rmsnorm":
+            continue
+        if p is None:
+            raise ConfigError(f"{op}: {name} is required", family=op, field=name)
+        pv = as_device_array(p, op, name)
+        pdt = dtype_name(p) if str(getattr(p, "dtype", "")) != "uint16" else "uint16"
+        if pdt == "uint16" and dt == "bfloat16":
+            pdt = "bfloat16"
+        if pdt not in FLOAT_DTYPES:
+            raise ConfigError(f"{op}: {name} has dtype {pdt}; allowed: {', '.join(FLOAT_DTYPES)}",
+                              family=op, field=name, value=pdt, allowed=", ".join(FLOAT_DTYPES))
+        if wdt is not None and pdt != wdt:
+            raise ConfigError(f"{op}: weight and bias must share a dtype, got {wdt} and {pdt}", family=op, field=name)
+        if pdt not in (dt, "float32"):
+            raise ConfigError(f"{op}: {name} has dtype {pdt}; with {dt} x it must be {dt} or float32",
+                              family=op, field=name, value=pdt, allowed=f"{dt}, float32")
+        wdt = pdt
+        if pv.size != n or not pv.flags.c_contiguous:
+            raise ConfigError(f"{op}: {name} must be {n} contiguous elements (x.shape[-1]), got shape {pv.shape}",
+                              family=op, field=name, value=tuple(pv.shape), allowed=f"({n},)")
+        params.append(pv)
+    if not isinstance(eps, (int, float, np.floating)) or isinstance(eps, bool) or not eps >= 0:
+        raise ConfigError(f"{op}: eps={eps!r} is not allowed; eps must be a float >= 0", family=op, field="eps")
+    out, ov, (_, _, ys) = _out_rows(out, x, xv.shape, dt, op)
+    if rows == 0 or n == 0:
+        return out
+    size = dtypes.itemsize(dt)
+    vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
+    wsize = dtypes.itemsize(wdt)
+    while vec > 1 and any(_ptr(p) % min(16, vec * wsize) for p in params):
+        vec //= 2   # weights load in pieces of at most 16 bytes
+    cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
+    k = get_kernel(cfg, op + "_rows")
+    k.launch((cfg.grid(rows),), (cfg.block_size,), xv, *params, ov, rows, n, xs, ys, float(eps), stream=stream)
+    return out
+
+
+def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = None, stream=None,
+           config: ReduceConfig | None = None):
+    """Reduce the last axis: ``"sum"``, ``"max"``, ``"min"`` (x's dtype) or ``"argmax"`` (int64).
+
+    Sum accumulates in float32 and rounds once to x's dtype (float16 sums beyond 65504 give inf).
+    max/min propagate NaN; argmax gives the first maximum, and a row with NaN gives its first NaN
+    (NumPy's rules).  The result has shape ``x.shape[:-1]``.  Other parameters as in :func:`softmax`.
+    """
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"reduce: op={op!r} is not allowed; op must be one of {', '.join(map(repr, REDUCE_OPS))}",
+                          family="reduce", field="op", value=op, allowed=", ".join(REDUCE_OPS))
+    name = f"reduce({op})"
+    dt = _dtype_of(x, dtype, name)
+    _check_axis(axis, _ndim(x), name)
+    xv, (rows, n, xs) = _rows_of(x, name)
+    _check_width(n, name)
+    if n == 0:
+        raise ConfigError(f"{name}: the last axis is empty; a reduction needs at least one element",
+                          family="reduce", field="x", value=tuple(xv.shape))
+    odt = "int64" if op == "argmax" else dt
+    shape = xv.shape[:-1]
+    out, ov, _ = _out_rows(out, x, shape, odt, name)
+    if not ov.flags.c_contiguous:
+        raise ConfigError(f"{name}: out must be contiguous", family="reduce", field="out")
+    if rows == 0:
+        return out
+    size = dtypes.itemsize(dt)
+    vec = _pick_vec(size, n, (_ptr(xv),), (xs,) if rows > 1 else ())
+    cfg = _config_for("reduce", config, n, dt, vec, rows, name)
+    k = get_kernel(cfg, f"reduce_{op}_rows")
+    k.launch((cfg.grid(rows),), (cfg.block_size,), xv, ov, rows, n, xs, stream=stream)
+    return out
+
+
+def _check_width(n: int, op: str) -> None:
+    if n > MAX_WIDTH:
+        raise ConfigError(f"{op}: x.shape[-1]={n} is not allowed; the last axis must have at most {MAX_WIDTH} "
+                          "elements", family=op, field="x.shape[-1]", value=n, allowed=f"[1, {MAX_WIDTH}]")
+
+
+# ---- float64 references (host, NumPy) ------------------------------------------------------------
+def softmax_reference(x: np.ndarray, log_softmax: bool = False) -> np.ndarray:
+    """float64 softmax over the last axis with this module's conventions (all -inf row -> 0 / -inf)."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    all_ninf = m == -np.inf
+    m_ref = np.where(all_ninf, 0.0, m)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        d = x - m_ref
+        s = np.sum(np.exp(d), axis=-1, keepdims=True)
+        if log_softmax:
+            y = d - np.log(s)
+            return np.where(all_ninf, -np.inf, y)
+        y = np.exp(d) / s
+        return np.where(all_ninf, 0.0, y)
+
+
+def rmsnorm_reference(x: np.ndarray, weight: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+
+
+def layernorm_reference(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    mean = np.mean(x, axis=-1, keepdims=True)
+    var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * np.asarray(weight, np.float64) + np.asarray(bias, np.float64)
+
+
+def reduce_reference(x: np.ndarray, op: str = "sum") -> np.ndarray:
+    """float64 sum / max / min (NaN-propagating) or int64 argmax (first occurrence, NaN first)."""
+    x = np.asarray(x, dtype=np.float64)
+    if op == "sum":
+        return np.sum(x, axis=-1)
+    if op == "max":
+        return np.max(x, axis=-1)
+    if op == "min":
+        return np.min(x, axis=-1)
+    if op == "argmax":
+        return np.argmax(x, axis=-1).astype(np.int64)
+    raise ConfigError.bad_value("reduce", "op", op, "one of " + ", ".join(REDUCE_OPS))
+
+
+__all__ = ["softmax", "rmsnorm", "layernorm", "reduce", "SoftmaxConfig", "NormConfig", "ReduceConfig", "plan",
+           "softmax_reference", "rmsnorm_reference", "layernorm_reference", "reduce_reference"]

@@ -1,0 +1,299 @@
+// Row reductions for the memory-bound families (softmax, norms, reduce).
+// Plain CUDA C++ (no Jinja), included as "rtk/reduce.cuh" after "rtk/common.cuh".
+//
+// A row is owned by a *team*: a group of 1..32 lanes of one warp (several rows per block), a
+// whole block, or (sm_90) a cluster of blocks.  Every kernel loops over rows with a RowTeam and
+// reduces a per-thread state once per row with team.reduce(state, op).
+//
+// Every combine below is exactly commutative (the same bits for op(a, b) and op(b, a)), so the
+// xor butterflies leave the identical result in every lane and every block of a cluster: all
+// threads of a row normalize with the same statistics, and results do not depend on scheduling.
+#pragma once
+#include "rtk/common.cuh"
+
+namespace rtk {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
+
+// exp(x) as FMUL + MUFU.EX2.  __expf without -ftz adds a compare and two multiplies per call to
+// keep denormal results; at 5+ elements per clock per SM that alone makes softmax issue-bound.
+// Results below 2^-126 flush to 0.  Relative error ~2 ulp plus |x| * 2^-24 from rounding x*log2(e).
+__device__ __forceinline__ float exp_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
+// 1/x as one MUFU.RCP (~1 ulp): IEEE division and __frcp_rn bring a slow-path branch.
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ---- cached / streaming vector access of 2..16 bytes -------------------------------------
+// kStream: evict-first (ld/st.global.cs) for data touched once, so it does not push out what is
+// reused (the weights, or the row a two-pass kernel reads again).
+template <typename T, int N, bool kStream>
+__device__ __forceinline__ Vec<T, N> load(const T* __restrict__ p) {
+    constexpr int kBytes = int(sizeof(T)) * N;
+    static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "2..16-byte vectors");
+    Vec<T, N> r;
+    if constexpr (kBytes == 16) {
+        const int4* q = reinterpret_cast<const int4*>(p);
+        *reinterpret_cast<int4*>(&r) = kStream ? __ldcs(q) : *q;
+    } else if constexpr (kBytes == 8) {
+        const int2* q = reinterpret_cast<const int2*>(p);
+        *reinterpret_cast<int2*>(&r) = kStream ? __ldcs(q) : *q;
+    } else if constexpr (kBytes == 4) {
+        const unsigned* q = reinterpret_cast<const unsigned*>(p);
+        *reinterpret_cast<unsigned*>(&r) = kStream ? __ldcs(q) : *q;
+    } else {
+        const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
+        *reinterpret_cast<unsigned short*>(&r) = kStream ? __ldcs(q) : *q;
+    }
+    return r;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_cs(T* __restrict__ p, const Vec<T, N>& v) {
+    constexpr int kBytes = int(sizeof(T)) * N;
+    static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "2..16-byte vectors");
+    if constexpr (kBytes == 16) __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+    else if constexpr (kBytes == 8) __stcs(reinterpret_cast<int2*>(p), *reinterpret_cast<const int2*>(&v));
+    else if constexpr (kBytes == 4) __stcs(reinterpret_cast<unsigned*>(p), *reinterpret_cast<const unsigned*>(&v));
+    else __stcs(reinterpret_cast<unsigned short*>(p), *reinterpret_cast<const unsigned short*>(&v));
+}
+
+// The N elements of a loaded vector as floats; `fill` for a slot past the row end (one select
+// per element, cheaper than pre-filling the 16-bit lanes of the load's registers).
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&f)[N], bool ok = true, float fill = 0.f) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = ok ? to_float(v.v[k]) : fill;
+}
+// bfloat16 is the top half of a float: one shift or mask per element of a packed pair, where the
+// generic path extracts (PRMT) and then shifts.
+template <int N>
+__device__ __forceinline__ void to_floats(const Vec<__nv_bfloat16, N>& v, float (&f)[N], bool ok = true,
+                                          float fill = 0.f) {
+    if constexpr (N % 2 == 0) {
+        const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) {
+            f[2 * k] = ok ? __uint_as_float(w[k] << 16) : fill;
+            f[2 * k + 1] = ok ? __uint_as_float(w[k] & 0xffff0000u) : fill;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) f[k] = ok ? to_float(v.v[k]) : fill;
+    }
+}
+
+// N elements of a read-only array reused by every row (norm weights), raw.  Loaded in pieces of
+// at most 16 bytes so a float32 weight beside 8-element 16-bit vectors works too.
+template <typename W, int N>
+__device__ __forceinline__ Vec<W, N> load_params(const W* __restrict__ p) {
+    constexpr int kPiece = (int(sizeof(W)) * N > 16) ? 16 / int(sizeof(W)) : N;
+    static_assert(N % kPiece == 0, "vector of parameters splits into 16-byte pieces");
+    Vec<W, N> r;
+#pragma unroll
+    for (int q = 0; q < N / kPiece; ++q) {
+        const Vec<W, kPiece> v = load<W, kPiece, false>(p + q * kPiece);
+#pragma unroll
+        for (int k = 0; k < kPiece; ++k) r.v[q * kPiece + k] = v.v[k];
+    }
+    return r;
+}
+
+// ---- reduction states and their combines ---------------------------------------------
+__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ int shfl_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+struct SumOp {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+// max/min propagate NaN like NumPy: a row holding a NaN reduces to NaN.
+struct MaxOp {
+    __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }
+};
+struct MinOp {
+    __device__ float operator()(float a, float b) const { return (a != a || a < b) ? a : b; }
+};
+
+// Online softmax: running maximum m and sum s of exp(x - m) over the elements seen so far.
+// m == -inf means "no finite element yet" and then s == 0.
+struct MaxSum {
+    float m, s;
+};
+__device__ __forceinline__ MaxSum shfl_xor(MaxSum v, int mask) {
+    return {shfl_xor(v.m, mask), shfl_xor(v.s, mask)};
+}
+struct MaxSumOp {
+    __device__ MaxSum operator()(MaxSum a, MaxSum b) const {
+        const float m = fmaxf(a.m, b.m);
+        if (m == neg_inf()) return {m, 0.f};  // exp(-inf - -inf) would be NaN
+        return {m, a.s * exp_ftz(a.m - m) + b.s * exp_ftz(b.m - m)};
+    }
+};
+
+// Mean and sum of squared deviations of n elements (Chan et al. pairwise update), written in the
+// symmetric form (na*ma + nb*mb)/n so that combine(a, b) == combine(b, a) bit for bit.
+struct MeanM2 {
+    float n, mean, m2;
+};
+__device__ __forceinline__ MeanM2 shfl_xor(MeanM2 v, int mask) {
+    return {shfl_xor(v.n, mask), shfl_xor(v.mean, mask), shfl_xor(v.m2, mask)};
+}
+struct MeanM2Op {
+    __device__ MeanM2 operator()(MeanM2 a, MeanM2 b) const {
+        const float n = a.n + b.n;
+        const float inv_n = n > 0.f ? rcp_approx(n) : 0.f;  // two empty states give {0, 0, 0}
+        const float d = b.mean - a.mean;
+        return {n, (a.n * a.mean + b.n * b.mean) * inv_n, a.m2 + b.m2 + d * d * (a.n * b.n * inv_n)};
+    }
+};
+
+// argmax: larger value wins, NaN beats everything (like NumPy), ties go to the smaller index.
+// That is a total order, so the result is the first occurrence whatever the reduction order.
+struct ValIdx {
+    float v;
+    int i;
+};
+__device__ __forceinline__ ValIdx shfl_xor(ValIdx v, int mask) {
+    return {shfl_xor(v.v, mask), shfl_xor(v.i, mask)};
+}
+struct ArgMaxOp {
+    __device__ ValIdx operator()(ValIdx a, ValIdx b) const {
+        const bool an = a.v != a.v, bn = b.v != b.v;
+        bool take_a;
+        if (an || bn) take_a = an && (!bn || a.i < b.i);
+        else take_a = a.v > b.v || (a.v == b.v && a.i < b.i);
+        return take_a ? a : b;
+    }
+};
+
+// ---- team reductions ------------------------------------------------------------------
+// Butterfly over aligned groups of kWidth lanes; every lane of the warp must take part.
+template <int kWidth, typename S, typename Op>
+__device__ __forceinline__ S group_reduce(S v, Op op) {
+    static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0, "power of two <= 32");
+#pragma unroll
+    for (int mask = kWidth / 2; mask >= 1; mask /= 2) v = op(v, shfl_xor(v, mask));
+    return v;
+}
+
+// Warp butterflies, one __syncthreads, then every warp reduces the kWarps partials itself (each
+// group of kWarps lanes holds all of them), so no second barrier is needed to broadcast.
+template <int kWarps, typename S, typename Op>
+__device__ __forceinline__ S block_reduce(S v, Op op, S* smem) {
+    v = group_reduce<32>(v, op);
+    if constexpr (kWarps == 1) {
+        return v;
+    } else {
+        const int lane = threadIdx.x & 31;
+        if (lane == 0) smem[threadIdx.x >> 5] = v;
+        __syncthreads();
+        return group_reduce<kWarps>(smem[lane & (kWarps - 1)], op);
+    }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// A 4-byte-word copy of S from the shared memory of block `rank` of this cluster (DSMEM).
+template <typename S>
+__device__ __forceinline__ S load_peer(const S* local, unsigned rank) {
+    static_assert(sizeof(S) % 4 == 0, "states are made of 4-byte fields");
+    unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local)), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    S r;
+    unsigned* w = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+    for (int k = 0; k < int(sizeof(S) / 4); ++k)
+        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(w[k]) : "r"(remote + 4u * k) : "memory");
+    return r;
+}
+#endif
+
+// The threads that own one row, and the loop over rows.
+//   kThreadsPerRow <= 32: a group of lanes; kBlock / kThreadsPerRow rows per block (kCluster == 1).
+//   kThreadsPerRow == kBlock: the block owns the row, or with kCluster > 1 (sm_90, kernel declared
+//   __cluster_dims__(kCluster,1,1)) a cluster of kCluster blocks owns it, reduced through DSMEM.
+// Protocol: per row iteration call reduce() exactly once, then end_row().  Loops run over
+// `row_base` uniformly for the whole block, so every lane reaches every shuffle and barrier.
+template <int kThreadsPerRow, int kBlock, int kCluster>
+struct RowTeam {
+    static_assert(kBlock >= 32 && kBlock <= 1024 && (kBlock & (kBlock - 1)) == 0, "block of 32..1024 threads");
+    static_assert(kThreadsPerRow <= 32 || kThreadsPerRow == kBlock, "a row is a lane group or a whole block");
+    static_assert(kCluster == 1 || (kThreadsPerRow == kBlock && kCluster <= 8), "clusters of 2..8 whole blocks");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(kCluster == 1, "cluster_size > 1 needs sm_90 or newer");
+#endif
+    static constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
+    static constexpr int kThreads = kThreadsPerRow * kCluster;  // threads sharing one row
+    static constexpr int kWarps = kBlock / 32;
+
+    int rank;       // this thread's index among the kThreads threads of its row
+    int local_row;  // which of the block's kRowsPerBlock rows
+    int parity = 0;
+
+    __device__ __forceinline__ RowTeam() {
+        unsigned block_rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if constexpr (kCluster > 1) block_rank = cluster_rank();
+#endif
+        rank = int(block_rank) * kBlock + int(threadIdx.x % kThreadsPerRow);
+        local_row = int(threadIdx.x / kThreadsPerRow);
+    }
+    // First row of this block (or cluster) and the distance to its next one.
+    __device__ __forceinline__ long long first_row() const {
+        return (long long)(blockIdx.x / kCluster) * kRowsPerBlock;
+    }
+    __device__ __forceinline__ long long row_step() const {
+        return (long long)(gridDim.x / kCluster) * kRowsPerBlock;
+    }
+
+    template <typename S, typename Op>
+    __device__ __forceinline__ S reduce(S v, Op op) {
+        if constexpr (kThreadsPerRow <= 32) {
+            return group_reduce<kThreadsPerRow>(v, op);
+        } else {
+            // Two buffers: a warp that races ahead into the next row's reduce writes the other one.
+            __shared__ S partials[2][kWarps];
+            v = block_reduce<kWarps>(v, op, partials[parity]);
+            parity ^= 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if constexpr (kCluster > 1) {
+                __shared__ S block_total;
+                if (threadIdx.x == 0) block_total = v;
+                cluster_arrive();
+                cluster_wait();
+                v = group_reduce<kCluster>(load_peer(&block_total, unsigned(threadIdx.x & (kCluster - 1))), op);
+                // Done reading the peers; the matching wait in end_row() keeps every block's
+                // block_total alive (and unchanged) until the whole cluster has read it.
+                cluster_arrive();
+            }
+#endif
+            return v;
+        }
+    }
+
+    __device__ __forceinline__ void end_row() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if constexpr (kCluster > 1) cluster_wait();
+#endif
+    }
+};
+
+}  // namespace rtk

@@ -1,0 +1,543 @@
+"""softmax / log-softmax, RMSNorm, LayerNorm and row reductions (rtkernels/ops/rowwise.py).
+
+CPU: config and argument errors, the heuristics' width classes, every config the heuristics can
+choose compiles for sm_80 and sm_90 without spills, 128-bit global accesses in the SASS of the
+vectorized configs, and NumPy models of the per-thread (max, sum) / (count, mean, M2) combines.
+GPU (-m gpu): against float64 references over awkward widths, strided and misaligned rows,
+-inf / all-equal / huge-magnitude rows, every dtype, with NaN-poisoned outputs.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import rtkernels as rtk
+from rtkernels.errors import ConfigError
+from rtkernels.inspect import sass_stats
+from rtkernels.ops import rowwise as rw
+from rtkernels.ops.rowwise import NormConfig, ReduceConfig, SoftmaxConfig
+
+ARCHS = ("sm_80", "sm_90")
+
+
+# ---- configs and arguments (CPU) -------------------------------------------------------------
+@pytest.mark.parametrize("cls, params, field", [
+    (SoftmaxConfig, dict(dtype="float16", vec=16), "vec"),
+    (SoftmaxConfig, dict(dtype="float32", vec=8), "vec"),
+    (SoftmaxConfig, dict(dtype="int8"), "dtype"),
+    (SoftmaxConfig, dict(block_size=256, threads_per_row=64), "threads_per_row"),
+    (SoftmaxConfig, dict(block_size=48), "block_size"),
+    (SoftmaxConfig, dict(vecs_per_thread=0), "vecs_per_thread"),
+    (SoftmaxConfig, dict(threads_per_row=32, block_size=128, cluster_size=2), "cluster_size"),
+    (SoftmaxConfig, dict(threads_per_row=256, block_size=256, cluster_size=3), "cluster_size"),
+    (SoftmaxConfig, dict(threads_per_row=256, block_size=256, cluster_size=2, two_pass=True), "two_pass"),
+    (SoftmaxConfig, dict(threads_per_row=32, block_size=128, two_pass=True), "two_pass"),
+    (NormConfig, dict(dtype="float16", weight_dtype="bfloat16"), "weight_dtype"),
+    (ReduceConfig, dict(dtype="float64"), "dtype"),
+])
+def test_config_errors_name_the_field(cls, params, field):
+    with pytest.raises(ConfigError) as e:
+        cls(**params)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_config_derived_values():
+    c = SoftmaxConfig(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, vecs_per_thread=4,
+                      cluster_size=8)
+    assert (c.row_class, c.chunk_elements, c.min_arch, c.expected_global_width) == ("cluster", 65536, 90, 128)
+    assert c.grid(3) == 24
+    g = SoftmaxConfig(dtype="float32", vec=4, threads_per_row=8, block_size=128, vecs_per_thread=2)
+    assert (g.row_class, g.rows_per_block, g.grid(33)) == ("group", 16, 3)
+    assert NormConfig(dtype="float16", vec=1, weight_dtype="float32").expected_global_width == 16
+    assert rtk.compile("softmax", dtype="float32", vec=4, arch="sm_90", kernel="log_softmax_rows").name \
+        == "log_softmax_rows"
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda x: rw.softmax(x, axis=0), "axis"),
+    (lambda x: rw.softmax(x, axis=True), "axis"),
+    (lambda x: rw.reduce(x, op="mean"), "op"),
+    (lambda x: rw.reduce(x, op="sum", axis=-2), "axis"),
+    (lambda x: rw.softmax(x.astype(np.int32)), "dtype"),
+    (lambda x: rw.softmax(x, dtype="bfloat16"), "dtype"),   # float16 data is not bfloat16 bits
+])
+def test_op_argument_errors_before_any_device_work(call, field):
+    x = np.zeros((4, 8), dtype=np.float16)   # host arrays: these errors come first
+    with pytest.raises(ConfigError) as e:
+        call(x)
+    assert e.value.field == field
+
+
+def test_public_api_exposes_the_ops():
+    for name in ("softmax", "rmsnorm", "layernorm", "reduce"):
+        assert getattr(rtk, name) is getattr(rw, name)
+
+
+def test_host_arrays_are_rejected_clearly():
+    with pytest.raises((ConfigError, TypeError), match="device|CUDA"):
+        rw.softmax(np.zeros((4, 8), dtype=np.float32))
+
+
+@pytest.mark.parametrize("n, dtype, arch, row_class", [
+    (1, "float16", "sm_90", "group"), (1000, "float16", "sm_90", "group"), (4096, "float16", "sm_90", "block"),
+    (8192, "float32", "sm_90", "block"), (16384, "float32", "sm_90", "cluster"), (65536, "bfloat16", "sm_90", "cluster"),
+    (262144, "float32", "sm_90", "cluster"), (16384, "float16", "sm_80", "block"),
+    (65536, "float16", "sm_80", "two_pass"),
+])
+def test_plan_width_classes(n, dtype, arch, row_class):
+    size = rtk.dtypes.itemsize(dtype)
+    cfg = rw.plan("softmax", n, dtype, 16 // size if n % (16 // size) == 0 else 1, arch)
+    assert cfg.row_class == row_class
+    if row_class != "two_pass":
+        assert cfg.chunk_elements >= n          # the whole row fits the register array
+
+
+def test_plan_never_needs_more_than_8_block_clusters_or_1024_threads():
+    for arch in ARCHS:
+        for _, cfg, _ in rw.heuristic_configs(arch):
+            assert cfg.cluster_size <= 8 and cfg.block_size <= 1024
+            assert arch == "sm_90" or cfg.cluster_size == 1
+
+
+def _register_footprints(arch):
+    """(config, kernels) the heuristics use; lane-group configs merged across threads_per_row (it
+    only changes the shuffle distances, not what a thread holds)."""
+    seen = {}
+    for _, cfg, names in rw.heuristic_configs(arch):
+        key = cfg.replace(threads_per_row=32) if cfg.row_class == "group" else cfg
+        seen.setdefault(key, set()).update(names)
+    return [(cfg, tuple(sorted(names))) for cfg, names in seen.items()]
+
+
+def _compile_all(arch, configs):
+    bad = []
+    for cfg, names in configs:
+        for name in names:
+            r = rtk.get_kernel(cfg, name, arch=arch).resources
+            if r.spill_stores or r.spill_loads:
+                bad.append((cfg.key(), name, r))
+    return bad
+
+
+def _at_risk(cfg):
+    # Register caps below 255 come from __launch_bounds__ >= 512 threads; 16-byte vectors hold the most.
+    return cfg.block_size >= 512 or cfg.row_class in ("two_pass", "cluster") or \
+        cfg.vec * rtk.dtypes.itemsize(cfg.dtype) == 16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_heuristic_configs_at_risk_compile_without_spills(arch):
+    configs = [(c, names) for c, names in _register_footprints(arch) if _at_risk(c)]
+    assert configs
+    assert _compile_all(arch, configs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_heuristic_config_compiles_without_spills(arch):
+    assert _compile_all(arch, _register_footprints(arch)) == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("family, kernel, n", [
+    ("softmax", "softmax_rows", 1024), ("softmax", "softmax_rows", 8192), ("softmax", "log_softmax_rows", 32768),
+    ("norm", "rmsnorm_rows", 4096), ("norm", "layernorm_rows", 65536), ("reduce", "reduce_sum_rows", 4096),
+    ("reduce", "reduce_argmax_rows", 4096),
+])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_vectorized_path_uses_128_bit_global_accesses(arch, family, kernel, n, dtype):
+    vec = 16 // rtk.dtypes.itemsize(dtype)
+    cfg = rw.plan(family, n, dtype, vec, arch, layer=kernel == "layernorm_rows")
+    k = rtk.get_kernel(cfg, kernel, arch=arch)
+    stats = sass_stats(k.sass)
+    assert stats["ldg_128"] >= cfg.vecs_per_thread, k.sass[:2000]
+    assert stats["ldl"] == 0 and stats["stl"] == 0
+    if family != "reduce":
+        assert stats["stg_128"] >= 1 and stats["global_stores"] == stats["stg_128"]
+    if cfg.cluster_size > 1:   # the cluster barrier and the distributed shared memory read
+        assert "UCGABAR" in k.sass and "LD" in k.sass
+
+
+def test_narrow_vectors_when_alignment_forbids_16_bytes():
+    assert rw._pick_vec(2, 4096, (256, 512), (4096,)) == 8
+    assert rw._pick_vec(2, 4096, (258, 512), (4096,)) == 1          # base pointer off by one element
+    assert rw._pick_vec(2, 4100, (256, 512), (4100,)) == 4          # 4100 = 4 * 1025
+    assert rw._pick_vec(4, 1000, (256,), (1002,)) == 2              # the row stride allows pairs only
+    assert rw._pick_vec(4, 7, (256,), ()) == 1
+
+
+def test_row_layout_collapses_leading_dims():
+    class V:   # the attributes _row_layout reads from a CuPy view
+        def __init__(self, shape, strides, item=2):
+            self.shape, self.strides, self.itemsize, self.ndim = shape, tuple(s * item for s in strides), item, len(shape)
+    assert rw._row_layout(V((2, 3, 8), (24, 8, 1))) == (6, 8, 8)
+    assert rw._row_layout(V((2, 3, 8), (60, 20, 1))) == (6, 8, 20)     # row slice of a wider array
+    assert rw._row_layout(V((2, 3, 8), (40, 10, 1))) is None           # 40 != 3 * 10: needs a copy
+    assert rw._row_layout(V((3, 8), (1, 3))) is None                   # transposed
+    assert rw._row_layout(V((1, 1, 8), (0, 0, 1))) == (1, 8, 8)
+    assert rw._row_layout(V((5, 1), (7, 3))) == (5, 1, 7)
+
+
+# ---- NumPy models of the kernels' combines (CPU) -----------------------------------------------
+def _model_softmax(x, threads, log=False):
+    """float32 model of softmax_row_resident: per-thread (m, e = exp(x - m_ref), s), xor-tree combine."""
+    f = np.float32
+    x = x.astype(f)
+    parts = np.array_split(x, threads)
+    states, cache = [], []
+    for p in parts:
+        m = f(np.nanmax(p)) if p.size and not np.all(np.isnan(p)) else f(-np.inf)
+        m_ref = f(0) if m == -np.inf else m
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = (p - m_ref).astype(f)
+            e = np.exp(d).astype(f)
+        states.append((m, f(e.sum(dtype=f))))
+        cache.append((m_ref, d, e))
+
+    def combine(a, b):
+        m = f(max(a[0], b[0]))
+        if m == -np.inf:
+            return (m, f(0))
+        with np.errstate(invalid="ignore", over="ignore"):
+            return (m, f(a[1] * np.exp(f(a[0] - m)) + b[1] * np.exp(f(b[0] - m))))
+    while len(states) > 1:   # butterfly: pairwise, like the shuffles
+        states = [combine(states[i], states[i + 1]) for i in range(0, len(states), 2)]
+    M, S = states[0]
+    out = []
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for m_ref, d, e in cache:
+            if M == -np.inf:
+                out.append(np.full_like(d, -np.inf if log else 0))
+            elif log:
+                out.append(d + f((m_ref - M) - np.log(S)))
+            else:
+                out.append(e * f(np.exp(f(min(m_ref, M) - M)) / S))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("case", ["random", "huge", "neg_inf_row", "some_neg_inf", "neg_inf_thread", "equal", "nan"])
+def test_softmax_combine_model(case, log):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(64).astype(np.float32)
+    if case == "huge":
+        x = x * 1e4 - 2e4
+    elif case == "neg_inf_row":
+        x[:] = -np.inf
+    elif case == "some_neg_inf":
+        x[::3] = -np.inf
+    elif case == "neg_inf_thread":   # a whole thread's slice is -inf while the max is very negative
+        x = x - 1e4
+        x[:8] = -np.inf
+    elif case == "equal":
+        x[:] = 3.0
+    elif case == "nan":
+        x[5] = np.nan
+    y = _model_softmax(x, threads=8, log=log)
+    ref = rw.softmax_reference(x.astype(np.float64), log_softmax=log)
+    if case == "nan":
+        assert np.all(np.isnan(y)) and np.all(np.isnan(ref))
+        return
+    assert not np.any(np.isnan(y))
+    if case == "equal" and not log:
+        assert np.all(y == np.float32(1) / np.float32(64))
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(y), finite) and np.all(y[~finite] == ref[~finite])
+    np.testing.assert_allclose(y[finite], ref[finite], rtol=2e-6, atol=1e-30 if not log else 1e-3)
+
+
+def test_chan_combine_model_is_symmetric_and_exact_enough():
+    f = np.float32
+
+    def combine(a, b):
+        n = f(a[0] + b[0])
+        if n == 0:
+            return (f(0), f(0), f(0))
+        inv = f(1) / n
+        d = f(b[1] - a[1])
+        return (n, f((a[0] * a[1] + b[0] * b[1]) * inv), f(a[2] + b[2] + d * d * (a[0] * b[0] * inv)))
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(4096) * 3 + 1000).astype(f)
+    parts = np.array_split(x, 64) + [np.zeros(0, f)] * 64   # threads past the row end hold nothing
+    st = [(f(p.size), f(p.mean()) if p.size else f(0), f(((p - p.mean()) ** 2).sum()) if p.size else f(0))
+          for p in parts]
+    assert combine(st[0], st[1]) == combine(st[1], st[0])
+    while len(st) > 1:
+        st = [combine(st[i], st[i + 1]) for i in range(0, len(st), 2)]
+    x64 = x.astype(np.float64)
+    assert st[0][0] == 4096
+    assert abs(st[0][1] - x64.mean()) < 1e-4
+    assert abs(st[0][2] / 4096 - x64.var()) / x64.var() < 1e-4   # E[x^2]-E[x]^2 in float32 would lose it all
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+WIDTHS = (1, 7, 31, 32, 33, 1000, 4096, 8191, 32768, 262144)
+DTYPES = ("float16", "bfloat16", "float32")
+MAX_ELEMENTS = 1 << 21     # rows = 1e5 is cut to this many elements per test (memory/time)
+_TOL = {"float16": 2 ** -10, "bfloat16": 2 ** -7, "float32": 2e-5}
+
+
+def _rows_for(rows, n):
+    return max(1, min(rows, MAX_ELEMENTS // n))
+
+
+def _gpu():
+    import cupy as cp
+    from gpu_util import f32_from_bf16_bits, poison, random_array, to_f64
+    return cp, random_array, to_f64, poison, f32_from_bf16_bits
+
+
+def _store(cp, host64, dtype):
+    """(device array holding host64 rounded to dtype, float64 copy of exactly the stored values)."""
+    from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits
+    if dtype == "bfloat16":
+        bits = bf16_bits_from_f32(host64.astype(np.float32))
+        return cp.asarray(bits), f32_from_bf16_bits(bits).astype(np.float64)
+    h = host64.astype(dtype)
+    return cp.asarray(h), h.astype(np.float64)
+
+
+def _check(y, ref, dtype, atol, to_f64):
+    got = to_f64(y, dtype)
+    assert got.shape == ref.shape
+    assert not np.any(np.isnan(got) & ~np.isnan(ref)), "NaN in the output (poison not overwritten?)"
+    same_inf = np.isinf(ref)
+    assert np.array_equal(got[same_inf], ref[same_inf])
+    fin = np.isfinite(ref)
+    err = np.abs(got[fin] - ref[fin])
+    bound = atol + _TOL[dtype] * np.abs(ref[fin])
+    assert np.all(err <= bound), f"max err {err.max() if err.size else 0:.3g}, worst excess " \
+                                 f"{(err - bound).max() if err.size else 0:.3g}"
+
+
+def _ref_rounded(ref, dtype):
+    """The reference rounded to the output dtype (what a perfect kernel would store)."""
+    from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits
+    if dtype == "bfloat16":
+        return f32_from_bf16_bits(bf16_bits_from_f32(ref.astype(np.float32))).astype(np.float64)
+    return ref.astype(dtype).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 100000])
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_gpu(dtype, n, rows):
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n * 7 + rows)
+    r = _rows_for(rows, n)
+    x, x64 = random_array(rng, (r, n), dtype, scale=3.0)
+    for log in (False, True):
+        out = poison(cp.empty_like(x))
+        y = rw.softmax(x, out=out, log_softmax=log, dtype=dtype)
+        assert y is out
+        ref = rw.softmax_reference(x64, log_softmax=log)
+        _check(y, ref, dtype, 1e-6 if not log else 1e-5, to_f64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 100000])
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_gpu(dtype, n, rows):
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n * 11 + rows)
+    r = _rows_for(rows, n)
+    x, x64 = random_array(rng, (r, n), dtype, scale=2.0)
+    w, w64 = random_array(rng, (n,), dtype)
+    b, b64 = random_array(rng, (n,), dtype)
+    y = rw.rmsnorm(x, w, eps=1e-6, out=poison(cp.empty_like(x)), dtype=dtype)
+    _check(y, rw.rmsnorm_reference(x64, w64, 1e-6), dtype, _TOL[dtype], to_f64)
+    y = rw.layernorm(x, w, b, eps=1e-5, out=poison(cp.empty_like(x)), dtype=dtype)
+    _check(y, rw.layernorm_reference(x64, w64, b64, 1e-5), dtype, 4 * _TOL[dtype], to_f64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 100000])
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_gpu(dtype, n, rows):
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n * 13 + rows)
+    r = _rows_for(rows, n)
+    x, x64 = random_array(rng, (r, n), dtype)
+    for op in ("sum", "max", "min"):
+        out = poison(cp.empty((r,), dtype=x.dtype))
+        y = rw.reduce(x, op=op, out=out, dtype=dtype)
+        ref = rw.reduce_reference(x64, op)
+        if op == "sum":   # float32 accumulation (<= ~80 sequential adds), then one rounding to dtype
+            atol = 4e-6 * np.abs(x64).sum(axis=-1) + 1e-30
+            got = to_f64(y, dtype)
+            assert np.all(np.abs(got - ref) <= atol + _TOL[dtype] * np.abs(ref)), op
+        else:             # an element of the row: exact
+            assert np.array_equal(to_f64(y, dtype), ref), op
+    y = rw.reduce(x, op="argmax", dtype=dtype)
+    assert str(y.dtype) == "int64"
+    assert np.array_equal(cp.asnumpy(y), rw.reduce_reference(x64, "argmax"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [33, 1000, 4096, 32768])
+def test_strided_and_misaligned_rows_gpu(dtype, n):
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n)
+    big, big64 = random_array(rng, (64, n + 8), dtype)
+    odd, odd64 = random_array(rng, (64, n + 9), dtype)
+    views = {"row_stride": (big[:, :n], big64[:, :n]),                 # stride n + 8: still vectorized
+             "misaligned": (big[:, 1:n + 1], big64[:, 1:n + 1]),       # base pointer off by one element
+             "odd_stride": (odd[:, :n], odd64[:, :n])}                  # stride n + 9: scalar
+    for name, (x, x64) in views.items():
+        ref = rw.softmax_reference(x64)
+        _check(rw.softmax(x, dtype=dtype), ref, dtype, 1e-6, to_f64)
+        w, w64 = random_array(rng, (x.shape[-1],), dtype)
+        _check(rw.rmsnorm(x, w, dtype=dtype), rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
+        assert np.array_equal(cp.asnumpy(rw.reduce(x, op="argmax", dtype=dtype)), rw.reduce_reference(x64, "argmax"))
+        # strided output too
+        obig = poison(cp.empty((64, n + 9), dtype=big.dtype))
+        o = obig[:, 3:3 + x.shape[-1]]
+        rw.softmax(x, out=o, dtype=dtype)
+        _check(o, ref, dtype, 1e-6, to_f64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leading_shapes_and_copied_views_gpu(dtype):
+    cp, random_array, to_f64, _, _ = _gpu()
+    rng = np.random.default_rng(5)
+    x, x64 = random_array(rng, (3, 5, 1000), dtype)
+    _check(rw.softmax(x, dtype=dtype), rw.softmax_reference(x64), dtype, 1e-6, to_f64)
+    assert rw.reduce(x, op="max", dtype=dtype).shape == (3, 5)
+    xt, xt64 = x.transpose(1, 0, 2), x64.transpose(1, 0, 2)       # leading dims not collapsible: copied
+    _check(rw.softmax(xt, dtype=dtype), rw.softmax_reference(xt64), dtype, 1e-6, to_f64)
+    xc, xc64 = x[:, :, ::2], x64[:, :, ::2]                          # last axis not contiguous: copied
+    _check(rw.softmax(xc, dtype=dtype, axis=2), rw.softmax_reference(xc64), dtype, 1e-6, to_f64)
+    v, v64 = random_array(rng, (777,), dtype)                         # 1-D: one row, 0-d reduction
+    assert rw.reduce(v, op="argmax", dtype=dtype).shape == ()
+    _check(rw.softmax(v, dtype=dtype), rw.softmax_reference(v64), dtype, 1e-6, to_f64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [7, 1000, 8192, 65536, 262144])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_rows_gpu(dtype, n):
+    cp, _, to_f64, poison, _ = _gpu()
+    rows = 6
+    h = np.random.default_rng(n).standard_normal((rows, n)) * 3
+    h[0] = -np.inf                                 # all -inf: softmax 0, log-softmax -inf
+    h[1, ::3] = -np.inf                            # some -inf
+    h[2] = 0.5                                     # all equal: exactly fp32(1/n)
+    big = 1e4 if dtype != "float32" else 1e30
+    h[3] = np.random.default_rng(1).uniform(-big, big, n)   # huge magnitudes: no overflow
+    h[4] = -big
+    h[4, n // 2] = big / 2                         # one dominant element
+    h[5, :] = np.random.default_rng(2).standard_normal(n) - 1e4 if dtype != "bfloat16" else -1e4
+    h[5, : max(1, n // 4)] = -np.inf               # a leading stretch (whole threads) of -inf, max very negative
+    x, x64 = _store(cp, h, dtype)
+    for log in (False, True):
+        y = rw.softmax(x, out=poison(cp.empty_like(x)), log_softmax=log, dtype=dtype)
+        got = to_f64(y, dtype)
+        assert not np.any(np.isnan(got))
+        ref = rw.softmax_reference(x64, log_softmax=log)
+        if not log:
+            assert np.all(got[0] == 0)
+            expect = np.float32(1) / np.float32(n)
+            assert np.all(got[2] == _ref_rounded(np.array([expect], np.float64), dtype)[0])
+            assert abs(got[4, n // 2] - 1) <= _TOL[dtype]
+        else:
+            assert np.all(got[0] == -np.inf)
+        _check(y, ref, dtype, 1e-6 if not log else 1e-5, to_f64)
+    am = rw.reduce(x, op="argmax", dtype=dtype)
+    assert np.array_equal(cp.asnumpy(am), rw.reduce_reference(x64, "argmax"))   # all -inf row -> 0
+    h[1, 5 % n] = np.nan                                                         # NaN: max is NaN, argmax finds it
+    x, x64 = _store(cp, h, dtype)
+    assert np.isnan(to_f64(rw.reduce(x, op="max", dtype=dtype), dtype)[1])
+    assert cp.asnumpy(rw.reduce(x, op="argmax", dtype=dtype))[1] == 5 % n
+    assert np.all(np.isnan(to_f64(rw.softmax(x, dtype=dtype), dtype)[1]))
+
+
+ROW_CLASS_CONFIGS = [   # every row class at widths the heuristics would not give it on this GPU
+    (4096, dict(threads_per_row=128, block_size=128, vecs_per_thread=2, two_pass=True)),     # 2 chunks
+    (33000, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, two_pass=True)),    # ragged chunks
+    (32768, dict(threads_per_row=1024, block_size=1024, vecs_per_thread=4)),                 # sm_80 big block
+    (1000, dict(threads_per_row=8, block_size=64, vecs_per_thread=16)),                      # narrow groups
+    (5000, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2)),    # cluster, ragged
+    (70000, dict(threads_per_row=256, block_size=256, vecs_per_thread=8, cluster_size=8)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, fields", ROW_CLASS_CONFIGS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_row_class_gpu(dtype, n, fields):
+    from rtkernels import device
+    if fields.get("cluster_size", 1) > 1 and rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("clusters need sm_90")
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n)
+    size = rtk.dtypes.itemsize(dtype)
+    vec = 16 // size if n % (16 // size) == 0 else 1
+    fields = dict(fields)
+    if size == 4:   # the table is written for 16-bit elements: same elements per thread
+        fields["vecs_per_thread"] = min(32, fields["vecs_per_thread"] * 2)
+    if not fields.get("two_pass") and fields["threads_per_row"] * fields.get("cluster_size", 1) \
+            * fields["vecs_per_thread"] * vec < n:
+        pytest.skip("does not hold this width with scalar access")
+    rows = 37
+    x, x64 = random_array(rng, (rows, n), dtype, scale=4.0)
+    w, w64 = random_array(rng, (n,), dtype)
+    b, b64 = random_array(rng, (n,), dtype)
+    scfg = SoftmaxConfig(dtype=dtype, vec=vec, **fields)
+    for log in (False, True):
+        y = rw.softmax(x, log_softmax=log, out=poison(cp.empty_like(x)), dtype=dtype, config=scfg)
+        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
+    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=vec, **fields)
+    _check(rw.rmsnorm(x, w, out=poison(cp.empty_like(x)), dtype=dtype, config=ncfg),
+           rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
+    if fields["block_size"] <= 512:
+        _check(rw.layernorm(x, w, b, out=poison(cp.empty_like(x)), dtype=dtype, config=ncfg),
+               rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)
+    rfields = {k: v for k, v in fields.items() if k != "two_pass"}
+    rcfg = ReduceConfig(dtype=dtype, vec=vec, **rfields)
+    assert np.array_equal(cp.asnumpy(rw.reduce(x, op="argmax", dtype=dtype, config=rcfg)),
+                          rw.reduce_reference(x64, "argmax"))
+    assert np.array_equal(to_f64(rw.reduce(x, op="max", dtype=dtype, config=rcfg), dtype),
+                          rw.reduce_reference(x64, "max"))
+
+
+@pytest.mark.gpu
+def test_float32_weights_with_half_activations_gpu():
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(9)
+    x, x64 = random_array(rng, (300, 4096), "bfloat16")
+    w, w64 = random_array(rng, (4096,), "float32")
+    b, b64 = random_array(rng, (4096,), "float32")
+    _check(rw.layernorm(x, w, b, dtype="bfloat16"), rw.layernorm_reference(x64, w64, b64), "bfloat16",
+           4 * _TOL["bfloat16"], to_f64)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_gpu():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(64, 3000, device="cuda", dtype=torch.bfloat16)
+    y = rw.softmax(x)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-6, rtol=2 ** -7)
+    w = torch.randn(3000, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(rw.rmsnorm(x, w).float(),
+                               torch.nn.functional.rms_norm(x.float(), (3000,), w.float(), 1e-6),
+                               atol=2 ** -6, rtol=2 ** -7)
+    a = rw.reduce(x, op="argmax")
+    assert a.dtype == torch.int64 and torch.equal(a, torch.argmax(x.float(), -1))
+
+
+@pytest.mark.gpu
+def test_empty_inputs_gpu():
+    import cupy as cp
+    assert rw.softmax(cp.zeros((0, 16), cp.float32)).shape == (0, 16)
+    assert rw.reduce(cp.zeros((0, 16), cp.float32), op="sum").shape == (0,)
+    with pytest.raises(ConfigError, match="empty"):
+        rw.reduce(cp.zeros((4, 0), cp.float32), op="max")
+    # documented: float16 sums round once to float16, so 262144 overflows to inf
+    assert float(rw.reduce(cp.ones((1, 262144), cp.float16), op="sum")[0]) == math.inf
+    assert float(rw.reduce(cp.ones((1, 262144), cp.float32), op="sum")[0]) == 262144
