@@ -371,11 +371,18 @@ class Kernel:
              "_kernel": self, "_dim3": _dim3, "_StreamPtr": _StreamPtr}
         # Parameters are named after the kernel's own, so a wrong count reads e.g.
         # "launch() missing 1 required positional argument: 'n'".
-        lines = [f"def launch(grid, block, {''.join(a + ', ' for a in names)}*, shared_mem=0, stream=None):",
-                 "    dev = _getdev()" if multi else "    dev = 0",
-                 "    fn = _fns.get(dev)",
-                 "    if fn is None:",
-                 "        fn = _kernel.function(dev)"]
+        lines = [f"def launch(grid, block, {''.join(a + ', ' for a in names)}*, shared_mem=0, stream=None):"]
+        if multi:
+            lines += ["    dev = _getdev()",
+                      "    fn = _fns.get(dev)",
+                      "    if fn is None:",
+                      "        fn = _kernel.function(dev)"]
+        else:   # one device: the loaded function sits in a one-slot list, filled on first launch
+            g["_fn"] = [None]
+            lines += ["    dev = 0",
+                      "    fn = _fn[0]",
+                      "    if fn is None:",
+                      "        fn = _fn[0] = _kernel.function(0)"]
         for i, (p, conv) in enumerate(zip(self.signature, self._converters)):
             g[f"_c{i}"] = conv
             a = names[i]
@@ -407,9 +414,14 @@ class Kernel:
                 lines.append(f"    {a} = _c{i}({a}, dev)")
         # CuPy's Function pads 1- and 2-tuples and clamps dimensions to >= 1, so a zero or negative
         # dimension must be caught here: zero launches nothing, negative is an error.
-        lines += ["    if type(grid) is not tuple or len(grid) > 3: grid = _dim3(grid, 'grid')",
-                  "    if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
-                  "    if min(grid) <= 0 or min(block) <= 0: return _kernel._empty_grid(grid, block)",
+        # The last validated (grid, block) pair is remembered by identity: tuples are immutable, and a
+        # launch loop usually passes the same objects, so the checks run once.
+        g["_seen"] = [None, None]
+        lines += ["    if grid is not _seen[0] or block is not _seen[1]:",
+                  "        if type(grid) is not tuple or len(grid) > 3: grid = _dim3(grid, 'grid')",
+                  "        if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
+                  "        if min(grid) <= 0 or min(block) <= 0: return _kernel._empty_grid(grid, block)",
+                  "        _seen[0] = grid; _seen[1] = block",
                   f"    if shared_mem > {_SMEM_DEFAULT_LIMIT}: _kernel._smem_check(fn, dev, shared_mem)",
                   "    if stream is not None and not hasattr(stream, 'ptr'): stream = _StreamPtr(stream)",
                   "    try:",

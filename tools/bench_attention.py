@@ -120,11 +120,73 @@ def compile_times(dtype: str) -> dict:
     return {"config": cfg.key(), "cold_compile_s": cold, "warm_disk_load_s": warm}
 
 
+def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
+    """Autotune each (head_dim, causal) at one seqlen and report heuristic vs best tile: the data the
+    heuristics table is set from."""
+    import importlib
+    from rtkernels import autotune
+    A = importlib.import_module("rtkernels.ops.attention")
+    import dataclasses
+    import cupy as cp
+    from rtkernels import inspect as rinspect
+    arch = A._device_arch(cp.cuda.runtime.getDevice())
+    # prebuild every candidate in parallel worker processes (they land in the disk cache the tuner reads)
+    params = [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+              for d in head_dims for causal in (False, True) for c in A.tile_space(dtype, d, causal, arch)]
+    t0 = __import__("time").perf_counter()
+    rinspect.sweep("attention", params, arch=arch, jobs=min(16, os.cpu_count() or 1))
+    print(f"prebuilt {len(params)} candidates in {__import__('time').perf_counter() - t0:.1f} s", flush=True)
+    os.environ["RTKERNELS_AUTOTUNE"] = "1"
+    rows = []
+    try:
+        for d in head_dims:
+            h = HIDDEN // d
+            b = max(1, TOKENS // seqlen)
+            for causal in (False, True):
+                q, k, v = _inputs(b, seqlen, h, d, dtype, torch)
+                extra = {} if torch is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
+                A.attention(q, k, v, causal=causal, **extra)           # runs the tuner for this key
+                flops = _flops(b, seqlen, seqlen, h, d, causal)
+                import cupy as cp
+                arch = A._device_arch(cp.cuda.runtime.getDevice())
+                heur = A.choose_config(dtype, d, causal, arch)
+                key = autotune.make_key("attention", {"dtype": dtype, "head_dim": d, "causal": causal, "arch": arch,
+                                                      "seqlen_q": A._seqlen_bucket(seqlen),
+                                                      "seqlen_k": A._seqlen_bucket(seqlen)})
+                timings = autotune.load().get(key, {}).get("timings", {})
+                ranked = sorted(timings.items(), key=lambda kv: kv[1])
+                row = {"head_dim": d, "causal": causal, "seqlen": seqlen,
+                       "heuristic": _short(heur), "heuristic_tflops": flops / (timings.get(heur.key(), float("nan")) * 1e-3) / 1e12}
+                for i, (ck, ms) in enumerate(ranked[:3]):
+                    row[f"best{i + 1}"] = _short_key(ck)
+                    row[f"best{i + 1}_tflops"] = flops / (ms * 1e-3) / 1e12
+                row["all"] = {_short_key(ck): flops / (ms * 1e-3) / 1e12 for ck, ms in ranked}
+                rows.append(row)
+                print(row, flush=True)
+                del q, k, v
+    finally:
+        os.environ.pop("RTKERNELS_AUTOTUNE", None)
+    return rows
+
+
+def _short(cfg) -> str:
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (" qreg" if cfg.q_in_regs else "")
+
+
+def _short_key(key: str) -> str:
+    import re
+    f = dict(re.findall(r"(\w+)=([^,)]+)", key))
+    return f"{f['block_m']}x{f['block_n']} w{f['num_warps']} s{f['num_stages']}" + (
+        " qreg" if f.get("q_in_regs") == "True" else "")
+
+
 def main():
     p = bu.parser(__doc__)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--head-dims", default="64,128,256,80,96")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
+                                                       "heuristic vs best tiles instead of the peer comparison")
     args = p.parse_args()
     try:
         import torch
@@ -143,6 +205,13 @@ def main():
 
     import cupy as cp
     cp.cuda.Device().synchronize()   # create the CUDA context first: it is not part of a warm start
+    if args.tune:
+        os.environ.setdefault("RTKERNELS_CACHE_DIR", tempfile.mkdtemp(prefix="rtk-attn-tune-"))
+        rows = tune(head_dims, args.dtype, torch)
+        bu.save(args.out, "bench_attention_tune", {"env": env, "dtype": args.dtype, "rows": rows})
+        print(bu.table(rows, ["head_dim", "causal", "heuristic", "heuristic_tflops", "best1", "best1_tflops",
+                              "best2", "best2_tflops", "best3", "best3_tflops"]))
+        return
     ct = compile_times(args.dtype)
     rows = []
     for d in head_dims:

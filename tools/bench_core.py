@@ -26,9 +26,9 @@ def launch_overhead(calls: int) -> list[dict]:
     k = rtk.compile(rtk.Template(NOOP))
     n32 = cp.int32(1)
     rows = []
-    # interleave so clock or queue drift affects both alike; best of 3 rounds each
+    # interleave so clock or queue drift affects both alike; 7 rounds each, min and median reported
     res = {"cupy.RawKernel": [], "rtk Kernel.launch": []}
-    for _ in range(3):
+    for _ in range(7):
         res["cupy.RawKernel"].append(bu.time_host(lambda: raw((1,), (32,), (p, n32)), calls))
         res["rtk Kernel.launch"].append(bu.time_host(lambda: k.launch((1,), (32,), p, 1), calls))
     x = cp.ones(1024, cp.float32)
@@ -37,8 +37,9 @@ def launch_overhead(calls: int) -> list[dict]:
     ek = cp.ElementwiseKernel("float32 x", "float32 y", "y = 2*x + 1", "bench_axpb")
     res["cupy.ElementwiseKernel (1k)"] = [bu.time_host(lambda: ek(x, y), calls) for _ in range(3)]
     res["rtk.elementwise (1k)"] = [bu.time_host(lambda: f(x, out=y), calls) for _ in range(3)]
+    import statistics
     for name, v in res.items():
-        rows.append({"what": name, "us_per_call": min(v)})
+        rows.append({"what": name, "us_per_call": min(v), "median_us": statistics.median(v)})
     return rows
 
 
@@ -131,7 +132,7 @@ def main():
         print(bu.table(best, ["expr", "dtype", "unroll", "block", "waves", "streaming", "GBs", "pct_of_copy"]))
     print(f"\n{env['gpu']} ({env['arch']}, {env['sms']} SMs), driver {env['driver']}, NVRTC {env['nvrtc']}, "
           f"{env['date']}; device copy {copy_gbs:.0f} GB/s")
-    print(bu.table(over, ["what", "us_per_call"]))
+    print(bu.table(over, ["what", "us_per_call", "median_us"]))
     print(bu.table(bw, ["expr", "dtype", "rtk_GBs", "pct_of_copy", "cupy_composed_GBs", "speedup_vs_cupy"]))
     print(f"cold compile {ct['cold_compile_s'] * 1e3:.0f} ms, warm disk load {ct['warm_disk_load_s'] * 1e3:.1f} ms")
 

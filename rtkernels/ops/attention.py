@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from .. import arch as _arch
+from .. import autotune as _autotune
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 
@@ -157,6 +158,33 @@ def choose_config(dtype: str, head_dim: int, causal: bool, arch: str) -> Attenti
             return cfg
     raise ConfigError(f"attention: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
                       f"block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
+
+
+def tile_space(dtype: str, head_dim: int, causal: bool, arch: str) -> list[AttentionConfig]:
+    """Candidates the autotuner times: the heuristic's tiles plus 64/128-row tiles with 16 or 32 rows
+    per warp, 32/64/128-key tiles, single or double K/V buffer - those that fit shared memory.
+    (Spilling ones are pruned from the ptxas report before anything is launched.)"""
+    limit = _smem_limit(arch)
+    out = [choose_config(dtype, head_dim, causal, arch)]
+    for t in candidates(head_dim, causal):
+        out.append(AttentionConfig(dtype=dtype, head_dim=head_dim, causal=causal, block_m=t.block_m,
+                                   block_n=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+                                   q_in_regs=t.q_in_regs))
+    for block_m in (64, 128):
+        for rows in (16, 32):
+            warps = block_m // rows
+            if warps not in (2, 4, 8):
+                continue
+            for block_n in (32, 64, 128):
+                for stages in (1, 2):
+                    out.append(AttentionConfig(dtype=dtype, head_dim=head_dim, causal=causal, block_m=block_m,
+                                               block_n=block_n, num_warps=warps, num_stages=stages))
+    return [c for c in dict.fromkeys(out) if c.shared_mem_bytes <= limit]
+
+
+def _seqlen_bucket(n: int) -> int:
+    """Autotune key part: powers of two from 128 (tile choice changes slowly with length)."""
+    return max(128, 1 << (max(n, 1) - 1).bit_length())
 
 
 def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16")) -> list[AttentionConfig]:
@@ -339,15 +367,32 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 
         arch = _device_arch(dev)
         kern, cfg = _kernel_for(dt, head_dim, causal, arch)
-        grid = (-(-seqlen_q // cfg.block_m), nheads, batch)
         if stream is None and _is_torch(q):
             torch = sys.modules["torch"]
             stream = torch.cuda.current_stream(dev).cuda_stream
-        kern.launch(grid, (cfg.threads_per_block,), q_, k_, v_, o_, lse_,
-                    seqlen_q, seqlen_k, nheads // nheads_kv,
-                    sq_[0], sq_[1], sq_[2], sk_[0], sk_[1], sk_[2], sv_[0], sv_[1], sv_[2], so_[0], so_[1], so_[2],
-                    float(softmax_scale), shared_mem=cfg.shared_mem_bytes, stream=stream)
+        args = (q_, k_, v_, o_, lse_, seqlen_q, seqlen_k, nheads // nheads_kv,
+                sq_[0], sq_[1], sq_[2], sk_[0], sk_[1], sk_[2], sv_[0], sv_[1], sv_[2], so_[0], so_[1], so_[2],
+                float(softmax_scale))
+
+        def run(c: AttentionConfig, k=None):
+            k = k or _get_kernel(c, arch)
+            k.launch((-(-seqlen_q // c.block_m), nheads, batch), (c.threads_per_block,), *args,
+                     shared_mem=c.shared_mem_bytes, stream=stream)
+
+        if _autotune.enabled():
+            key = {"dtype": dt, "head_dim": head_dim, "causal": causal, "arch": arch,
+                   "seqlen_q": _seqlen_bucket(seqlen_q), "seqlen_k": _seqlen_bucket(seqlen_k)}
+            best = _autotune.pick(FAMILY, key, tile_space(dt, head_dim, causal, arch), run, cfg, arch=arch,
+                                  kernel="attention_fwd")
+            if best != cfg:
+                kern, cfg = _get_kernel(best, arch), best
+        run(cfg, kern)
     return (o, lse) if return_lse else o
+
+
+def _get_kernel(cfg: AttentionConfig, arch: str):
+    from ..kernel import get_kernel
+    return get_kernel(cfg, arch=arch)
 
 
 def _device_arch(dev: int) -> str:
