@@ -56,7 +56,7 @@ def compile(family_or_template: Any, *, arch: str | None = None, kernel: str | N
     if not isinstance(family_or_template, str):
         raise TypeError("compile() takes a family name, a config, a template path or rtk.Template, "
                         f"not {type(family_or_template).__name__}")
-    cfg = family_config(family_or_template).from_params(params)
+    cfg = family_config(family_or_template).from_params(params, arch)
     return get_kernel(cfg, kernel, arch=arch, options=options, output=output)
 
 

@@ -78,8 +78,14 @@ class KernelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "KernelConfig":
-        """Build from keyword parameters, with a ConfigError naming any unknown one."""
+    def from_params(cls, params: dict[str, Any], arch: str | None = None) -> "KernelConfig":
+        """Build from keyword parameters, with a ConfigError naming any unknown one.
+
+        Families with heuristics fill the fields not given (tile sizes) for ``arch`` by
+        overriding :meth:`heuristic_defaults`; ``rtk.compile("attention", head_dim=80)`` and
+        ``rtk report attention --sweep head_dim=...`` then build exactly what the op would run.
+        """
+        params = {**cls.heuristic_defaults(params, arch), **params}
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [p for p in params if p not in names]
         if unknown:
@@ -88,6 +94,11 @@ class KernelConfig:
                               family=cls.family, field=unknown[0], value=params[unknown[0]],
                               allowed=", ".join(names))
         return cls(**params)
+
+    @classmethod
+    def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
+        """Field values the family's heuristics choose given the other ``params`` (default: none)."""
+        return {}
 
     # validation helpers, used by subclasses' __post_init__
     def _fail(self, field: str, allowed: str) -> None:

@@ -374,3 +374,14 @@ def test_gpu_autotune_mode_picks_a_correct_config(tmp_path, monkeypatch):
     assert entry["family"] == "attention" and len(entry["timings"]) >= 2
     _run(2, 300, 300, 4, 2, 96, True, "bfloat16")   # reuses the stored winner
     assert len(autotune.load()) == 1
+
+
+def test_compile_by_name_fills_tiles_from_the_heuristics():
+    import rtkernels as rtk
+    k = rtk.compile("attention", head_dim=256, dtype="bfloat16", causal=True, arch="sm_90")
+    assert k.config == attn_mod.choose_config("bfloat16", 256, True, "sm_90")
+    k = rtk.compile("attention", head_dim=160, arch="sm_80")   # 128x128 tiles do not fit sm_80
+    assert k.config == attn_mod.choose_config("float16", 160, False, "sm_80") and k.config.block_n == 64
+    k = rtk.compile("attention", head_dim=64, block_m=64, num_warps=4, block_n=32, num_stages=1, q_in_regs=False,
+                    arch="sm_90")
+    assert (k.config.block_m, k.config.block_n) == (64, 32)   # explicit tiles win

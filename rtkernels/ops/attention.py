@@ -92,6 +92,17 @@ class AttentionConfig(KernelConfig):
         p["smem_bytes"] = self.shared_mem_bytes
         return p
 
+    @classmethod
+    def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
+        """Tile fields not given come from :func:`choose_config` for (dtype, head_dim, causal, arch)."""
+        tile = ("block_m", "block_n", "num_warps", "num_stages", "q_in_regs")
+        if all(f in params for f in tile):
+            return {}
+        from .. import device
+        base = cls(**{f: params[f] for f in ("dtype", "head_dim", "causal") if f in params})
+        cfg = choose_config(base.dtype, base.head_dim, base.causal, arch or device.current_arch())
+        return {f: getattr(cfg, f) for f in tile}
+
 
 # ---- heuristics ---------------------------------------------------------------------------
 class Tile(NamedTuple):
@@ -107,26 +118,43 @@ class Tile(NamedTuple):
 # the first that fits the target's shared memory per block is used.  Reasons are ptxas reports
 # (NVRTC 13.5, sm_80 and sm_90, both dtypes); measured timings are added after GPU runs.
 HEURISTICS: list[tuple[int, int, bool | None, tuple[Tile, ...]]] = [
+    # Timings: H200, bf16, FlashAttention's grid at seqlen 4096 (16k tokens, hidden 2048), tools/
+    # bench_attention.py --tune, 2026-11-21.  Register/spill figures: ptxas of NVRTC 13.5 (the PyPI
+    # wheel) for sm_80 and sm_90; a tile that spills under 13.5 is not chosen even where the GPU
+    # host's NVRTC 13.0 compiled it without spills and it timed faster.
+    (64, 64, True, (
+        Tile(128, 128, 4, 2, False,
+             "causal d64: 302 TFLOP/s vs 286 for 128x64 w4 s2 (+5.6%); 255 regs, 0 spills on sm_80 and sm_90 "
+             "(the non-causal kernel of this tile spills 32-96 B, so only the causal one uses it)"),
+        Tile(128, 64, 4, 2, False, "fallback"),
+    )),
     (8, 64, None, (
         Tile(128, 64, 4, 2, False,
-             "32 rows/warp halves K/V ldmatrix traffic per mma vs 16; 126-240 regs, 0 spills sm_80/sm_90; "
-             "double buffer fits easily (<= 54 KiB). 128x128 w4 (FlashAttention-2's d64 tile) needs 255 regs and "
-             "spills 8 B on sm_80 (ptxas, NVRTC 13.5, 2026-11-21)"),
+             "d64 non-causal: fastest of 24 tiles (318 TFLOP/s; 128x128 w4 s1 309, 64x64 w2 s2 297). 32 rows/warp "
+             "halves K/V ldmatrix traffic per mma vs 16; 126-240 regs, 0 spills; <= 54 KiB smem"),
         Tile(128, 64, 4, 1, False, "same tile, single K/V buffer: fallback when smem is short"),
     )),
     (72, 136, None, (
         Tile(128, 64, 4, 1, False,
-             "FlashAttention-2's d96/d128 tile; K/V interleaved single buffer (2 barriers/tile) because the "
-             "double-buffered 128x64 w4 spills 4-108 B at d72-136 on sm_90, while this one stays at <= 255 regs "
-             "with 0 spills; 2 CTAs/SM by registers (ptxas, NVRTC 13.5, 2026-11-21)"),
+             "d128: fastest of 24 tiles (361 TFLOP/s non-causal, 307 causal; next 128x32 w4 s2 at 329/284). d96 "
+             "causal ran 10% faster double-buffered (295 vs 269) but that tile spills 24 B at d96 and 72-100 B at "
+             "d112-136 under NVRTC 13.5; this one stays <= 255 regs, 0 spills"),
         Tile(128, 32, 4, 1, False, "smaller K/V tiles: fallback when smem is short (sm_86/89 at 99 KiB)"),
     )),
-    (144, 256, None, (
-        Tile(128, 64, 8, 1, False,
-             "16 rows/warp: with 32 rows/warp every d>=144 tile spills (d144 128x64 w4: 8 B; d256: 2300 B on "
-             "sm_90); 8 warps keep 182-240 regs, 0 spills; single K/V buffer keeps d256 at 132 KiB, within "
-             "sm_80's 163 KiB (FlashAttention-2 uses 128x64 w8 for d192-256) (ptxas, NVRTC 13.5, 2026-11-21)"),
+    (144, 200, None, (
+        Tile(128, 128, 8, 2, False,
+             "d160: 291 TFLOP/s non-causal / 263 causal vs 241 / 208 for the earlier 128x64 w8 s1 (+21% / +26%); "
+             "240-242 regs, 0 spills; fits sm_90's 227 KiB only up to d160"),
+        Tile(128, 64, 8, 2, False,
+             "d192: 295 / 255 TFLOP/s vs 247 / 218 for 128x64 w8 s1 (+19% / +17%) and 279 / 251 for 64x64 w4 s1; "
+             "194-229 regs, 0 spills"),
         Tile(64, 64, 4, 1, False, "fallback when 128-row tiles do not fit smem (sm_86/89: 99 KiB)"),
+        Tile(64, 32, 4, 1, False, "last resort for the smallest smem budgets"),
+    )),
+    (208, 256, None, (
+        Tile(64, 64, 4, 1, False,
+             "d256: 312 TFLOP/s non-causal / 268 causal vs 283 / 252 for 128x64 w8 s2 and 275 / 230 for 128x64 w8 "
+             "s1 (+13% / +17%); 214-240 regs, 0 spills; fits every sm_8x/9x smem budget"),
         Tile(64, 32, 4, 1, False, "last resort for the smallest smem budgets"),
     )),
 ]
