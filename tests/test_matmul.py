@@ -39,6 +39,10 @@ def test_config_errors(bad, field):
 def test_config_derived():
     c = MatmulConfig()
     assert c.threads_per_block == 256 and c.shared_mem_bytes == 4 * (128 + 256) * 32 * 2
+    # a shallow ring is topped up to the C tile the epilogue stages through it
+    assert MatmulConfig(num_stages=2).shared_mem_bytes == 128 * 256 * 2
+    assert mm.heuristic_config("bfloat16", 4096, 4096, 4096, sm_count=132).even_k
+    assert not mm.heuristic_config("bfloat16", 4095, 4095, 4095, sm_count=132).even_k
     assert c.expects_tensor_cores and not MatmulConfig(dtype="float32", block_m=64, block_n=64, block_k=16,
                                                        num_stages=1, vec_a=1, vec_b=1).expects_tensor_cores
     assert MatmulConfig(activation=None).activation == "none"
@@ -49,8 +53,9 @@ def _heuristic_configs():
     out = []
     for t in mm.TC_TILES:
         for ak, bk in ((True, False), (False, True)):
-            out.append(mm._config(t, "bfloat16", a_kmajor=ak, b_kmajor=bk))
-        out.append(mm._config(t, "float16", has_bias=True, activation="gelu"))
+            for even_k in (False, True):
+                out.append(mm._config(t, "bfloat16", a_kmajor=ak, b_kmajor=bk, even_k=even_k))
+        out.append(mm._config(t, "float16", has_bias=True, activation="gelu", even_k=True))
     for t in mm.NARROW_TILES:
         for va, vb in ((1, 1), (2, 2), (4, 4), (1, 8), (8, 2)):
             out.append(mm._config(t, "bfloat16", vec_a=va, vec_b=vb, has_bias=True, activation="silu"))
@@ -81,8 +86,34 @@ def test_heuristic_configs_compile_clean(arch):
 def test_tune_only_configs_compile_clean():
     import rtkernels as rtk
     for t in mm.TUNE_ONLY:
-        r = rtk.get_kernel(mm._config(t, "bfloat16"), arch="sm_90").resources
-        assert r.spill_stores == 0 and r.stack_frame == 0
+        for even_k in (False, True):
+            r = rtk.get_kernel(mm._config(t, "bfloat16", even_k=even_k), arch="sm_90").resources
+            assert r.spill_stores == 0 and r.stack_frame == 0
+
+
+def test_main_loop_instruction_budget():
+    """The 128x256x32 main loop: per k-tile 64 HMMA, 16 LDSM, 6 LDGSTS, one barrier, and
+    (on its whole-tile path) at most ~1.5x as many other instructions as HMMAs; the rewrite
+    that precomputed addresses took it from ~238 to ~85."""
+    import re
+    import rtkernels as rtk
+    cfg = mm._config(mm.TC_TILES[0], "bfloat16", a_kmajor=True, b_kmajor=False, even_k=True)
+    sass = rtk.get_kernel(cfg, arch="sm_90").sass
+    ops, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ops)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", line)
+        if m and "RZ, [RZ]" not in m.group(2) and "URZ, URZ, URZ, URZ" not in m.group(2):
+            ops.append((m.group(1), m.group(2)))
+    last = max(i for i, (o, _) in enumerate(ops) if o == "HMMA")
+    br = next(i for i in range(last, len(ops)) if ops[i][0] == "BRA")
+    body = [o for o, _ in ops[labels[re.search(r"\.L_x_\d+", ops[br][1]).group(0)]: br + 1]]
+    assert body.count("HMMA") == 64 and body.count("LDSM") == 16
+    assert body.count("BAR") == 1 and body.count("LDGSTS") == 6
+    assert len(body) - 64 <= 2 * 64   # was ~238 non-HMMA before the rewrite; ~80 after
 
 
 # ---- a NumPy model of one CTA: load_tile, swizzle, ldmatrix, mma fragments, epilogue -------
@@ -212,6 +243,63 @@ def test_numpy_model_of_cta(ak, bk, va, vb, shape):
     assert len(got) == min(M, 64) * min(N, 64)
     for (r, c), v in got.items():
         assert abs(v - ref[r, c]) < 1e-9
+
+
+@pytest.mark.parametrize("kmajor, outer, bk", [(True, 128, 32), (True, 256, 64), (False, 256, 32),
+                                               (False, 128, 64), (True, 64, 32), (False, 64, 32)])
+def test_fragment_offsets_decompose(kmajor, outer, bk):
+    """FragOffsets: the swizzled ldmatrix row of fragment f (16 outer apart) at k step s (16 k
+    apart) = a per-lane register (one per s if K-major, per f otherwise) + a constant add."""
+    cols = bk if kmajor else outer
+    for o0 in range(0, outer - 16, 8):
+        for kb in (0, 8):
+            for l8 in range(8):
+                for f in range((outer - o0) // 16):
+                    for s_ in range(bk // 16):
+                        o, k = o0 + 16 * f, kb + 16 * s_
+                        direct = _swizzle(cols, o + l8, k) if kmajor else _swizzle(cols, k + l8, o)
+                        if kmajor:
+                            reg, const = _swizzle(cols, o0 + l8, kb + 16 * s_), 16 * f * cols
+                        else:
+                            reg, const = _swizzle(cols, kb + l8, o0 + 16 * f), 16 * s_ * cols
+                        assert direct == reg + const
+
+
+@pytest.mark.parametrize("kmajor, outer, bk, threads", [(True, 128, 32, 256), (False, 256, 32, 256),
+                                                        (True, 256, 64, 256), (False, 128, 64, 256),
+                                                        (False, 64, 32, 128), (True, 64, 32, 128)])
+def test_tile_loader_chunk_addresses(kmajor, outer, bk, threads):
+    """TileLoader: chunk i of a thread = chunk 0 moved ROW_STEP rows: same column, source + i *
+    ROW_STEP * ld, destination + a constant; together the chunks cover the tile once."""
+    rows, cols = (outer, bk) if kmajor else (bk, outer)
+    per_row = cols // 8
+    row_step = threads // per_row
+    assert threads % per_row == 0 and row_step % 8 == 0
+    seen = set()
+    for tid in range(threads):
+        r, col = tid // per_row, (tid % per_row) * 8
+        d0 = _swizzle(cols, r, col)
+        for i in range(rows * per_row // threads):
+            c = tid + i * threads   # the checked path's numbering of the same chunk
+            assert (c // per_row, (c % per_row) * 8) == (r + i * row_step, col)
+            d = _swizzle(cols, r + i * row_step, col)
+            assert d == d0 + i * row_step * cols
+            seen.add(d)
+    assert seen == {x * 8 for x in range(rows * cols // 8)}
+
+
+def test_c_staging_swizzle_is_conflict_free():
+    """Epilogue: the 8 rows g of one 4-byte fragment store, and 8 consecutive 16-byte chunk
+    reads of a row, fall in 8 different 16-byte bank groups."""
+    for bn in (16, 32, 64, 128, 256):
+        for c0 in range(0, bn, 8):
+            for t in range(4):
+                groups = {(2 * _swizzle(bn, g, c0 + 2 * t) // 16) % 8 for g in range(8)}
+                assert len(groups) == 8
+        per = bn // 8
+        for first in range(0, 64 * per, 8):
+            groups = {(2 * _swizzle(bn, ch // per, (ch % per) * 8) // 16) % 8 for ch in range(first, first + 8)}
+            assert len(groups) == 8
 
 
 def test_swizzle_is_a_permutation_of_chunks():

@@ -11,6 +11,11 @@ Run on a GPU host:  PYTHONPATH=. python tools/bench_matmul.py [--quick] [--dtype
 * fused bias + GELU at 4096^3 vs cuBLAS (bias fused by cuBLAS in addmm) + a separate GELU pass;
 * inputs rotate among enough copies to exceed twice the L2; CUDA events, warm-up, median.
 Prints a table last; writes matmul.json and matmul.png (TFLOP/s vs size, waves annotated).
+
+--sweep (alone, well under 4 minutes): bfloat16 4096^3 and 8192^3 for each config of SWEEP
+(tile, k-depth, stages, warps, group order) launched directly, beside cuBLAS, plus the fused
+bias + GELU of the best ones vs cuBLAS addmm + GELU; prints one compact table last and writes
+matmul_sweep.json.  It is how the heuristics table is set.
 """
 from __future__ import annotations
 
@@ -32,7 +37,11 @@ def main() -> None:
     p = benchutil.parser(__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--no-tune", action="store_true", help="skip the autotuned column")
+    p.add_argument("--sweep", action="store_true", help="only the config sweep at 4096^3 / 8192^3 (bfloat16)")
     args = p.parse_args()
+    if args.sweep:
+        sweep(args)
+        return
     os.environ.setdefault("RTKERNELS_AUTOTUNE", "0")
     tune_dir = tempfile.mkdtemp(prefix="rtk-bench-tune-")
 
@@ -125,6 +134,103 @@ def main() -> None:
     print(f"{payload['environment']['gpu']}  {args.dtype}  ({sms} SMs)")
     print(benchutil.table(rows, cols + ["tile", "waves", "tail", "max_rel_err"]))
     print(benchutil.table([fused], ["n", "rtk_fused_ms", "cublas_plus_gelu_ms", "speedup", "max_rel_err"]))
+
+
+# (label, MatmulConfig fields): every variant the lead compares in one --sweep run.
+SWEEP = [
+    ("128x256x32/4 g8", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2)),
+    ("128x256x32/3 g8", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=3, warps_m=2)),
+    ("128x256x32/4 g16", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2,
+                              group_m=16)),
+    ("128x256x64/3 g8", dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, warps_m=2)),
+    ("256x128x32/4 g8", dict(block_m=256, block_n=128, block_k=32, num_warps=8, num_stages=4, warps_m=4)),
+    ("256x128x64/3 g8", dict(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, warps_m=4)),
+    ("256x128x32/4 g16", dict(block_m=256, block_n=128, block_k=32, num_warps=8, num_stages=4, warps_m=4,
+                              group_m=16)),
+    ("128x128x32/4 w4", dict(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4, warps_m=2)),
+    ("128x128x64/3 w4", dict(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3, warps_m=2)),
+]
+
+
+def sweep(args) -> None:
+    import cupy as cp
+    import torch
+    import rtkernels as rtk
+    from rtkernels import device
+    from rtkernels.ops import matmul as mm
+    from rtkernels.ops._arrays import as_device_array
+
+    tdt = torch.bfloat16
+    l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice()).get("l2CacheSize", 50 << 20))
+    sms = device.sm_count()
+    arch = device.current_arch()
+    rows, fused_rows = [], []
+    for n in (4096, 8192):
+        per = 2 * 3 * n * n
+        sets_t = [(torch.randn(n, n, device="cuda", dtype=tdt), torch.randn(n, n, device="cuda", dtype=tdt),
+                   torch.randn(n, device="cuda", dtype=tdt)) for _ in range(max(1, min(4, -(-2 * l2 // per))))]
+        sets = [tuple(as_device_array(x, "bench", "x") for x in s_) for s_ in sets_t]
+        out_t = torch.empty(n, n, device="cuda", dtype=tdt)
+        out = as_device_array(out_t, "bench", "out")
+        flops = 2.0 * n ** 3
+        ms_cublas = benchutil.time_cuda(lambda a, b, _: torch.matmul(a, b), inputs=sets_t, repeat=10)
+        ref = torch.matmul(sets_t[0][0], sets_t[0][1]).float()
+        row = {"n": n, "cuBLAS": round(flops / ms_cublas / 1e9)}
+        heur = mm.heuristic_config("bfloat16", n, n, n, sm_count=sms, a_kmajor=True, b_kmajor=False)
+        row["heuristic"] = f"{heur.block_m}x{heur.block_n}x{heur.block_k}/{heur.num_stages}"
+        for label, fields in SWEEP:
+            try:
+                cfg = mm.MatmulConfig(dtype="bfloat16", a_kmajor=True, b_kmajor=False, even_k=n % fields["block_k"] == 0,
+                                      **fields)
+                k_ = rtk.get_kernel(cfg, arch=arch)
+            except Exception as e:   # a variant that does not build is reported, not fatal
+                row[label] = f"err {type(e).__name__}"
+                continue
+            tiles = -(-n // cfg.block_m) * -(-n // cfg.block_n)
+
+            def run(a, b, bias, cfg=cfg, k_=k_, tiles=tiles):
+                k_.launch((tiles, 1, 1), (cfg.threads_per_block, 1, 1), a, b, None, out, n, n, n, n, n, n, 0, 0, 0,
+                          8, shared_mem=cfg.shared_mem_bytes)
+            ms = benchutil.time_cuda(run, inputs=sets, repeat=10)
+            run(*sets[0])
+            err = float(((out_t.float() - ref).abs().max() / ref.abs().max()).item())
+            tf = flops / ms / 1e9
+            spill = k_.resources.spill_stores
+            row[label] = f"{tf:.0f} ({ms_cublas / ms:.2f}x)" + (" BAD" if err > 1e-2 else "") + \
+                (f" spill{spill}" if spill else "")
+            row[label + " regs"] = k_.resources.registers
+            if n == 4096:
+                fused_rows.append((label, cfg, sets, sets_t, tiles))
+        rows.append(row)
+        if n == 4096:
+            ms_sep = benchutil.time_cuda(lambda a, b, bias: torch.nn.functional.gelu(torch.addmm(bias, a, b)),
+                                         inputs=sets_t, repeat=10)
+            f = {"n": n, "cuBLAS addmm+gelu ms": round(ms_sep, 4)}
+            for label, cfg, sets_, _, tiles in fused_rows:
+                fc = cfg.replace(has_bias=True, activation="gelu")
+                kf = rtk.get_kernel(fc, arch=arch)
+
+                def runf(a, b, bias, fc=fc, kf=kf, tiles=tiles):
+                    kf.launch((tiles, 1, 1), (fc.threads_per_block, 1, 1), a, b, bias, out, n, n, n, n, n, n, 0, 0, 0,
+                              8, shared_mem=fc.shared_mem_bytes)
+                ms = benchutil.time_cuda(runf, inputs=sets_, repeat=10)
+                f[label] = f"{ms:.3f}ms ({ms_sep / ms:.2f}x)"
+            fused_rows = [f]
+        del sets, sets_t
+        torch.cuda.empty_cache()
+
+    benchutil.save(args.out, "matmul_sweep", {"environment": benchutil.environment(), "square": rows,
+                                              "fused_bias_gelu": fused_rows})
+    print(f"{benchutil.environment()['gpu']}  bfloat16 sweep  ({sms} SMs); cell = TFLOP/s (x cuBLAS)")
+    labels = [lbl for lbl, _ in SWEEP]
+    flat = []
+    for lbl in labels:
+        flat.append({"config": lbl, **{f"n={r['n']}": r.get(lbl, "") for r in rows},
+                     "regs": rows[0].get(lbl + " regs", ""), "fused 4096 (x sep)": fused_rows[0].get(lbl, "")})
+    flat.append({"config": "cuBLAS", **{f"n={r['n']}": r["cuBLAS"] for r in rows}, "regs": "",
+                 "fused 4096 (x sep)": f"{fused_rows[0]['cuBLAS addmm+gelu ms']}ms"})
+    print("heuristic picks: " + ", ".join(f"{r['n']}: {r['heuristic']}" for r in rows))
+    print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["regs", "fused 4096 (x sep)"]))
 
 
 def _plot(out, rows, dtype, env):

@@ -11,6 +11,7 @@ with ``RTKERNELS_AUTOTUNE=1``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -38,6 +39,8 @@ class MatmulConfig(KernelConfig):
     ``b_kmajor``: B's K dimension is contiguous (``trans_b`` of a row-major (N, K)); else N is.
     ``vec_a`` / ``vec_b``: elements per global load (8 = 16 bytes), lowered by the host when a
     stride or base pointer is not aligned for wider ones.
+    ``even_k``: K is a multiple of ``block_k``, so the kernel drops all K bounds checks (the
+    host sets it per call; False is always correct).
     """
 
     family: ClassVar[str] = "matmul"
@@ -58,6 +61,7 @@ class MatmulConfig(KernelConfig):
     vec_b: int = 8
     has_bias: bool = False
     activation: str = "none"
+    even_k: bool = False
 
     @property
     def expects_tensor_cores(self) -> bool:
@@ -68,7 +72,7 @@ class MatmulConfig(KernelConfig):
             object.__setattr__(self, "activation", "none")
         self._check_dtype("dtype", _DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("a_kmajor", "b_kmajor", "has_bias"):
+        for f in ("a_kmajor", "b_kmajor", "has_bias", "even_k"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         self._check_int("block_m", 16, 256, multiple_of=16)
@@ -121,10 +125,12 @@ class MatmulConfig(KernelConfig):
 
     @property
     def shared_mem_bytes(self) -> int:
-        """Dynamic shared memory: the cp.async ring (0 for the SIMT path, whose tiles are static)."""
+        """Dynamic shared memory: the cp.async ring, or the C tile the epilogue stages through it
+        if that is larger (0 for the SIMT path, whose tiles are static)."""
         if not self.use_mma:
             return 0
-        return self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
+        ring = self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
+        return max(ring, self.block_m * self.block_n * 2)
 
     def template_params(self):
         p = super().template_params()
@@ -151,7 +157,9 @@ class _Tile:
 # traffic (block_m * block_n / (block_m + block_n)): 85 for 128x256, 64 for 128x128, 43 for
 # 128x64, 32 for 64x64; mma.sync on H100 needs ~80+ to keep the tensor pipes fed.
 # blocks_per_sm from the ptxas report (test_matmul prints it) and the smem ring.
-# TODO(lead): replace with the H100/H200 numbers from tools/bench_matmul.py.
+# Registers after the main-loop rewrite (sm_90, bf16, even K): 128x256x32 234, 256x128x32 ~224,
+# x64 variants ~240, 128x128x32/4 warps <= 255 (2 CTAs/SM), all without spills.
+# TODO(lead): set order/efficiency from `tools/bench_matmul.py --sweep` on the H200.
 TC_TILES = (
     _Tile(128, 256, 32, 8, 4, 2, 1, 1.00, "64x64 warp tiles, 96 KiB ring: the large-problem workhorse"),
     _Tile(256, 128, 32, 8, 4, 4, 1, 1.00, "same work as 128x256, better when N is the short side"),
@@ -161,7 +169,7 @@ TC_TILES = (
 )
 # Extra shapes the autotuner may try (never picked by the heuristic without a measurement).
 TUNE_ONLY = (
-    _Tile(128, 256, 64, 8, 3, 2, 1, 1.00, "fewer barriers per K; 144 KiB ring"),
+    _Tile(128, 256, 64, 8, 3, 2, 1, 1.00, "half the barriers per K; 144 KiB ring (reasoned, to be measured)"),
     _Tile(256, 128, 64, 8, 3, 4, 1, 1.00, "fewer barriers per K; 144 KiB ring"),
     _Tile(128, 256, 32, 8, 3, 2, 1, 1.00, "shallower ring, 2 CTAs of smem"),
 )
@@ -197,7 +205,9 @@ def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: 
     return min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
 
 
-def _config(tile: _Tile, dtype: str, **layout) -> MatmulConfig:
+def _config(tile: _Tile, dtype: str, k: int | None = None, **layout) -> MatmulConfig:
+    if k is not None:
+        layout = {**layout, "even_k": dtype != "float32" and k % tile.block_k == 0}
     return MatmulConfig(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k,
                         num_warps=tile.num_warps, num_stages=tile.num_stages, warps_m=tile.warps_m, **layout)
 
@@ -210,19 +220,19 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     if dtype == "float32":
         layout = {**layout, "vec_a": 1, "vec_b": 1}
     narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
-    return _config(_choose_tile(dtype, m, n, batch, sm_count, narrow), dtype, **layout)
+    return _config(_choose_tile(dtype, m, n, batch, sm_count, narrow), dtype, k, **layout)
 
 
-def candidate_configs(dtype: str, **layout) -> list[MatmulConfig]:
-    """Every config the autotuner considers for this dtype and layout."""
+def candidate_configs(dtype: str, k: int | None = None, **layout) -> list[MatmulConfig]:
+    """Every config the autotuner considers for this dtype, layout (and K, for ``even_k``)."""
     if dtype == "float32":
         layout = {**layout, "vec_a": 1, "vec_b": 1}
-        return [_config(t, dtype, **layout) for t in F32_TILES]
+        return [_config(t, dtype, k, **layout) for t in F32_TILES]
     out = []
     narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
     for t in NARROW_TILES if narrow else TC_TILES + TUNE_ONLY:
         try:
-            out.append(_config(t, dtype, **layout))
+            out.append(_config(t, dtype, k, **layout))
         except ConfigError:
             pass   # e.g. a narrow vec that does not split this tile evenly
     return out
@@ -390,7 +400,8 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     else:
         vec_a = _vec(av.data.ptr, lda, batch_a)
         vec_b = _vec(bv.data.ptr, ldb, batch_b)
-    c_pairs = int(da != "float32" and cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
+    # 16-byte stores of C chunks need a 16-byte aligned base and row/batch strides in whole chunks
+    c_vec = 8 if (da != "float32" and cv.data.ptr % 16 == 0 and ldc % 8 == 0 and batch_c % 8 == 0) else 1
     layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, vec_a=vec_a, vec_b=vec_b, has_bias=biv is not None,
                   activation=act)
     dev = device.current_device()
@@ -400,20 +411,25 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         cfg = heuristic_config(da, m, n, k, batch, sm_count=device.sm_count(), **layout)
         if autotune.enabled():
             cfg = _tuned(cfg, da, m, n, k, batch, layout, av, bv, biv, cv,
-                         (lda, ldb, ldc, batch_a, batch_b, batch_c, c_pairs), stream)
+                         (lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec), stream)
+            # a winner stored for this K bucket may come from a K of other parity: even_k must
+            # describe this K, or the kernel would read past it
+            even = da != "float32" and k % cfg.block_k == 0
+            if cfg.even_k != even:
+                cfg = dataclasses.replace(cfg, even_k=even)
         kern = get_kernel(cfg)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if tiles > tiles_limit:
             raise ConfigError(f"matmul: {tiles} tiles exceed the grid limit", field="shape")
         plan = _plans[plan_key] = (kern, (tiles, 1, batch), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes)
     kern, grid, block, smem = plan
-    kern.launch(grid, block, av, bv, biv, cv, m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_pairs,
+    kern.launch(grid, block, av, bv, biv, cv, m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec,
                 shared_mem=smem, stream=stream)
     return out
 
 
 def _tuned(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, ints, stream):
-    lda, ldb, ldc, batch_a, batch_b, batch_c, c_pairs = ints
+    lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec = ints
     key = {"dtype": dtype, "m": _bucket(m), "n": _bucket(n), "k": _bucket(k), "batch": _bucket(batch), **layout}
     scratch = autotune._clone(cv, autotune._span(cv))   # same strides as out, which stays untouched
     sets = autotune.rotated_copies([av, bv])
@@ -425,9 +441,9 @@ def _tuned(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, ints, stream
         kern = get_kernel(cfg)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         kern.launch((tiles, 1, batch), (cfg.threads_per_block, 1, 1), a_, b_, biv, scratch, m, n, k, lda, ldb,
-                    ldc, batch_a, batch_b, batch_c, c_pairs, shared_mem=cfg.shared_mem_bytes, stream=stream)
+                    ldc, batch_a, batch_b, batch_c, c_vec, shared_mem=cfg.shared_mem_bytes, stream=stream)
 
-    return autotune.pick("matmul", key, candidate_configs(dtype, **layout), run, default)
+    return autotune.pick("matmul", key, candidate_configs(dtype, k, **layout), run, default)
 
 
 # ---- reference ----------------------------------------------------------------------------

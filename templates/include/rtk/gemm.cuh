@@ -24,6 +24,45 @@ __device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, int
     }
 }
 
+// The same copy addressed by a 32-bit shared-window offset: the main loop keeps its stage
+// bases as such offsets, so a copy costs no generic-to-shared conversion.
+__device__ __forceinline__ void cp_async_16_s(unsigned smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async_s(unsigned smem, const void* gmem, int src_bytes) {
+    static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4, "cp.async moves 4, 8 or 16 bytes");
+    if constexpr (BYTES == 16) {
+        cp_async_16_s(smem, gmem, src_bytes);
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                     :: "r"(smem), "l"(gmem), "n"(BYTES), "r"(src_bytes) : "memory");
+    }
+}
+
+// ldmatrix x4 from a 32-bit shared-window offset (rtk/mma.cuh's take generic pointers).
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4_s(unsigned (&r)[4], unsigned smem) {
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem));
+    }
+}
+
+__device__ __forceinline__ void st_shared_b32(unsigned smem, unsigned v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(smem), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned smem) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem) : "memory");
+    return v;
+}
+
 // Swizzled element offset inside a ROWS x COLS tile of 16-bit values, COLS contiguous.
 // A row holds CH = COLS / 8 chunks of 16 bytes.  ldmatrix reads one chunk column of 8
 // consecutive rows per phase; those 8 chunks must sit in 8 different 16-byte bank groups
