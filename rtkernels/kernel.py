@@ -59,7 +59,7 @@ class Param:
 
 def parse_signature(source: str, name: str) -> list[Param] | None:
     """Parameters of ``__global__ void name(...)`` in ``source``; None if not found."""
-    m = re.search(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+    m = re.search(r"__global__\s+(?:__\w+__\s*\([^)]*\)\s*)*void\s+(?:__\w+__\s*\([^)]*\)\s*)*"
                   + re.escape(name) + r"\s*\(", source)
     if not m:
         return None
@@ -107,8 +107,8 @@ def parse_signature(source: str, name: str) -> list[Param] | None:
 
 def kernel_names(source: str) -> list[str]:
     """Names of the ``extern "C" __global__`` functions in a source text."""
-    return re.findall(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
-                      r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(', source)
+    return re.findall(r'extern\s+"C"\s+__global__\s+(?:__\w+__\s*\([^)]*\)\s*)*void\s+'
+                      r'(?:__\w+__\s*\([^)]*\)\s*)*(\w+)\s*\(', source)
 
 
 # ---- modules ---------------------------------------------------------------------------

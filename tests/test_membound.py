@@ -541,3 +541,61 @@ def test_empty_inputs_gpu():
     # documented: float16 sums round once to float16, so 262144 overflows to inf
     assert float(rw.reduce(cp.ones((1, 262144), cp.float16), op="sum")[0]) == math.inf
     assert float(rw.reduce(cp.ones((1, 262144), cp.float32), op="sum")[0]) == 262144
+
+
+# ---- signature parsing, new knobs, empty layouts (CPU) -------------------------------------
+def test_signature_parsing_skips_cluster_dims_and_launch_bounds():
+    from rtkernels.kernel import kernel_names, parse_signature
+    src = ('using T = float;\n'
+           'extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256, 2)\n'
+           'rows(const T* __restrict__ x, T* y, long long n, int w) {}\n'
+           'extern "C" __global__ void __launch_bounds__(128) plain(float* a) {}\n')
+    assert kernel_names(src) == ["rows", "plain"]
+    sig = parse_signature(src, "rows")
+    assert [(p.kind, p.ctype) for p in sig] == [("pointer", "T*"), ("pointer", "T*"), ("scalar", "long long"),
+                                                 ("scalar", "int")]
+    # the cluster templates put the attribute on the definitions: names and types come through
+    cfg = SoftmaxConfig(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, vecs_per_thread=4,
+                        cluster_size=2)
+    src = rtk.get_kernel(cfg, "softmax_rows", arch="sm_90").source
+    assert "__cluster_dims__(2, 1, 1)" in src and kernel_names(src) == ["softmax_rows", "log_softmax_rows"]
+    assert [p.decl.split()[-1] for p in parse_signature(src, "softmax_rows")] == \
+        ["x", "y", "rows", "n", "x_row_stride", "y_row_stride"]
+
+
+@pytest.mark.parametrize("cls, params, field", [
+    (SoftmaxConfig, dict(threads_per_row=256, block_size=256, cluster_size=2, prefetch=True), "prefetch"),
+    (NormConfig, dict(threads_per_row=256, block_size=256, two_pass=True, prefetch=True), "prefetch"),
+    (SoftmaxConfig, dict(recompute=1), "recompute"),
+    (SoftmaxConfig, dict(block_size=1024, threads_per_row=1024, min_blocks=4), "min_blocks"),
+])
+def test_new_knobs_are_validated(cls, params, field):
+    with pytest.raises(ConfigError) as e:
+        cls(**params)
+    assert field in str(e.value)
+
+
+def test_prefetch_grid_is_one_resident_wave():
+    cfg = SoftmaxConfig(dtype="bfloat16", vec=8, threads_per_row=128, block_size=128, vecs_per_thread=4,
+                        prefetch=True)
+    assert cfg.grid(10 ** 6, 132 * 6) == 132 * 6 and cfg.grid(100, 132 * 6) == 100
+    assert cfg.replace(prefetch=False).grid(10 ** 6, 132 * 6) == 10 ** 6
+    assert SoftmaxConfig(block_size=256, threads_per_row=256, min_blocks=4).max_registers == 64
+
+
+def test_empty_layouts_need_no_strides():
+    # size-0 arrays may carry 0-strides (CuPy / DLPack): no layout check may reject them
+    for shape, strides in (((0, 16), (0, 0)), ((4, 0), (0, 0)), ((0,), (0,))):
+        v = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape, strides)
+        assert rw._row_layout(v) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fields", [
+    dict(threads_per_row=128, block_size=128, vecs_per_thread=4, prefetch=True),
+    dict(threads_per_row=128, block_size=128, vecs_per_thread=4, recompute=True),
+    dict(threads_per_row=32, block_size=128, vecs_per_thread=4, prefetch=True, recompute=True),
+])
+def test_prefetch_and_recompute_compile_without_spills(arch, fields):
+    k = rtk.get_kernel(SoftmaxConfig(dtype="bfloat16", vec=8, **fields), "log_softmax_rows", arch=arch)
+    assert k.resources.spill_stores == 0 and sass_stats(k.sass)["ldg_128"] >= 2 * fields["vecs_per_thread"]

@@ -7,8 +7,17 @@ copy bandwidth measured in the same run.  Widths 1k .. 256k, rows chosen so x ho
 
     PYTHONPATH=. python tools/bench_membound.py [--out DIR] [--quick] [--sweep] [--dtypes float16,bfloat16]
 
---sweep also times the alternative block / cluster / two-pass configs per width and prints which
-one wins (what the heuristics table in rtkernels/ops/rowwise.py should say).
+--sweep also times, for 16-bit rows of 4k..64k, the old default ("old": the heuristics before
+prefetching), the current default ("new") and the alternatives (block size x vectors per thread x
+cluster, prefetch, softmax recompute, two-pass) and prints the best per (op, width) last.
+One run for the lead (about 3-4 minutes on an H200):
+
+    PYTHONPATH=. python tools/bench_membound.py --quick --sweep --ops softmax,rmsnorm,layernorm,sum
+
+Timing: every timed call is queued behind a ~ms spin kernel, so the host's per-call cost (Python
+argument checks, launch) overlaps the GPU and the events measure the kernels alone: at 64 MiB a
+kernel takes ~30 us, the same order as a Python op's host path.  ``host_us`` reports that host
+cost per call separately (it bounds a synchronous Python loop, not the bandwidth).
 Targets (issue 7): >= 85% of copy bandwidth at 4k-64k for softmax, rmsnorm, layernorm;
 >= 1.5x CuPy's composed softmax.
 """
@@ -36,6 +45,49 @@ def _torch():
         return torch if torch.cuda.is_available() else None
     except ImportError:
         return None
+
+
+_SPIN = None
+
+
+def _spin(cp, ns: int) -> None:
+    """Occupy the stream for ``ns`` nanoseconds (one block), so that the calls queued behind it
+    are enqueued by the host before the GPU reaches them."""
+    global _SPIN
+    if _SPIN is None:
+        _SPIN = cp.RawKernel(r'''
+extern "C" __global__ void spin(long long ns) {
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}''', "spin")
+    _SPIN((1,), (1,), (np.int64(ns),))
+
+
+def time_gpu(fn, inputs, *, warmup: int = 3, repeat: int = 20):
+    """(median GPU ms per call, host us per call, queue drained?) of ``fn(*inputs[i % len])``.
+
+    Events around each call, all queued behind a spin kernel long enough for the host to enqueue
+    every call: the intervals are the kernels' own time back to back (rotating inputs keep L2
+    honest).  If the host needed longer than the spin, ``drained`` is True and the times include
+    host gaps."""
+    import statistics
+    import cupy as cp
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    cp.cuda.get_current_stream().synchronize()
+    spin_ns = 2_000_000 + repeat * 150_000
+    events = [cp.cuda.Event() for _ in range(repeat + 1)]
+    _spin(cp, spin_ns)
+    t0 = time.perf_counter()
+    events[0].record()
+    for i in range(repeat):
+        fn(*inputs[i % len(inputs)])
+        events[i + 1].record()
+    host_s = time.perf_counter() - t0
+    events[-1].synchronize()
+    times = [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
+    return statistics.median(times), host_s / repeat * 1e6, host_s * 1e9 > spin_ns
 
 
 def _inputs(cp, rows, n, dtype, sets=2):
@@ -129,32 +181,106 @@ def _ours(op, dtype, n, cp, rtk, config=None):
     return red
 
 
+def _label(cfg) -> str:
+    extra = "".join(tag for flag, tag in ((getattr(cfg, "prefetch", False), " pf"),
+                                          (getattr(cfg, "recompute", False), " rc")) if flag)
+    return f"{cfg.row_class} b{cfg.block_size} v{cfg.vecs_per_thread} c{cfg.cluster_size}{extra}"
+
+
 def _sweep_configs(op, dtype, n, arch):
-    """Alternatives to the heuristic: every block size with the cluster it needs, and two-pass."""
+    """[(name, config)]: "old" (the heuristics before prefetching), "new" (the current default),
+    then every block size x vectors per thread (2, 4, 8) x cluster that holds the row, with and
+    without prefetch (single blocks) and softmax's recompute (4+ vectors where registers bind),
+    and a two-pass config.  Candidates that spill are compiled, reported and skipped."""
     from rtkernels import dtypes
     from rtkernels.ops import rowwise as rw
     size = dtypes.itemsize(dtype)
     vec = 16 // size
     family = "softmax" if op == "softmax" else "norm"
-    elems = rw._ELEMS_PER_THREAD[family][size]
-    vmax = max(1, elems // vec)
-    nvec = n // vec
     extra = {"weight_dtype": dtype} if family == "norm" else {}
     cls = rw.SoftmaxConfig if family == "softmax" else rw.NormConfig
-    out = []
+    new = rw.plan(family, n, dtype, vec, arch, weight_dtype=extra.get("weight_dtype"), layer=op == "layernorm")
+    old = new.replace(prefetch=False) if getattr(new, "prefetch", False) else new
+    out = [("old", old), ("new", new)]
+    nvec = n // vec
+    hopper = rw._arch_number(arch) >= 90
     for block in (128, 256, 512, 1024):
-        if op == "layernorm" and block > 512:
-            continue
-        for v in sorted({vmax, max(1, vmax // 2), vmax * 2}):
-            threads = -(-nvec // v)
-            cluster = max(1, rw._pow2_ceil(-(-threads // block)))
-            if cluster > 8 or (cluster > 1 and rw._arch_number(arch) < 90) or v * vec > 64:
+        for v in (2, 4, 8):
+            if nvec % (block * v):
                 continue
-            out.append(cls(dtype=dtype, vec=vec, threads_per_row=block, block_size=block, vecs_per_thread=v,
-                           cluster_size=cluster, **extra))
-        out.append(cls(dtype=dtype, vec=vec, threads_per_row=block, block_size=block, vecs_per_thread=vmax,
-                       two_pass=True, **extra))
-    return out
+            cluster = nvec // (block * v)
+            if cluster not in (1, 2, 4, 8) or (cluster > 1 and (not hopper or block < 256)):
+                continue   # (clusters of 128-thread blocks: 8 barriers' worth of sync per row, skipped)
+            for pf in ((False, True) if cluster == 1 else (False,)):
+                # recompute only where registers bind: prefetching, or 512+ threads
+                for rc in ((False, True) if family == "softmax" and v >= 4 and (pf or block >= 512) else (False,)):
+                    f = dict(dtype=dtype, vec=vec, threads_per_row=block, block_size=block, vecs_per_thread=v,
+                             cluster_size=cluster, prefetch=pf, **extra)
+                    if rc:
+                        f["recompute"] = True
+                    out.append(("alt", cls(**f)))
+    out.append(("alt", cls(dtype=dtype, vec=vec, threads_per_row=512, block_size=512, vecs_per_thread=4,
+                           two_pass=True, **extra)))
+    seen, uniq = set(), []
+    for name, c in out:
+        if c not in seen or name != "alt":
+            seen.add(c)
+            uniq.append((name, c))
+    return uniq
+
+
+SWEEP_WIDTHS = (4096, 8192, 16384, 32768, 65536)
+SWEEP_BUDGET_S = 150   # the sweep stops adding candidates after this (one run must stay < 4 minutes)
+
+
+def sweep(args, cp, rtk, copy_gbs, arch, t_start):
+    """Time every candidate of _sweep_configs; returns (all rows, best per (op, n) rows)."""
+    from rtkernels.kernel import get_kernel
+    rows, best_rows = [], []
+    dtype = args.sweep_dtype
+    size = 2 if dtype in ("float16", "bfloat16") else 4
+    t0 = time.time()
+    for op in [o for o in args.ops.split(",") if o in ("softmax", "rmsnorm", "layernorm")]:
+        kernel = {"softmax": "softmax_rows", "rmsnorm": "rmsnorm_rows", "layernorm": "layernorm_rows"}[op]
+        for n in SWEEP_WIDTHS:
+            nrows = max(1, DATA_BYTES // (n * size))
+            sets = _inputs(cp, nrows, n, dtype)
+            nbytes = 2 * nrows * n * size
+            res = {}
+            for name, cfg in _sweep_configs(op, dtype, n, arch):
+                if time.time() - t0 > SWEEP_BUDGET_S and name == "alt":
+                    continue
+                r = {"op": op, "dtype": dtype, "n": n, "which": name, "config": _label(cfg), "key": cfg.key()}
+                try:
+                    k = get_kernel(cfg, kernel)
+                    r["registers"] = k.resources.registers
+                    if k.resources.spill_stores and name == "alt":
+                        r["skipped"] = f"spills {k.resources.spill_stores} B"
+                        rows.append(r)
+                        continue
+                    ms, host_us, drained = time_gpu(_ours(op, dtype, n, cp, rtk, cfg), sets, warmup=2, repeat=10)
+                    r.update(GBs=nbytes / (ms * 1e-3) / 1e9, host_us=host_us, drained=drained)
+                    r["%copy"] = 100 * r["GBs"] / copy_gbs
+                except Exception as exc:   # a candidate that fails must not sink the run
+                    r["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                rows.append(r)
+                if "GBs" in r:
+                    res.setdefault(name, []).append(r)
+            del sets
+            cp.get_default_memory_pool().free_all_blocks()
+            everything = [r for v in res.values() for r in v]
+            if not everything:
+                continue
+            best = max(everything, key=lambda r: r["GBs"])
+            old = res.get("old", [{}])[0].get("GBs", float("nan"))
+            new = res.get("new", [{}])[0].get("GBs", float("nan"))
+            best_rows.append({"op": op, "n": n, "old_GBs": old, "new_GBs": new, "new/old": new / old,
+                              "best_GBs": best["GBs"], "best_%copy": best["%copy"], "best/old": best["GBs"] / old,
+                              "best_config": best["config"], "new_config": res.get("new", [{}])[0].get("config", ""),
+                              "tried": len(everything)})
+            print(f"sweep {op} n={n}: old {old:.0f} new {new:.0f} best {best['GBs']:.0f} GB/s ({best['config']}), "
+                  f"{time.time() - t_start:.0f} s", flush=True)
+    return rows, best_rows
 
 
 def main():
@@ -162,6 +288,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time alternative configs per width")
     p.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16,bfloat16,float32")
     p.add_argument("--ops", default="softmax,rmsnorm,layernorm,sum,argmax")
+    p.add_argument("--sweep-dtype", default="bfloat16", help="dtype of the --sweep candidates")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
@@ -191,8 +318,11 @@ def main():
                 fns.update(_peers(op, dtype, n, cp, torch))
                 for name, fn in fns.items():
                     try:
-                        ms = benchutil.time_cuda(fn, warmup=3, repeat=repeat, inputs=sets)
+                        ms, host_us, drained = time_gpu(fn, sets, warmup=3, repeat=repeat)
                         row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
+                        row[f"{name}_host_us"] = host_us
+                        if drained:
+                            row[f"{name}_drained"] = True
                     except Exception as exc:   # a peer missing a feature must not sink the run
                         row[f"{name}_GBs"] = float("nan")
                         row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -204,30 +334,17 @@ def main():
                     cfg = rw._config_for("softmax" if op == "softmax" else "norm", None, n, dtype,
                                          16 // size, rows, op, weight_dtype=dtype if op != "softmax" else None,
                                          layer=op == "layernorm")
-                    row["config"] = f"{cfg.row_class} b{cfg.block_size} v{cfg.vecs_per_thread} c{cfg.cluster_size}"
-                    if args.sweep and 4096 <= n <= 65536:
-                        best = None
-                        for alt in _sweep_configs(op, dtype, n, arch):
-                            try:
-                                ms = benchutil.time_cuda(_ours(op, dtype, n, cp, rtk, alt), warmup=2,
-                                                         repeat=10, inputs=sets)
-                            except Exception as exc:
-                                sweep_out.append({"op": op, "dtype": dtype, "n": n, "config": alt.key(),
-                                                  "error": str(exc)[:200]})
-                                continue
-                            gbs = nbytes / (ms * 1e-3) / 1e9
-                            sweep_out.append({"op": op, "dtype": dtype, "n": n, "config": alt.key(), "GBs": gbs})
-                            if best is None or gbs > best[0]:
-                                best = (gbs, f"{alt.row_class} b{alt.block_size} v{alt.vecs_per_thread} "
-                                             f"c{alt.cluster_size}")
-                        if best:
-                            row["best_GBs"], row["best_config"] = best
+                    row["config"] = _label(cfg)
                 rows_out.append(row)
                 del sets
                 cp.get_default_memory_pool().free_all_blocks()
                 print(f"{dtype} {op} n={n}: rtk {row['rtk_GBs']:.0f} GB/s ({row['rtk_%copy']:.0f}% of copy)",
                       flush=True)
+    best_rows = []
+    if args.sweep:
+        sweep_out, best_rows = sweep(args, cp, rtk, copy_gbs, arch, t_start)
     payload = {"environment": env, "copy_GBs": copy_gbs, "results": rows_out, "sweep": sweep_out,
+               "sweep_best": best_rows,
                "seconds": time.time() - t_start}
     path = benchutil.save(args.out, "bench_membound", payload)
     for dtype in args.dtypes.split(","):
@@ -242,11 +359,19 @@ def main():
         series["device copy"] = (xs, [copy_gbs] * len(xs))
         benchutil.plot(args.out, f"bench_membound_{dtype}", series, "row width (elements)", "GB/s",
                        f"{env['gpu']} {dtype}: memory-bound row ops")
-    cols = ["dtype", "op", "n", "rows", "rtk_GBs", "rtk_%copy", "cupy_GBs", "x_cupy", "torch_GBs", "x_torch",
-            "config"] + (["best_GBs", "best_config"] if args.sweep else [])
+    cols = ["dtype", "op", "n", "rows", "rtk_GBs", "rtk_%copy", "rtk_host_us", "cupy_GBs", "x_cupy", "torch_GBs",
+            "x_torch", "config"]
     print(f"\n{env['gpu']} ({env['arch']}, {env['date']}): device copy {copy_gbs:.0f} GB/s; "
-          f"JSON {path}; {time.time() - t_start:.0f} s")
+          f"JSON {path}; {time.time() - t_start:.0f} s; GPU time per call (host cost overlapped)")
     print(benchutil.table(rows_out, cols))
+    drained = sorted({f"{r['op']} {r['n']}" for r in rows_out for k in r if k.endswith("_drained")})
+    if drained:
+        print("host slower than the spin (times include host gaps):", ", ".join(drained))
+    if best_rows:
+        print(f"\nsweep ({args.sweep_dtype}): best config per (op, width); old = heuristics before prefetch, "
+              "new = current default")
+        print(benchutil.table(best_rows, ["op", "n", "old_GBs", "new_GBs", "new/old", "best_GBs", "best_%copy",
+                                          "best/old", "best_config", "new_config", "tried"]))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class _RowConfig(KernelConfig):
     block_size: int = 128
     vecs_per_thread: int = 4
     cluster_size: int = 1
+    min_blocks: int = 1
 
     def __post_init__(self):
         self._check_dtype("dtype", FLOAT_DTYPES)
@@ -88,6 +89,13 @@ class _RowConfig(KernelConfig):
         if self.cluster_size > 1 and self.threads_per_row != self.block_size:
             self._fail("cluster_size", f"1 unless threads_per_row == block_size (clusters split whole-block rows; "
                                        f"threads_per_row={self.threads_per_row})")
+        self._check_int("min_blocks", 1, 32)
+        if self.min_blocks * self.block_size > 2048:
+            self._fail("min_blocks", f"at most {2048 // self.block_size} (2048 threads per SM) with "
+                                     f"block_size={self.block_size}")
+        if getattr(self, "prefetch", False) and (self.cluster_size != 1 or getattr(self, "two_pass", False)):
+            self._fail("prefetch", "False with cluster_size > 1 or two_pass (prefetch overlaps whole resident rows "
+                                   "of one block or lane group)")
         if getattr(self, "two_pass", False):
             if self.threads_per_row != self.block_size:
                 self._fail("two_pass", "False unless threads_per_row == block_size (two-pass rows are per block)")
@@ -124,19 +132,30 @@ class _RowConfig(KernelConfig):
     def min_arch(self) -> int:
         return 90 if self.cluster_size > 1 else 80
 
+    @property
+    def max_registers(self) -> int:
+        """Register cap: min_blocks blocks of block_size threads resident per SM (65536 registers,
+        allocated per warp in units of 8 per thread)."""
+        return min(255, 65536 // (self.block_size * self.min_blocks) // 8 * 8)
+
     def compile_options(self):
         # A hard register cap instead of __launch_bounds__: with launch bounds ptxas trades a few
         # spilled bytes for one more resident block (seen: 64 registers + 8 B spills at 128
-        # threads where 91 registers fit).  The cap keeps a block of block_size launchable.
+        # threads where 91 registers fit).  The cap keeps min_blocks blocks of block_size resident.
         from ..compiler import CompileOptions
-        return CompileOptions(max_registers=min(255, 65536 // self.block_size))
+        return CompileOptions(max_registers=self.max_registers)
 
-    def grid(self, rows: int) -> int:
-        """Blocks for `rows` rows (kernels loop over rows, so a capped grid stays correct)."""
+    def grid(self, rows: int, resident_blocks: int | None = None) -> int:
+        """Blocks for `rows` rows (kernels loop over rows, so a capped grid stays correct).
+
+        A prefetching config walks several rows per block: its grid is one resident wave
+        (``resident_blocks``: blocks per SM x SMs), or fewer when the rows run out first."""
         if self.threads_per_row < self.block_size:
             blocks = -(-rows // self.rows_per_block)
         else:
             blocks = rows * self.cluster_size
+        if getattr(self, "prefetch", False) and resident_blocks:
+            blocks = min(blocks, resident_blocks)
         cap = (2 ** 31 - 1) // self.cluster_size * self.cluster_size
         return max(0, min(blocks, cap))
 
@@ -150,10 +169,13 @@ class SoftmaxConfig(_RowConfig):
     template: ClassVar[str] = "softmax.cu.j2"
     kernels: ClassVar[tuple[str, ...]] = ("softmax_rows", "log_softmax_rows")
     two_pass: bool = False
+    recompute: bool = False   # resident rows kept packed as loaded; exp() evaluated twice
+    prefetch: bool = False    # the next row's loads in flight during this row's reduction
 
     def __post_init__(self):
-        if not isinstance(self.two_pass, bool):
-            self._fail("two_pass", "True or False")
+        for name in ("two_pass", "recompute", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
         super().__post_init__()
 
 
@@ -167,10 +189,12 @@ class NormConfig(_RowConfig):
     kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_rows", "layernorm_rows")
     weight_dtype: str = "float16"
     two_pass: bool = False
+    prefetch: bool = False    # the next row's loads in flight during this row's reduction
 
     def __post_init__(self):
-        if not isinstance(self.two_pass, bool):
-            self._fail("two_pass", "True or False")
+        for name in ("two_pass", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
         super().__post_init__()
         # Same as x, or float32 (mixed precision); other mixes only multiply the compiled variants.
         self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
@@ -210,6 +234,10 @@ _BLOCK_PREFERRED = 256
 # Largest block when even a cluster of 8 preferred blocks cannot hold the row (>= 64k elements).
 # The norms' weight (+ bias) vectors need 70-80 registers: 1024 threads (64 max) spill.
 _BLOCK_MAX = {"softmax": 1024, "norm": 512, "layernorm": 512, "reduce": 512}
+# Block rows load the block's next row before reducing the current one (a persistent grid of one
+# resident wave): the reduction's barrier and shuffles then no longer leave the SM without loads
+# in flight.  Reasoned, to be measured (tools/bench_membound.py --sweep: "old" vs "new").
+_PREFETCH_BLOCK_ROWS = True
 _GROUP_BLOCK = 128   # lane-group rows: 4 warps, 4..128 rows per block
 _TWO_PASS_BLOCK = 512
 
@@ -254,7 +282,7 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     block_max = _BLOCK_MAX["layernorm" if layer else family]
     if need <= _BLOCK_PREFERRED:                  # (b) a block per row, in registers
         return _make(family, common, threads_per_row=need, block_size=need,
-                     vecs_per_thread=_pow2_ceil(-(-nvec // need)))
+                     vecs_per_thread=_pow2_ceil(-(-nvec // need)), prefetch=_PREFETCH_BLOCK_ROWS)
     if hopper and need <= 8 * block_max:          # (b') a cluster per row, in registers
         block = max(_BLOCK_PREFERRED, need // 8)
         return _make(family, common, threads_per_row=block, block_size=block, vecs_per_thread=vmax,
@@ -344,6 +372,10 @@ def _row_layout(v) -> tuple[int, int, int] | None:
     shape, strides = v.shape, [s // item for s in v.strides]
     n = int(shape[-1])
     rows = int(math.prod(shape[:-1]))
+    if rows == 0 or n == 0:
+        # Nothing is read or written; empty arrays carry arbitrary strides (CuPy and DLPack give
+        # 0-strides to size-0 dimensions), which would fail the checks below.
+        return rows, n, n
     if n > 1 and strides[-1] != 1:
         return None
     lead = [(int(d), int(s)) for d, s in zip(shape[:-1], strides[:-1]) if d != 1]
@@ -436,6 +468,23 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, rows: int, op
     return config
 
 
+_RESIDENT: dict = {}
+
+
+def _resident_blocks(k, cfg) -> int | None:
+    """Blocks of this kernel resident on the whole device at once (prefetching configs only)."""
+    if not getattr(cfg, "prefetch", False):
+        return None
+    got = _RESIDENT.get(k)
+    if got is None:
+        from ..arch import occupancy
+        arch, sms = _arch_info()
+        r = k.resources
+        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static)
+        got = _RESIDENT[k] = sms * max(1, occ.blocks_per_sm)
+    return got
+
+
 # ---- public ops -------------------------------------------------------------------------------
 def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: str | None = None, stream=None,
             config: SoftmaxConfig | None = None):
@@ -470,7 +519,7 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
     cfg = _config_for("softmax", config, n, dt, vec, rows, op)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
-    k.launch((cfg.grid(rows),), (cfg.block_size,), xv, ov, rows, n, xs, ys, stream=stream)
+    k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, ov, rows, n, xs, ys, stream=stream)
     return out
 
 
@@ -540,7 +589,8 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
         vec //= 2   # weights load in pieces of at most 16 bytes
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
     k = get_kernel(cfg, op + "_rows")
-    k.launch((cfg.grid(rows),), (cfg.block_size,), xv, *params, ov, rows, n, xs, ys, float(eps), stream=stream)
+    k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, *params, ov, rows, n, xs, ys,
+             float(eps), stream=stream)
     return out
 
 
