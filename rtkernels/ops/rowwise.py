@@ -234,12 +234,43 @@ _BLOCK_PREFERRED = 256
 # Largest block when even a cluster of 8 preferred blocks cannot hold the row (>= 64k elements).
 # The norms' weight (+ bias) vectors need 70-80 registers: 1024 threads (64 max) spill.
 _BLOCK_MAX = {"softmax": 1024, "norm": 512, "layernorm": 512, "reduce": 512}
-# Block rows load the block's next row before reducing the current one (a persistent grid of one
-# resident wave): the reduction's barrier and shuffles then no longer leave the SM without loads
-# in flight.  Reasoned, to be measured (tools/bench_membound.py --sweep: "old" vs "new").
-_PREFETCH_BLOCK_ROWS = True
+# Block rows may load the block's next row before reducing the current one (a persistent grid of
+# one resident wave).  Measured (H200, bf16, 2026-11-21, bench_membound.py --sweep): it lost 4-14%
+# for softmax and RMSNorm at 4k-8k and won only for LayerNorm at 8k-16k, so it is off by default
+# and the measured table below turns it on where it won.
+_PREFETCH_BLOCK_ROWS = False
 _GROUP_BLOCK = 128   # lane-group rows: 4 warps, 4..128 rows per block
 _TWO_PASS_BLOCK = 512
+
+
+# Measured choices on sm_90 for 2-byte dtypes with 16-byte vectors: (family, layernorm?, vectors
+# per row rounded up to a power of two) -> (threads per row = block, vectors per thread, prefetch,
+# two_pass).  H200, bf16, tools/bench_membound.py --quick --sweep (host-independent timing,
+# device copy 4231 GB/s), 2026-11-21; "cluster" is what the reasoned rules below picked before.
+_MEASURED_SM90_16BIT = {
+    ("softmax", False, 512): (128, 4, False, False),    # 4k:  3573 GB/s (84.7% of copy)
+    ("softmax", False, 1024): (256, 4, False, False),   # 8k:  3537 (83.9%)
+    ("softmax", False, 2048): (512, 4, False, False),   # 16k: 3481 (82.5%) vs cluster x2 2855
+    # 32k: 512x8 with prefetch measured best (3324, 78.8%, vs cluster x4 2740) but spills 20 B for
+    # float16 under NVRTC 13.5 (register cap 128 at 512 threads); the same tile without prefetch
+    # compiles clean (96-127 registers) - not timed separately yet.
+    ("softmax", False, 4096): (512, 8, False, False),
+    ("softmax", False, 8192): (512, 4, False, True),    # 64k: two passes 3239 (76.8%) vs cluster x8 2714
+    ("norm", False, 512): (256, 2, False, False),       # RMSNorm 4k:  3650 (86.6%)
+    ("norm", False, 1024): (256, 4, False, False),      # 8k:  3700 (87.7%)
+    ("norm", False, 2048): (512, 4, False, True),       # 16k: two passes 3505 (83.1%) vs cluster 3033
+    ("norm", False, 4096): (512, 4, False, True),       # 32k: 3327 (78.9%) vs 2857
+    ("norm", False, 8192): (512, 4, False, True),       # 64k: 3100 (73.5%) vs 2650
+    ("norm", True, 512): (128, 4, False, False),        # LayerNorm 4k:  3366 (79.8%)
+    ("norm", True, 1024): (256, 4, True, False),        # 8k:  3269 (77.5%) vs 2845 without prefetch
+    # LayerNorm 16k: 512x4 with prefetch measured 3212 (76.1%) vs cluster 2271, but spills 8-92 B with
+    # float32 weights under NVRTC 13.5; without prefetch it is clean (not timed separately yet).
+    ("norm", True, 2048): (512, 4, False, False),
+    # 32k: 512x8 measured 2759 (65.4%) vs cluster 2070 but spills 4-232 B under NVRTC 13.5; two passes
+    # (measured best at 64k) compile clean.
+    ("norm", True, 4096): (512, 4, False, True),
+    ("norm", True, 8192): (512, 4, False, True),        # 64k: two passes 2700 (64.0%) vs cluster 1665
+}
 
 
 def _pow2_ceil(v: int) -> int:
@@ -266,6 +297,11 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     common = dict(dtype=dtype, vec=vec)
     if family == "norm":
         common["weight_dtype"] = weight_dtype or dtype
+    measured = _MEASURED_SM90_16BIT.get((family, layer, nvec)) if hopper and size == 2 and vec == 8 else None
+    if measured is not None:
+        threads, vecs, prefetch, two_pass = measured
+        return _make(family, common, threads_per_row=threads, block_size=threads, vecs_per_thread=vecs,
+                     prefetch=prefetch, two_pass=two_pass)
     if need <= 32:                                # (a) a lane group per row
         group = need
         return _make(family, common, threads_per_row=group, block_size=_GROUP_BLOCK,
