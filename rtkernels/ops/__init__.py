@@ -4,12 +4,13 @@ The public functions are re-exported by ``rtkernels`` itself, not here: a packag
 named like its submodule (``rtkernels.ops.matmul``) must stay the module, so that
 ``import rtkernels.ops.matmul as m`` gives the module and not the function.
 """
-from . import attention, elementwise, matmul, rowwise, vector_add  # noqa: F401
+from . import attention, attention_bwd, elementwise, matmul, rowwise, vector_add  # noqa: F401
 
 PUBLIC = {
     "vector_add": ("vector_add", "VectorAddConfig"),
     "elementwise": ("elementwise", "ElementwiseConfig", "ElementwiseFunction"),
     "matmul": ("matmul", "MatmulConfig", "matmul_reference"),
     "attention": ("attention", "AttentionConfig", "attention_reference"),
+    "attention_bwd": ("attention_backward", "AttentionBwdConfig", "attention_backward_reference"),
     "rowwise": ("softmax", "rmsnorm", "layernorm", "reduce", "SoftmaxConfig", "NormConfig", "ReduceConfig"),
 }
