@@ -263,9 +263,9 @@ _MEASURED_SM90_16BIT = {
     ("norm", False, 8192): (512, 4, False, True),       # 64k: 3100 (73.5%) vs 2650
     ("norm", True, 512): (128, 4, False, False),        # LayerNorm 4k:  3366 (79.8%)
     ("norm", True, 1024): (256, 4, True, False),        # 8k:  3269 (77.5%) vs 2845 without prefetch
-    # LayerNorm 16k: 512x4 with prefetch measured 3212 (76.1%) vs cluster 2271, but spills 8-92 B with
-    # float32 weights under NVRTC 13.5; without prefetch it is clean (not timed separately yet).
-    ("norm", True, 2048): (512, 4, False, False),
+    # LayerNorm 16k: 512x4 with prefetch 3212 (76.1%) vs cluster 2271 and vs 2548 (60.3%) without
+    # prefetch; with float32 weights it spills 8-92 B under NVRTC 13.5, so those drop the prefetch.
+    ("norm", True, 2048): (512, 4, True, False),
     # 32k: 512x8 measured 2759 (65.4%) vs cluster 2070 but spills 4-232 B under NVRTC 13.5; two passes
     # (measured best at 64k) compile clean.
     ("norm", True, 4096): (512, 4, False, True),
@@ -300,6 +300,8 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     measured = _MEASURED_SM90_16BIT.get((family, layer, nvec)) if hopper and size == 2 and vec == 8 else None
     if measured is not None:
         threads, vecs, prefetch, two_pass = measured
+        if family == "norm" and dtypes.itemsize(common["weight_dtype"]) > 2:
+            prefetch = False   # float32 weights: the prefetching tiles spill (see the table)
         return _make(family, common, threads_per_row=threads, block_size=threads, vecs_per_thread=vecs,
                      prefetch=prefetch, two_pass=two_pass)
     if need <= 32:                                # (a) a lane group per row
