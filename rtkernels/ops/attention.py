@@ -23,9 +23,33 @@ from ..errors import ConfigError
 FAMILY = "attention"
 
 
+@dataclass(frozen=True)
+class AttentionShape(KernelConfig):
+    """What every attention kernel config shares: dtype, head_dim, causal (fields first, so
+    subclasses add their tile fields after them) and the derived values the templates re-check."""
+
+    dtype: str = "float16"
+    head_dim: int = 64
+    causal: bool = False
+
+    def _check_shape(self) -> None:
+        self._check_dtype("dtype", ("float16", "bfloat16"))
+        self._check_int("head_dim", 8, 256, multiple_of=8)
+        self._check_choice("causal", (False, True))
+
+    @property
+    def threads_per_block(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def head_dim_padded(self) -> int:
+        """Q/K width in shared memory: QK^T steps k by 16."""
+        return -(-self.head_dim // 16) * 16
+
+
 @register_family
 @dataclass(frozen=True)
-class AttentionConfig(KernelConfig):
+class AttentionConfig(AttentionShape):
     """One specialization of the FlashAttention-2 forward kernel.
 
     Parameters
@@ -47,9 +71,6 @@ class AttentionConfig(KernelConfig):
     expects_tensor_cores: ClassVar[bool] = True
     expected_global_width: ClassVar[int | None] = 128
 
-    dtype: str = "float16"
-    head_dim: int = 64
-    causal: bool = False
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
@@ -57,9 +78,7 @@ class AttentionConfig(KernelConfig):
     q_in_regs: bool = False
 
     def __post_init__(self):
-        self._check_dtype("dtype", ("float16", "bfloat16"))
-        self._check_int("head_dim", 8, 256, multiple_of=8)
-        self._check_choice("causal", (False, True))
+        self._check_shape()
         self._check_choice("q_in_regs", (False, True))
         self._check_choice("num_warps", (1, 2, 4, 8))
         self._check_choice("num_stages", (1, 2))
@@ -69,15 +88,6 @@ class AttentionConfig(KernelConfig):
                                   f"with num_warps={self.num_warps}")
 
     # ---- derived values (the template re-checks them with static_assert) --------------
-    @property
-    def threads_per_block(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def head_dim_padded(self) -> int:
-        """Q/K width in shared memory: QK^T steps k by 16."""
-        return -(-self.head_dim // 16) * 16
-
     @property
     def shared_mem_bytes(self) -> int:
         """Dynamic shared memory: Q tile + num_stages x (K tile + V tile), rows padded to an odd

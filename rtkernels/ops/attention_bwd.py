@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from ..config import KernelConfig, register_family
+from ..config import register_family
 from ..errors import ConfigError
-from .attention import (_GRID_YZ_MAX, _bad as _fwd_bad, _device_arch, _device_of, _dtype_of, _elem_strides,
+from .attention import (AttentionShape, _GRID_YZ_MAX, _bad as _fwd_bad, _device_arch, _device_of, _dtype_of, _elem_strides,
                         _smem_limit, _to_f32)
 
 FAMILY = "attention_backward"
@@ -33,7 +33,7 @@ def _odd_stride(elems: int) -> int:
 
 @register_family
 @dataclass(frozen=True)
-class AttentionBwdConfig(KernelConfig):
+class AttentionBwdConfig(AttentionShape):
     """One specialization of the FlashAttention-2 backward kernels.
 
     Parameters
@@ -57,9 +57,6 @@ class AttentionBwdConfig(KernelConfig):
     expects_tensor_cores: ClassVar[bool] = True
     expected_global_width: ClassVar[int | None] = 128
 
-    dtype: str = "float16"
-    head_dim: int = 64
-    causal: bool = False
     deterministic: bool = False
     block_m: int = 64
     block_n: int = 64
@@ -68,9 +65,7 @@ class AttentionBwdConfig(KernelConfig):
     dq_num_warps: int = 4
 
     def __post_init__(self):
-        self._check_dtype("dtype", ("float16", "bfloat16"))
-        self._check_int("head_dim", 8, 256, multiple_of=8)
-        self._check_choice("causal", (False, True))
+        self._check_shape()
         self._check_choice("deterministic", (False, True))
         self._check_choice("num_warps", (2, 4, 8))
         self._check_choice("dq_num_warps", (2, 4, 8))
@@ -81,14 +76,6 @@ class AttentionBwdConfig(KernelConfig):
                                   f"with num_warps={self.num_warps}")
 
     # ---- derived values (the template re-checks them with static_assert) --------------
-    @property
-    def threads_per_block(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def head_dim_padded(self) -> int:
-        return -(-self.head_dim // 16) * 16
-
     @property
     def d_split(self) -> int:
         """Warps that share 16 keys, each with a slice of dK/dV's columns."""
