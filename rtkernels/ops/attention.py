@@ -304,6 +304,69 @@ def _device_of(view) -> int:
     return int(view.device.id)
 
 
+class Inputs(NamedTuple):
+    views: dict          # name -> zero-copy CuPy view
+    dtype: str
+    device: int
+    seqlen_k: int
+    nheads_kv: int
+    softmax_scale: float
+
+
+def check_inputs(arrays: dict, dtype: str | None, softmax_scale, family: str) -> Inputs:
+    """The checks rtk.attention and rtk.attention_backward share, in one place.
+
+    ``arrays`` maps names to arrays and must hold q, k and v; any other entry (do, o) must have
+    q's shape.  Raises ConfigError naming the array, the value and what is allowed.
+    """
+    from ._arrays import as_device_array
+
+    def bad(field, value, message):
+        return ConfigError(f"{family}: {message}", family=family, field=field, value=value, allowed=message)
+
+    names = list(arrays)
+    listing = ", ".join(names[:-1]) + " and " + names[-1]
+    views = {n: as_device_array(a, family, n) for n, a in arrays.items()}
+    dts = {n: _dtype_of(a, n, dtype) for n, a in arrays.items()}
+    if len(set(dts.values())) != 1:
+        raise bad("dtype", dts, f"{listing} must have the same dtype, got "
+                  + ", ".join(f"{n}={d}" for n, d in dts.items()))
+    for name, view in views.items():
+        if view.ndim != 4:
+            raise bad(name, view.shape, f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape "
+                                        f"{tuple(view.shape)}")
+    q_, k_, v_ = views["q"], views["k"], views["v"]
+    batch, seqlen_q, nheads, head_dim = q_.shape
+    _, seqlen_k, nheads_kv, _ = k_.shape
+    if v_.shape != k_.shape:
+        raise bad("v", v_.shape, f"v must have k's shape {tuple(k_.shape)}, got {tuple(v_.shape)}")
+    if k_.shape[0] != batch or k_.shape[3] != head_dim:
+        raise bad("k", k_.shape, f"k must be (batch={batch}, seqlen_k, nheads_kv, head_dim={head_dim}) to match q "
+                                 f"{tuple(q_.shape)}, got {tuple(k_.shape)}")
+    for name, view in views.items():
+        if name not in ("q", "k", "v") and view.shape != q_.shape:
+            raise bad(name, view.shape, f"{name} must have q's shape {tuple(q_.shape)}, got {tuple(view.shape)}")
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ConfigError.bad_value(family, "head_dim", head_dim, "a multiple of 8 in [8, 256] (q.shape[-1])")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise bad("nheads_kv", nheads_kv, f"nheads={nheads} must be a multiple of nheads_kv={nheads_kv} "
+                                          "(k.shape[2])")
+    devs = {n: _device_of(view) for n, view in views.items()}
+    if len(set(devs.values())) != 1:
+        raise bad("device", devs, f"{listing} must be on the same device, got "
+                  + ", ".join(f"{n} on {d}" for n, d in devs.items()))
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise bad("softmax_scale", softmax_scale, f"softmax_scale must be a positive finite float, got "
+                                                  f"{softmax_scale!r}")
+    if batch > _GRID_YZ_MAX or nheads > _GRID_YZ_MAX:
+        raise bad("q", q_.shape, f"batch and nheads must be at most {_GRID_YZ_MAX} (grid dimensions), got "
+                                 f"batch={batch}, nheads={nheads}")
+    return Inputs(views, dts["q"], devs["q"], seqlen_k, nheads_kv, float(softmax_scale))
+
+
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = True,
               out=None, *, dtype: str | None = None, stream=None):
     """FlashAttention-2 forward: ``softmax(softmax_scale * q k^T [+ causal mask]) v``.
@@ -343,43 +406,12 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     from ._arrays import as_device_array, new_like, _is_torch
     import cupy
 
-    q_, k_, v_ = (as_device_array(a, FAMILY, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
-    dts = {n: _dtype_of(a, n, dtype) for a, n in ((q, "q"), (k, "k"), (v, "v"))}
-    if len(set(dts.values())) != 1:
-        raise _bad("dtype", dts, "q, k and v must have the same dtype, got "
-                   + ", ".join(f"{n}={d}" for n, d in dts.items()))
-    dt = dts["q"]
-    for name, view in (("q", q_), ("k", k_), ("v", v_)):
-        if view.ndim != 4:
-            raise _bad(name, view.shape, f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape "
-                                         f"{tuple(view.shape)}")
+    p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY)
+    q_, k_, v_ = p.views["q"], p.views["k"], p.views["v"]
+    dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
     batch, seqlen_q, nheads, head_dim = q_.shape
-    _, seqlen_k, nheads_kv, _ = k_.shape
-    if v_.shape != k_.shape:
-        raise _bad("v", v_.shape, f"v must have k's shape {tuple(k_.shape)}, got {tuple(v_.shape)}")
-    if k_.shape[0] != batch or k_.shape[3] != head_dim:
-        raise _bad("k", k_.shape, f"k must be (batch={batch}, seqlen_k, nheads_kv, head_dim={head_dim}) to match q "
-                                  f"{tuple(q_.shape)}, got {tuple(k_.shape)}")
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256] (q.shape[-1])")
-    if nheads_kv == 0 or nheads % nheads_kv:
-        raise _bad("nheads_kv", nheads_kv, f"nheads={nheads} must be a multiple of nheads_kv={nheads_kv} "
-                                           "(k.shape[2])")
-    devs = {n: _device_of(view) for view, n in ((q_, "q"), (k_, "k"), (v_, "v"))}
-    if len(set(devs.values())) != 1:
-        raise _bad("device", devs, "q, k and v must be on the same device, got "
-                   + ", ".join(f"{n} on {d}" for n, d in devs.items()))
-    dev = devs["q"]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise _bad("softmax_scale", softmax_scale, f"softmax_scale must be a positive finite float, got "
-                                                   f"{softmax_scale!r}")
+    seqlen_k, nheads_kv = p.seqlen_k, p.nheads_kv
     causal = bool(causal)
-    if batch > _GRID_YZ_MAX or nheads > _GRID_YZ_MAX:
-        raise _bad("q", q_.shape, f"batch and nheads must be at most {_GRID_YZ_MAX} (grid dimensions), got "
-                                  f"batch={batch}, nheads={nheads}")
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
     if not empty:

@@ -19,8 +19,8 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..config import register_family
 from ..errors import ConfigError
-from .attention import (AttentionShape, _GRID_YZ_MAX, _bad as _fwd_bad, _device_arch, _device_of, _dtype_of, _elem_strides,
-                        _smem_limit, _to_f32)
+from .attention import (AttentionShape, check_inputs, _device_arch, _device_of, _elem_strides, _smem_limit,
+                        _to_f32)
 
 FAMILY = "attention_backward"
 KERNELS = ("attention_bwd_dot", "attention_bwd", "attention_bwd_dq_convert", "attention_bwd_dq")
@@ -245,54 +245,17 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     from ._arrays import as_device_array, new_like, _is_torch, dtype_name
     import cupy
 
-    names = ("do", "q", "k", "v", "o")
-    arrs = (do, q, k, v, o)
-    views = [as_device_array(a, FAMILY, n) for a, n in zip(arrs, names)]
-    do_, q_, k_, v_, o_ = views
-    dts = {n: _dtype_of(a, n, dtype) for a, n in zip(arrs, names)}
-    if len(set(dts.values())) != 1:
-        raise _bad("dtype", dts, "do, q, k, v and o must have the same dtype, got "
-                   + ", ".join(f"{n}={d}" for n, d in dts.items()))
-    dt = dts["q"]
-    for name, view in zip(names, views):
-        if view.ndim != 4:
-            raise _bad(name, view.shape, f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape "
-                                         f"{tuple(view.shape)}")
+    p = check_inputs({"do": do, "q": q, "k": k, "v": v, "o": o}, dtype, softmax_scale, FAMILY)
+    do_, q_, k_, v_, o_ = (p.views[n] for n in ("do", "q", "k", "v", "o"))
+    dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
     batch, seqlen_q, nheads, head_dim = q_.shape
-    _, seqlen_k, nheads_kv, _ = k_.shape
-    if v_.shape != k_.shape:
-        raise _bad("v", v_.shape, f"v must have k's shape {tuple(k_.shape)}, got {tuple(v_.shape)}")
-    if k_.shape[0] != batch or k_.shape[3] != head_dim:
-        raise _bad("k", k_.shape, f"k must be (batch={batch}, seqlen_k, nheads_kv, head_dim={head_dim}) to match q "
-                                  f"{tuple(q_.shape)}, got {tuple(k_.shape)}")
-    for name, view in (("do", do_), ("o", o_)):
-        if view.shape != q_.shape:
-            raise _bad(name, view.shape, f"{name} must have q's shape {tuple(q_.shape)}, got {tuple(view.shape)}")
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256] (q.shape[-1])")
-    if nheads_kv == 0 or nheads % nheads_kv:
-        raise _bad("nheads_kv", nheads_kv, f"nheads={nheads} must be a multiple of nheads_kv={nheads_kv} "
-                                           "(k.shape[2])")
-    devs = {n: _device_of(view) for view, n in zip(views, names)}
-    if len(set(devs.values())) != 1:
-        raise _bad("device", devs, "do, q, k, v and o must be on the same device, got "
-                   + ", ".join(f"{n} on {d}" for n, d in devs.items()))
-    dev = devs["q"]
+    seqlen_k, nheads_kv = p.seqlen_k, p.nheads_kv
     lse_ = as_device_array(lse, FAMILY, "lse")
     if tuple(lse_.shape) != (batch, nheads, seqlen_q) or str(lse_.dtype) != "float32" or _device_of(lse_) != dev:
         raise _bad("lse", lse_.shape, f"lse must be a float32 array of shape {(batch, nheads, seqlen_q)} on device "
                                       f"{dev} (the forward's), got {lse_.dtype} {tuple(lse_.shape)} on device "
                                       f"{_device_of(lse_)}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise _bad("softmax_scale", softmax_scale, f"softmax_scale must be a positive finite float, got "
-                                                   f"{softmax_scale!r}")
     causal, deterministic = bool(causal), bool(deterministic)
-    if batch > _GRID_YZ_MAX or nheads > _GRID_YZ_MAX:
-        raise _bad("q", q_.shape, f"batch and nheads must be at most {_GRID_YZ_MAX} (grid dimensions), got "
-                                  f"batch={batch}, nheads={nheads}")
 
     with cupy.cuda.Device(dev):
         outs = []
@@ -313,7 +276,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             for view in (dq_, dk_, dv_):
                 view.fill(0)
             return dq_o, dk_o, dv_o
-        s_do, s_q, s_k, s_v, s_o = (_elem_strides(view, n) for view, n in zip(views, names))
+        s_do, s_q, s_k, s_v, s_o = (_elem_strides(p.views[n], n) for n in ("do", "q", "k", "v", "o"))
         s_dq, s_dk, s_dv = (_elem_strides(view, n) for view, n in ((dq_, "dq"), (dk_, "dk"), (dv_, "dv")))
         lse_c = cupy.ascontiguousarray(lse_)
 
