@@ -147,8 +147,6 @@ def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
                 extra = {} if torch is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
                 A.attention(q, k, v, causal=causal, **extra)           # runs the tuner for this key
                 flops = _flops(b, seqlen, seqlen, h, d, causal)
-                import cupy as cp
-                arch = A._device_arch(cp.cuda.runtime.getDevice())
                 heur = A.choose_config(dtype, d, causal, arch)
                 key = autotune.make_key("attention", {"dtype": dtype, "head_dim": d, "causal": causal, "arch": arch,
                                                       "seqlen_q": A._seqlen_bucket(seqlen),
@@ -188,15 +186,8 @@ def main():
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     args = p.parse_args()
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend
-        peers = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-    except ImportError:
-        torch, peers = None, {}
     env = bu.environment()
-    if torch is not None:
-        env["torch"] = torch.__version__
+    torch, peers = bu.attention_peers(env)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     if args.quick:

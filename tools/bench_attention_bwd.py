@@ -100,15 +100,8 @@ def main():
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     args = p.parse_args()
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend
-        peers = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-    except ImportError:
-        torch, peers = None, {}
     env = bu.environment()
-    if torch is not None:
-        env["torch"] = torch.__version__
+    torch, peers = bu.attention_peers(env)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     if args.quick:

@@ -113,3 +113,15 @@ def plot(out: str, name: str, series: dict, xlabel: str, ylabel: str, title: str
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def attention_peers(env: dict):
+    """(torch, {name: SDPA backend}) for the attention benchmarks; (None, {}) without torch.
+    Records torch's version in ``env``."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend
+    except ImportError:
+        return None, {}
+    env["torch"] = torch.__version__
+    return torch, {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}

@@ -292,14 +292,24 @@ class ElementwiseFunction:
 _SLOW = object()
 
 
+_CUPY = None
+
+
+def _cupy():
+    """CuPy, imported once on first use (the module must import without a GPU stack)."""
+    global _CUPY
+    if _CUPY is None:
+        import cupy
+        _CUPY = cupy
+    return _CUPY
+
+
 def _cupy_ndarray():
-    import cupy
-    return cupy.ndarray
+    return (_CUPY or _cupy()).ndarray
 
 
 def _cupy_empty(shape, dtype):
-    import cupy
-    return cupy.empty(shape, dtype)
+    return (_CUPY or _cupy()).empty(shape, dtype)
 
 
 def _np_dtype(name: str):
