@@ -510,8 +510,13 @@ def _converter(kernel: Kernel, index: int, p: Param):
             return a
         return conv
     if p.kind == "struct":
+        want = 128 if p.ctype.split("::")[-1] in ("TensorMap", "CUtensorMap") else None
+
         def conv(a, dev):
             if isinstance(a, (np.generic, np.ndarray)) and a.dtype.itemsize > 0:
+                if want is not None and a.nbytes != want:
+                    raise TypeError(f"{where}: a tensor map is {want} bytes (rtkernels.tma.tensor_map builds "
+                                    f"one), got {a.nbytes}")
                 return a
             raise TypeError(f"{where}: a by-value struct needs a NumPy scalar/record of its exact bytes, "
                             f"got {type(a).__name__}")
@@ -589,6 +594,9 @@ def _check_dev(arr, dev: int, where: str):
 
 
 # ---- the public compile entry points -----------------------------------------------------
+_ARCH_SPECIFIC = re.compile(r"rtk/sm90\.cuh|\bwgmma\.|\bsetmaxnreg\.")
+
+
 def resolve_arch(arch: str | None, arch_specific: bool = False) -> str:
     arch = arch or device.current_arch()
     kind, num, suffix = parse_arch(arch)
@@ -632,7 +640,9 @@ def compile_template(template: Template, *, kernel: str | None, arch: str | None
     k = _memo.get(memo_key)
     if k is not None:
         return k
-    target = resolve_arch(arch)
+    # A template that uses Hopper's arch-specific instructions (directly or through rtk/sm90.cuh)
+    # needs the sm_90a target on an sm_90 device; plain sm_90 would reject wgmma/setmaxnreg.
+    target = resolve_arch(arch, bool(_ARCH_SPECIFIC.search(template.text)))
     exprs: tuple = ()
     if kernel is None:
         names = kernel_names(render(template, params, family=template.name).source)
