@@ -1,4 +1,8 @@
-"""Attention forward benchmark: rtk.attention against PyTorch SDPA (flash and cuDNN backends).
+"""Attention forward benchmark: rtk.attention against a Triton FA2-style forward (written here,
+the kernel a user would write) and PyTorch SDPA (flash and cuDNN backends), all in one run.
+
+On sm_90, rtk.attention runs the Hopper kernel (TMA + wgmma, rtkernels.ops.attention_sm90); the
+mma.sync kernel it replaces there is timed beside it as ``fa2``.
 
 FlashAttention's grid: 16k tokens per batch (batch = 16384 / seqlen), hidden 2048 (nheads =
 2048 / head_dim), seqlen 512 ... 16k, head dims 64, 128, 256 (+ 80, 96), causal and not.
@@ -44,27 +48,149 @@ def _inputs(batch, s, h, d, dtype, torch):
     return [x.astype(dtype) for x in xs]
 
 
-def _ours(q, k, v, causal, dtype, torch):
-    """A launcher bound to prepared arguments: the timed loop measures the kernel, not Python."""
+def _ours(q, k, v, causal, dtype, torch, hopper=True):
+    """A launcher bound to prepared arguments: the timed loop measures the kernel, not Python.
+    ``hopper``: the kernel rtk.attention dispatches to (the sm_90 one where eligible); False:
+    the mma.sync kernel."""
     import cupy as cp
     import importlib
     A = importlib.import_module("rtkernels.ops.attention")   # the module, not the re-exported function
+    H = importlib.import_module("rtkernels.ops.attention_sm90")
     extra = {} if torch is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
-    o, _ = A.attention(q, k, v, causal=causal, **extra)        # compiles, checks, allocates once
+    enabled, H.ENABLED = H.ENABLED, hopper
+    try:
+        o, _ = A.attention(q, k, v, causal=causal, **extra)     # compiles, checks, allocates once
+    finally:
+        H.ENABLED = enabled
     as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
         lambda t: t)
     qc, kc, vc, oc = (as_cp(t) for t in (q, k, v, o))
     b, s, h, d = qc.shape
-    kern, cfg = A._kernel_for(dtype, d, causal, A._device_arch(cp.cuda.runtime.getDevice()))
+    arch = A._device_arch(cp.cuda.runtime.getDevice())
     lse = cp.empty((b, h, s), cp.float32)
-    st = [x.strides[i] // x.itemsize for x in (qc, kc, vc, oc) for i in range(3)]
-    grid = (-(-s // cfg.block_m), h, b)
     stream = torch.cuda.current_stream().cuda_stream if torch else None
-    args = (qc, kc, vc, oc, lse, s, kc.shape[1], h // kc.shape[2], *st, 1.0 / d ** 0.5)
+    if hopper and H.eligible(arch, (qc, kc, vc, oc), kc.shape[1]):
+        kern, cfg = H.kernel_for(dtype, d, causal, arch)
+        maps = H.tensor_maps(cfg, qc, kc, vc, oc)
+        grid = (-(-s // cfg.block_m), h, b)
+        args = (*maps, lse, s, kc.shape[1], h // kc.shape[2], 1.0 / d ** 0.5)
+        tag = "sm90 " + _short90(cfg)
+    else:
+        kern, cfg = A._kernel_for(dtype, d, causal, arch)
+        st = [x.strides[i] // x.itemsize for x in (qc, kc, vc, oc) for i in range(3)]
+        grid = (-(-s // cfg.block_m), h, b)
+        args = (qc, kc, vc, oc, lse, s, kc.shape[1], h // kc.shape[2], *st, 1.0 / d ** 0.5)
+        tag = f"fa2 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
 
     def run():
         kern.launch(grid, (cfg.threads_per_block,), *args, shared_mem=cfg.shared_mem_bytes, stream=stream)
-    return run, o, cfg
+    return run, o, tag
+
+
+# ---- Triton peer: a FlashAttention-2 forward as a user would write it --------------------
+_TRITON = None
+
+
+def _triton_kernel():
+    """Built on first use (triton imported only here); None when triton is absent."""
+    global _TRITON
+    if _TRITON is not None:
+        return _TRITON or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _TRITON = False
+        return None
+
+    @triton.jit
+    def fa_fwd(Q, K, V, O, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, seqlen_q, seqlen_k,
+               kv_group, scale_log2, CAUSAL: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, EVEN: tl.constexpr):
+        pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = tl.arange(0, BN)
+        rd = tl.arange(0, BD)
+        dm = rd < D
+        q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqs + rd[None, :],
+                    mask=(rm[:, None] < seqlen_q) & dm[None, :], other=0.0)
+        kp = K + b * skb + (h // kv_group) * skh + rd[:, None]
+        vp = V + b * svb + (h // kv_group) * svh + rd[None, :]
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, BD], tl.float32)
+        diag = seqlen_k - seqlen_q
+        hi = tl.minimum(seqlen_k, (pid_m + 1) * BM + diag) if CAUSAL else seqlen_k
+        full = tl.minimum(hi, pid_m * BM + diag + 1) // BN * BN if CAUSAL else seqlen_k // BN * BN
+        for start in range(0, hi, BN):       # tiles before `full` need no mask
+            cols = start + rn
+            if EVEN:   # seqlen_k a multiple of BN and D a power of two: no load masks
+                k = tl.load(kp + cols[None, :] * sks)
+                v = tl.load(vp + cols[:, None] * svs)
+            else:
+                k = tl.load(kp + cols[None, :] * sks, mask=(cols[None, :] < seqlen_k) & dm[:, None], other=0.0)
+                v = tl.load(vp + cols[:, None] * svs, mask=(cols[:, None] < seqlen_k) & dm[None, :], other=0.0)
+            s = tl.dot(q, k) * scale_log2
+            if start >= full:
+                ok = cols[None, :] < seqlen_k
+                if CAUSAL:
+                    ok = ok & (cols[None, :] <= rm[:, None] + diag)
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + b * sob + h * soh + rm[:, None] * sos + rd[None, :], acc.to(O.dtype.element_ty),
+                 mask=(rm[:, None] < seqlen_q) & dm[None, :])
+
+    _TRITON = (triton, fa_fwd)
+    return _TRITON
+
+
+# Per head dim: (BM, BN, num_warps, num_stages) candidates; the first is used in --quick, all are
+# timed otherwise and the best kept (the triton tutorial's autotuning, done by hand so it is timed
+# outside the measured loop).
+_TRITON_TILES = {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+                 128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+                 256: [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]}
+
+
+def _triton(q, k, v, causal, torch, quick):
+    tk = _triton_kernel()
+    if tk is None or torch is None:
+        return None, "triton not importable"
+    triton, kern = tk
+    b, s, h, d = q.shape
+    o = torch.empty_like(q)
+    bd = triton.next_power_of_2(d)
+    key = 64 if d <= 64 else (128 if d <= 128 else 256)
+    tiles = _TRITON_TILES[key][:1 if quick else None]
+    st = [x.stride(i) for x in (q, k, v, o) for i in range(3)]
+
+    def bind(bm, bn, w, stages):
+        def run():
+            kern[(triton.cdiv(s, bm), h, b)](q, k, v, o, *st, s, k.shape[1], h // k.shape[2],
+                                             (1.0 / d ** 0.5) * 1.4426950408889634, CAUSAL=causal, D=d, BD=bd,
+                                             BM=bm, BN=bn, EVEN=(k.shape[1] % bn == 0 and bd == d),
+                                             num_warps=w, num_stages=stages)
+        return run
+    best = None
+    for t in tiles:
+        run = bind(*t)
+        try:
+            run()
+        except Exception as exc:   # noqa: BLE001  (out of shared memory for this tile, ...)
+            continue
+        ms = bu.time_cuda(run, warmup=2, repeat=5) if len(tiles) > 1 else 0.0
+        if best is None or ms < best[0]:
+            best = (ms, run, t)
+    if best is None:
+        return None, "no triton tile compiled"
+    return best[1], (o, "triton {}x{} w{} s{}".format(*best[2]))
 
 
 def _sdpa(q, k, v, causal, backend, torch):
@@ -92,9 +218,14 @@ def _max_diff(a, b, torch):
 def compile_times(dtype: str) -> dict:
     import rtkernels as rtk
     from rtkernels import cache, kernel
+    from rtkernels import device
+    from rtkernels.ops import attention_sm90
     from rtkernels.ops.attention import AttentionConfig
-    cfg = AttentionConfig(dtype=dtype, head_dim=128, causal=False, block_m=128, block_n=64, num_warps=4,
-                          num_stages=1)
+    if attention_sm90.is_sm90(device.current_arch()):   # what rtk.attention runs at d128 there
+        cfg = attention_sm90.choose_config(dtype, 128, False)
+    else:
+        cfg = AttentionConfig(dtype=dtype, head_dim=128, causal=False, block_m=128, block_n=64, num_warps=4,
+                              num_stages=1)
     with tempfile.TemporaryDirectory(prefix="rtk-attn-cold-") as d:
         old = os.environ.get("RTKERNELS_CACHE_DIR")
         os.environ["RTKERNELS_CACHE_DIR"] = d
@@ -167,6 +298,61 @@ def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
     return rows
 
 
+def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None) -> list[dict]:
+    """Time every tile of attention_sm90.tile_space at one seqlen (the data its heuristics table is
+    set from); spilling candidates are dropped after compiling, all compiled in parallel first."""
+    import cupy as cp
+    from concurrent.futures import ThreadPoolExecutor
+    import rtkernels as rtk
+    from rtkernels.ops import attention_sm90 as H
+    cands = [c for d in head_dims for causal in (False, True) for c in H.tile_space(dtype, d, causal)]
+
+    def build(c):
+        try:
+            k = rtk.get_kernel(c, arch="sm_90a")
+        except Exception as exc:   # noqa: BLE001
+            return c, None, str(exc).splitlines()[0]
+        r = k.resources
+        return c, (None if r.spill_stores or r.spill_loads or r.stack_frame else k), f"{r.spill_stores} B spilled"
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        built = list(ex.map(build, cands))
+    print(f"built {len(built)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for d in head_dims:
+        h, b = HIDDEN // d, max(1, TOKENS // seqlen)
+        q, k, v = _inputs(b, seqlen, h, d, dtype, torch)
+        as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
+            lambda t: t)
+        qc, kc, vc = (as_cp(t) for t in (q, k, v))
+        oc = cp.empty_like(qc)
+        lse = cp.empty((b, h, seqlen), cp.float32)
+        for causal in (False, True):
+            heur = H.choose_config(dtype, d, causal)
+            flops = _flops(b, seqlen, seqlen, h, d, causal)
+            for c, kern, note in built:
+                if c.head_dim != d or c.causal != causal:
+                    continue
+                row = {"head_dim": d, "causal": causal, "tile": _short90(c), "heuristic": c == heur}
+                if kern is None:
+                    row["note"] = note
+                else:
+                    H.launch(kern, c, qc, kc, vc, oc, lse, d ** -0.5)
+                    ms = bu.time_cuda(lambda: H.launch(kern, c, qc, kc, vc, oc, lse, d ** -0.5), warmup=2, repeat=7)
+                    row["tflops"] = flops / (ms * 1e-3) / 1e12
+                rows.append(row)
+                print(row, flush=True)
+        del q, k, v, qc, kc, vc, oc
+        if save:
+            save(rows)   # after each head dim: a run cut short still leaves its data
+    return rows
+
+
+def _short90(c) -> str:
+    return (f"{c.block_m}x{c.block_n} s{c.num_stages}" + (" ov" if c.intra_overlap else "")
+            + (" pp" if c.pingpong else ""))
+
+
 def _short(cfg) -> str:
     return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (" qreg" if cfg.q_in_regs else "")
 
@@ -183,6 +369,10 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--head-dims", default="64,128,256,80,96")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton peer")
+    p.add_argument("--no-fa2", action="store_true", help="skip timing the mma.sync kernel beside the sm_90 one")
+    p.add_argument("--tune-sm90", action="store_true", help="time every sm_90 tile candidate (seqlen 4096 or the "
+                                                            "last --seqlens) instead of the peer comparison")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     args = p.parse_args()
@@ -190,12 +380,19 @@ def main():
     torch, peers = bu.attention_peers(env)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    if args.quick:
-        head_dims, seqlens = head_dims[:2], [s for s in seqlens if s in (1024, 4096)] or seqlens[:2]
+    if args.quick:   # the head dims asked for (default 64, 128, 256) at seqlen 4096: well under 90 s
+        head_dims = head_dims if "--head-dims" in sys.argv else [64, 128, 256]
+        seqlens = seqlens if "--seqlens" in sys.argv else [4096]
     warmup, repeat = (2, 5) if args.quick else (3, 10)
 
     import cupy as cp
     cp.cuda.Device().synchronize()   # create the CUDA context first: it is not part of a warm start
+    if args.tune_sm90:
+        def save(rows):
+            bu.save(args.out, "bench_attention_tune_sm90", {"env": env, "dtype": args.dtype, "rows": rows})
+        rows = tune_sm90(head_dims, args.dtype, torch, seqlens[-1] if "--seqlens" in sys.argv else 4096, save)
+        print(bu.table(rows, ["head_dim", "causal", "tile", "heuristic", "tflops", "note"]))
+        return
     if args.tune:
         os.environ.setdefault("RTKERNELS_CACHE_DIR", tempfile.mkdtemp(prefix="rtk-attn-tune-"))
         rows = tune(head_dims, args.dtype, torch)
@@ -212,12 +409,28 @@ def main():
                 b = max(1, TOKENS // s)
                 q, k, v = _inputs(b, s, h, d, args.dtype, torch)
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
-                run, o_ours, cfg = _ours(q, k, v, causal, args.dtype, torch)
-                row["config"] = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                run, o_ours, tag = _ours(q, k, v, causal, args.dtype, torch)
+                row["config"] = tag
                 ms = bu.time_cuda(run, warmup=warmup, repeat=repeat)
                 flops = _flops(b, s, s, h, d, causal)
                 row["rtk_ms"] = ms
                 row["rtk_tflops"] = flops / (ms * 1e-3) / 1e12
+                if "sm90" in tag and not args.no_fa2:
+                    frun, o_fa2, ftag = _ours(q, k, v, causal, args.dtype, torch, hopper=False)
+                    row["fa2_config"] = ftag
+                    row["fa2_maxdiff"] = _max_diff(o_ours, o_fa2, torch)
+                    row["fa2_tflops"] = flops / (bu.time_cuda(frun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                    row["ratio_vs_fa2"] = row["rtk_tflops"] / row["fa2_tflops"]
+                    del o_fa2
+                if not args.no_triton:
+                    trun, tout = _triton(q, k, v, causal, torch, args.quick)
+                    if trun is None:
+                        row["triton_tflops"], row["triton_note"] = None, tout
+                    else:
+                        row["triton_config"] = tout[1]
+                        row["triton_maxdiff"] = _max_diff(o_ours, tout[0], torch)
+                        row["triton_tflops"] = flops / (bu.time_cuda(trun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["ratio_vs_triton"] = row["rtk_tflops"] / row["triton_tflops"]
                 for name, backend in peers.items():
                     prun, out = _sdpa(q, k, v, causal, backend, torch)
                     if prun is None:
@@ -238,7 +451,7 @@ def main():
             sel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
             tag = "causal" if causal else "non-causal"
             series[f"rtk {tag}"] = ([r["seqlen"] for r in sel], [r["rtk_tflops"] for r in sel])
-            for name in peers:
+            for name in ["fa2", "triton", *peers]:
                 pts = [(r["seqlen"], r[f"{name}_tflops"]) for r in sel if r.get(f"{name}_tflops")]
                 if pts:
                     series[f"{name} {tag}"] = tuple(map(list, zip(*pts)))
@@ -246,8 +459,9 @@ def main():
                 f"attention fwd {args.dtype} head_dim={d} ({env['gpu']})")
 
     cols = ["head_dim", "causal", "seqlen", "batch", "config", "rtk_tflops"]
-    for name in peers:
-        cols += [f"{name}_tflops", f"ratio_vs_{name}"]
+    for name in ["fa2", "triton", *peers]:
+        if any(f"{name}_tflops" in r for r in rows):
+            cols += [f"{name}_tflops", f"ratio_vs_{name}"]
     print(f"\n{env['gpu']} ({env['arch']}, {env['sms']} SMs), driver {env['driver']}, NVRTC {env['nvrtc']}, "
           f"{args.dtype}, {env['date']}" + (f", torch {env['torch']}" if torch else " (torch absent: no peers)"))
     print(f"cold compile ({ct['config']}): {ct['cold_compile_s'] * 1e3:.0f} ms; "

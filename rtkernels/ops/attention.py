@@ -436,24 +436,38 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         lse_ = as_device_array(lse, FAMILY, "lse") if return_lse else None
 
         arch = _device_arch(dev)
-        kern, cfg = _kernel_for(dt, head_dim, causal, arch)
         if stream is None and _is_torch(q):
             torch = sys.modules["torch"]
             stream = torch.cuda.current_stream(dev).cuda_stream
+        # sm_90: the TMA/wgmma kernel (rtkernels.ops.attention_sm90) whenever TMA can address
+        # the arrays; everything else, and other archs, the mma.sync kernel below.
+        hopper = _sm90.eligible(arch, (q_, k_, v_, o_), seqlen_k)
+        if hopper:
+            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch)
+            if not _autotune.enabled():
+                _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream)
+                return (o, lse) if return_lse else o
+        else:
+            kern, cfg = _kernel_for(dt, head_dim, causal, arch)
         args = (q_, k_, v_, o_, lse_, seqlen_q, seqlen_k, nheads // nheads_kv,
                 sq_[0], sq_[1], sq_[2], sk_[0], sk_[1], sk_[2], sv_[0], sv_[1], sv_[2], so_[0], so_[1], so_[2],
                 float(softmax_scale))
 
-        def run(c: AttentionConfig, k=None):
+        def run(c, k=None):
             k = k or _get_kernel(c, arch)
+            if isinstance(c, _sm90.AttentionSm90Config):
+                _sm90.launch(k, c, q_, k_, v_, o_, lse_, softmax_scale, stream)
+                return
             k.launch((-(-seqlen_q // c.block_m), nheads, batch), (c.threads_per_block,), *args,
                      shared_mem=c.shared_mem_bytes, stream=stream)
 
         if _autotune.enabled():
             key = {"dtype": dt, "head_dim": head_dim, "causal": causal, "arch": arch,
                    "seqlen_q": _seqlen_bucket(seqlen_q), "seqlen_k": _seqlen_bucket(seqlen_k)}
-            best = _autotune.pick(FAMILY, key, tile_space(dt, head_dim, causal, arch), run, cfg, arch=arch,
-                                  kernel="attention_fwd")
+            space = tile_space(dt, head_dim, causal, arch)
+            if hopper:   # both kernels compete; the entry keeps this family's name
+                space = _sm90.tile_space(dt, head_dim, causal) + space
+            best = _autotune.pick(FAMILY, key, space, run, cfg, arch=arch, kernel=None)
             if best != cfg:
                 kern, cfg = _get_kernel(best, arch), best
         run(cfg, kern)
@@ -531,3 +545,7 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
             o[b, :, h] = cupy.where(seen, rnd(rnd(p / safe_l) @ vf[b, :, h // group]), 0)
             lse[b, h] = cupy.where(seen[:, 0], m[:, 0] + cupy.log(safe_l[:, 0]), -cupy.inf)
     return o, lse
+
+
+# Last: the Hopper module subclasses AttentionShape, defined above.
+from . import attention_sm90 as _sm90  # noqa: E402

@@ -1,0 +1,247 @@
+"""attention_sm90: the Hopper (sm_90a) FlashAttention forward behind ``rtk.attention`` on sm_90.
+
+Same contract as :mod:`rtkernels.ops.attention` (layouts, GQA, bottom-right causal, lse,
+fp16/bf16, every head dim that is a multiple of 8 up to 256); only the machinery differs:
+TMA loads through 4-D tensor maps built over the arrays' own strides, a producer warpgroup
+streaming K/V through an mbarrier ring, consumer warpgroups computing with wgmma, and a TMA
+store of O (templates/attention_fwd_sm90.cu.j2).  :func:`eligible` says when the op may use it;
+everything else (sm_80/86/89, arrays TMA cannot address) keeps the mma.sync kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from ..config import register_family
+from ..errors import ConfigError
+from .attention import AttentionShape
+
+FAMILY = "attention_sm90"
+SMEM_LIMIT_SM90 = 227 * 1024          # opt-in dynamic shared memory per block on H100/H200
+_ALIGN_SLACK = 1024                   # the template rounds the dynamic smem base up to 1 KiB
+
+
+@register_family
+@dataclass(frozen=True)
+class AttentionSm90Config(AttentionShape):
+    """One specialization of the Hopper forward kernel.
+
+    Parameters
+    ----------
+    dtype, head_dim, causal : as :class:`rtkernels.ops.attention.AttentionConfig`.
+    block_m : query rows per CTA: 64 per consumer warpgroup (64, 128 or 192).
+    block_n : keys per K/V tile (wgmma N of Q K^T), multiple of 16 in [16, 256].
+    num_stages : K/V ring depth (2 or 3).
+    intra_overlap : issue S_n = Q K_n^T together with O += P_{n-1} V_{n-1} so the softmax of one
+        tile runs under the other's GEMM (off: the plain S -> softmax -> P V order).
+    pingpong : the two consumer warpgroups (block_m=128) take turns issuing GEMMs, so one's softmax
+        overlaps the other's GEMMs (named barriers).
+    """
+
+    family: ClassVar[str] = FAMILY
+    template: ClassVar[str] = "attention_fwd_sm90.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("attention_fwd_sm90",)
+    needs_arch_specific: ClassVar[bool] = True
+    expects_tensor_cores: ClassVar[bool] = True
+    expected_global_width: ClassVar[int | None] = None   # TMA moves the tiles; only lse is stored per thread
+
+    block_m: int = 128
+    block_n: int = 128
+    num_stages: int = 2
+    intra_overlap: bool = True
+    pingpong: bool = False
+
+    def __post_init__(self):
+        self._check_shape()
+        self._check_choice("block_m", (64, 128, 192))
+        self._check_int("block_n", 16, 256, multiple_of=16)
+        self._check_choice("num_stages", (2, 3))
+        self._check_choice("intra_overlap", (False, True))
+        self._check_choice("pingpong", (False, True))
+        if self.pingpong and self.consumers != 2:
+            self._fail("pingpong", "False unless block_m=128 (two consumer warpgroups take turns)")
+        if self.shared_mem_bytes > SMEM_LIMIT_SM90:
+            self._fail("block_n", f"a tile that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: block_m="
+                                  f"{self.block_m}, block_n={self.block_n}, num_stages={self.num_stages} at "
+                                  f"head_dim={self.head_dim} needs {self.shared_mem_bytes} B")
+
+    # ---- derived values (the template re-checks them with static_assert) --------------
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * (1 + self.consumers)
+
+    @property
+    def d_blocks(self) -> int:
+        """64-column (128-byte, one TMA box) blocks of a Q/K/V tile row."""
+        return -(-self.head_dim // 64)
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """Q tile + num_stages x (K tile + V tile), each D_BLOCKS x rows x 128 B, the mbarriers and
+        1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
+        q = self.block_m * 128 * self.d_blocks
+        kv = self.block_n * 128 * self.d_blocks
+        bars = 8 * (1 + 4 * self.num_stages)
+        return q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg; the sum over the CTA's
+        threads stays within the 64 Ki register file (one CTA per SM)."""
+        if self.consumers == 1:
+            return 256, 256            # 256 threads: every thread may already hold 255
+        if self.consumers == 2:
+            return 24, 240             # 128 * 24 + 256 * 240 = 64512
+        return 32, 160                 # 128 * 32 + 384 * 160 = 65536
+
+    def template_params(self) -> dict[str, Any]:
+        p = super().template_params()
+        p["smem_bytes"] = self.shared_mem_bytes
+        p["producer_regs"], p["consumer_regs"] = self.register_split
+        return p
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    num_stages: int
+    intra_overlap: bool
+    pingpong: bool
+    why: str
+
+
+# (lowest head_dim, highest head_dim, causal or None for both) -> tile.  Timings: H200, bf16,
+# seqlen 4096 (16k tokens, hidden 2048), tools/bench_attention.py --tune-sm90, 2026-11-21, with K
+# and V released separately.  Register/spill figures: ptxas of NVRTC 13.5, sm_90a.
+HEURISTICS: list[tuple[int, int, bool | None, Tile]] = [
+    (8, 64, False, Tile(192, 128, 2, True, False,
+                        "d64 non-causal: 3 consumer warpgroups 453 TFLOP/s vs 421 for 128x128 overlap-only, 392 "
+                        "with pingpong, 416 at 128x176; the softmax-bound small head dim gains most from more "
+                        "warpgroups in flight; O 32 + S 64 + P 32 fit the 160 registers each, 0 spills")),
+    (8, 64, True, Tile(128, 128, 2, True, True,
+                       "d64 causal: 361 TFLOP/s (192x64 368, 192x128 355, 128x176 pingpong 358: within noise); "
+                       "the diagonal tiles favour the smaller CTA")),
+    (72, 128, None, Tile(128, 128, 2, True, True,
+                         "d128: overlap + pingpong 630 / 490 TFLOP/s (non-causal / causal) vs 599 / 502 overlap "
+                         "only, 594 / 506 at 128x176, 555 / 482 at 128x96; Q 32 KiB + 2 x (K + V) 128 KiB; <= 187 "
+                         "of 240 registers, 0 spills")),
+    (136, 192, None, Tile(128, 112, 2, True, True,
+                          "d160 678 / 559, d192 711 / 618 TFLOP/s (bench_attention); 3 column blocks: Q 48 KiB + "
+                          "2 x (K + V) 168 KiB = 217 KiB fits 227; O 96 + S 56 + P 28 registers, 0 spills")),
+    (200, 256, None, Tile(128, 80, 2, True, True,
+                          "d256: 660 / 548 TFLOP/s vs 671 / 551 without pingpong (noise) and 619 / 503 at 64-key "
+                          "tiles; 4 column blocks: Q 64 KiB + 2 x (K + V) 160 KiB = 225 KiB fits 227; O 128 + S 40 "
+                          "+ P 20 registers, 0 spills")),
+]
+
+
+def candidate(head_dim: int, causal: bool) -> Tile:
+    for lo, hi, c, tile in HEURISTICS:
+        if lo <= head_dim <= hi and (c is None or c == causal):
+            return tile
+    raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
+
+
+def choose_config(dtype: str, head_dim: int, causal: bool) -> AttentionSm90Config:
+    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90."""
+    t = candidate(head_dim, causal)
+    return AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=t.block_m,
+                               block_n=t.block_n, num_stages=t.num_stages, intra_overlap=t.intra_overlap,
+                               pingpong=t.pingpong)
+
+
+def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Config]:
+    """Every config the heuristics can pick (head_dim 8..256 step 8 x dtype x causal)."""
+    return [choose_config(dt, d, c) for d in range(8, 257, 8) for dt in dtypes for c in (False, True)]
+
+
+def tile_space(dtype: str, head_dim: int, causal: bool) -> list[AttentionSm90Config]:
+    """Candidates for the autotuner: the heuristic's tile first, then 128-row CTAs with 64..176-key
+    tiles (intra-warpgroup overlap, pingpong, or both) and 192-row CTAs (head_dim <= 64) - those
+    that fit shared memory (spilling ones are pruned from the ptxas report before anything launches)."""
+    tiles = [dict(block_m=128, block_n=n, intra_overlap=ov, pingpong=pp) for n in (64, 80, 96, 112, 128, 176)
+             for ov, pp in ((True, False), (True, True), (False, True))]
+    if head_dim <= 64:   # 3 consumer warpgroups get 160 registers each: O + S + P fit only for small D
+        tiles += [dict(block_m=192, block_n=n) for n in (64, 128)]
+    out = [choose_config(dtype, head_dim, causal)]
+    for t in tiles:
+        try:
+            out.append(AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, **t))
+        except ConfigError:
+            pass   # does not fit shared memory
+    return list(dict.fromkeys(out))
+
+
+# ---- dispatch and launch ------------------------------------------------------------------
+# Switch for tests and benchmarks: False sends every call to the mma.sync kernel.
+ENABLED = True
+_TMA_STRIDE_LIMIT = 2 ** 40   # bytes
+
+
+def is_sm90(arch: str) -> bool:
+    return arch in ("sm_90", "sm_90a")
+
+
+def eligible(arch: str, views, seqlen_k: int) -> bool:
+    """Whether the Hopper kernel can take these arrays: an sm_90 device, at least one key (a
+    tensor map has no zero-length dimension) and strides TMA can encode.  The op's own checks
+    (16-byte aligned bases, strides in whole 16-byte units, contiguous last dimension) already hold."""
+    if not (ENABLED and is_sm90(arch)) or seqlen_k < 1:
+        return False
+    return all(abs(s) < _TMA_STRIDE_LIMIT and s >= 0 for v in views for s in v.strides)
+
+
+def _map_strides(view) -> tuple[int, ...]:
+    """Element strides for a tensor map: a size-1 dimension is never stepped, but the driver
+    wants a positive 16-byte multiple there too, so it gets the extent of what lies inside it."""
+    item = view.itemsize
+    out = []
+    for n, s in zip(view.shape, view.strides):
+        out.append(s // item)
+    span = 1
+    for i in range(len(out) - 1, -1, -1):
+        if view.shape[i] == 1 and i < len(out) - 1:
+            out[i] = -(-span // 8) * 8
+        span = max(span, out[i] * view.shape[i])
+    return tuple(out)
+
+
+def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_):
+    """The four by-value tensor maps: Q and O boxes of (block_m resp. 64) rows x 64 columns, K/V
+    boxes of block_n rows x 64 columns; 64 columns = 128 bytes, the SW128 swizzle span."""
+    from ..tma import tensor_map
+    dt = cfg.dtype
+    box = lambda rows: (1, rows, 1, 64)   # noqa: E731
+    return (tensor_map(q_, dt, q_.shape, _map_strides(q_), box(cfg.block_m)),
+            tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n)),
+            tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n)),
+            tensor_map(o_, dt, o_.shape, _map_strides(o_), box(64)))
+
+
+def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None) -> None:
+    """One launch over CuPy views q_, k_, v_, o_ (bfloat16 as uint16) and lse_ (or None)."""
+    batch, seqlen_q, nheads, _ = q_.shape
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
+    tq, tk, tv, to = tensor_maps(cfg, q_, k_, v_, o_)
+    kern.launch((-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,), tq, tk, tv, to, lse_,
+                seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale), shared_mem=cfg.shared_mem_bytes,
+                stream=stream)
+
+
+_KERNELS: dict = {}
+
+
+def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a"):
+    """(Kernel, config), memoized per (dtype, head_dim, causal, arch)."""
+    key = (dtype, head_dim, causal, arch)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        from ..kernel import get_kernel
+        cfg = choose_config(dtype, head_dim, causal)
+        hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
+    return hit
