@@ -318,7 +318,7 @@ class Kernel:
     def _launch_checked(self, fn, dev, grid, block, packed, shared_mem, stream):
         if min(grid) <= 0 or min(block) <= 0:
             return self._empty_grid(grid, block)
-        if shared_mem > _SMEM_DEFAULT_LIMIT:
+        if shared_mem + self.resources.shared_static > _SMEM_DEFAULT_LIMIT:
             self._smem_check(fn, dev, shared_mem)
         if stream is not None and not hasattr(stream, "ptr"):
             stream = _StreamPtr(stream)
@@ -422,7 +422,9 @@ class Kernel:
                   "        if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
                   "        if min(grid) <= 0 or min(block) <= 0: return _kernel._empty_grid(grid, block)",
                   "        _seen[0] = grid; _seen[1] = block",
-                  f"    if shared_mem > {_SMEM_DEFAULT_LIMIT}: _kernel._smem_check(fn, dev, shared_mem)",
+                  # The 48 KiB default covers static plus dynamic shared memory together.
+                  f"    if shared_mem > {_SMEM_DEFAULT_LIMIT - self.resources.shared_static}: "
+                  "_kernel._smem_check(fn, dev, shared_mem)",
                   "    if stream is not None and not hasattr(stream, 'ptr'): stream = _StreamPtr(stream)",
                   "    try:",
                   f"        fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",

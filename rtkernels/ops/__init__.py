@@ -4,13 +4,15 @@ The public functions are re-exported by ``rtkernels`` itself, not here: a packag
 named like its submodule (``rtkernels.ops.matmul``) must stay the module, so that
 ``import rtkernels.ops.matmul as m`` gives the module and not the function.
 """
-from . import attention, attention_bwd, elementwise, matmul, rowwise, vector_add  # noqa: F401
+from . import attention, attention_bwd, attention_sm90, elementwise, matmul, matmul_sm90, rowwise, vector_add  # noqa: F401
 
 PUBLIC = {
     "vector_add": ("vector_add", "VectorAddConfig"),
     "elementwise": ("elementwise", "ElementwiseConfig", "ElementwiseFunction"),
     "matmul": ("matmul", "MatmulConfig", "matmul_reference"),
     "attention": ("attention", "AttentionConfig", "attention_reference"),
+    "attention_sm90": ("AttentionSm90Config",),
+    "matmul_sm90": ("MatmulSm90Config",),
     "attention_bwd": ("attention_backward", "AttentionBwdConfig", "attention_backward_reference"),
     "rowwise": ("softmax", "rmsnorm", "layernorm", "reduce", "SoftmaxConfig", "NormConfig", "ReduceConfig"),
 }
