@@ -4,10 +4,13 @@
 >>> c = rtk.matmul(a, b, bias=bias, activation="gelu")     # act(a @ b + bias), one pass over C
 >>> c = rtk.matmul(a, b, trans_b=True)                     # a @ b.T without a copy
 
-float16 / bfloat16 run on tensor cores (mma.sync m16n8k16, float32 accumulators, a cp.async
-multi-stage pipeline, see templates/matmul.cu.j2); float32 runs a SIMT FFMA kernel (no tf32).
-Tile sizes come from a wave-aware heuristic (:func:`heuristic_config`), or from the autotuner
-with ``RTKERNELS_AUTOTUNE=1``.
+float16 / bfloat16 run on tensor cores: on sm_90 (H100 / H200) the warp-specialized, persistent
+TMA + wgmma kernel of :mod:`rtkernels.ops.matmul_sm90` whenever TMA can address the operands
+(16-byte aligned base and strides, K >= 1); everywhere else, and for such inputs (e.g. K = 9
+bfloat16 rows), the mma.sync m16n8k16 kernel with a cp.async multi-stage pipeline
+(templates/matmul.cu.j2).  float32 runs a SIMT FFMA kernel (no tf32).  Tile sizes come from
+wave-aware heuristics (:func:`heuristic_config`, :func:`matmul_sm90.heuristic_config`), or from
+the autotuner with ``RTKERNELS_AUTOTUNE=1``.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from .. import autotune, device
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
+from . import matmul_sm90 as m90
 from ._arrays import as_device_array, dtype_name, new_like
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
@@ -395,6 +399,11 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     if max(m, n, k) >= 2 ** 31:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
+    if da != "float32" and k > 0 and device.current_arch() == "sm_90":
+        if _run_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
+                     batch_c, act, stream):
+            return out
+
     if da == "float32":
         vec_a = vec_b = 1
     else:
@@ -426,6 +435,70 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     kern.launch(grid, block, av, bv, biv, cv, m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec,
                 shared_mem=smem, stream=stream)
     return out
+
+
+_plans90: dict = {}
+
+
+def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b, batch_c,
+              act, stream) -> bool:
+    """Launch the Hopper kernel (ops/matmul_sm90.py) if TMA can address A and B; False otherwise.
+
+    A batch stride of 0 (a 2-D operand broadcast over the batch) becomes a batch extent of 1
+    that the kernel does not index.  C goes through a TMA store when it is 16-byte addressable,
+    else through direct stores.
+    """
+    a_rows, a_cols = (m, k) if a_kmajor else (k, m)
+    b_rows, b_cols = (n, k) if b_kmajor else (k, n)
+    a_map = m90.operand_maps(av.data.ptr, a_rows, a_cols, lda, batch if batch_a else 1, batch_a)
+    b_map = m90.operand_maps(bv.data.ptr, b_rows, b_cols, ldb, batch if batch_b else 1, batch_b)
+    if a_map is None or b_map is None:
+        return False
+    c_map = m90.operand_maps(cv.data.ptr, m, n, ldc, batch if batch_c else 1, batch_c)
+    tma_store = c_map is not None
+    dev = device.current_device()
+    key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, dev, autotune.enabled())
+    plan = _plans90.get(key)
+    if plan is None:
+        layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
+                      tma_store=tma_store)
+        sms = device.sm_count()
+        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, **layout)
+        if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
+            return False
+        if autotune.enabled():
+            cfg = _tuned_sm90(cfg, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc,
+                              batch_c, stream)
+        plan = _plans90[key] = (get_kernel(cfg), cfg, m90.grid_size(m, n, batch, cfg, sms))
+    kern, cfg, grid = plan
+    ma, mb, mc = m90.tensor_maps(cfg, (av.data.ptr, *a_map), (bv.data.ptr, *b_map),
+                                 (cv.data.ptr, *c_map) if tma_store else None)
+    c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
+    kern.launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma, mb, mc, biv, cv, m, n, k, batch,
+                int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes,
+                stream=stream)
+    return True
+
+
+def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc, batch_c,
+                stream):
+    key = {"dtype": dtype, "m": _bucket(m), "n": _bucket(n), "k": _bucket(k), "batch": _bucket(batch), **layout}
+    scratch = autotune._clone(cv, autotune._span(cv))
+    sets = autotune.rotated_copies([av, bv])
+    counter = [0]
+    sms = device.sm_count()
+    c_aligned = int(scratch.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
+
+    def run(cfg):
+        a_, b_ = sets[counter[0] % len(sets)]
+        counter[0] += 1
+        ma, mb, mc = m90.tensor_maps(cfg, (a_.data.ptr, *a_map), (b_.data.ptr, *b_map),
+                                     (scratch.data.ptr, *c_map) if cfg.tma_store else None)
+        get_kernel(cfg).launch((m90.grid_size(m, n, batch, cfg, sms), 1, 1), (cfg.threads_per_block, 1, 1), ma, mb,
+                               mc, biv, scratch, m, n, k, batch, int(a_map[0][0] > 1), int(b_map[0][0] > 1), ldc,
+                               batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes, stream=stream)
+
+    return autotune.pick("matmul_sm90", key, m90.candidate_configs(dtype, **layout), run, default)
 
 
 def _tuned(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, ints, stream):

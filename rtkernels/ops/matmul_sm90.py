@@ -1,0 +1,215 @@
+"""matmul on Hopper: TMA + wgmma, warp-specialized and persistent (templates/matmul_sm90.cu.j2).
+
+:func:`rtkernels.matmul` calls :func:`launch` on sm_90 devices when :func:`eligible` says the
+tensor memory accelerator can address the operands (16-byte aligned bases and strides, K >= 1);
+everything else (sm_80/86/89, K = 9 bfloat16 rows, float32) runs the mma.sync kernel of
+``matmul.py``.  The op's argument checks live there; this module has the config, the heuristic
+and the launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .. import arch as arch_mod
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+
+ACTIVATIONS = ("none", "relu", "gelu", "silu")
+_DTYPES = ("float16", "bfloat16")
+_SMEM_LIMIT = 227 * 1024            # sm_90 opt-in per block
+_PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
+
+
+@register_family
+@dataclass(frozen=True)
+class MatmulSm90Config(KernelConfig):
+    """One Hopper matmul specialization.
+
+    ``block_m`` x ``block_n``: the output tile of one CTA; two consumer warpgroups own
+    ``block_m / 2`` rows each.  ``block_k`` is 64 (one 128-byte swizzle row of 16-bit values).
+    ``num_stages``: depth of the TMA ring.  ``group_m``: tile rows swept together for L2 reuse.
+    ``a_kmajor`` / ``b_kmajor``: which operand dimension is contiguous (as in MatmulConfig).
+    ``tma_store``: stage C through shared memory and store it with TMA (the output's base and
+    row/batch strides 16-byte aligned); False writes C with direct 4-byte stores.
+    ``epilogue_n``: columns staged per epilogue pass (0: the widest that fits beside the ring).
+    """
+
+    family: ClassVar[str] = "matmul_sm90"
+    template: ClassVar[str] = "matmul_sm90.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("matmul_sm90",)
+    needs_arch_specific: ClassVar[bool] = True
+    expects_tensor_cores: ClassVar[bool] = True
+    expected_global_width: ClassVar[int | None] = None   # operands and C move by TMA, not LDG/STG
+    dtype: str = "bfloat16"
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 4
+    group_m: int = 8
+    a_kmajor: bool = True
+    b_kmajor: bool = False
+    has_bias: bool = False
+    activation: str = "none"
+    tma_store: bool = True
+    epilogue_n: int = 0
+
+    def __post_init__(self):
+        if self.activation is None:
+            object.__setattr__(self, "activation", "none")
+        self._check_dtype("dtype", _DTYPES)
+        self._check_choice("activation", ACTIVATIONS)
+        for f in ("a_kmajor", "b_kmajor", "has_bias", "tma_store"):
+            if not isinstance(getattr(self, f), bool):
+                self._fail(f, "True or False")
+        self._check_choice("block_m", (128, 256))
+        self._check_int("block_n", 64, 256, multiple_of=64)
+        self._check_int("block_k", 64, 64)
+        self._check_int("num_stages", 2, 8)
+        self._check_int("group_m", 1, 64)
+        if (self.block_m // 2) * self.block_n // 128 > 128:
+            self._fail("block_n", f"at most {128 * 128 // (self.block_m // 2)} for block_m={self.block_m} "
+                                  "(128 accumulators per consumer thread; more would spill)")
+        if self.epilogue_n:
+            self._check_int("epilogue_n", 64, self.block_n, multiple_of=64)
+            if self.block_n % self.epilogue_n:
+                self._fail("epilogue_n", f"0 or a divisor of block_n={self.block_n} that is a multiple of 64")
+        if self.shared_mem_bytes > _SMEM_LIMIT:
+            self._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
+                                     f"{self.shared_mem_bytes} with the smallest epilogue staging)")
+
+    @property
+    def threads_per_block(self) -> int:
+        return 384
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.block_m + self.block_n) * self.block_k * 2
+
+    def _smem(self, epi_n: int) -> int:
+        c = self.block_m * epi_n * 2 if self.tma_store else 0
+        return 1024 + self.num_stages * self.stage_bytes + c + 16 * self.num_stages
+
+    @property
+    def epi_n(self) -> int:
+        """Columns per epilogue pass: ``epilogue_n``, or the widest divisor of block_n (>= 64)
+        whose staging buffer fits beside the ring."""
+        if self.epilogue_n or not self.tma_store:
+            return self.epilogue_n or self.block_n
+        n = self.block_n
+        while n > 64 and (self.block_n % n or self._smem(n) > _SMEM_LIMIT):
+            n -= 64
+        return n
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """1 KiB of alignment slack, the ring, the C staging buffer, 2 mbarriers per stage."""
+        return self._smem(self.epi_n)
+
+    def template_params(self):
+        p = super().template_params()
+        p.update(activation_id=ACTIVATIONS.index(self.activation), epilogue_n=self.epi_n,
+                 shared_mem_bytes=self.shared_mem_bytes, producer_regs=_PRODUCER_REGS,
+                 consumer_regs=_CONSUMER_REGS)
+        return p
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tile:
+    block_m: int
+    block_n: int
+    num_stages: int
+    efficiency: float   # relative tensor-core throughput when the SMs are busy
+    why: str
+
+
+# The persistent grid runs ceil(tiles / SMs) rounds of one tile per SM, so the cost model is
+# rounds x tile area / efficiency (as matmul.py's, with one CTA per SM).
+# Efficiencies: TFLOP/s relative to 128x256/4, bf16 4096^3 and 8192^3 on an H200 (132 SMs), from
+# `tools/bench_matmul.py --sweep-sm90` (two runs; 128x256/4: 697-709 and 787-802 TFLOP/s, i.e.
+# 0.96-0.97x and 1.01x cuBLAS).  m64n256 wgmmas read the fewest operand bytes per FLOP, so the
+# widest tile wins once the problem fills the SMs.  group_m = 8: at 8192^3, 2, 4 and 16 lost 8-12%
+# (704 / 709 / 733 vs 802; at 4096^3 all within 1%).  Kernel time through rtk.matmul, calls
+# queued back to back (`tools/bench_matmul.py --quick`): 802 / 810 TFLOP/s = 1.00x / 1.01x cuBLAS
+# (Triton, plain tiled: 766 / 773); the sweep's figures above are lower for both because it
+# synchronizes after every call.
+TILES = (
+    _Tile(128, 256, 4, 1.00, "two m64n256 chains, 4 x 48 KiB ring: 709 / 802 TFLOP/s at 4096 / 8192"),
+    _Tile(256, 128, 4, 0.93, "2 x m64n128 per warpgroup: 692-710 / 694-697 (0.99x / 0.87x of 128x256)"),
+    _Tile(128, 128, 6, 0.91, "half the tile, for SM fill on mid-size problems: 675-693 / 685-691 (0.97x / 0.86x)"),
+    _Tile(128, 64, 8, 0.55, "thin N (N <= 64) or small problems only: 433 / 409 (0.61x / 0.51x)"),
+)
+# Tried by the autotuner, never picked without a measurement.
+TUNE_ONLY = (
+    _Tile(128, 256, 3, 1.00, "one 256-column epilogue pass, shallower ring: 702-714 / 724-736 (1.01x / 0.92x)"),
+    _Tile(128, 192, 5, 0.89, "3 N boxes: 623-638 / 698-701 (0.89x / 0.88x); 128x192 tiles divide 6144-wide N"),
+    _Tile(256, 128, 3, 0.89, "shallower ring: 645 / 677"),
+)
+
+
+def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> float:
+    tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
+    rounds = -(-tiles // sm_count)
+    return rounds * tile.block_m * tile.block_n / tile.efficiency
+
+
+def _config(tile: _Tile, dtype: str, **layout) -> MatmulSm90Config:
+    return MatmulSm90Config(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, num_stages=tile.num_stages,
+                            **layout)
+
+
+def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
+                     **layout) -> MatmulSm90Config:
+    """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store."""
+    tile = min(TILES, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
+    return _config(tile, dtype, **layout)
+
+
+def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
+    out = []
+    for t in TILES + TUNE_ONLY:
+        try:
+            out.append(_config(t, dtype, **layout))
+        except ConfigError:
+            pass
+    return out
+
+
+# ---- eligibility and launch -----------------------------------------------------------------
+def _tma_stride(s: int, extent: int, inner_bytes: int) -> int | None:
+    """A stride (elements) the tensor map accepts, or None; a dim of extent 1 has no real stride
+    and gets a harmless 16-byte multiple."""
+    if extent == 1:
+        return max(8, -(-inner_bytes // 16) * 8)
+    return s if s > 0 and s % 8 == 0 else None
+
+
+def operand_maps(ptr: int, rows: int, cols: int, ld: int, batch: int, batch_stride: int):
+    """(shape, strides) outermost-first of a (batch, rows, cols) operand with unit column stride,
+    or None when TMA cannot address it."""
+    if ptr % 16:
+        return None
+    ld_ = _tma_stride(ld, rows, cols * 2)
+    if ld_ is None:
+        return None
+    bs = _tma_stride(batch_stride, batch, rows * ld_ * 2)
+    if bs is None:
+        return None
+    return (batch, rows, cols), (bs, ld_, 1)
+
+
+def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int) -> int:
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
+    return max(1, min(tiles, sm_count))
+
+
+def tensor_maps(cfg: MatmulSm90Config, a_desc, b_desc, c_desc):
+    """The three tensor-map arguments; each ``*_desc`` is (ptr, shape, strides) from operand_maps."""
+    from ..tma import tensor_map
+    a_box = (1, cfg.block_m, 64) if cfg.a_kmajor else (1, 64, 64)
+    b_box = (1, cfg.block_n, 64) if cfg.b_kmajor else (1, 64, 64)
+    ma = tensor_map(a_desc[0], cfg.dtype, a_desc[1], a_desc[2], a_box)
+    mb = tensor_map(b_desc[0], cfg.dtype, b_desc[1], b_desc[2], b_box)
+    mc = tensor_map(c_desc[0], cfg.dtype, c_desc[1], c_desc[2], (1, cfg.block_m // 2, 64)) if cfg.tma_store else ma
+    return ma, mb, mc

@@ -1,0 +1,506 @@
+"""Hopper matmul (ops/matmul_sm90.py, templates/matmul_sm90.cu.j2): config validation, sm_90a
+compile and SASS checks, NumPy models of the persistent tile walk, of the TMA-swizzle ->
+wgmma-descriptor round trip and of the stmatrix -> TMA-store epilogue; GPU correctness against
+a float64 reference (including the fallback to the mma.sync kernel for what TMA cannot take)."""
+import re
+
+import numpy as np
+import pytest
+
+from rtkernels.errors import ConfigError
+from rtkernels.ops import matmul as mm
+from rtkernels.ops import matmul_sm90 as m90
+from rtkernels.ops.matmul_sm90 import MatmulSm90Config
+
+
+# ---- config validation ---------------------------------------------------------------------
+@pytest.mark.parametrize("bad, field", [
+    (dict(dtype="float32"), "dtype"),
+    (dict(block_m=64), "block_m"),
+    (dict(block_n=96), "block_n"),
+    (dict(block_n=320), "block_n"),
+    (dict(block_k=32), "block_k"),
+    (dict(num_stages=1), "num_stages"),
+    (dict(num_stages=9), "num_stages"),
+    (dict(block_m=256, block_n=256), "block_n"),      # 256 accumulators per thread
+    (dict(num_stages=5), "num_stages"),               # 5 x 48 KiB ring + staging > 227 KiB
+    (dict(epilogue_n=96), "epilogue_n"),
+    (dict(block_n=192, epilogue_n=128), "epilogue_n"),
+    (dict(activation="tanh"), "activation"),
+    (dict(tma_store=1), "tma_store"),
+    (dict(group_m=0), "group_m"),
+])
+def test_config_errors(bad, field):
+    with pytest.raises(ConfigError) as e:
+        MatmulSm90Config(**bad)
+    assert e.value.field == field and "matmul_sm90" in str(e.value)
+
+
+def test_config_derived():
+    c = MatmulSm90Config()
+    assert c.threads_per_block == 384 and c.needs_arch_specific
+    # 4 x 48 KiB ring leaves room for a 128 x 128 staging buffer (two epilogue passes)
+    assert c.epi_n == 128 and c.shared_mem_bytes == 1024 + 4 * 48 * 1024 + 128 * 128 * 2 + 64
+    assert MatmulSm90Config(num_stages=3).epi_n == 256
+    assert MatmulSm90Config(tma_store=False).shared_mem_bytes == 1024 + 4 * 48 * 1024 + 64
+    for t in m90.TILES + m90.TUNE_ONLY:
+        assert m90._config(t, "bfloat16").shared_mem_bytes <= 227 * 1024
+
+
+# ---- compile, ptxas and SASS ------------------------------------------------------------
+def _configs():
+    out = []
+    for t in m90.TILES:
+        for ak, bk in ((True, False), (False, True), (True, True), (False, False)):
+            out.append(m90._config(t, "bfloat16", a_kmajor=ak, b_kmajor=bk))
+        out.append(m90._config(t, "float16", has_bias=True, activation="gelu"))
+        out.append(m90._config(t, "bfloat16", has_bias=True, activation="silu", tma_store=False))
+    for t in m90.TUNE_ONLY:
+        out.append(m90._config(t, "bfloat16", has_bias=True, activation="relu"))
+    return out
+
+
+@pytest.mark.parametrize("cfg", _configs(), ids=lambda c: re.sub(r"\W+", "-", c.key()[12:])[:90])
+def test_compiles_clean_for_sm90a(cfg):
+    import rtkernels as rtk
+    from rtkernels.inspect import sass_stats
+    k = rtk.get_kernel(cfg, arch="sm_90")
+    assert k.module.arch == "sm_90a"
+    r = k.resources
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    # (384, 1) launch bounds cap the kernel at 168; setmaxnreg moves them to the consumers
+    assert r.registers == 168, r
+    log = k.module.log
+    assert "C7508" not in log and "setmaxnreg" not in log.lower(), log    # setmaxnreg ignored
+    assert "serializ" not in log.lower(), log                           # wgmma serialized by ptxas
+    s = sass_stats(k.sass)
+    assert s["ldl"] == 0 and s["stl"] == 0
+    assert s["hgmma"] >= 4 * (cfg.block_m // 128) and s["utmaldg"] > 0 and "SYNCS" in k.sass
+    assert "SETMAXNREG" in k.sass or "USETMAXREG" in k.sass
+    if cfg.tma_store:
+        assert s["utmastg"] > 0 and "STSM" in k.sass
+    else:
+        assert s["utmastg"] == 0
+
+
+def test_main_loop_is_wgmma_only():
+    """Between the full-barrier wait and the release of the previous stage, the 128x256 consumer
+    issues its 4 HGMMA 64x256x16 and little else (uniform-datapath descriptor arithmetic)."""
+    import rtkernels as rtk
+    sass = rtk.get_kernel(MatmulSm90Config(), arch="sm_90").sass
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    first = next(i for i, o in enumerate(ops) if o.startswith("HGMMA"))
+    last = max(i for i, o in enumerate(ops) if o.startswith("HGMMA"))
+    body = ops[first:last + 1]
+    assert sum(o.startswith("HGMMA.64x256x16") for o in body) == 4
+    assert sum(not o.startswith("U") and not o.startswith("HGMMA") for o in body) <= 8, body
+
+
+# ---- NumPy model: the persistent tile walk --------------------------------------------------
+def _tile_at(t, tiles_m, tiles_n, bm, bn, gm):
+    per_batch = tiles_m * tiles_n
+    z, r = divmod(t, per_batch)
+    per_group = gm * tiles_n
+    first_m = (r // per_group) * gm
+    rows = min(tiles_m - first_m, gm)
+    ig = r % per_group
+    return (first_m + ig % rows) * bm, (ig // rows) * bn, z
+
+
+@pytest.mark.parametrize("m, n, batch, bm, bn, gm, sms", [
+    (4096, 4096, 1, 128, 256, 8, 132), (1000, 1000, 1, 128, 128, 8, 132), (129, 4000, 3, 256, 128, 3, 132),
+    (1, 1, 1, 128, 256, 8, 132), (65536, 64, 1, 128, 64, 8, 132), (300, 700, 7, 128, 192, 5, 16),
+    (8192, 8192, 2, 128, 256, 8, 114), (17, 5000, 1, 128, 64, 64, 132),
+])
+def test_tile_walk_covers_every_tile_once(m, n, batch, bm, bn, gm, sms):
+    cfg = MatmulSm90Config(block_m=bm, block_n=bn, num_stages=3, group_m=gm)
+    grid = m90.grid_size(m, n, batch, cfg, sms)
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    total = tiles_m * tiles_n * batch
+    assert grid == min(total, sms)
+    seen = []
+    for cta in range(grid):
+        # what the producer and both consumers of this CTA walk, in order
+        seen += [_tile_at(t, tiles_m, tiles_n, bm, bn, gm) for t in range(cta, total, grid)]
+    assert len(seen) == len(set(seen)) == total
+    assert set(seen) == {(i * bm, j * bn, z) for i in range(tiles_m) for j in range(tiles_n) for z in range(batch)}
+    # one round of the walk touches few tile rows/columns: L2 reuse of the grouped order
+    if tiles_m >= gm and tiles_n * gm >= grid and batch == 1:
+        first_round = seen[:0] + [_tile_at(t, tiles_m, tiles_n, bm, bn, gm) for t in range(grid)]
+        assert len({r for r, _, _ in first_round}) <= 2 * gm
+
+
+# ---- NumPy model: TMA 128-byte swizzle -> wgmma descriptors -> accumulators -----------------
+def _sw128(addr):
+    """TMA's SWIZZLE_128B and wgmma's SW_128B both XOR address bits [4, 7) with bits [7, 10)."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+class _Smem:
+    def __init__(self, nbytes):
+        self.v = np.full(nbytes // 2, np.nan)
+
+    def tma_load(self, dst, g, r0, c0, rows):
+        """A (rows x 64) box of the 2-D tensor g at (r0, c0); out-of-bounds elements are 0."""
+        assert dst % 1024 == 0
+        for r in range(rows):
+            for c in range(64):
+                gr, gc = r0 + r, c0 + c
+                val = g[gr, gc] if gr < g.shape[0] and gc < g.shape[1] else 0.0
+                self.v[_sw128(dst + r * 128 + 2 * c) // 2] = val
+
+    def read_kmajor(self, desc_start, sbo, mn):
+        """The mn x 16 operand a K-major SW128 descriptor describes (canonical ((8,m),(8,2)))."""
+        out = np.empty((mn, 16))
+        for i in range(mn):
+            for k in range(16):
+                out[i, k] = self.v[_sw128(desc_start + (i % 8) * 128 + (i // 8) * sbo + (k // 8) * 16 + (k % 8) * 2) // 2]
+        return out
+
+    def read_mnmajor(self, desc_start, lbo, sbo, mn):
+        """The mn x 16 operand an MN-major SW128 descriptor describes (canonical ((8,8,m),(8,2)))."""
+        out = np.empty((mn, 16))
+        for i in range(mn):
+            for k in range(16):
+                out[i, k] = self.v[_sw128(desc_start + (i % 64) * 2 + (i // 64) * lbo + (k % 8) * 128
+                                          + (k // 8) * sbo) // 2]
+        return out
+
+
+def _model_tile(A, B, cfg, m0, n0, stages=2):
+    """Accumulators of one CTA tile, computed the way the kernel moves data (all consumers)."""
+    K = A.shape[1]
+    bm, bn = cfg.block_m, cfg.block_n
+    wg_m, mi_n = bm // 2, bm // 128
+    a_stage, b_stage = bm * 128, bn * 128
+    ga = A if cfg.a_kmajor else A.T           # the stored 2-D tensor, contiguous dim last
+    gb = B.T if cfg.b_kmajor else B
+    smem = _Smem(stages * (a_stage + b_stage))
+    s_a, s_b = 0, stages * a_stage
+    acc = np.zeros((bm, bn))
+    for kt in range(-(-K // 64)):
+        s = kt % stages
+        a_dst, b_dst, k0 = s_a + s * a_stage, s_b + s * b_stage, kt * 64
+        if cfg.a_kmajor:
+            smem.tma_load(a_dst, ga, m0, k0, bm)
+        else:
+            for i in range(bm // 64):
+                smem.tma_load(a_dst + i * 8192, ga, k0, m0 + 64 * i, 64)
+        if cfg.b_kmajor:
+            smem.tma_load(b_dst, gb, n0, k0, bn)
+        else:
+            for j in range(bn // 64):
+                smem.tma_load(b_dst + j * 8192, gb, k0, n0 + 64 * j, 64)
+        for cw in range(2):
+            a0 = s_a + (cw * wg_m * 128 if cfg.a_kmajor else cw * mi_n * 8192)
+            a_mi, a_k = (64 * 128, 32) if cfg.a_kmajor else (8192, 2048)
+            b_k = 32 if cfg.b_kmajor else 2048
+            for kk in range(4):
+                bs = s_b + s * b_stage + kk * b_k
+                bop = smem.read_kmajor(bs, 1024, bn) if cfg.b_kmajor else smem.read_mnmajor(bs, 8192, 1024, bn)
+                for i in range(mi_n):
+                    st = a0 + s * a_stage + i * a_mi + kk * a_k
+                    aop = smem.read_kmajor(st, 1024, 64) if cfg.a_kmajor else smem.read_mnmajor(st, 8192, 1024, 64)
+                    r = cw * wg_m + 64 * i
+                    acc[r:r + 64] += aop @ bop.T
+    return acc
+
+
+@pytest.mark.parametrize("ak, bk, bm, bn, shape, origin", [
+    (True, False, 128, 256, (128, 256, 128), (0, 0)),
+    (True, True, 128, 128, (200, 300, 100), (128, 128)),       # ragged M, N and K tails
+    (False, False, 256, 128, (256, 128, 64), (0, 0)),
+    (False, True, 128, 64, (130, 70, 150), (128, 64)),
+])
+def test_numpy_model_of_descriptors(ak, bk, bm, bn, shape, origin):
+    M, N, K = shape
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    cfg = MatmulSm90Config(block_m=bm, block_n=bn, num_stages=2, a_kmajor=ak, b_kmajor=bk)
+    m0, n0 = origin
+    acc = _model_tile(A, B, cfg, m0, n0)
+    ref = np.zeros((bm, bn))
+    blk = (A @ B)[m0:m0 + bm, n0:n0 + bn]
+    ref[:blk.shape[0], :blk.shape[1]] = blk
+    assert np.isfinite(acc).all()   # every operand element was written by a box before it was read
+    np.testing.assert_allclose(acc, ref, atol=1e-9)
+
+
+def test_numpy_model_of_epilogue():
+    """Accumulator fragments -> stmatrix at the kernel's swizzled addresses -> the boxes a TMA
+    store reads back: every C element of a 64 x EPI_N pass lands where the store expects it."""
+    for wg_m, epi_n in ((64, 128), (64, 256), (128, 64)):
+        rng = np.random.default_rng(wg_m + epi_n)
+        C = rng.standard_normal((wg_m, epi_n))
+        buf = np.full(wg_m * epi_n, np.nan)
+        for i in range(wg_m // 64):
+            for warp in range(4):
+                for jj in range(epi_n // 16):
+                    # fragments: frag[lane][q] = pair (row lane/4 (+8 if q odd), cols 8(2jj + q//2) + 2(lane%4))
+                    for lane in range(32):
+                        q, r8 = lane >> 3, lane & 7
+                        row = i * 64 + warp * 16 + (q & 1) * 8 + r8
+                        cg = 2 * jj + (q >> 1)
+                        addr = (cg >> 3) * (wg_m * 128) + row * 128 + (((cg & 7) ^ r8) << 4)
+                        # stmatrix: the 8 values of row r8 of matrix q come from lanes 4 r8 .. 4 r8 + 3
+                        for t in range(4):
+                            for e in range(2):
+                                src_row = i * 64 + warp * 16 + (q & 1) * 8 + (4 * r8 + t) // 4
+                                src_col = 8 * cg + 2 * t + e
+                                buf[(addr + 4 * t + 2 * e) // 2] = C[src_row, src_col]
+        assert np.isfinite(buf).all()
+        for b in range(epi_n // 64):
+            for r in range(wg_m):
+                for c in range(64):
+                    assert buf[_sw128(b * wg_m * 128 + r * 128 + 2 * c) // 2] == C[r, 64 * b + c]
+
+
+# ---- heuristics and eligibility --------------------------------------------------------------
+def test_heuristic_choice():
+    big = m90.heuristic_config("bfloat16", 4096, 4096, 4096, sm_count=132)
+    assert (big.block_m, big.block_n) == (128, 256)
+    assert m90.heuristic_config("bfloat16", 65536, 64, 64, sm_count=132).block_n == 64
+    for n in (1024, 1793, 3000, 8192):
+        c = m90.heuristic_config("float16", n, n, n, sm_count=132)
+        assert c.shared_mem_bytes <= 227 * 1024
+
+
+def test_operand_maps_eligibility():
+    # K = 9 bfloat16 rows are 18 bytes apart: no tensor map
+    assert m90.operand_maps(1 << 20, 17, 9, 9, 1, 0) is None
+    assert m90.operand_maps((1 << 20) + 2, 64, 64, 64, 1, 0) is None         # base not 16-byte aligned
+    assert m90.operand_maps(1 << 20, 64, 64, 64, 3, 100) is None             # batch stride 200 bytes
+    shape, strides = m90.operand_maps(1 << 20, 1000, 1000, 1000, 1, 0)
+    assert shape == (1, 1000, 1000) and strides[1:] == (1000, 1) and strides[0] % 8 == 0
+    shape, strides = m90.operand_maps(1 << 20, 1, 1, 0, 1, 0)                 # 1 x 1: strides of extent-1 dims
+    assert shape == (1, 1, 1) and all(s > 0 and s % 8 == 0 for s in strides[:2])
+    from rtkernels.tma import check_tensor_map
+    check_tensor_map(1 << 20, "bfloat16", shape, strides, (1, 128, 64))
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+def _sm90_gpu():
+    from rtkernels import device
+    if device.current_arch() != "sm_90":
+        pytest.skip("needs an sm_90 GPU")
+
+
+def _ran_sm90(m, n, k, batch=1):
+    return any(key[1:5] == (m, n, k, batch) for key in mm._plans90)
+
+
+def _empty(shape, dtype):
+    import cupy as cp
+    return cp.empty(shape, dtype=cp.uint16 if dtype == "bfloat16" else dtype)
+
+
+def _check(got, ref, peer, what):
+    err = np.abs(got - ref).max()
+    peer_err = np.abs(peer - ref).max()
+    scale = max(np.abs(ref).max(), 1.0)
+    assert np.isfinite(got).all(), what
+    assert err <= 2 * peer_err + 1e-6 * scale, f"{what}: max error {err:.3g} vs cuBLAS {peer_err:.3g}"
+
+
+def _cublas(a, b, dtype, trans_a=False, trans_b=False):
+    import cupy as cp
+    if dtype == "bfloat16":
+        import torch
+        ta = torch.from_dlpack(a).view(torch.bfloat16)
+        tb = torch.from_dlpack(b).view(torch.bfloat16)
+        ta = ta.transpose(-1, -2) if trans_a else ta
+        tb = tb.transpose(-1, -2) if trans_b else tb
+        return (ta @ tb).double().cpu().numpy()
+    a_ = a.swapaxes(-1, -2) if trans_a else a
+    b_ = b.swapaxes(-1, -2) if trans_b else b
+    return cp.matmul(a_, b_).get().astype(np.float64)
+
+
+def _launch(cfg, a, b, out, M, N, K, bias=None):
+    """The kernel of ``cfg`` on contiguous row-major (M, K) a, (K, N) b (or (N, K) if b_kmajor), (M, N) out."""
+    import rtkernels as rtk
+    b_shape = (1, N, K) if cfg.b_kmajor else (1, K, N)
+    maps = m90.tensor_maps(cfg, (a.data.ptr, (1, M, K), (M * K, K, 1)),
+                           (b.data.ptr, b_shape, (N * K, b_shape[2], 1)), (out.data.ptr, (1, M, N), (M * N, N, 1)))
+    rtk.get_kernel(cfg).launch((m90.grid_size(M, N, 1, cfg, 132), 1, 1), (384, 1, 1), *maps, bias, out, M, N, K, 1,
+                               0, 0, N, 0, 1, shared_mem=cfg.shared_mem_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("b_kmajor", [False, True])
+def test_gpu_single_tile(dtype, b_kmajor):
+    """One 128 x 256 x 64 tile of the default config: the smallest TMA -> wgmma -> TMA-store round trip."""
+    import cupy as cp
+    from gpu_util import poison, random_array, to_f64
+    _sm90_gpu()
+    rng = np.random.default_rng(1)
+    a, ah = random_array(rng, (128, 64), dtype)
+    b, bh = random_array(rng, (256, 64) if b_kmajor else (64, 256), dtype)
+    out = poison(_empty((128, 256), dtype))
+    _launch(MatmulSm90Config(dtype=dtype, b_kmajor=b_kmajor), a, b, out, 128, 256, 64)
+    cp.cuda.get_current_stream().synchronize()
+    got = to_f64(out, dtype)
+    ref = ah @ (bh.T if b_kmajor else bh)
+    bad = np.argwhere(~np.isclose(got, ref, atol=0.05, rtol=0.02))
+    assert bad.size == 0, f"{len(bad)} wrong, first at {bad[:8].tolist()}: got {got[tuple(bad[0])]}, " \
+                          f"want {ref[tuple(bad[0])]}"
+
+
+SHAPES = [(1, 1, 1), (17, 33, 9), (127, 129, 65), (1000, 1000, 1000), (4096, 4096, 4096), (65536, 64, 64),
+          (64, 64, 65536), (129, 200, 72), (300, 136, 1000), (1, 4096, 64), (4096, 8, 64)]
+# what TMA cannot address falls back to the mma.sync kernel
+FALLBACK = {(17, 33, 9), (127, 129, 65)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_shapes(dtype, shape):
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, N, K = shape
+    rng = np.random.default_rng(M + N + K)
+    a, ah = random_array(rng, (M, K), dtype)
+    b, bh = random_array(rng, (K, N), dtype)
+    out = poison(_empty((M, N), dtype))
+    rtk.matmul(a, b, out=out, dtype=dtype if dtype == "bfloat16" else None)
+    assert _ran_sm90(M, N, K) == (shape not in FALLBACK)
+    _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), f"{dtype} {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_epilogue_and_layouts(dtype, activation, trans_a, trans_b):
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, N, K = 200, 264, 136
+    rng = np.random.default_rng(7)
+    a, ah = random_array(rng, (K, M) if trans_a else (M, K), dtype)
+    b, bh = random_array(rng, (N, K) if trans_b else (K, N), dtype)
+    bias, biash = random_array(rng, (N,), dtype)
+    out = poison(_empty((M, N), dtype))
+    rtk.matmul(a, b, bias=bias, activation=activation, out=out, trans_a=trans_a, trans_b=trans_b,
+               dtype=dtype if dtype == "bfloat16" else None)
+    assert _ran_sm90(M, N, K)
+    ref = mm.matmul_reference(ah, bh, bias=biash, activation=activation, trans_a=trans_a, trans_b=trans_b)
+    peer = mm._act_np(_cublas(a, b, dtype, trans_a, trans_b) + biash, activation)
+    _check(to_f64(out, dtype), ref, peer, f"{dtype} {activation} {trans_a}{trans_b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("N, pad", [(264, 1), (129, 0)])
+def test_gpu_direct_store_epilogue(dtype, N, pad):
+    """C rows TMA cannot address (odd row stride: a column slice, or odd N) take the direct stores."""
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, K = 150, 64
+    rng = np.random.default_rng(N)
+    a, ah = random_array(rng, (M, K), dtype)
+    b, bh = random_array(rng, (N, K), dtype)          # trans_b: K-major B, any N
+    bias, biash = random_array(rng, (N,), dtype)
+    full = poison(_empty((M, N + pad), dtype))
+    out = full[:, :N]
+    rtk.matmul(a, b, bias=bias, activation="relu", out=out, trans_b=True,
+               dtype=dtype if dtype == "bfloat16" else None)
+    assert _ran_sm90(M, N, K)
+    assert not any(key[9] for key in mm._plans90 if key[1:5] == (M, N, K, 1))   # tma_store False
+    ref = mm.matmul_reference(ah, bh, bias=biash, activation="relu", trans_b=True)
+    peer = mm._act_np(_cublas(a, b, dtype, False, True) + biash, "relu")
+    got = to_f64(full, dtype)
+    _check(got[:, :N], ref, peer, f"direct {dtype} {N}")
+    if pad:
+        assert np.isnan(got[:, N:]).all(), "wrote past the output's columns"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_k_tail_zero_fill(dtype):
+    """K = 65 with 16-byte aligned rows (a column slice): the last K box is mostly out of bounds and
+    must arrive as zeros, not as the neighbouring columns."""
+    from gpu_util import random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, N, K = 256, 256, 65
+    rng = np.random.default_rng(65)
+    abuf, abh = random_array(rng, (M, 72), dtype)
+    bbuf, bbh = random_array(rng, (N, 72), dtype)
+    a, ah = abuf[:, :K], abh[:, :K]
+    b, bh = bbuf[:, :K], bbh[:, :K]
+    out = rtk.matmul(a, b, trans_b=True, dtype=dtype if dtype == "bfloat16" else None)
+    assert _ran_sm90(M, N, K)
+    _check(to_f64(out, dtype), ah @ bh.T, _cublas(a, b, dtype, False, True), f"k-tail {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(3, 130, 192, 72), (5, 128, 256, 64), (2, 9, 64, 16), (4, 1000, 304, 520)])
+def test_gpu_batched_and_views(dtype, shape):
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    B, M, N, K = shape
+    rng = np.random.default_rng(B * M)
+    a, ah = random_array(rng, (B, M, K + 16), dtype)     # a column-sliced view: row stride K + 16
+    a, ah = a[:, :, 8:K + 8], ah[:, :, 8:K + 8]          # base 16 bytes in
+    b, bh = random_array(rng, (B, K, N), dtype)
+    out = poison(_empty((B, M, N), dtype))
+    rtk.matmul(a, b, out=out, dtype=dtype if dtype == "bfloat16" else None)
+    assert _ran_sm90(M, N, K, B)
+    _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), f"batched {dtype} {shape}")
+    b2, b2h = random_array(rng, (K, N), dtype)          # 2-D b broadcast over the batch
+    out2 = poison(_empty((B, M, N), dtype))
+    rtk.matmul(a, b2, out=out2, dtype=dtype if dtype == "bfloat16" else None)
+    ref = ah @ b2h
+    _check(to_f64(out2, dtype), ref, _cublas(a, b2[None].repeat(B, 0), dtype), f"broadcast b {dtype} {shape}")
+    a2, a2h = random_array(rng, (M, K), dtype)          # 2-D a broadcast, transposed batched b
+    bt, bth = random_array(rng, (B, N, K), dtype)
+    out3 = rtk.matmul(a2, bt, trans_b=True, dtype=dtype if dtype == "bfloat16" else None)
+    _check(to_f64(out3, dtype), a2h @ bth.transpose(0, 2, 1),
+           _cublas(a2[None].repeat(B, 0), bt, dtype, False, True), f"broadcast a {dtype} {shape}")
+
+
+@pytest.mark.gpu
+def test_gpu_every_tile_config():
+    """Each heuristic/tuning tile on one ragged problem, launched directly (not via the heuristic)."""
+    import cupy as cp
+    from gpu_util import poison, random_array, to_f64
+    _sm90_gpu()
+    M, N, K = 700, 520, 200
+    rng = np.random.default_rng(3)
+    a, ah = random_array(rng, (M, K), "bfloat16")
+    b, bh = random_array(rng, (K, N), "bfloat16")
+    ref = ah @ bh
+    peer = _cublas(a, b, "bfloat16")
+    for t in m90.TILES + m90.TUNE_ONLY:
+        for tma_store in (True, False):
+            cfg = m90._config(t, "bfloat16", tma_store=tma_store)
+            out = poison(cp.empty((M, N), cp.uint16))
+            _launch(cfg, a, b, out, M, N, K)
+            _check(to_f64(out, "bfloat16"), ref, peer, cfg.key())
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned(fresh_cache, monkeypatch):
+    """RTKERNELS_AUTOTUNE=1 times the sm_90 candidates once, stores the winner, and the result is right."""
+    from gpu_util import random_array, to_f64
+    import rtkernels as rtk
+    from rtkernels import autotune
+    _sm90_gpu()
+    monkeypatch.setenv("RTKERNELS_AUTOTUNE", "1")
+    autotune.clear_memory()
+    M, N, K = 520, 640, 256
+    rng = np.random.default_rng(5)
+    a, ah = random_array(rng, (M, K), "bfloat16")
+    b, bh = random_array(rng, (K, N), "bfloat16")
+    out = rtk.matmul(a, b, dtype="bfloat16")
+    assert _ran_sm90(M, N, K)
+    assert any(e.get("family") == "matmul_sm90" for e in autotune.load().values())
+    _check(to_f64(out, "bfloat16"), ah @ bh, _cublas(a, b, "bfloat16"), "autotuned")
+    autotune.clear_memory()
