@@ -41,7 +41,8 @@ LOG2E = 1.4426950408889634
 @pytest.mark.parametrize("bad", [
     dict(head_dim=7), dict(head_dim=264), dict(dtype="float32"), dict(block_n=48), dict(block_n=128),
     dict(block_m=24), dict(block_m=48), dict(block_m=256), dict(num_warps=1), dict(dq_block_n=8), dict(dq_num_warps=3),
-    dict(causal="yes"), dict(deterministic=1.5),
+    dict(causal="yes"), dict(deterministic=1.5), dict(dq_mode="atomic"), dict(dq_mode="pass"),
+    dict(deterministic=True, dq_mode="red"), dict(kv_regs=1), dict(ds_stages=3), dict(dq_mode="bulk", ds_stages=0),
 ])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
@@ -54,7 +55,16 @@ def test_config_derived_values_and_family():
     rs = 88   # 80 padded -> 10 chunks -> 11 (odd)
     assert c.dtype == "bfloat16" and c.d_split == 1 and c.threads_per_block == 128
     assert c.shared_mem_bytes == 2 * (2 * 64 * rs + 4 * 64 * rs + 64 * 72) + 16 * 64
-    assert c.replace(deterministic=True).shared_mem_bytes == 2 * (2 * 64 * rs + 4 * 64 * rs) + 16 * 64
+    assert c.dq_mode == "red" and AttentionBwdConfig(deterministic=True).dq_mode == "pass"
+    assert c.replace(deterministic=True, dq_mode="pass").shared_mem_bytes == 2 * (2 * 64 * rs + 4 * 64 * rs) + 16 * 64
+    staged = c.replace(dq_mode="staged")
+    assert c.dq_mt == 2 and c.dq_units == 2 * 3   # (64 / 32) row units x ceil(9 / 4) column units
+    assert staged.shared_mem_bytes == c.shared_mem_bytes + 4 * 32 * 36 * 4
+    assert staged.replace(dq_mode="bulk").shared_mem_bytes == staged.shared_mem_bytes
+    assert staged.replace(deterministic=True).shared_mem_bytes == staged.shared_mem_bytes
+    assert c.replace(ds_stages=2).shared_mem_bytes == c.shared_mem_bytes + 2 * 64 * 72
+    with pytest.raises(ConfigError):
+        AttentionBwdConfig(deterministic=True, dq_mode="pass", ds_stages=2)
     assert c.dq_shared_mem_bytes == 2 * (2 * 64 + 4 * 64) * rs + 8 * 64
     assert AttentionBwdConfig(head_dim=256, block_m=32, block_n=64, num_warps=8).d_split == 2
     assert rtk.families()["attention_backward"] is AttentionBwdConfig
@@ -96,8 +106,9 @@ def _build(args):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_heuristic_configs_compile_without_spills(arch, dtype, causal):
-    jobs = [(choose_config(dtype, d, causal, det, arch), n, arch) for d in HEAD_DIMS for det in (False, True)
-            for n in ("attention_bwd", "attention_bwd_dq" if det else "attention_bwd_dq_convert")]
+    cfgs = [choose_config(dtype, d, causal, det, arch) for d in HEAD_DIMS for det in (False, True)]
+    jobs = [(c, n, arch) for c in cfgs
+            for n in ("attention_bwd", "attention_bwd_dq" if c.dq_mode == "pass" else "attention_bwd_dq_convert")]
     jobs += [(choose_config(dtype, d, causal, False, arch), "attention_bwd_dot", arch) for d in HEAD_DIMS]
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(_build, jobs))
@@ -112,13 +123,14 @@ def _ops(sass):
 
 SASS_CASES = [("float16", 64, False, False, "sm_90"), ("bfloat16", 128, True, False, "sm_90"),
               ("float16", 40, True, True, "sm_80"), ("bfloat16", 256, False, True, "sm_90"),
-              ("float16", 136, True, False, "sm_80")]
+              ("float16", 136, True, False, "sm_80"), ("bfloat16", 128, False, True, "sm_90"),
+              ("bfloat16", 64, True, True, "sm_80")]
 
 
 @pytest.mark.parametrize("dtype,d,causal,det,arch", SASS_CASES)
 def test_sass_uses_tensor_cores_ldmatrix_cp_async(dtype, d, causal, det, arch):
     cfg = choose_config(dtype, d, causal, det, arch)
-    names = ("attention_bwd", "attention_bwd_dq") if det else ("attention_bwd",)
+    names = ("attention_bwd", "attention_bwd_dq") if cfg.dq_mode == "pass" else ("attention_bwd",)
     for name in names:
         k = rtk.get_kernel(cfg, name, arch=arch)
         ops = _ops(k.sass)
@@ -130,13 +142,54 @@ def test_sass_uses_tensor_cores_ldmatrix_cp_async(dtype, d, causal, det, arch):
         assert any(o == "STG.E.128" for o in ops), f"{name}: 16-byte stores"
         assert not any(o.startswith(("LDL", "STL")) for o in ops), f"{name}: local memory"
         assert not rtk_inspect.flags(k), rtk_inspect.flags(k)
-    if not det:
-        ops = _ops(rtk.get_kernel(cfg, "attention_bwd", arch=arch).sass)
-        red = [o for o in ops if o.startswith("RED")]
-        assert red and not any(o.startswith("ATOM") for o in ops), "dQ by fire-and-forget reductions"
+    _check_dq_path(cfg, arch)
+
+
+def _check_dq_path(cfg, arch):
+    ops = _ops(rtk.get_kernel(cfg, "attention_bwd", arch=arch).sass)
+    red = [o for o in ops if o.startswith("RED")]
+    bulk = [o for o in ops if o.startswith("UBLKRED")]
+    assert not any(o.startswith("ATOM") for o in ops), "dQ by fire-and-forget reductions, never ATOM"
+    f32_red = [o for o in red if ".F32" in o]
+    if cfg.dq_mode == "pass":
+        assert not red and not bulk, "dQ pass: no reductions in attention_bwd"
+    elif cfg.dq_mode == "bulk" and arch == "sm_90":
+        assert bulk, "bulk dQ: bulk reductions by the TMA engine"
+        assert not f32_red, f"bulk dQ on sm_90: no lane reductions of f32 ({f32_red})"
     else:
-        ops = _ops(rtk.get_kernel(cfg, "attention_bwd", arch=arch).sass)
-        assert not any(o.startswith(("RED", "ATOM")) for o in ops), "deterministic: no atomics"
+        assert f32_red and not bulk, "dQ by lane reductions"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dq_mode,det,ds", [("red", False, 1), ("red", False, 2), ("staged", False, 2),
+                                            ("staged", True, 2), ("bulk", False, 1), ("bulk", True, 2),
+                                            ("pass", True, 1)])
+def test_dq_modes_compile_to_their_paths(arch, dq_mode, det, ds):
+    cfg = AttentionBwdConfig(dtype="bfloat16", head_dim=64, causal=True, deterministic=det, block_m=64, block_n=128,
+                             num_warps=8, dq_mode=dq_mode, kv_regs=True, ds_stages=ds)
+    k = rtk.get_kernel(cfg, "attention_bwd", arch=arch)
+    assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0
+    _check_dq_path(cfg, arch)
+    if det and dq_mode != "pass":   # the ordered flush: acquire spin + release count
+        assert "ld_acquire_gpu_x4" in k.source and "red_release_gpu_add" in k.source
+        assert any(o.startswith("LDG.E.128.STRONG.GPU") or o.startswith("LDG.E.STRONG.GPU.128")
+                   or (o.startswith("LDG.E.128") and "STRONG" in o) for o in _ops(k.sass)), "acquire load"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_sweep_candidates_compile(arch, d):
+    """Every config the --sweep benchmark times compiles; pruning keeps the heuristic's choice and
+    drops exactly the ones ptxas spills."""
+    for det in (False, True):
+        for causal in (False, True):
+            cfgs = bwd_mod.tile_space("bfloat16", d, causal, det, arch)
+            with ThreadPoolExecutor(4) as ex:
+                results = list(ex.map(_build, [(c, "attention_bwd", arch) for c in cfgs]))
+            clean = [c for c, _, r in results if not (r.spill_stores or r.spill_loads)]
+            assert clean and clean[0] == choose_config("bfloat16", d, causal, det, arch)
+            assert bwd_mod.tile_space("bfloat16", d, causal, det, arch, prune_spills=True) == clean
 
 
 # ---- level 1: direct formulas and the tile loop -----------------------------------------------
@@ -280,9 +333,16 @@ class BwdLayout:
     def __init__(self, cfg: AttentionBwdConfig):
         self.HEAD_DIM, self.BLOCK_M, self.BLOCK_N = cfg.head_dim, cfg.block_m, cfg.block_n
         self.NUM_WARPS, self.DETERMINISTIC = cfg.num_warps, cfg.deterministic
+        self.DQ_PASS, self.DQ_STAGED = cfg.dq_mode == "pass", cfg.dq_mode in ("staged", "bulk")
+        self.DS_STAGES = cfg.ds_stages
         self.THREADS = 32 * cfg.num_warps
-        self.KEY_WARPS = cfg.block_n // 16
-        self.D_SPLIT = self.NUM_WARPS // self.KEY_WARPS
+        self.PAIR = cfg.layout == "pair"
+        self.WM = 2 if self.PAIR else 1
+        self.KEY_GROUPS = cfg.block_n // (16 * self.WM)
+        self.KEY_WARPS = cfg.num_warps if self.PAIR else cfg.block_n // 16
+        self.D_SPLIT = 2 if self.PAIR else self.NUM_WARPS // self.KEY_GROUPS
+        self.QSPLIT = 2 if self.PAIR else 1
+        assert self.KEY_GROUPS * self.D_SPLIT == self.NUM_WARPS
         self.HEAD_DIM_PAD = (cfg.head_dim + 15) // 16 * 16
         self.CHUNKS = cfg.head_dim // 8
         self.K_STEPS_D = self.HEAD_DIM_PAD // 16
@@ -290,16 +350,25 @@ class BwdLayout:
         self.NT_W = -(-self.NT_D // self.D_SPLIT)
         self.NT_M = cfg.block_m // 8
         self.K_STEPS_M = cfg.block_m // 16
-        self.DQ_UNITS = (cfg.block_m // 16) * (-(-self.NT_D // 4))
+        self.NT_MW = self.NT_M // self.QSPLIT
+        self.K_OWN = self.K_STEPS_M // self.QSPLIT
+        self.DQ_COL_UNITS = -(-self.NT_D // 4)
+        self.DQ_MT = 2 if (cfg.block_m % 32 == 0 and (cfg.block_m // 32) * self.DQ_COL_UNITS >= cfg.num_warps) else 1
+        self.DQ_ROW_UNITS = cfg.block_m // (16 * self.DQ_MT)
+        self.DQ_UNITS = self.DQ_ROW_UNITS * self.DQ_COL_UNITS
         self.RS = odd(self.HEAD_DIM_PAD)
         self.DS_STRIDE = odd(cfg.block_m)
         self.KV_TILE = cfg.block_n * self.RS
         self.QO_TILE = cfg.block_m * self.RS
-        self.DS_TILE = 0 if cfg.deterministic else cfg.block_n * self.DS_STRIDE
-        self.HALF_ELEMS = 2 * self.KV_TILE + 4 * self.QO_TILE + self.DS_TILE
+        self.DS_TILE1 = cfg.block_n * self.DS_STRIDE
+        self.DS_TILE = 0 if (self.DQ_PASS and not self.PAIR) else cfg.ds_stages * self.DS_TILE1
+        self.P_TILE = self.DS_TILE1 if self.PAIR else 0
+        self.HALF_ELEMS = 2 * self.KV_TILE + 4 * self.QO_TILE + self.DS_TILE + self.P_TILE
         self.DQ_NUM_WARPS, self.DQ_BLOCK_N = cfg.dq_num_warps, cfg.dq_block_n
         self.DQ_BLOCK_M = 16 * cfg.dq_num_warps
-        assert cfg.shared_mem_bytes == 2 * self.HALF_ELEMS + 16 * cfg.block_m
+        assert self.DQ_MT == cfg.dq_mt and self.DQ_UNITS == cfg.dq_units
+        staged = cfg.num_warps * self.DQ_MT * 16 * 36 * 4 if self.DQ_STAGED else 0
+        assert cfg.shared_mem_bytes == 2 * self.HALF_ELEMS + 16 * cfg.block_m + staged
         assert cfg.dq_shared_mem_bytes == 2 * (2 * self.DQ_BLOCK_M + 4 * self.DQ_BLOCK_N) * self.RS + 8 * self.DQ_BLOCK_M
 
 
@@ -337,6 +406,7 @@ def emulate_bwd_cta(do, q, k, v, lse, delta, *, n_block, cfg, scale, dq_accum):
     sK, sV = 0, L.KV_TILE
     sQ, sdO = 2 * L.KV_TILE, 2 * L.KV_TILE + 2 * L.QO_TILE
     sdS = sdO + 2 * L.QO_TILE
+    sP = sdS + L.DS_TILE
     sLse, sDelta = np.full(2 * L.BLOCK_M, np.nan, np.float32), np.full(2 * L.BLOCK_M, np.nan, np.float32)
     if L.HEAD_DIM_PAD != L.HEAD_DIM:
         for r in range(2 * L.BLOCK_N + 4 * L.BLOCK_M):
@@ -366,11 +436,73 @@ def emulate_bwd_cta(do, q, k, v, lse, delta, *, n_block, cfg, scale, dq_accum):
     scale_log2 = np.float32(scale * LOG2E)
     warps = []
     for warp in range(L.NUM_WARPS):
-        kw = warp % L.KEY_WARPS
-        nt_begin = (warp // L.KEY_WARPS) * L.NT_W
-        warps.append(dict(kw=kw, nt_begin=nt_begin, nt_end=min(L.NT_D, nt_begin + L.NT_W),
-                          a_lane=(kw * 16 + (lane & 15)) * L.RS + (lane >> 4) * 8,
-                          dk=np.zeros((L.NT_W, 32, 4), np.float32), dv=np.zeros((L.NT_W, 32, 4), np.float32)))
+        kg = warp // 2 if L.PAIR else warp % L.KEY_GROUPS
+        ch = warp % 2 if L.PAIR else warp // L.KEY_GROUPS
+        qh = warp % 2 if L.PAIR else 0
+        key0 = kg * 16 * L.WM
+        nt_begin = ch * L.NT_W
+        warps.append(dict(key0=key0, qh=qh, q_off=qh * (L.BLOCK_M // L.QSPLIT), nt_begin=nt_begin,
+                          nt_end=min(L.NT_D, nt_begin + L.NT_W),
+                          a_lane=(key0 + (lane & 15)) * L.RS + (lane >> 4) * 8,
+                          p_lane=(key0 + (lane & 15)) * L.DS_STRIDE + (lane >> 4) * 8,
+                          dk=np.zeros((L.WM, L.NT_W, 32, 4), np.float32), dv=np.zeros((L.WM, L.NT_W, 32, 4), np.float32)))
+
+    def dvdk_step(W, pf, df, kq, sQs, sdOs):
+        for jp in range((L.NT_W + 1) // 2):
+            j0 = W["nt_begin"] + 2 * jp
+            if j0 + 1 < W["nt_end"]:
+                bo = ldmatrix(smem, sdOs + t_lane + kq * 16 * L.RS + j0 * 8, 4, trans=True)
+                bq = ldmatrix(smem, sQs + t_lane + kq * 16 * L.RS + j0 * 8, 4, trans=True)
+                for i in range(L.WM):
+                    mma(W["dv"][i, 2 * jp], pf[i], bo[:, 0], bo[:, 1])
+                    mma(W["dv"][i, 2 * jp + 1], pf[i], bo[:, 2], bo[:, 3])
+                    mma(W["dk"][i, 2 * jp], df[i], bq[:, 0], bq[:, 1])
+                    mma(W["dk"][i, 2 * jp + 1], df[i], bq[:, 2], bq[:, 3])
+            elif j0 < W["nt_end"]:
+                bo = ldmatrix(smem, sdOs + t_lane_x2 + kq * 16 * L.RS + j0 * 8, 2, trans=True)
+                bq = ldmatrix(smem, sQs + t_lane_x2 + kq * 16 * L.RS + j0 * 8, 2, trans=True)
+                for i in range(L.WM):
+                    mma(W["dv"][i, 2 * jp], pf[i], bo[:, 0], bo[:, 1])
+                    mma(W["dk"][i, 2 * jp], df[i], bq[:, 0], bq[:, 1])
+
+    def dq_step(s_, sdS_s):
+        """dQ of step s_ from the dS^T buffer at sdS_s: DQ_MT x 16 rows x 4 column tiles per unit; a
+        staged unit goes through the warp's own 36-float rows, only rows below seqlen_q leave."""
+        h_ = s_ // n_m
+        m0_ = (m_begin + s_ % n_m) * L.BLOCK_M
+        for warp in range(L.NUM_WARPS):
+            for u in range(warp, L.DQ_UNITS, L.NUM_WARPS):
+                mt0 = (u % L.DQ_ROW_UNITS) * L.DQ_MT
+                j0 = (u // L.DQ_ROW_UNITS) * 4
+                acc = np.zeros((L.DQ_MT, 4, 32, 4), np.float32)
+                for kk in range(L.BLOCK_N // 16):
+                    a = [ldmatrix(smem, sdS_s + ds_lane + kk * 16 * L.DS_STRIDE + (mt0 + i) * 16, 4, trans=True)
+                         for i in range(L.DQ_MT)]
+                    for p in range(2):
+                        if j0 + 2 * p < L.NT_D:
+                            bk = ldmatrix(smem, sK + t_lane + kk * 16 * L.RS + (j0 + 2 * p) * 8, 4, trans=True)
+                            for i in range(L.DQ_MT):
+                                mma(acc[i, 2 * p], a[i], bk[:, 0], bk[:, 1])
+                                mma(acc[i, 2 * p + 1], a[i], bk[:, 2], bk[:, 3])
+                row0 = mt0 * 16
+                staged = np.full((L.DQ_MT * 16, 36), np.nan, np.float32)   # the warp's sdQw
+                for i in range(L.DQ_MT):
+                    for half in range(2):
+                        for j in range(4):
+                            for ln in range(32):
+                                r = i * 16 + g[ln] + 8 * half
+                                vals = acc[i, j, ln, 2 * half: 2 * half + 2]
+                                if L.DQ_STAGED:
+                                    staged[r, j * 8 + 2 * t[ln]: j * 8 + 2 * t[ln] + 2] = vals
+                                elif j0 + j < L.NT_D and m0_ + row0 + r < sq:
+                                    c = (j0 + j) * 8 + 2 * t[ln]
+                                    dq_accum[h_, m0_ + row0 + r, c:c + 2] += vals
+                if L.DQ_STAGED:
+                    rows = min(L.DQ_MT * 16, sq - m0_ - row0)
+                    width = min(32, d - j0 * 8)
+                    if rows > 0:
+                        assert not np.isnan(staged[:rows, :width]).any(), "a staged dQ element was never written"
+                        dq_accum[h_, m0_ + row0: m0_ + row0 + rows, j0 * 8: j0 * 8 + width] += staged[:rows, :width]
 
     for step in range(steps):
         stage = step & 1
@@ -379,97 +511,91 @@ def emulate_bwd_cta(do, q, k, v, lse, delta, *, n_block, cfg, scale, dq_accum):
         m0 = (m_begin + step % n_m) * L.BLOCK_M
         if step + 1 < steps:
             load_step(step + 1, stage ^ 1)   # sequential emulation: the other stage cannot race
-        for warp, W in enumerate(warps):
-            acc_s = np.zeros((L.NT_M, 32, 4), np.float32)
-            acc_dp = np.zeros((L.NT_M, 32, 4), np.float32)
+        sdS_w = sdS + (stage if L.DS_STAGES == 2 else 0) * L.DS_TILE1
+        if not L.DQ_PASS and L.DS_STAGES == 2 and step > 0:
+            dq_step(step - 1, sdS + (stage ^ 1) * L.DS_TILE1)
+            old = sdS + (stage ^ 1) * L.DS_TILE1
+            smem[old:old + L.DS_TILE1] = np.nan   # consumed: the next write to it must be complete
+        frags = []
+        for warp, W in enumerate(warps):   # S^T/dP^T, P^T/dS^T; stores (before the pair barrier)
+            acc_s = np.zeros((L.WM, L.NT_MW, 32, 4), np.float32)
+            acc_dp = np.zeros((L.WM, L.NT_MW, 32, 4), np.float32)
+            q_off = W["q_off"]
             for kk in range(L.K_STEPS_D):
-                ak = ldmatrix(smem, sK + W["a_lane"] + kk * 16, 4)
-                av = ldmatrix(smem, sV + W["a_lane"] + kk * 16, 4)
-                for np_ in range(L.NT_M // 2):
-                    bq = ldmatrix(smem, sQs + b_lane + np_ * 16 * L.RS + kk * 16, 4)
-                    bo = ldmatrix(smem, sdOs + b_lane + np_ * 16 * L.RS + kk * 16, 4)
-                    mma(acc_s[2 * np_], ak, bq[:, 0], bq[:, 1])
-                    mma(acc_s[2 * np_ + 1], ak, bq[:, 2], bq[:, 3])
-                    mma(acc_dp[2 * np_], av, bo[:, 0], bo[:, 1])
-                    mma(acc_dp[2 * np_ + 1], av, bo[:, 2], bo[:, 3])
+                ak = [ldmatrix(smem, sK + W["a_lane"] + i * 16 * L.RS + kk * 16, 4) for i in range(L.WM)]
+                av = [ldmatrix(smem, sV + W["a_lane"] + i * 16 * L.RS + kk * 16, 4) for i in range(L.WM)]
+                for np_ in range(L.NT_MW // 2):
+                    bq = ldmatrix(smem, sQs + b_lane + (q_off + np_ * 16) * L.RS + kk * 16, 4)
+                    bo = ldmatrix(smem, sdOs + b_lane + (q_off + np_ * 16) * L.RS + kk * 16, 4)
+                    for i in range(L.WM):
+                        mma(acc_s[i, 2 * np_], ak[i], bq[:, 0], bq[:, 1])
+                        mma(acc_s[i, 2 * np_ + 1], ak[i], bq[:, 2], bq[:, 3])
+                        mma(acc_dp[i, 2 * np_], av[i], bo[:, 0], bo[:, 1])
+                        mma(acc_dp[i, 2 * np_ + 1], av[i], bo[:, 2], bo[:, 3])
             if n0 + L.BLOCK_N > sk or (cfg.causal and n0 + L.BLOCK_N - 1 > m0 + diag):
-                for half in range(2):
-                    key = n0 + W["kw"] * 16 + g + 8 * half
-                    first = np.where(key >= sk, L.BLOCK_M, 0)
-                    if cfg.causal:
-                        first = np.maximum(first, key - diag - m0)
-                    for j in range(L.NT_M):
-                        for e in range(2):
-                            acc_s[j, :, 2 * half + e] = np.where(j * 8 + 2 * t + e < first, NEG_INF,
-                                                                 acc_s[j, :, 2 * half + e])
-            for j in range(L.NT_M):
+                for i in range(L.WM):
+                    for half in range(2):
+                        key = n0 + W["key0"] + 16 * i + g + 8 * half
+                        first = np.where(key >= sk, L.BLOCK_M, 0)
+                        if cfg.causal:
+                            first = np.maximum(first, key - diag - m0)
+                        for j in range(L.NT_MW):
+                            for e in range(2):
+                                acc_s[i, j, :, 2 * half + e] = np.where(q_off + j * 8 + 2 * t + e < first, NEG_INF,
+                                                                        acc_s[i, j, :, 2 * half + e])
+            for j in range(L.NT_MW):
                 for e in range(2):
-                    l2 = sLse[stage * L.BLOCK_M + j * 8 + 2 * t + e]
-                    dl = sDelta[stage * L.BLOCK_M + j * 8 + 2 * t + e]
+                    l2 = sLse[stage * L.BLOCK_M + q_off + j * 8 + 2 * t + e]
+                    dl = sDelta[stage * L.BLOCK_M + q_off + j * 8 + 2 * t + e]
                     assert not np.isnan(l2).any() and not np.isnan(dl).any(), "lse/delta read before written"
-                    for half in range(2):
-                        with np.errstate(invalid="raise"):
-                            p = np.exp2(acc_s[j, :, 2 * half + e] * scale_log2 - l2).astype(np.float32)
-                        acc_dp[j, :, 2 * half + e] = p * (acc_dp[j, :, 2 * half + e] - dl)
-                        acc_s[j, :, 2 * half + e] = p
-            p_frag = [_frag(acc_s, kk, dtype) for kk in range(L.K_STEPS_M)]
-            ds_frag = [_frag(acc_dp, kk, dtype) for kk in range(L.K_STEPS_M)]
-            if not L.DETERMINISTIC and warp < L.KEY_WARPS:
-                for kk in range(L.K_STEPS_M):
-                    for r in range(4):
-                        row = W["kw"] * 16 + g + 8 * (r & 1)
-                        col = kk * 16 + 8 * (r >> 1) + 2 * t
-                        for ln in range(32):
-                            a = sdS + row[ln] * L.DS_STRIDE + col[ln]
-                            smem[a:a + 2] = ds_frag[kk][ln, r]
-            for kk in range(L.K_STEPS_M):
-                for jp in range((L.NT_W + 1) // 2):
-                    j0 = W["nt_begin"] + 2 * jp
-                    if j0 + 1 < W["nt_end"]:
-                        bo = ldmatrix(smem, sdOs + t_lane + kk * 16 * L.RS + j0 * 8, 4, trans=True)
-                        bq = ldmatrix(smem, sQs + t_lane + kk * 16 * L.RS + j0 * 8, 4, trans=True)
-                        mma(W["dv"][2 * jp], p_frag[kk], bo[:, 0], bo[:, 1])
-                        mma(W["dv"][2 * jp + 1], p_frag[kk], bo[:, 2], bo[:, 3])
-                        mma(W["dk"][2 * jp], ds_frag[kk], bq[:, 0], bq[:, 1])
-                        mma(W["dk"][2 * jp + 1], ds_frag[kk], bq[:, 2], bq[:, 3])
-                    elif j0 < W["nt_end"]:
-                        bo = ldmatrix(smem, sdOs + t_lane_x2 + kk * 16 * L.RS + j0 * 8, 2, trans=True)
-                        bq = ldmatrix(smem, sQs + t_lane_x2 + kk * 16 * L.RS + j0 * 8, 2, trans=True)
-                        mma(W["dv"][2 * jp], p_frag[kk], bo[:, 0], bo[:, 1])
-                        mma(W["dk"][2 * jp], ds_frag[kk], bq[:, 0], bq[:, 1])
-        if not L.DETERMINISTIC:   # after the barrier: every warp's dS^T is in smem
-            for warp in range(L.NUM_WARPS):
-                for u in range(warp, L.DQ_UNITS, L.NUM_WARPS):
-                    mt = u % (L.BLOCK_M // 16)
-                    j0 = (u // (L.BLOCK_M // 16)) * 4
-                    acc = np.zeros((4, 32, 4), np.float32)
-                    for kk in range(L.BLOCK_N // 16):
-                        a = ldmatrix(smem, sdS + ds_lane + kk * 16 * L.DS_STRIDE + mt * 16, 4, trans=True)
-                        for p in range(2):
-                            if j0 + 2 * p < L.NT_D:
-                                bk = ldmatrix(smem, sK + t_lane + kk * 16 * L.RS + (j0 + 2 * p) * 8, 4, trans=True)
-                                mma(acc[2 * p], a, bk[:, 0], bk[:, 1])
-                                mma(acc[2 * p + 1], a, bk[:, 2], bk[:, 3])
-                    for half in range(2):
-                        row = mt * 16 + g + 8 * half
-                        for j in range(4):
-                            if j0 + j < L.NT_D:
-                                for ln in range(32):
-                                    if m0 + row[ln] < sq:
-                                        c = (j0 + j) * 8 + 2 * t[ln]
-                                        dq_accum[h, m0 + row[ln], c:c + 2] += acc[j, ln, 2 * half: 2 * half + 2]
-            smem[sdS:sdS + L.DS_TILE] = np.nan   # the next step must rewrite every element it reads
+                    for i in range(L.WM):
+                        for half in range(2):
+                            with np.errstate(invalid="raise"):
+                                p = np.exp2(acc_s[i, j, :, 2 * half + e] * scale_log2 - l2).astype(np.float32)
+                            acc_dp[i, j, :, 2 * half + e] = p * (acc_dp[i, j, :, 2 * half + e] - dl)
+                            acc_s[i, j, :, 2 * half + e] = p
+            p_frag = [[_frag(acc_s[i], kk, dtype) for i in range(L.WM)] for kk in range(L.K_OWN)]
+            ds_frag = [[_frag(acc_dp[i], kk, dtype) for i in range(L.WM)] for kk in range(L.K_OWN)]
+            frags.append((p_frag, ds_frag))
+            if (not L.DQ_PASS or L.PAIR) and warp < L.KEY_WARPS:
+                for kk in range(L.K_OWN):
+                    for i in range(L.WM):
+                        for r in range(4):
+                            row = W["key0"] + 16 * i + g + 8 * (r & 1)
+                            col = q_off + kk * 16 + 8 * (r >> 1) + 2 * t
+                            for ln in range(32):
+                                a = row[ln] * L.DS_STRIDE + col[ln]
+                                smem[sdS_w + a:sdS_w + a + 2] = ds_frag[kk][i][ln, r]
+                                if L.PAIR:
+                                    smem[sP + a:sP + a + 2] = p_frag[kk][i][ln, r]
+        for warp, W in enumerate(warps):   # dV/dK: own query steps, then (pair) the partner's from smem
+            p_frag, ds_frag = frags[warp]
+            for kk in range(L.K_OWN):
+                dvdk_step(W, p_frag[kk], ds_frag[kk], W["qh"] * L.K_OWN + kk, sQs, sdOs)
+            if L.PAIR:
+                for kk in range(L.K_OWN):
+                    kq = (1 - W["qh"]) * L.K_OWN + kk
+                    pa = [ldmatrix(smem, sP + W["p_lane"] + i * 16 * L.DS_STRIDE + kq * 16, 4) for i in range(L.WM)]
+                    da = [ldmatrix(smem, sdS_w + W["p_lane"] + i * 16 * L.DS_STRIDE + kq * 16, 4) for i in range(L.WM)]
+                    dvdk_step(W, pa, da, kq, sQs, sdOs)
+        if L.PAIR:
+            smem[sP:sP + L.P_TILE] = np.nan   # the next step rewrites every element it reads
+        if not L.DQ_PASS and L.DS_STAGES == 1:   # after the barrier: every warp's dS^T is in smem
+            dq_step(step, sdS)
+            smem[sdS:sdS + L.DS_TILE1] = np.nan   # the next step must rewrite every element it reads
+    if not L.DQ_PASS and L.DS_STAGES == 2 and steps > 0:
+        dq_step(steps - 1, sdS + ((steps - 1) & 1) * L.DS_TILE1)
 
     # epilogue: stage dK * scale, dV in the warp's K/V rows, then 16-byte chunks
     for W in warps:
-        for half in range(2):
-            r = W["kw"] * 16 + g + 8 * half
+        for i, half in ((i, half) for i in range(L.WM) for half in range(2)):
+            r = W["key0"] + 16 * i + g + 8 * half
             for j in range(L.NT_W):
                 if W["nt_begin"] + j < W["nt_end"]:
                     col = (W["nt_begin"] + j) * 8 + 2 * t
-                    kv = pack2(W["dk"][j, :, 2 * half] * np.float32(scale), W["dk"][j, :, 2 * half + 1] * np.float32(scale),
-                               dtype)
-                    vv = pack2(W["dv"][j, :, 2 * half], W["dv"][j, :, 2 * half + 1], dtype)
+                    kv = pack2(W["dk"][i, j, :, 2 * half] * np.float32(scale),
+                               W["dk"][i, j, :, 2 * half + 1] * np.float32(scale), dtype)
+                    vv = pack2(W["dv"][i, j, :, 2 * half], W["dv"][i, j, :, 2 * half + 1], dtype)
                     for ln in range(32):
                         smem[sK + r[ln] * L.RS + col[ln]: sK + r[ln] * L.RS + col[ln] + 2] = kv[ln]
                         smem[sV + r[ln] * L.RS + col[ln]: sV + r[ln] * L.RS + col[ln] + 2] = vv[ln]
@@ -591,7 +717,7 @@ def _emulate_all(do, q, k, v, causal, scale, cfg):
         dk_t, dv_t = emulate_bwd_cta(do, q, k[0], v[0], lse, delta, n_block=n_block, cfg=cfg, scale=scale,
                                      dq_accum=dq_accum)
         dk[n0:n0 + len(dk_t)], dv[n0:n0 + len(dv_t)] = dk_t, dv_t
-    if cfg.deterministic:
+    if cfg.dq_mode == "pass":
         dq = np.full((grp, sq, d), np.nan, np.float32)
         for h in range(grp):
             for m_block in range(-(-sq // cfg.dq_block_m)):
@@ -618,6 +744,23 @@ EMU_CASES = [
     (30, 17, 1, 56, False, 16, 32, 2, 32, 4, True),
     (17, 70, 1, 48, True, 32, 32, 4, 32, 2, False),     # d_split 2, 3 tiles each; 6 tiles = 1.5 dq units
 ]
+# staged dQ (a flush per step into the accumulator), two m-tiles per dQ unit (DQ_MT = 2), and the
+# key-tile shapes of the heuristics (64 x 128 with 8 warps)
+EMU_STAGED = [
+    # sq, sk, grp, d, causal, block_m, block_n, warps, deterministic, ds_stages
+    (70, 45, 2, 40, True, 64, 32, 2, False, 1),    # DQ_MT 2 (2 row units x 2 col units >= 2 warps), GQA
+    (70, 45, 2, 40, True, 64, 32, 2, False, 2),    # ... dQ of step i in step i + 1
+    (37, 50, 1, 24, False, 32, 32, 2, True, 2),    # head dim pad, ordered flush (same numbers)
+    (65, 130, 1, 16, True, 64, 128, 8, False, 2),  # 8 warps, 128 keys; DQ_MT 1 (2 units < 8 warps)
+    (50, 21, 3, 56, True, 32, 32, 2, False, 1),    # sq > sk (rows without keys), width-24 last column unit
+]
+# layout "pair": two warps share 32 keys (sq, sk, grp, d, causal, block_m, block_n, warps, dq_mode, ds_stages)
+EMU_PAIR = [
+    (70, 45, 2, 40, True, 64, 32, 2, "red", 1),      # one pair, odd column-tile count split 3 + 2
+    (37, 70, 1, 24, False, 32, 64, 4, "staged", 2),  # two pairs, block_m 32 (one own query step), head dim pad
+    (65, 130, 1, 16, True, 64, 128, 8, "bulk", 2),   # four pairs; d16: each warp one column tile
+    (33, 40, 2, 32, True, 64, 32, 2, "pass", 1),     # P^T and dS^T exchanged even without dQ here
+]
 
 
 @pytest.mark.parametrize("sq,sk,grp,d,causal,bm,bn,w,dqn,dqw,det", EMU_CASES)
@@ -636,6 +779,61 @@ def test_emulated_kernels_match_direct_formulas(sq, sk, grp, d, causal, bm, bn, 
         assert _rel(got, ref) < tol, f"{name}: rel err {_rel(got, ref):.3e}"
     if causal and sq > sk:
         assert (dq[:, :sq - sk] == 0).all(), "rows that see no key get dq = 0"
+
+
+@pytest.mark.parametrize("sq,sk,grp,d,causal,bm,bn,w,det,ds", EMU_STAGED)
+@pytest.mark.parametrize("dq_mode", ["red", "staged"])
+def test_emulated_staged_dq_matches_direct_formulas(sq, sk, grp, d, causal, bm, bn, w, det, ds, dq_mode):
+    if det and dq_mode == "red":
+        pytest.skip("red is not deterministic")
+    cfg = AttentionBwdConfig(dtype="bfloat16", head_dim=d, causal=causal, deterministic=det, block_m=bm, block_n=bn,
+                             num_warps=w, dq_block_n=32, dq_num_warps=2, dq_mode=dq_mode, ds_stages=ds)
+    rng = np.random.default_rng(sq * 5 + sk + d)
+    do, q, k, v = (x.astype(np.float32) for x in _rand_problem(rng, sq, sk, grp, 1, d))
+    scale = 1 / math.sqrt(d)
+    dq, dk, dv, (do, q, k, v) = _emulate_all(do, q, k, v, causal, scale, cfg)
+    _, _, dq_ref, dk_ref, dv_ref = direct(*(x.astype(np.float64) for x in (do, q, k, v)), causal, scale)
+    for name, got, ref in (("dq", dq, dq_ref), ("dk", dk, dk_ref[0]), ("dv", dv, dv_ref[0])):
+        assert not np.isnan(got).any(), f"{name}: NaN"
+        assert _rel(got, ref) < 1.5e-2, f"{name}: rel err {_rel(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("sq,sk,grp,d,causal,bm,bn,w,mode,ds", EMU_PAIR)
+def test_emulated_pair_layout_matches_direct_formulas(sq, sk, grp, d, causal, bm, bn, w, mode, ds):
+    cfg = AttentionBwdConfig(dtype="float16", head_dim=d, causal=causal, deterministic=(mode == "pass"), block_m=bm,
+                             block_n=bn, num_warps=w, dq_block_n=32, dq_num_warps=2, dq_mode=mode, ds_stages=ds,
+                             layout="pair")
+    rng = np.random.default_rng(sq * 3 + sk + d)
+    do, q, k, v = (x.astype(np.float32) for x in _rand_problem(rng, sq, sk, grp, 1, d))
+    scale = 1 / math.sqrt(d)
+    dq, dk, dv, (do, q, k, v) = _emulate_all(do, q, k, v, causal, scale, cfg)
+    _, _, dq_ref, dk_ref, dv_ref = direct(*(x.astype(np.float64) for x in (do, q, k, v)), causal, scale)
+    for name, got, ref in (("dq", dq, dq_ref), ("dk", dk, dk_ref[0]), ("dv", dv, dv_ref[0])):
+        assert not np.isnan(got).any(), f"{name}: NaN"
+        assert _rel(got, ref) < 2e-3, f"{name}: rel err {_rel(got, ref):.3e}"
+
+
+def test_ordered_flush_ranks_follow_launch_order():
+    """The ordered (deterministic) flush: for each query tile the ranks of the key tiles that see
+    it are 0..count-1, and a CTA only waits for CTAs launched before it (blockIdx.x order)."""
+    for sq, sk, bm, bn in ((1000, 1000, 64, 128), (300, 700, 64, 128), (700, 300, 32, 64), (129, 65, 64, 128)):
+        diag = sk - sq
+        n_blocks, m_blocks = -(-sk // bn), -(-sq // bm)
+        for causal in (False, True):
+            for m in range(m_blocks):
+                seen = [n for n in range(n_blocks) if (max(0, n * bn - diag) // bm if causal else 0) <= m]
+                ranks = {}
+                for n in seen:
+                    if causal:
+                        last = min(n_blocks - 1, ((m + 1) * bm + diag - 1) // bn)
+                        ranks[n] = last - n
+                    else:
+                        ranks[n] = n
+                assert sorted(ranks.values()) == list(range(len(seen))), (sq, sk, causal, m, ranks)
+                launch = {n: (n_blocks - 1 - n if causal else n) for n in seen}   # blockIdx.x
+                for n in seen:
+                    before = [x for x in seen if ranks[x] < ranks[n]]
+                    assert all(launch[x] < launch[n] for x in before), "waits on a later-launched CTA"
 
 
 def test_dq_pass_and_reductions_agree_in_emulation():
@@ -665,7 +863,7 @@ def test_ds_stride_stores_are_bank_conflict_free():
 
 # ---- GPU: correctness --------------------------------------------------------------------
 def _gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, *, seed=None, deterministic=False, softmax_scale=None,
-              strided=False):
+              strided=False, tile=None):
     """Forward with rtk.attention, backward into NaN-poisoned outputs, checked per gradient."""
     import cupy as cp
     from gpu_util import poison, random_array, to_f64
@@ -686,8 +884,10 @@ def _gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, *, seed=None, determinist
     extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
     o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
     dq, dk, dv = (poison(cp.empty(x.shape, x.dtype)) for x in (q, k, v))
+    config = None if tile is None else AttentionBwdConfig(dtype=dtype, head_dim=d, causal=causal,
+                                                          deterministic=deterministic, **tile)
     r = attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                           deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extra)
+                           deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config, **extra)
     assert r[0] is dq and r[1] is dk and r[2] is dv
     cp.cuda.get_current_stream().synchronize()
     bf = "bfloat16" if dtype == "bfloat16" else None
@@ -754,8 +954,41 @@ def test_gpu_strided_inputs_and_custom_scale(dtype):
     _gpu_case(2, 333, 333, 4, 4, 72, True, dtype, softmax_scale=0.3, strided=True)
 
 
+GPU_VARIANTS = [
+    # d, causal, deterministic, block_m, block_n, num_warps, dq_mode, kv_regs, ds_stages
+    (64, False, False, 64, 128, 8, "staged", True, 2),
+    (64, True, True, 64, 128, 8, "staged", True, 2),
+    (64, True, False, 128, 128, 8, "bulk", False, 2),
+    (64, False, False, 64, 128, 8, "red", True, 2),
+    (64, True, True, 64, 128, 8, "bulk", True, 1),
+    (128, True, False, 64, 128, 8, "staged", False, 2),
+    (128, False, True, 64, 128, 8, "staged", False, 2),
+    (128, False, False, 64, 128, 8, "bulk", False, 1),
+    (128, True, True, 64, 128, 8, "bulk", False, 2),
+    (128, False, False, 32, 128, 8, "red", False, 2),
+    (128, True, True, 64, 64, 4, "pass", False, 1),
+    (80, True, False, 64, 64, 4, "staged", False, 1),
+    (40, False, True, 32, 64, 4, "staged", True, 2),
+    (128, True, False, 64, 128, 8, "red", False, 2, "pair"),
+    (128, False, True, 64, 128, 8, "bulk", False, 2, "pair"),
+    (64, True, False, 64, 128, 8, "bulk", False, 2, "pair"),
+    (80, False, False, 32, 64, 4, "staged", False, 1, "pair"),
+]
+GPU_VARIANTS = [v if len(v) == 10 else (*v, "keys16") for v in GPU_VARIANTS]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,causal,hkv", [(64, False, 4), (128, True, 2), (40, True, 1)])
+@pytest.mark.parametrize("sq,sk", [(300, 333), (333, 129)])
+@pytest.mark.parametrize("d,causal,det,bm,bn,w,mode,kv,ds,layout", GPU_VARIANTS)
+def test_gpu_tile_variants(sq, sk, d, causal, det, bm, bn, w, mode, kv, ds, layout):
+    dtype = DTYPES[(d // 8 + causal) % 2]
+    _gpu_case(2, sq, sk, 4, 2, d, causal, dtype, deterministic=det,
+              tile=dict(block_m=bm, block_n=bn, num_warps=w, dq_mode=mode, kv_regs=kv, ds_stages=ds,
+                        layout=layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,hkv", [(64, False, 4), (128, True, 2), (40, True, 1), (192, False, 2)])
 def test_gpu_deterministic_is_bit_identical(d, causal, hkv):
     import cupy as cp
     dq1, dk1, dv1 = _gpu_case(2, 700, 900, 4, hkv, d, causal, "bfloat16", deterministic=True, seed=11)

@@ -8,6 +8,11 @@ Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's
 (FLOPs 3.5 x forward) for rtk and peers.  Run on the GPU host:
 
     PYTHONPATH=. python tools/bench_attention_bwd.py --out results/ [--quick] [--dtype bfloat16]
+    PYTHONPATH=. python tools/bench_attention_bwd.py --sweep [--quick]   # every tile candidate
+
+--sweep (alias --tune) times every candidate of ``tile_space`` (tiles x dq modes, spilling ones
+pruned, deterministic ones too) at head dims 64/128, seqlens 2k/4k/8k, causal and not, beside
+SDPA flash and cuDNN in the same run: the data the heuristics table is set from.
 
 Each tensor is 16k x 2048 elements (64 MiB in 16 bits) - beyond L2, no rotation.  Gradients of
 each peer are compared with ours once (max abs diff in the JSON) before timing.
@@ -41,25 +46,26 @@ def _inputs(b, s, h, d, dtype, torch):
     return [x.astype(dtype) for x in xs]
 
 
-def _ours(q, k, v, do, causal, dtype, deterministic, torch):
+def _ours(q, k, v, do, causal, dtype, deterministic, torch, config=None):
     """(backward-only launcher, forward+backward launcher, grads, config)."""
     A = importlib.import_module("rtkernels.ops.attention")
     B = importlib.import_module("rtkernels.ops.attention_bwd")
     extra = {} if torch is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
     o, lse = A.attention(q, k, v, causal=causal, **extra)
-    grads = B.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic, **extra)
+    grads = B.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic, config=config,
+                                 **extra)
     dq, dk, dv = grads
 
     def bwd():
         B.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                             **extra)
+                             config=config, **extra)
 
     def fwd_bwd():
         A.attention(q, k, v, causal=causal, out=o, **extra)
         bwd()
     import cupy as cp
     arch = A._device_arch(cp.cuda.runtime.getDevice())
-    cfg = B.choose_config(dtype, q.shape[-1], causal, deterministic, arch)
+    cfg = config or B.choose_config(dtype, q.shape[-1], causal, deterministic, arch)
     return bwd, fwd_bwd, grads, cfg
 
 
@@ -94,14 +100,142 @@ def _max_diff(ours, theirs, torch):
     return max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs))
 
 
+def _prebuild(cfgs, arch):
+    """Compile every kernel of ``cfgs`` in parallel worker processes (into the disk cache)."""
+    import dataclasses
+    import time
+    from rtkernels import inspect as rinspect
+    t0 = time.perf_counter()
+    jobs = min(16, os.cpu_count() or 1)
+    for name, sel in (("attention_bwd", cfgs), ("attention_bwd_dq", [c for c in cfgs if c.dq_mode == "pass"])):
+        params = [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in sel]
+        if params:
+            rinspect.sweep("attention_backward", params, arch=arch, jobs=jobs, kernel=name)
+    print(f"prebuilt {len(cfgs)} configs in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def sweep(args, env, torch, peers):
+    """Time every tile candidate against the peers; returns (rows, summary)."""
+    import cupy as cp
+    B = importlib.import_module("rtkernels.ops.attention_bwd")
+    A = importlib.import_module("rtkernels.ops.attention")
+    arch = A._device_arch(cp.cuda.runtime.getDevice())
+    head_dims = [64, 128]
+    seqlens = [4096] if args.quick else [2048, 4096, 8192]
+    space = {}
+    for d in head_dims:
+        for causal in (False, True):
+            space[(d, causal)] = (B.tile_space(args.dtype, d, causal, False, arch)
+                                  + B.tile_space(args.dtype, d, causal, True, arch)[:6])
+    _prebuild([c for v in space.values() for c in v], arch)
+    pruned = {}
+    for key, cfgs in space.items():
+        keep = []
+        for c in cfgs:
+            r = importlib.import_module("rtkernels.kernel").get_kernel(c, "attention_bwd", arch=arch).resources
+            if r.spill_stores or r.spill_loads:
+                pruned.setdefault(B.describe(c), r.spill_stores)
+            else:
+                keep.append((c, r.registers))
+        space[key] = keep
+    if pruned:
+        print(f"pruned (spills, bytes): {pruned}", flush=True)
+    warmup, repeat = 1, 4
+    rows, summary = [], []
+    for (d, causal), cfgs in space.items():
+        h = HIDDEN // d
+        for s in seqlens:
+            b = max(1, TOKENS // s)
+            q, k, v, do = _inputs(b, s, h, d, args.dtype, torch)
+            fl = 2.5 * _fwd_flops(b, s, h, d, causal)
+            case = {"head_dim": d, "causal": causal, "seqlen": s}
+            ref = None
+            res = {}
+            for i, (cfg, regs) in enumerate(cfgs):
+                bwd, _, grads, _ = _ours(q, k, v, do, causal, args.dtype, cfg.deterministic, torch, config=cfg)
+                if ref is None:
+                    ref = grads
+                    maxdiff = 0.0
+                else:
+                    maxdiff = _max_diff(grads, ref, torch) if torch is not None else None
+                tf = fl / (bu.time_cuda(bwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                tag = ("det " if cfg.deterministic else "") + B.describe(cfg)
+                res[tag] = tf
+                rows.append({**case, "tile": tag, "heuristic": i == 0 or (cfg.deterministic and cfg == cfgs[0][0]),
+                             "registers": regs, "tflops": tf, "maxdiff_vs_heuristic": maxdiff})
+                del bwd, grads
+            peer_tf = {}
+            for name, backend in peers.items():
+                fns, pgrads, note = _sdpa(q, k, v, do, causal, backend, torch)
+                if fns is None:
+                    peer_tf[name] = None
+                    continue
+                peer_tf[name] = fl / (bu.time_cuda(fns[0], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                del fns, pgrads
+            nondet = {t: x for t, x in res.items() if not t.startswith("det ")}
+            det = {t: x for t, x in res.items() if t.startswith("det ")}
+            heur = B.describe(cfgs[0][0])
+            heur_det = next((t for t in det if t[4:] == B.describe(
+                B.choose_config(args.dtype, d, causal, True, arch))), None)
+            best = max(nondet, key=nondet.get)
+            best_det = max(det, key=det.get) if det else None
+            row = {**case, "heuristic": heur, "heur_tflops": nondet.get(heur), "best": best,
+                   "best_tflops": nondet[best], "best_det": best_det, "best_det_tflops": det.get(best_det),
+                   "det_ratio": (det[best_det] / nondet[best]) if best_det else None,
+                   "heur_det_ratio": (det[heur_det] / nondet[heur]) if heur_det and heur in nondet else None}
+            for name, tf in peer_tf.items():
+                row[f"{name}_tflops"] = tf
+                row[f"best_vs_{name}"] = nondet[best] / tf if tf else None
+            summary.append(row)
+            print({k_: (round(v_, 1) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+            del q, k, v, do, ref
+            if torch is not None:
+                torch.cuda.empty_cache()
+            cp.get_default_memory_pool().free_all_blocks()
+    return rows, summary, arch
+
+
+def _print_sweep(rows, summary, env, args):
+    print(f"\n{env['gpu']} ({env['arch']}), NVRTC {env['nvrtc']}, {args.dtype}: backward TFLOP/s per candidate")
+    cases = sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows})
+    for d in sorted({c[0] for c in cases}):
+        cols = [c for c in cases if c[0] == d]
+        tiles = list(dict.fromkeys(r["tile"] for r in rows if r["head_dim"] == d))
+        mat = []
+        for t in tiles:
+            line = {"tile": t}
+            for (dd, causal, s) in cols:
+                hit = [r for r in rows if (r["head_dim"], r["causal"], r["seqlen"], r["tile"]) == (dd, causal, s, t)]
+                line[f"{'c' if causal else 'n'}{s // 1024}k"] = hit[0]["tflops"] if hit else None
+            line["regs"] = next(r["registers"] for r in rows if r["tile"] == t and r["head_dim"] == d)
+            mat.append(line)
+        print(f"\nd={d}")
+        print(bu.table(mat, ["tile"] + [f"{'c' if c else 'n'}{s // 1024}k" for (_, c, s) in cols] + ["regs"]))
+    print("\nsummary (best = fastest non-deterministic candidate; det_ratio = best det / best)")
+    cols = ["head_dim", "causal", "seqlen", "heuristic", "heur_tflops", "best", "best_tflops",
+            "sdpa_flash_tflops", "best_vs_sdpa_flash", "sdpa_cudnn_tflops", "best_vs_sdpa_cudnn", "best_det",
+            "best_det_tflops", "det_ratio", "heur_det_ratio"]
+    print(bu.table(summary, cols))
+
+
 def main():
     p = bu.parser(__doc__)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--sweep", "--tune", action="store_true",
+                   help="time every tile candidate (d 64/128, seqlens 2k/4k/8k) beside the peers")
     args = p.parse_args()
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
+    if args.sweep:
+        import cupy as cp
+        cp.cuda.Device().synchronize()
+        rows, summary, arch = sweep(args, env, torch, peers)
+        bu.save(args.out, "bench_attention_bwd_sweep", {"env": env, "dtype": args.dtype, "arch": arch, "rows": rows,
+                                                         "summary": summary})
+        _print_sweep(rows, summary, env, args)
+        return
     head_dims = [int(x) for x in args.head_dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     if args.quick:
@@ -120,7 +254,7 @@ def main():
                 fl = _fwd_flops(b, s, h, d, causal)
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
                 bwd, fwd_bwd, grads, cfg = _ours(q, k, v, do, causal, args.dtype, False, torch)
-                row["config"] = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps}"
+                row["config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(cfg)
                 row["rtk_tflops"] = 2.5 * fl / (bu.time_cuda(bwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                 row["rtk_fwdbwd_tflops"] = 3.5 * fl / (bu.time_cuda(fwd_bwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                 dbwd, _, _, _ = _ours(q, k, v, do, causal, args.dtype, True, torch)

@@ -5,10 +5,13 @@ deterministic=False, dq=None, dk=None, dv=None)``
 
 Same layouts and rules as :func:`rtkernels.ops.attention.attention` (its input checks are
 reused).  Kernels (templates/attention_bwd.cu.j2): ``attention_bwd_dot`` (delta = rowsum(dO*O),
-zeroes the f32 dQ accumulator), ``attention_bwd`` (one CTA per key tile and kv head: dK, dV in
-registers, summed over the GQA group inside the CTA - deterministic, no atomics; dQ by f32
-reductions into the accumulator unless deterministic), then ``attention_bwd_dq_convert``, or
-with ``deterministic=True`` ``attention_bwd_dq`` (a dQ pass per query tile, no atomics).
+zeroes the f32 dQ accumulator and the flush counters), ``attention_bwd`` (one CTA per key tile
+and kv head: dK, dV in registers, summed over the GQA group inside the CTA - deterministic, no
+atomics; dQ partials into the f32 accumulator by reductions - ``dq_mode`` "red" from registers,
+"staged"/"bulk" through each warp's shared rows, with ``deterministic=True`` in a fixed order per
+query tile), then ``attention_bwd_dq_convert``; or ``dq_mode="pass"``: no dQ in
+``attention_bwd``, ``attention_bwd_dq`` (a dQ pass per query tile, no atomics) instead.
+Measurements behind the heuristics: ``tools/bench_attention_bwd.py --sweep`` (H200).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ class AttentionBwdConfig(AttentionShape):
     dtype : "float16" or "bfloat16".
     head_dim : multiple of 8 in [8, 256].
     causal : bottom-right aligned causal mask.
-    deterministic : compile attention_bwd without the dQ reductions (the dQ pass kernel runs).
+    deterministic : bit-identical dQ: "staged" flushes ordered per query tile, or "pass".
     block_m : query rows per step of attention_bwd: 16, 32, 64 or 128 (divides the 128-row padding
         of the lse/delta rows).
     block_n : keys per attention_bwd CTA: 16 per warp, or 8 per warp (two warps share 16 keys and
@@ -49,6 +52,20 @@ class AttentionBwdConfig(AttentionShape):
     num_warps : 2, 4 or 8 (attention_bwd).
     dq_block_n : keys per step of the deterministic dQ pass, multiple of 16 in [16, 128].
     dq_num_warps : warps of the dQ pass (16 query rows each): 2, 4 or 8.
+    dq_mode : how attention_bwd's dQ partials reach the f32 accumulator: "red" (8-byte reductions
+        from the mma registers; not deterministic), "staged" (each warp's unit through its own
+        shared rows, then coalesced 16-byte reductions), "bulk" (staged, then one TMA-engine bulk
+        reduction per row on sm_90; "staged" on sm_80), or "pass" (none: the separate
+        attention_bwd_dq kernel; deterministic only).  "staged"/"bulk" with deterministic=True add
+        the key tiles' partials in a fixed order per (query tile, unit).  Default: "pass" if
+        deterministic else "red".
+    ds_stages : dS^T buffers.  2: the dQ product of step i runs at the start of step i + 1 (one
+        barrier per step instead of two); not with "pass".
+    layout : "keys16" (each warp: 16 keys x all queries, P^T/dS^T stay in registers) or "pair"
+        (two warps share 32 keys, each half the queries and half of dK/dV's columns, exchanging
+        P^T/dS^T halves through shared memory: fewer ldmatrix per mma; block_m >= 32).
+    kv_regs : hold the K and V A fragments of a warp's 16 keys in registers for the whole query
+        loop instead of re-reading them from shared memory every step (2 x head_dim/4 registers).
     """
 
     family: ClassVar[str] = FAMILY
@@ -63,6 +80,12 @@ class AttentionBwdConfig(AttentionShape):
     num_warps: int = 4
     dq_block_n: int = 64
     dq_num_warps: int = 4
+    dq_mode: str = "auto"
+    kv_regs: bool = False
+    ds_stages: int = 1
+    layout: str = "keys16"
+
+    DQ_MODES: ClassVar[tuple[str, ...]] = ("red", "staged", "bulk", "pass")
 
     def __post_init__(self):
         self._check_shape()
@@ -74,6 +97,19 @@ class AttentionBwdConfig(AttentionShape):
         if self.block_n not in (16 * self.num_warps, 8 * self.num_warps):
             self._fail("block_n", f"16 or 8 keys per warp: {16 * self.num_warps} or {8 * self.num_warps} "
                                   f"with num_warps={self.num_warps}")
+        if not isinstance(self.kv_regs, bool):
+            self._fail("kv_regs", "True or False")
+        if self.dq_mode == "auto" and isinstance(self.deterministic, bool):
+            object.__setattr__(self, "dq_mode", "pass" if self.deterministic else "red")
+        self._check_choice("dq_mode", ("staged", "bulk", "pass") if self.deterministic else ("red", "staged", "bulk"))
+        self._check_choice("ds_stages", (1, 2) if self.dq_mode != "pass" else (1,))
+        self._check_choice("layout", ("keys16", "pair"))
+        if self.layout == "pair":
+            if self.block_n != 16 * self.num_warps:
+                self._fail("block_n", f"16 keys per warp with layout='pair': {16 * self.num_warps} with "
+                                      f"num_warps={self.num_warps}")
+            if self.block_m not in (32, 64, 128):
+                self._fail("block_m", "32, 64 or 128 with layout='pair'")
 
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
@@ -82,11 +118,29 @@ class AttentionBwdConfig(AttentionShape):
         return self.num_warps * 16 // self.block_n
 
     @property
+    def dq_mt(self) -> int:
+        """m-tiles (16 query rows) per dQ unit of 4 column tiles: 2 while every warp still gets a unit."""
+        col_units = -(-(self.head_dim // 8) // 4)
+        return 2 if (self.block_m % 32 == 0 and (self.block_m // 32) * col_units >= self.num_warps) else 1
+
+    @property
+    def dq_units(self) -> int:
+        return (self.block_m // (16 * self.dq_mt)) * -(-(self.head_dim // 8) // 4)
+
+    @property
     def shared_mem_bytes(self) -> int:
-        """attention_bwd: K, V, 2 x (Q, dO), dS^T (not deterministic), 2 x (lse, delta)."""
+        """attention_bwd: K, V, 2 x (Q, dO), ds_stages x dS^T (not "pass"), 2 x (lse, delta), and
+        per warp a staged f32 dQ unit ("staged", "bulk": dq_mt * 16 rows x 36)."""
         rs = _odd_stride(self.head_dim_padded)
-        ds = 0 if self.deterministic else self.block_n * _odd_stride(self.block_m)
-        return 2 * (2 * self.block_n * rs + 4 * self.block_m * rs + ds) + 16 * self.block_m
+        pair = self.layout == "pair"
+        ds = 0 if (self.dq_mode == "pass" and not pair) else self.ds_stages * self.block_n * _odd_stride(self.block_m)
+        ds += self.block_n * _odd_stride(self.block_m) if pair else 0   # P^T
+        staged = self.num_warps * self.dq_mt * 16 * 36 * 4 if self.dq_mode in ("staged", "bulk") else 0
+        return 2 * (2 * self.block_n * rs + 4 * self.block_m * rs + ds) + 16 * self.block_m + staged
+
+    @property
+    def dq_in_main(self) -> bool:
+        return self.dq_mode != "pass"
 
     @property
     def dq_block_m(self) -> int:
@@ -101,6 +155,7 @@ class AttentionBwdConfig(AttentionShape):
         p = super().template_params()
         p["smem_bytes"] = self.shared_mem_bytes
         p["dq_smem_bytes"] = self.dq_shared_mem_bytes
+        p["dq_mode_id"] = self.DQ_MODES.index(self.dq_mode)
         return p
 
     @classmethod
@@ -123,27 +178,49 @@ class Tile(NamedTuple):
     dq_block_n: int
     dq_num_warps: int
     why: str
+    dq_mode: str | None = "red"     # deterministic=False; None: this tile is only used when deterministic
+    det_mode: str | None = "pass"   # deterministic=True; None: this tile is not used when deterministic
+    kv_regs: bool = False
+    ds_stages: int = 1
+    layout: str = "keys16"
+    causal: bool | None = None      # only for this causal flag (None: both)
 
 
 # (lowest head_dim, highest head_dim) -> tiles in order of preference; the first that fits the
-# target's shared memory per block is used.  Reasons: ptxas of NVRTC 13.5 for sm_80 and sm_90,
-# both dtypes, causal and not, deterministic and not (registers / spills); no GPU timing yet -
-# the lead's H200 run of tools/bench_attention_bwd.py decides between the listed candidates.
+# target's shared memory per block is used.  Register counts: ptxas of NVRTC 13.5 for sm_80 and
+# sm_90, both dtypes, causal and not; timings: tools/bench_attention_bwd.py --sweep on an H200.
 HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
     (8, 64, (
+        Tile(64, 128, 8, 64, 4,
+             "H200 sweep, d64 non-causal 2k/4k/8k: pair staged kv ds2 189/199/219 TFLOP/s (pair red ds2 172/179/194, "
+             "keys16 128x128 red 174/181/197); 128x128 pair red: 198/206/226 but at the register limit (spills 8-16 B "
+             "with NVRTC 13.0 or 13.5 depending on causal/ds_stages); causal: kv pair spills on NVRTC 13.0",
+             "staged", None, True, 2, "pair", False),
+        Tile(64, 128, 8, 64, 4,
+             "d64 causal 2k/4k/8k: pair red ds2 127/164/185 (keys16 128x128 red 126/159/177); deterministic: dQ pass "
+             "(pair, dq 64 keys x 4 warps, Q/dO fragments in registers) 122-183; the ordered flush 97-146",
+             "red", "pass", False, 2, "pair"),
         Tile(64, 64, 4, 64, 4,
-             "FA2's d<=64 shape class (64 queries x 64 keys); 16 keys per warp keeps S^T/dP^T at 64 f32 "
-             "registers and dK+dV at <= 64; ptxas: see tests (0 spills); 2 CTAs/SM fit in smem at d64"),
+             "FA2's d<=64 shape class where 64x128 does not fit (99 KiB smem); K/V fragments in registers (32 regs)",
+             "red", "pass", True),
     )),
     (120, 120, (
         Tile(32, 64, 4, 32, 4,
              "d120: 64x64 w4 spills 24/32 B on sm_80 (causal, not deterministic); 32-query steps: 242 regs, 0 spills"),
     )),
     (72, 128, (
+        Tile(64, 128, 8, 64, 4,
+             "H200 sweep, d128 2k/4k/8k: pair staged ds2 213/219/245, causal 169/197/222 TFLOP/s (keys16 64x128 staged "
+             "184/188/207, keys16 64x64 red 162/166/181): two warps per 32 keys cut ldmatrix per mma by ~20%; staged "
+             "dQ (16-byte reductions of each warp's 32x32 unit) beat red by 1-3% and bulk by 8-12%; 227 KiB smem",
+             "staged", None, False, 2, "pair"),
+        Tile(64, 128, 8, 64, 4,
+             "deterministic d128: main kernel without dQ (pair, 177 KiB) + the dQ pass (64 keys x 4 warps, Q/dO "
+             "fragments in registers; 128 keys spills): 190/206/205, causal 157/185/201 TFLOP/s = 0.83-1.06 of the "
+             "default (ordered flush: 162/183/185, 138/162/176)",
+             None, "pass", False, 1, "pair"),
         Tile(64, 64, 4, 64, 4,
-             "d128: dK+dV 128 f32 regs/thread + S^T/dP^T 64; 255 regs, 0 spills on sm_80/sm_90 (NVRTC 13.5; at the "
-             "limit: if the GPU host's NVRTC spills, 32x64 w4 below is 238-242 regs); 112 KiB smem: 2 CTAs/SM on "
-             "sm_90"),
+             "sm_80 (163 KiB): keys16 64x64, 255 regs, 0 spills; H200 d128 4k 166, deterministic (pass) 171"),
         Tile(32, 64, 4, 32, 4, "fallback when smem is short (sm_86/89: 99 KiB); 214-242 regs, 0 spills"),
     )),
     (136, 256, (
@@ -165,15 +242,22 @@ def candidates(head_dim: int) -> tuple[Tile, ...]:
 def _make(dtype, head_dim, causal, deterministic, t: Tile) -> AttentionBwdConfig:
     return AttentionBwdConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
                               block_m=t.block_m, block_n=t.block_n, num_warps=t.num_warps, dq_block_n=t.dq_block_n,
-                              dq_num_warps=t.dq_num_warps)
+                              dq_num_warps=t.dq_num_warps, dq_mode=(mode := t.det_mode if deterministic else t.dq_mode),
+                              kv_regs=t.kv_regs, ds_stages=t.ds_stages if mode != "pass" else 1, layout=t.layout)
+
+
+def _fits(cfg: AttentionBwdConfig, limit: int) -> bool:
+    return max(cfg.shared_mem_bytes, cfg.dq_shared_mem_bytes if cfg.dq_mode == "pass" else 0) <= limit
 
 
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str) -> AttentionBwdConfig:
     """The config the heuristics pick for (dtype, head_dim, causal, deterministic, arch)."""
     limit = _smem_limit(arch)
     for t in candidates(head_dim):
+        if (t.det_mode if deterministic else t.dq_mode) is None or t.causal not in (None, causal):
+            continue
         cfg = _make(dtype, head_dim, causal, deterministic, t)
-        if max(cfg.shared_mem_bytes, cfg.dq_shared_mem_bytes) <= limit:
+        if _fits(cfg, limit):
             return cfg
     raise ConfigError(f"{FAMILY}: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
                       f"block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
@@ -185,21 +269,77 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16")) -> li
             for det in (False, True)]
 
 
+# Tile space of the --sweep benchmark (head dims 64 and 128): (block_m, block_n, num_warps, kv_regs, ds_stages,
+# layout, dq modes when not deterministic, dq modes when deterministic).  Earlier H200 sweeps (TFLOP/s at 4k
+# non-causal / causal) pruned the rest: "bulk" (one TMA reduction per 128-byte row) lost to "staged" by 5-10%
+# everywhere (d128 pair 198 vs 219); keys16 64x64 w4 at d128 with ds2 (124) and 32x128 w8 pair (180-185)
+# lost to 64x128 pair (213-219); the ordered (deterministic) flush lost to the dQ pass by 8-20%; ptxas
+# spills kv_regs at d128 (16-80 B) and 128x64 w4 at d64 (4 B).
+SWEEP_TILES = {
+    64: ((64, 128, 8, False, 2, "pair", ("red", "staged"), ("staged", "pass")),
+         (64, 128, 8, True, 2, "pair", ("red", "staged"), ()),
+         (128, 128, 8, False, 1, "pair", ("red",), ()),
+         (128, 128, 8, False, 1, "keys16", ("red",), ()),
+         (64, 64, 4, True, 1, "keys16", (), ("pass",))),
+    128: ((64, 128, 8, False, 2, "pair", ("red", "staged"), ("staged",)),
+          (64, 128, 8, False, 1, "pair", ("staged",), ("pass",)),
+          (64, 128, 8, False, 1, "keys16", ("staged",), ()),
+          (64, 64, 4, False, 1, "keys16", ("red",), ("pass",))),
+}
+# dQ pass kernels timed with each "pass" candidate: (dq_block_n, dq_num_warps); d128 with 128 keys spills
+# (Q/dO fragments in registers: 304-316 B).
+SWEEP_DQ_PASS = {64: ((64, 4), (128, 4), (32, 8)), 128: ((64, 4), (32, 8))}
+
+
+def tile_space(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str, *,
+               prune_spills: bool = False) -> list[AttentionBwdConfig]:
+    """The heuristic's choice first, then every sweep candidate that fits ``arch``'s shared memory
+    (duplicates removed); ``prune_spills`` compiles each and drops those ptxas spills."""
+    limit = _smem_limit(arch)
+    out = [choose_config(dtype, head_dim, causal, deterministic, arch)]
+    for bm, bn, w, kv, ds, layout, modes, det_modes in SWEEP_TILES.get(head_dim, ()):
+        for mode in (det_modes if deterministic else modes):
+            for dqn, dqw in (SWEEP_DQ_PASS.get(head_dim, ((64, 4),)) if mode == "pass" else ((64, 4),)):
+                cfg = AttentionBwdConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
+                                         block_m=bm, block_n=bn, num_warps=w, dq_block_n=dqn, dq_num_warps=dqw,
+                                         dq_mode=mode, kv_regs=kv, ds_stages=ds if mode != "pass" else 1,
+                                         layout=layout)
+                if _fits(cfg, limit) and cfg not in out:
+                    out.append(cfg)
+    if prune_spills:
+        from ..kernel import get_kernel
+
+        def clean(c):
+            names = ("attention_bwd", "attention_bwd_dq") if c.dq_mode == "pass" else ("attention_bwd",)
+            rs = [get_kernel(c, n, arch=arch).resources for n in names]
+            return not any(r.spill_stores or r.spill_loads for r in rs)
+        out = [c for c in out if clean(c)]
+    return out
+
+
+def describe(cfg: AttentionBwdConfig) -> str:
+    """Short tile label for tables: ``64x128 w8 staged kv``."""
+    return (f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} {cfg.dq_mode}" + (" kv" if cfg.kv_regs else "")
+            + (" ds2" if cfg.ds_stages == 2 else "") + (" pair" if cfg.layout == "pair" else "")
+            + (f" dq{cfg.dq_block_n}w{cfg.dq_num_warps}" if cfg.dq_mode == "pass" else ""))
+
+
 # ---- the op -------------------------------------------------------------------------------
 _KERNELS: dict = {}
 _DOT_THREADS = 256
 LSE_PAD = 128   # the template's LSE_PAD: lse_log2/delta rows per (batch, head) padded to this
 
 
-def _kernels_for(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str):
+def _kernels_for(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str,
+                 config: AttentionBwdConfig | None = None):
     """({name: Kernel}, config), memoized per key."""
-    key = (dtype, head_dim, causal, deterministic, arch)
+    key = (dtype, head_dim, causal, deterministic, arch) if config is None else (config, arch)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
-        cfg = choose_config(dtype, head_dim, causal, deterministic, arch)
+        cfg = config or choose_config(dtype, head_dim, causal, deterministic, arch)
         names = ("attention_bwd_dot", "attention_bwd") + (
-            ("attention_bwd_dq",) if deterministic else ("attention_bwd_dq_convert",))
+            ("attention_bwd_dq",) if cfg.dq_mode == "pass" else ("attention_bwd_dq_convert",))
         hit = _KERNELS[key] = ({n: get_kernel(cfg, n, arch=arch) for n in names}, cfg)
     return hit
 
@@ -214,7 +354,7 @@ def _dot_lanes(head_dim: int) -> int:
 
 def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale: float | None = None,
                        deterministic: bool = False, dq=None, dk=None, dv=None, *, dtype: str | None = None,
-                       stream=None):
+                       stream=None, config: AttentionBwdConfig | None = None):
     """FlashAttention-2 backward: gradients of ``o = attention(q, k, v, causal, softmax_scale)``.
 
     Parameters
@@ -232,6 +372,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits.
     stream : CuPy stream, torch stream or raw handle (default: current CuPy stream, or torch's
         current stream for torch inputs).
+    config : an :class:`AttentionBwdConfig` to run instead of the heuristics' choice (benchmark
+        sweeps, tests); its dtype, head_dim, causal and deterministic must match the call.
 
     Returns
     -------
@@ -256,6 +398,12 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
                                       f"{dev} (the forward's), got {lse_.dtype} {tuple(lse_.shape)} on device "
                                       f"{_device_of(lse_)}")
     causal, deterministic = bool(causal), bool(deterministic)
+    if config is not None:
+        want = (dt, head_dim, causal, deterministic)
+        if not isinstance(config, AttentionBwdConfig) or (config.dtype, config.head_dim, config.causal,
+                                                          config.deterministic) != want:
+            raise _bad("config", config, f"config must be an AttentionBwdConfig with (dtype, head_dim, causal, "
+                                         f"deterministic) = {want}")
 
     with cupy.cuda.Device(dev):
         outs = []
@@ -281,7 +429,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         lse_c = cupy.ascontiguousarray(lse_)
 
         arch = _device_arch(dev)
-        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch)
+        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch, config)
         if stream is None and _is_torch(q):
             torch = sys.modules["torch"]
             stream = torch.cuda.current_stream(dev).cuda_stream
@@ -289,17 +437,20 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
         lse2 = cupy.empty((batch, nheads, sq_pad), cupy.float32)
         delta = cupy.empty((batch, nheads, sq_pad), cupy.float32)
-        dq_accum = None if deterministic else cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32)
+        in_main = cfg.dq_mode != "pass"
+        dq_accum = cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32) if in_main else None
+        dq_count = (cupy.empty((batch, nheads, -(-seqlen_q // cfg.block_m), cfg.dq_units, 4), cupy.int32)
+                    if (deterministic and in_main) else None)
         rows_per_cta = _DOT_THREADS // _dot_lanes(head_dim)
         kerns["attention_bwd_dot"].launch((-(-sq_pad // rows_per_cta), nheads, batch), (_DOT_THREADS,),
-                                          o_, do_, lse_c, lse2, delta, dq_accum, seqlen_q, *s_o[:3], *s_do[:3],
-                                          stream=stream)
+                                          o_, do_, lse_c, lse2, delta, dq_accum, dq_count, seqlen_q, *s_o[:3],
+                                          *s_do[:3], stream=stream)
         kerns["attention_bwd"].launch(
             (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
-            do_, q_, k_, v_, lse2, delta, dq_accum, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
+            do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
             *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale,
             shared_mem=cfg.shared_mem_bytes, stream=stream)
-        if deterministic:
+        if not in_main:
             kerns["attention_bwd_dq"].launch(
                 (-(-seqlen_q // cfg.dq_block_m), nheads, batch), (32 * cfg.dq_num_warps,),
                 do_, q_, k_, v_, lse2, delta, dq_, seqlen_q, seqlen_k, nheads // nheads_kv,

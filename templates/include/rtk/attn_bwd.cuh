@@ -1,6 +1,7 @@
 // Primitives of the attention backward that mma.cuh does not have: float32 reductions into
-// global memory (the non-deterministic dQ accumulation) and the log2-domain lse guard.
-// Plain CUDA C++ (no Jinja), included by templates/attention_bwd.cu.j2.
+// global memory (the dQ accumulation), the bulk (TMA-engine) reduction of a staged dQ row on
+// sm_90, the acquire/release pair of the ordered (deterministic) dQ flush, and the log2-domain
+// lse guard.  Plain CUDA C++ (no Jinja), included by templates/attention_bwd.cu.j2 after mma.cuh.
 #pragma once
 
 namespace rtk {
@@ -14,6 +15,59 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
     atomicAdd(dst, a);
     atomicAdd(dst + 1, b);
 #endif
+}
+
+// dst[0..3] += v: one 16-byte reduction on sm_90, four scalar ones before.  dst 16-byte aligned.
+__device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                 :: "l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst), "f"(v.x) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst + 1), "f"(v.y) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst + 2), "f"(v.z) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst + 3), "f"(v.w) : "memory");
+#endif
+}
+
+#if __CUDA_ARCH__ >= 900
+// gdst[0 .. bytes/4) += ssrc[...] (f32) by the TMA engine: one instruction per row instead of
+// bytes/8 lane reductions; the shared source may be reused after bulk_wait_read<0>().
+// bytes: a multiple of 16; both addresses 16-byte aligned.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(gdst), "r"(smem_addr(ssrc)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// The shared sources of all but N committed groups have been read.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory"); }
+// All but N committed groups are complete (their global writes performed).
+template <int N>
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory"); }
+// Shared-memory writes of this thread become visible to the async proxy (the bulk copy engine).
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#endif
+
+// Acquire load of a flush counter: 16 bytes, the count in the first int and zeros in the other
+// three (one 128-bit load, like every other global load of the family; OR-ing the zeros in keeps
+// ptxas from narrowing it).
+__device__ __forceinline__ int ld_acquire_gpu_x4(const int* p) {
+    int v, pad0, pad1, pad2;
+    asm volatile("ld.global.acquire.gpu.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v), "=r"(pad0), "=r"(pad1), "=r"(pad2) : "l"(p) : "memory");
+    return v | pad0 | pad1 | pad2;
+}
+// Release increment: every write this thread (and, through a preceding barrier, its warp or
+// block) made before is visible to a thread that acquires the new value.
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32), e.g. a
+// pair of warps exchanging halves of a tile.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 // lse (natural log) -> lse * log2(e), the offset subtracted inside exp2.  A row that saw no key
