@@ -183,8 +183,136 @@ def _ours(op, dtype, n, cp, rtk, config=None):
 
 def _label(cfg) -> str:
     extra = "".join(tag for flag, tag in ((getattr(cfg, "prefetch", False), " pf"),
-                                          (getattr(cfg, "recompute", False), " rc")) if flag)
+                                          (getattr(cfg, "recompute", False), " rc"),
+                                          (getattr(cfg, "ring_rows", 0), f" ring{getattr(cfg, 'ring_rows', 0)}"),
+                                          (getattr(cfg, "bulk_stages", 0), f" bulk{getattr(cfg, 'bulk_stages', 0)}"),
+                                          (cfg.min_blocks > 1, f" mb{cfg.min_blocks}"),
+                                          (getattr(cfg, "param_slots", 4) != 4, f" ps{getattr(cfg, 'param_slots', 4)}"))
+                    if flag)
+    if not getattr(cfg, "streaming", True):
+        extra += " nocs"
     return f"{cfg.row_class} b{cfg.block_size} v{cfg.vecs_per_thread} c{cfg.cluster_size}{extra}"
+
+
+# Candidates of --candidates per width (block, vectors per thread, cluster, threads_per_row or None
+# for a block row, extra fields), most informative first.  Round 1 (H200, 2026-11-21) timed the
+# shared-memory staging (ring_rows / bulk_stages) at 1k-256k: it never beat the direct loads
+# (-1 to -6% with a persistent grid; clusters -25 to -60%) except RMSNorm 16k (+1%).  Round 2 timed
+# cache hints, block shapes and two-pass chunking (the winners are in rowwise's tables).  Round 3:
+# LayerNorm tiles with fewer registers (more resident blocks): 128x4 at 80 registers won at 4k.
+CANDIDATE_WIDTHS = (4096, 16384, 65536, 1024, 262144)   # the targets first
+_CANDIDATES = {
+    4096: [(128, 4, 1, None, dict(min_blocks=7, param_slots=1)), (128, 4, 1, None, dict(min_blocks=6, param_slots=2)),
+           (128, 4, 1, None, dict(min_blocks=6, param_slots=1)), (256, 2, 1, None, dict(min_blocks=3, param_slots=1))],
+    16384: [(512, 4, 1, None, dict(prefetch=True, param_slots=1)), (512, 4, 1, None, dict(param_slots=1))],
+    65536: [(512, 2, 1, None, dict(two_pass=True, param_slots=1)), (256, 4, 1, None, dict(two_pass=True, param_slots=1))],
+}
+
+
+def _candidate_configs(op, dtype, n, arch):
+    """[(name, config)]: "new" (the current default) then the candidates for width n."""
+    from rtkernels.ops import rowwise as rw
+    family = "softmax" if op == "softmax" else "norm"
+    extra = {"weight_dtype": dtype} if family == "norm" else {}
+    cls = rw.SoftmaxConfig if family == "softmax" else rw.NormConfig
+    new = rw.plan(family, n, dtype, 8, arch, weight_dtype=extra.get("weight_dtype"), layer=op == "layernorm")
+    out = [("new", new)]
+    if new.streaming:
+        out.append(("alt", new.replace(streaming=False)))
+    for block, v, cluster, tpr, fields in _CANDIDATES.get(n, []):
+        f = dict(dtype=dtype, vec=8, threads_per_row=tpr or block, block_size=block, vecs_per_thread=v,
+                 cluster_size=cluster, **fields, **extra)
+        if family == "norm" and f.get("min_blocks", 1) * block >= 1024 and f.get("ring_rows"):
+            f["param_slots"] = 1     # 64 registers: weight (+ bias) one vector at a time
+        if family == "softmax" and v >= 8 and not f.get("two_pass"):
+            f["recompute"] = True
+        try:
+            c = cls(**f)
+        except Exception as exc:   # noqa: BLE001 - an invalid candidate is reported, not fatal
+            print(f"candidate {f} rejected: {exc}")
+            continue
+        if all(c != o for _, o in out):
+            out.append(("alt", c))
+    return out
+
+
+def references(cp, rtk, copy_gbs):
+    """Rows: the device copy and rtkernels' elementwise kernel (y = 2x + 1, bfloat16) at 64 MiB and
+    512 MiB of x, and the default row ops at 512 MiB: how much of the gap to the 1 GiB copy is
+    the fixed cost of a 32 us kernel (ramp-up and tail) rather than the row algorithm."""
+    import benchutil as bu
+    rows = []
+    for mib in (64, 512):
+        gbs = bu.copy_bandwidth(mib << 20)
+        rows.append({"what": "device copy", "MiB": mib, "GBs": gbs, "%copy": 100 * gbs / copy_gbs})
+        n = (mib << 20) // 2
+        x = cp.ones(n, dtype=cp.uint16)
+        y = cp.empty_like(x)
+        f = rtk.elementwise("y = 2*x + 1") if hasattr(rtk, "elementwise") else None
+        if f is not None:
+            try:
+                ms, _, _ = time_gpu(lambda a, b: f(a, out=b, dtype="bfloat16"), [(x, y)], warmup=3, repeat=10)
+                gbs = 2 * n * 2 / (ms * 1e-3) / 1e9
+                rows.append({"what": "elementwise y=2x+1 bf16", "MiB": mib, "GBs": gbs, "%copy": 100 * gbs / copy_gbs})
+            except Exception as exc:   # noqa: BLE001
+                rows.append({"what": "elementwise", "MiB": mib, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        del x, y
+        cp.get_default_memory_pool().free_all_blocks()
+    for n in (4096, 16384, 65536):
+        nrows = (512 << 20) // (n * 2)
+        sets = _inputs(cp, nrows, n, "bfloat16", sets=1)
+        for op in ("softmax", "rmsnorm", "layernorm"):
+            ms, _, _ = time_gpu(_ours(op, "bfloat16", n, cp, rtk), sets, warmup=2, repeat=6)
+            gbs = 2 * nrows * n * 2 / (ms * 1e-3) / 1e9
+            rows.append({"what": f"{op} {n} default", "MiB": 512, "GBs": gbs, "%copy": 100 * gbs / copy_gbs})
+        del sets
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, budget_s):
+    """Times the candidates per (op, width); returns (rows, best per (op, n) rows)."""
+    from rtkernels.kernel import get_kernel
+    rows, best_rows = [], []
+    dtype = args.sweep_dtype
+    t0 = time.time()
+    for n in CANDIDATE_WIDTHS:
+        nrows = max(1, DATA_BYTES // (n * 2))
+        sets = _inputs(cp, nrows, n, dtype)
+        nbytes = 2 * nrows * n * 2
+        for op in [o for o in args.ops.split(",") if o in ("softmax", "rmsnorm", "layernorm")]:
+            kernel = {"softmax": "softmax_rows", "rmsnorm": "rmsnorm_rows", "layernorm": "layernorm_rows"}[op]
+            res = []
+            for name, cfg in _candidate_configs(op, dtype, n, arch):
+                if time.time() - t0 > budget_s and name == "alt":
+                    continue
+                r = {"op": op, "n": n, "which": name, "config": _label(cfg)}
+                try:
+                    k = get_kernel(cfg, kernel)
+                    r["regs"], r["spill"] = k.resources.registers, k.resources.spill_stores
+                    if k.resources.spill_stores > 64 and name == "alt":
+                        r["skipped"] = f"spills {k.resources.spill_stores} B"
+                        rows.append(r)
+                        continue
+                    ms, _, drained = time_gpu(_ours(op, dtype, n, cp, rtk, cfg), sets, warmup=2, repeat=10)
+                    r.update(GBs=nbytes / (ms * 1e-3) / 1e9, drained=drained)
+                    r["%copy"] = 100 * r["GBs"] / copy_gbs
+                except Exception as exc:   # a candidate that fails must not sink the run
+                    r["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append(r)
+                if "GBs" in r:
+                    res.append(r)
+            if res:
+                new = res[0]["GBs"] if res[0]["which"] == "new" else float("nan")
+                best = max(res, key=lambda r: r["GBs"])
+                best_rows.append({"op": op, "n": n, "new_GBs": new, "new_%copy": 100 * new / copy_gbs,
+                                  "best_GBs": best["GBs"], "best_%copy": best["%copy"], "best/new": best["GBs"] / new,
+                                  "best_config": best["config"], "tried": len(res)})
+                print(f"candidates {op} n={n}: new {new:.0f} best {best['GBs']:.0f} GB/s ({best['%copy']:.1f}%, "
+                      f"{best['config']}), {time.time() - t_start:.0f} s", flush=True)
+        del sets
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows, best_rows
 
 
 def _sweep_configs(op, dtype, n, arch):
@@ -289,6 +417,9 @@ def main():
     p.add_argument("--dtypes", default="float16,bfloat16", help="comma-separated: float16,bfloat16,float32")
     p.add_argument("--ops", default="softmax,rmsnorm,layernorm,sum,argmax")
     p.add_argument("--sweep-dtype", default="bfloat16", help="dtype of the --sweep candidates")
+    p.add_argument("--candidates", type=float, default=0, metavar="SECONDS",
+                   help="only time the candidate configs per width (about SECONDS for the alternatives) and the "
+                        "references (copy and elementwise at 64 / 512 MiB, row ops at 512 MiB), then print them")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
@@ -301,6 +432,25 @@ def main():
     env = benchutil.environment()
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
     arch = device.current_arch()
+    if args.candidates:
+        cand_rows, best_rows = candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, args.candidates)
+        try:
+            ref_rows = references(cp, rtk, copy_gbs)
+        except Exception as exc:   # noqa: BLE001 - the sweep's data must survive
+            ref_rows = [{"what": "references", "error": f"{type(exc).__name__}: {exc}"[:300]}]
+        path = benchutil.save(args.out, "bench_membound_candidates",
+                              {"environment": env, "copy_GBs": copy_gbs, "candidates": cand_rows,
+                               "best": best_rows, "references": ref_rows})
+        print(f"\n{env['gpu']} ({env['arch']}, {env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; "
+              f"{time.time() - t_start:.0f} s")
+        print(benchutil.table(cand_rows, ["op", "n", "which", "config", "regs", "spill", "GBs", "%copy",
+                                          "skipped", "error"]))
+        print("\nreferences (% of the 1 GiB copy):")
+        print(benchutil.table(ref_rows, ["what", "MiB", "GBs", "%copy", "error"]))
+        print("\nbest per (op, width):")
+        print(benchutil.table(best_rows, ["op", "n", "new_GBs", "new_%copy", "best_GBs", "best_%copy", "best/new",
+                                          "best_config", "tried"]))
+        return
     widths = QUICK_WIDTHS if args.quick else WIDTHS
     repeat = 10 if args.quick else 20
     rows_out, sweep_out = [], []

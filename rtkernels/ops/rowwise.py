@@ -50,6 +50,7 @@ from ._arrays import as_device_array, dtype_name, new_like
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
 MAX_WIDTH = 1 << 30   # two_pass handles any width whose element index fits in an int
+_SMEM_MAX = 227 * 1024   # dynamic shared memory per block on sm_90 (sm_80: 163 KiB, checked at launch)
 
 
 # ---- configs ------------------------------------------------------------------------------
@@ -96,6 +97,21 @@ class _RowConfig(KernelConfig):
         if getattr(self, "prefetch", False) and (self.cluster_size != 1 or getattr(self, "two_pass", False)):
             self._fail("prefetch", "False with cluster_size > 1 or two_pass (prefetch overlaps whole resident rows "
                                    "of one block or lane group)")
+        ring, stages = getattr(self, "ring_rows", 0), getattr(self, "bulk_stages", 0)
+        if ring or stages:
+            name = "ring_rows" if ring else "bulk_stages"
+            if ring and stages:
+                self._fail("bulk_stages", f"0 when ring_rows={ring} (one staging scheme)")
+            if self.vec * dtypes.itemsize(self.dtype) != 16:
+                self._fail(name, f"0 unless vec * itemsize == 16 bytes (vec={self.vec}, {self.dtype})")
+            if getattr(self, "two_pass", False) or getattr(self, "prefetch", False):
+                self._fail(name, "0 with two_pass or prefetch (staging feeds resident rows)")
+            if stages and (self.threads_per_row != self.block_size or self.block_size < 64):
+                self._fail("bulk_stages", "0 unless a block (>= 64 threads) or cluster owns each row "
+                                          f"(threads_per_row={self.threads_per_row}, block_size={self.block_size})")
+            if self.shared_mem_bytes > _SMEM_MAX:
+                self._fail(name, f"small enough for {_SMEM_MAX} B of shared memory per block "
+                                 f"({self.shared_mem_bytes} B requested)")
         if getattr(self, "two_pass", False):
             if self.threads_per_row != self.block_size:
                 self._fail("two_pass", "False unless threads_per_row == block_size (two-pass rows are per block)")
@@ -129,8 +145,19 @@ class _RowConfig(KernelConfig):
         return self.threads_per_row * self.cluster_size * self.vecs_per_thread * self.vec
 
     @property
+    def staged(self) -> bool:
+        """Rows loaded ahead through shared memory (ring_rows or bulk_stages)."""
+        return bool(getattr(self, "ring_rows", 0) or getattr(self, "bulk_stages", 0))
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """Dynamic shared memory at launch: the ring or the bulk stages (16-byte vectors)."""
+        ring, stages = getattr(self, "ring_rows", 0), getattr(self, "bulk_stages", 0)
+        return 16 * self.block_size * self.vecs_per_thread * (ring or stages)
+
+    @property
     def min_arch(self) -> int:
-        return 90 if self.cluster_size > 1 else 80
+        return 90 if self.cluster_size > 1 or getattr(self, "bulk_stages", 0) else 80
 
     @property
     def max_registers(self) -> int:
@@ -154,8 +181,8 @@ class _RowConfig(KernelConfig):
             blocks = -(-rows // self.rows_per_block)
         else:
             blocks = rows * self.cluster_size
-        if getattr(self, "prefetch", False) and resident_blocks:
-            blocks = min(blocks, resident_blocks)
+        if (getattr(self, "prefetch", False) or self.staged) and resident_blocks:
+            blocks = min(blocks, max(self.cluster_size, resident_blocks // self.cluster_size * self.cluster_size))
         cap = (2 ** 31 - 1) // self.cluster_size * self.cluster_size
         return max(0, min(blocks, cap))
 
@@ -171,11 +198,16 @@ class SoftmaxConfig(_RowConfig):
     two_pass: bool = False
     recompute: bool = False   # resident rows kept packed as loaded; exp() evaluated twice
     prefetch: bool = False    # the next row's loads in flight during this row's reduction
+    ring_rows: int = 0        # > 0: loads this many rows per thread ahead through shared memory
+    bulk_stages: int = 0      # > 0 (sm_90): row stages per block filled by cp.async.bulk
+    streaming: bool = True    # evict-first (.cs) loads and stores of x and y
 
     def __post_init__(self):
-        for name in ("two_pass", "recompute", "prefetch"):
+        for name in ("two_pass", "recompute", "prefetch", "streaming"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
+        self._check_int("ring_rows", 0, 8)
+        self._check_int("bulk_stages", 0, 8)
         super().__post_init__()
 
 
@@ -190,11 +222,18 @@ class NormConfig(_RowConfig):
     weight_dtype: str = "float16"
     two_pass: bool = False
     prefetch: bool = False    # the next row's loads in flight during this row's reduction
+    ring_rows: int = 0        # > 0: loads this many rows per thread ahead through shared memory
+    bulk_stages: int = 0      # > 0 (sm_90): row stages per block filled by cp.async.bulk
+    param_slots: int = 4      # weight (+ bias) vectors loaded at once in the write phase
+    streaming: bool = True    # evict-first (.cs) loads and stores of x and y
 
     def __post_init__(self):
-        for name in ("two_pass", "prefetch"):
+        for name in ("two_pass", "prefetch", "streaming"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
+        self._check_int("ring_rows", 0, 8)
+        self._check_int("bulk_stages", 0, 8)
+        self._check_int("param_slots", 1, 8, power_of_two=True)
         super().__post_init__()
         # Same as x, or float32 (mixed precision); other mixes only multiply the compiled variants.
         self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
@@ -245,32 +284,52 @@ _TWO_PASS_BLOCK = 512
 
 # Measured choices on sm_90 for 2-byte dtypes with 16-byte vectors: (family, layernorm?, vectors
 # per row rounded up to a power of two) -> (threads per row = block, vectors per thread, prefetch,
-# two_pass).  H200, bf16, tools/bench_membound.py --quick --sweep (host-independent timing,
-# device copy 4231 GB/s), 2026-11-21; "cluster" is what the reasoned rules below picked before.
+# two_pass[, fields that replace these with 16-bit weights]).  H200, bf16, 64 MiB of x,
+# tools/bench_membound.py --quick --sweep (round 0, device copy 4231 GB/s) and --candidates
+# (rounds 1-2, 2026-11-21, copy 4187-4220 GB/s; percentages are of that 1 GiB copy).  "cluster" is
+# what the reasoned rules below pick; "ring" = ring_rows (rows staged through shared memory).
+# Staging (ring_rows / bulk_stages, 1-3 rows ahead, persistent grid) lost 1-6% everywhere except
+# RMSNorm 16k, and clusters of 2-8 blocks lost 25-60% (round 1): the SM already has more bytes in
+# flight than the bandwidth-latency product needs; a 64 MiB op is ~32 us and its ramp-up and
+# tail cost more than phases inside it (the device copy itself reaches 77% at 64 MiB, rtkernels'
+# elementwise 90%; the row ops reach 90-97% of copy at 512 MiB, LayerNorm 64k 72%).
 _MEASURED_SM90_16BIT = {
-    ("softmax", False, 512): (128, 4, False, False),    # 4k:  3573 GB/s (84.7% of copy)
-    ("softmax", False, 1024): (256, 4, False, False),   # 8k:  3537 (83.9%)
-    ("softmax", False, 2048): (512, 4, False, False),   # 16k: 3481 (82.5%) vs cluster x2 2855
+    ("softmax", False, 512): (128, 4, False, False),    # 4k: 3723 GB/s (88.2%) plain hints, 3565 with .cs
+    ("softmax", False, 1024): (256, 4, False, False),   # 8k:  3537 (83.9%, round 0, .cs)
+    ("softmax", False, 2048): (512, 4, False, False),   # 16k: 3619 (85.8%) plain vs 3468 .cs; cluster x2 2855
     # 32k: 512x8 with prefetch measured best (3324, 78.8%, vs cluster x4 2740) but spills 20 B for
     # float16 under NVRTC 13.5 (register cap 128 at 512 threads); the same tile without prefetch
     # compiles clean (96-127 registers) - not timed separately yet.
     ("softmax", False, 4096): (512, 8, False, False),
-    ("softmax", False, 8192): (512, 4, False, True),    # 64k: two passes 3239 (76.8%) vs cluster x8 2714
-    ("norm", False, 512): (256, 2, False, False),       # RMSNorm 4k:  3650 (86.6%)
+    # 64k: two passes 3213 (76.1%); 256x8 74%, 1024x2 67%, 256x4 63%, without .cs 67% (the second
+    # read then misses L2); cluster x8 2714, cluster x2 + ring 2498.
+    ("softmax", False, 8192): (512, 4, False, True),
+    ("softmax", False, 16384): (512, 4, False, True),    # 128k: as 64k (reasoned)
+    ("softmax", False, 32768): (1024, 2, False, True),   # 256k: two passes 1024x2 2565 (60.8%) vs cluster 1975
+    # RMSNorm 4k: 128x4 3712 (88.0%) vs 256x2 3625 (85.9%); 1k lane groups 89.2% plain vs 87.5% .cs.
+    ("norm", False, 512): (128, 4, False, False),
     ("norm", False, 1024): (256, 4, False, False),      # 8k:  3700 (87.7%)
-    ("norm", False, 2048): (512, 4, False, True),       # 16k: two passes 3505 (83.1%) vs cluster 3033
+    # 16k: 512x4 rows through a 3-row ring 3567 (84.5%) and 3522 (84.1%) vs two passes 3520 / 3494
+    # (83.4%); the ring needs 64 registers (param_slots=1), so float32 weights keep two passes.
+    ("norm", False, 2048): (512, 4, False, True, dict(two_pass=False, ring_rows=3, min_blocks=2, param_slots=1)),
     ("norm", False, 4096): (512, 4, False, True),       # 32k: 3327 (78.9%) vs 2857
-    ("norm", False, 8192): (512, 4, False, True),       # 64k: 3100 (73.5%) vs 2650
-    ("norm", True, 512): (128, 4, False, False),        # LayerNorm 4k:  3366 (79.8%)
+    ("norm", False, 8192): (512, 4, False, True),       # 64k: 3089 (73.2%); 1024x4 3128, 1024x2 2992
+    # LayerNorm 4k: 128x4 capped at 80 registers (72 used: 6 blocks per SM instead of 5 at 96) with 2
+    # weight/bias vectors in flight 3565 (84.8%) vs 3353 (79.7%) uncapped; 7 blocks, 1 at a time 3554.
+    ("norm", True, 512): (128, 4, False, False, dict(min_blocks=6, param_slots=2)),
     ("norm", True, 1024): (256, 4, True, False),        # 8k:  3269 (77.5%) vs 2845 without prefetch
-    # LayerNorm 16k: 512x4 with prefetch 3212 (76.1%) vs cluster 2271 and vs 2548 (60.3%) without
-    # prefetch; with float32 weights it spills 8-92 B under NVRTC 13.5, so those drop the prefetch.
+    # LayerNorm 16k: 512x4 with prefetch 3187 (75.5%) vs 2594 without, two passes 2362, cluster 2271;
+    # with float32 weights it spills 8-92 B under NVRTC 13.5, so those drop the prefetch.
     ("norm", True, 2048): (512, 4, True, False),
     # 32k: 512x8 measured 2759 (65.4%) vs cluster 2070 but spills 4-232 B under NVRTC 13.5; two passes
-    # (measured best at 64k) compile clean.
-    ("norm", True, 4096): (512, 4, False, True),
-    ("norm", True, 8192): (512, 4, False, True),        # 64k: two passes 2700 (64.0%) vs cluster 1665
+    # in 512x2 chunks (best at 64k) compile clean.
+    ("norm", True, 4096): (512, 2, False, True),
+    ("norm", True, 8192): (512, 2, False, True),        # 64k: two passes 512x2 2836 (67.2%) vs 512x4 2676
 }
+# Plain loads and stores (streaming=False) for resident softmax and RMSNorm rows: +3.7 / +4.4 /
+# +4.4% for softmax at 1k / 4k / 16k, +1.9% RMSNorm 1k, +-0 RMSNorm 4k and LayerNorm (kept .cs);
+# two-pass rows keep evict-first: without it their second read misses L2 (-10% at 64k).
+_PLAIN_HINTS_SM90_16BIT = ("softmax", "rmsnorm")
 
 
 def _pow2_ceil(v: int) -> int:
@@ -297,13 +356,25 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     common = dict(dtype=dtype, vec=vec)
     if family == "norm":
         common["weight_dtype"] = weight_dtype or dtype
+    cfg = _plan(family, size, nvec, vmax, need, hopper, common, rows, sms, layer, vec)
+    op = "layernorm" if layer else ("rmsnorm" if family == "norm" else family)
+    if hopper and size == 2 and op in _PLAIN_HINTS_SM90_16BIT and not getattr(cfg, "two_pass", False):
+        cfg = cfg.replace(streaming=False)
+    return cfg
+
+
+def _plan(family, size, nvec, vmax, need, hopper, common, rows, sms, layer, vec):
     measured = _MEASURED_SM90_16BIT.get((family, layer, nvec)) if hopper and size == 2 and vec == 8 else None
     if measured is not None:
-        threads, vecs, prefetch, two_pass = measured
-        if family == "norm" and dtypes.itemsize(common["weight_dtype"]) > 2:
-            prefetch = False   # float32 weights: the prefetching tiles spill (see the table)
-        return _make(family, common, threads_per_row=threads, block_size=threads, vecs_per_thread=vecs,
-                     prefetch=prefetch, two_pass=two_pass)
+        threads, vecs, prefetch, two_pass = measured[:4]
+        fields = dict(threads_per_row=threads, block_size=threads, vecs_per_thread=vecs, prefetch=prefetch,
+                      two_pass=two_pass)
+        wide_weights = family == "norm" and dtypes.itemsize(common["weight_dtype"]) > 2
+        if wide_weights:
+            fields["prefetch"] = False   # float32 weights: the prefetching tiles spill (see the table)
+        elif len(measured) > 4:
+            fields.update(measured[4])
+        return _make(family, common, **fields)
     if need <= 32:                                # (a) a lane group per row
         group = need
         return _make(family, common, threads_per_row=group, block_size=_GROUP_BLOCK,
@@ -510,15 +581,15 @@ _RESIDENT: dict = {}
 
 
 def _resident_blocks(k, cfg) -> int | None:
-    """Blocks of this kernel resident on the whole device at once (prefetching configs only)."""
-    if not getattr(cfg, "prefetch", False):
+    """Blocks of this kernel resident on the whole device at once (prefetching and staged configs)."""
+    if not (getattr(cfg, "prefetch", False) or cfg.staged):
         return None
     got = _RESIDENT.get(k)
     if got is None:
         from ..arch import occupancy
         arch, sms = _arch_info()
         r = k.resources
-        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static)
+        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static, cfg.shared_mem_bytes)
         got = _RESIDENT[k] = sms * max(1, occ.blocks_per_sm)
     return got
 
@@ -557,7 +628,8 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
     cfg = _config_for("softmax", config, n, dt, vec, rows, op)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
-    k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, ov, rows, n, xs, ys, stream=stream)
+    k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, ov, rows, n, xs, ys,
+             shared_mem=cfg.shared_mem_bytes, stream=stream)
     return out
 
 
@@ -628,7 +700,7 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
     k = get_kernel(cfg, op + "_rows")
     k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, *params, ov, rows, n, xs, ys,
-             float(eps), stream=stream)
+             float(eps), shared_mem=cfg.shared_mem_bytes, stream=stream)
     return out
 
 

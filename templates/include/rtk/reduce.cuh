@@ -66,6 +66,13 @@ __device__ __forceinline__ void store_cs(T* __restrict__ p, const Vec<T, N>& v) 
     else __stcs(reinterpret_cast<unsigned short*>(p), *reinterpret_cast<const unsigned short*>(&v));
 }
 
+// kStream: evict-first (st.global.cs); otherwise a plain store.
+template <typename T, int N, bool kStream>
+__device__ __forceinline__ void store_y(T* __restrict__ p, const Vec<T, N>& v) {
+    if constexpr (kStream) store_cs<T, N>(p, v);
+    else *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
 // The N elements of a loaded vector as floats; `fill` for a slot past the row end (one select
 // per element, cheaper than pre-filling the 16-bit lanes of the load's registers).
 template <typename T, int N>
@@ -242,6 +249,182 @@ __device__ __forceinline__ S load_peer(const S* local, unsigned rank) {
     return r;
 }
 #endif
+
+// ---- rows staged through shared memory -----------------------------------------------
+// A resident row is computed from registers, but its loads need not be: each variant below keeps
+// the next rows' bytes in flight in shared memory, so the SM keeps requesting while its threads
+// sit in the reduction barrier or write (the register-only path has nothing in flight then).
+// Both use the register layout of the direct loads: slot i of a thread is vector i * kThreads +
+// rank of the row.  In shared memory slot q of thread t is the 16 bytes at (q * kBlock + t) * 16:
+// a warp touches 512 consecutive bytes (no bank conflicts).
+__device__ __forceinline__ unsigned smem_u32addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ int4 lds16(unsigned addr) {
+    int4 r;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
+    return r;
+}
+
+// 16 bytes global -> shared, bypassing L1; `ok == false` reads nothing and writes zeros.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// The staged sources keep only their ring position: the rows they load are passed in (`RowSpan`
+// built from kernel parameters, which ptxas re-reads from the constant bank instead of holding
+// them in registers for the whole loop - 64 registers per thread leave no room for copies).
+template <typename T>
+struct RowSpan {
+    const T* x;             // the array
+    long long rows, step, stride;
+    int rank, nvec;         // this thread's first vector in a row; vectors per row
+};
+
+// Per-thread ring (ring_rows = kRingRows): the thread copies its own slots of its next rows with
+// cp.async (16 bytes each, one commit group per row) and reads back only what it copied itself,
+// so no barrier guards the ring.  kRingRows rows stay in flight: once this row's vectors are in
+// registers, their slots are refilled with the row kRingRows further along the thread's rows.
+template <typename T, int kVec, int kVecs, int kThreads, int kBlock, int kRingRows>
+struct RingRows {
+    static_assert(kRingRows == 0 || int(sizeof(T)) * kVec == 16, "the ring moves 16-byte vectors");
+    using V = Vec<T, kVec>;
+    static constexpr unsigned kSlotStride = 16u * kBlock;   // bytes between a thread's slots
+    unsigned base;          // this thread's slot 0
+    int stage = 0;
+
+    __device__ __forceinline__ explicit RingRows(void* smem) : base(smem_u32addr(smem) + 16u * threadIdx.x) {}
+
+    __device__ __forceinline__ void issue(int s, const RowSpan<T>& span, long long r) {
+        const T* p = span.x + r * span.stride + (long long)span.rank * kVec;
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+            const bool ok = r < span.rows && i * kThreads < span.nvec - span.rank;
+            cp_async16(base + unsigned(s * kVecs + i) * kSlotStride, ok ? p + i * kThreads * kVec : span.x, ok);
+        }
+        cp_async_commit();
+    }
+    __device__ __forceinline__ void start(const RowSpan<T>& span, long long first_row) {
+#pragma unroll
+        for (int s = 0; s < kRingRows; ++s) issue(s, span, first_row + s * span.step);
+    }
+    // Row `row`'s vectors into raw; their slots refilled at once with row + kRingRows * step.
+    __device__ __forceinline__ void acquire(V (&raw)[kVecs], const RowSpan<T>& span, long long row) {
+        cp_async_wait<kRingRows - 1>();
+        const unsigned at = base + unsigned(stage * kVecs) * kSlotStride;
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) *reinterpret_cast<int4*>(&raw[i]) = lds16(at + unsigned(i) * kSlotStride);
+        // The refill overwrites the slots just read: wait until the reads have returned (an asm
+        // that consumes the registers), since cp.async is not ordered after this thread's loads.
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) forget(raw[i]);
+        issue(stage, span, row + kRingRows * span.step);
+        stage = stage + 1 < kRingRows ? stage + 1 : 0;
+    }
+    __device__ __forceinline__ void release(const RowSpan<T>&, long long) {}
+    // The zero-filled copies past the last row are still in flight: land them before the block
+    // exits and its shared memory goes to the next block.
+    __device__ __forceinline__ void finish() { cp_async_wait<0>(); }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_parity(unsigned bar, unsigned parity) {
+    asm volatile("{\n.reg .pred p;\nRTK_ROW_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra RTK_ROW_WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+// 1-D bulk copy (TMA engine, no tensor map) of `bytes` (multiple of 16, 16-byte aligned ends).
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+#endif
+
+// Per-block bulk stages (bulk_stages = kStages, sm_90, block or cluster rows): stage s holds the
+// block's part of one row as kVecs segments of kBlock vectors, each one cp.async.bulk completing
+// on the stage's mbarrier.  Thread 0 refills a stage with the row kStages further on once every
+// thread has its vectors in registers - after the row's reduction barrier (release()).
+template <typename T, int kVec, int kVecs, int kThreads, int kBlock, int kStages>
+struct BulkRows {
+    static_assert(kStages == 0 || int(sizeof(T)) * kVec == 16, "bulk stages hold 16-byte vectors");
+    static_assert(kStages == 0 || kBlock >= 64, "release() relies on the reduction's block barrier");
+    using V = Vec<T, kVec>;
+    static constexpr unsigned kSegment = 16u * kBlock;   // bytes of one slot across the block
+    unsigned base;          // stage 0
+    unsigned bars;          // kStages mbarriers, 8 bytes apart
+    int stage = 0;
+    unsigned parity = 0;
+
+    __device__ __forceinline__ BulkRows(void* smem, unsigned long long* bars_)
+        : base(smem_u32addr(smem)), bars(smem_u32addr(bars_)) {}
+
+    __device__ __forceinline__ void issue(int s, const RowSpan<T>& span, long long r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (r >= span.rows) return;
+        const int first = span.rank - int(threadIdx.x);   // the block's first vector in a row
+        const int block_vecs = span.nvec - first;
+        const T* p = span.x + r * span.stride + (long long)first * kVec;
+        unsigned total = 0;
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) total += 16u * unsigned(min(kBlock, max(0, block_vecs - i * kThreads)));
+        const unsigned bar = bars + 8u * s;
+        mbar_arrive_expect_tx(bar, total);
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+            const int v = min(kBlock, max(0, block_vecs - i * kThreads));
+            if (v > 0) bulk_copy(base + unsigned(s * kVecs + i) * kSegment, p + i * kThreads * kVec, 16u * v, bar);
+        }
+#endif
+    }
+    __device__ __forceinline__ void start(const RowSpan<T>& span, long long first_row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int s = 0; s < kStages; ++s)
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8u * s) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int s = 0; s < kStages; ++s) issue(s, span, first_row + s * span.step);
+        }
+#endif
+    }
+    __device__ __forceinline__ void acquire(V (&raw)[kVecs], const RowSpan<T>&, long long) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        mbar_wait_parity(bars + 8u * stage, parity);
+        const unsigned at = base + unsigned(stage * kVecs) * kSegment + 16u * threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) *reinterpret_cast<int4*>(&raw[i]) = lds16(at + unsigned(i) * kSegment);
+#endif
+    }
+    // Call after a barrier that every thread reaches once its acquire()d registers are in use.
+    __device__ __forceinline__ void release(const RowSpan<T>& span, long long row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (threadIdx.x == 0) {
+            // The stage was read through the generic proxy; the refill writes through the async one.
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue(stage, span, row + kStages * span.step);
+        }
+        if (++stage == kStages) {
+            stage = 0;
+            parity ^= 1u;
+        }
+#endif
+    }
+    __device__ __forceinline__ void finish() {}   // only rows this block consumes were copied
+};
 
 // The threads that own one row, and the loop over rows.
 //   kThreadsPerRow <= 32: a group of lanes; kBlock / kThreadsPerRow rows per block (kCluster == 1).
