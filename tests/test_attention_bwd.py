@@ -85,6 +85,15 @@ def test_heuristics_cover_every_head_dim_and_fit():
         candidates(264)
 
 
+def test_from_params_builds_what_the_op_runs():
+    for d, causal, det in ((64, False, False), (64, True, True), (128, True, False), (200, False, True)):
+        params = dict(dtype="bfloat16", head_dim=d, causal=causal, deterministic=det)
+        assert AttentionBwdConfig.from_params(params, "sm_90") == choose_config("bfloat16", d, causal, det, "sm_90")
+    # a hand-picked tile keeps the default layout and dq mode (the heuristic's may not fit it)
+    c = AttentionBwdConfig.from_params(dict(head_dim=128, block_m=32), "sm_90")
+    assert (c.block_m, c.layout, c.dq_mode, c.ds_stages) == (32, "keys16", "red", 1)
+
+
 def test_template_renders_constexpr_block():
     from rtkernels.render import render
     cfg = AttentionBwdConfig(dtype="bfloat16", head_dim=40, causal=True, deterministic=True)

@@ -161,13 +161,17 @@ class AttentionBwdConfig(AttentionShape):
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
         tile = ("block_m", "block_n", "num_warps", "dq_block_n", "dq_num_warps")
+        variant = ("dq_mode", "kv_regs", "ds_stages", "layout")
         if all(f in params for f in tile):
             return {}
         from .. import device
         base = cls(**{f: params[f] for f in ("dtype", "head_dim", "causal", "deterministic") if f in params})
         cfg = choose_config(base.dtype, base.head_dim, base.causal, base.deterministic,
                             arch or device.current_arch())
-        return {f: getattr(cfg, f) for f in tile}
+        # no tile field given: exactly the op's config; some given: fill the rest of the tile only
+        # (a chosen layout/dq mode may not fit a tile picked by hand)
+        given = any(f in params for f in tile)
+        return {f: getattr(cfg, f) for f in tile + (() if given else variant)}
 
 
 # ---- heuristics ---------------------------------------------------------------------------
