@@ -31,6 +31,9 @@ def as_device_array(x, op: str, name: str):
         import torch
         if not x.is_cuda:
             raise ConfigError(f"{op}: {name} is on {x.device}; it must be on a CUDA device")
+        view = _torch_view(x, cupy, torch)
+        if view is not None:
+            return view
         if x.dtype == torch.bfloat16:
             x = x.view(torch.int16)
             return cupy.from_dlpack(x).view(cupy.uint16)
@@ -44,6 +47,37 @@ def as_device_array(x, op: str, name: str):
                               "__cuda_array_interface__/DLPack object)")
         return cupy.from_dlpack(x)
     raise TypeError(f"{op}: {name} must be a CUDA device array (CuPy, torch, CAI or DLPack), got {type(x).__name__}")
+
+
+_TORCH_TO_CUPY = {"float16": "float16", "bfloat16": "uint16", "float32": "float32", "float64": "float64",
+                  "int8": "int8", "uint8": "uint8", "int16": "int16", "int32": "int32", "int64": "int64",
+                  "bool": "bool"}
+
+
+def _torch_view(x, cupy, torch):
+    """CuPy view of a CUDA torch tensor built from its pointer, shape and strides; None when
+    DLPack must do it.
+
+    DLPack's exchange (``__dlpack__(stream=...)``) makes the consumer's stream wait on torch's
+    current stream through an event, and costs tens of microseconds per array through the
+    bindings (measured on an H200: 215 us of host time per ``rtk.matmul`` call with torch
+    inputs against 85 us with CuPy inputs).  When torch's current stream on the tensor's device
+    is the stream CuPy will launch on, there is nothing to order, so the view is made directly
+    (the view keeps ``x`` alive).
+    """
+    dt = _TORCH_TO_CUPY.get(str(x.dtype).rpartition(".")[2])
+    if dt is None or x.numel() == 0:
+        return None
+    dev = x.device.index
+    if dev != cupy.cuda.runtime.getDevice():
+        return None
+    if torch.cuda.current_stream(dev).cuda_stream != cupy.cuda.get_current_stream().ptr:
+        return None
+    item = x.element_size()
+    shape, strides = tuple(x.shape), tuple(s * item for s in x.stride())
+    span = item + sum((n - 1) * s for n, s in zip(shape, strides))
+    mem = cupy.cuda.UnownedMemory(x.data_ptr(), span, x, dev)
+    return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
 
 
 def new_like(x, shape, dtype: str | None = None):
