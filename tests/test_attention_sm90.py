@@ -644,3 +644,14 @@ def test_model_barrier_protocol_has_no_deadlock_or_stale_tile(overlap, stages, c
                 + ([("PV", n_blocks - 1)] if n_blocks else []) if overlap else \
                 [x for n in range(n_blocks) for x in (("S", n), ("PV", n))]
             assert all(order == want for order in seen)
+
+
+def test_from_params_builds_what_the_op_runs():
+    """`rtk.compile("attention_sm90", head_dim=...)` / `rtk report --sweep head_dim=...` get the
+    heuristic's tile; a hand-picked tile field is taken as written."""
+    for d in (64, 112, 256):
+        for causal in (False, True):
+            got = AttentionSm90Config.from_params(dict(dtype="bfloat16", head_dim=d, causal=causal), "sm_90")
+            assert got == A90.choose_config("bfloat16", d, causal)
+    c = AttentionSm90Config.from_params(dict(head_dim=64, block_n=64), "sm_90")
+    assert (c.block_m, c.block_n) == (128, 64)

@@ -65,6 +65,21 @@ class AttentionSm90Config(AttentionShape):
                                   f"{self.block_m}, block_n={self.block_n}, num_stages={self.num_stages} at "
                                   f"head_dim={self.head_dim} needs {self.shared_mem_bytes} B")
 
+    @classmethod
+    def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
+        """No tile field given: the op's own config for (dtype, head_dim, causal), so
+        ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
+        given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
+        tile = ("block_m", "block_n", "num_stages", "intra_overlap", "pingpong")
+        if any(f in params for f in tile):
+            return {}
+        try:   # no base object: the dataclass's default tile does not fit every head dim
+            cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
+                                params.get("causal", cls.causal))
+        except (ConfigError, TypeError, ValueError, KeyError):
+            return {}   # the constructor then reports the bad field itself
+        return {f: getattr(cfg, f) for f in tile}
+
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
     def consumers(self) -> int:
