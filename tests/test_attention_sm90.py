@@ -23,6 +23,8 @@ from rtkernels.errors import ConfigError
 from rtkernels.ops import attention_sm90 as A90
 from rtkernels.ops.attention_sm90 import AttentionSm90Config
 
+import test_attention as fwd_tests   # the forward's shape grids (tests/ is on sys.path)
+
 attn_mod = importlib.import_module("rtkernels.ops.attention")
 HEAD_DIMS = list(range(8, 257, 8))
 DTYPES = ("float16", "bfloat16")
@@ -364,8 +366,7 @@ def test_gpu_every_head_dim(prebuilt, launches, d, dtype, causal):
     assert launches and launches[-1].head_dim == d
 
 
-SEQLENS = [(1, 1), (17, 17), (113, 113), (255, 255), (1000, 1000), (4097, 4097),
-           (1, 1000), (17, 255), (113, 4097), (1000, 17), (255, 1), (4097, 113), (128, 128), (257, 384)]
+SEQLENS = fwd_tests.SEQLENS + [(128, 128), (257, 384)]   # plus exact and ragged 128-row tiles
 
 
 @pytest.mark.gpu
@@ -379,13 +380,7 @@ def test_gpu_seqlens(launches, sq, sk, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype", [
-    (7, 255, 255, 16, 2, 64, True, "bfloat16"),      # GQA 8:1, batch 7
-    (7, 113, 1000, 8, 1, 128, False, "float16"),     # MQA
-    (1, 1000, 255, 8, 1, 80, True, "float16"),       # MQA, causal with rows that see no key
-    (3, 4097, 4097, 2, 2, 96, True, "bfloat16"),
-    (2, 17, 4097, 4, 1, 256, True, "float16"),       # decode-like: few queries, long keys
-    (1, 300, 300, 3, 3, 136, False, "bfloat16"),
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype", fwd_tests.COMBINED + [
     (2, 2048, 2048, 4, 4, 192, True, "bfloat16"),
     (1, 1111, 2222, 6, 2, 160, False, "float16"),
     (2, 640, 640, 4, 2, 112, True, "float16"),
