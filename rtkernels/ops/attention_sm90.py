@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from .. import arch as _arch
 from ..config import register_family
 from ..errors import ConfigError
 from .attention import AttentionShape
 
 FAMILY = "attention_sm90"
-SMEM_LIMIT_SM90 = 227 * 1024          # opt-in dynamic shared memory per block on H100/H200
+SMEM_LIMIT_SM90 = _arch.limits("sm_90").max_smem_per_block_optin   # 227 KiB on H100/H200
 _ALIGN_SLACK = 1024                   # the template rounds the dynamic smem base up to 1 KiB
 
 
@@ -214,10 +215,7 @@ def eligible(arch: str, views, seqlen_k: int) -> bool:
 def _map_strides(view) -> tuple[int, ...]:
     """Element strides for a tensor map: a size-1 dimension is never stepped, but the driver
     wants a positive 16-byte multiple there too, so it gets the extent of what lies inside it."""
-    item = view.itemsize
-    out = []
-    for n, s in zip(view.shape, view.strides):
-        out.append(s // item)
+    out = [s // view.itemsize for s in view.strides]
     span = 1
     for i in range(len(out) - 1, -1, -1):
         if view.shape[i] == 1 and i < len(out) - 1:

@@ -29,9 +29,10 @@ from ..kernel import get_kernel
 from . import matmul_sm90 as m90
 from ._arrays import as_device_array, dtype_name, new_like
 
-ACTIVATIONS = ("none", "relu", "gelu", "silu")
+ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
-_SMEM_LIMIT = 227 * 1024     # sm_90 opt-in per block; smaller archs are pruned by the autotuner
+# sm_90's opt-in per block (227 KiB); smaller archs are pruned by the autotuner
+_SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin
 
 
 @register_family

@@ -15,9 +15,10 @@ from .. import arch as arch_mod
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 
+# Epilogue activations, indexed the same way by both matmul kernels (rtk::activate in rtk/gemm.cuh).
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 _DTYPES = ("float16", "bfloat16")
-_SMEM_LIMIT = 227 * 1024            # sm_90 opt-in per block
+_SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin   # 227 KiB opt-in per block
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
 
 

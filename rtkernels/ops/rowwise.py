@@ -41,6 +41,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from .. import arch as _arch
 from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
@@ -50,7 +51,8 @@ from ._arrays import as_device_array, dtype_name, new_like
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
 MAX_WIDTH = 1 << 30   # two_pass handles any width whose element index fits in an int
-_SMEM_MAX = 227 * 1024   # dynamic shared memory per block on sm_90 (sm_80: 163 KiB, checked at launch)
+# dynamic shared memory per block on sm_90, 227 KiB (sm_80: 163 KiB, checked at launch)
+_SMEM_MAX = _arch.limits("sm_90").max_smem_per_block_optin
 
 
 # ---- configs ------------------------------------------------------------------------------
