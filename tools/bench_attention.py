@@ -34,15 +34,15 @@ def _flops(batch, sq, sk, h, d, causal):
     return f / 2 if causal else f
 
 
-def _inputs(batch, s, h, d, dtype, torch):
-    """q, k, v as (batch, seqlen, nheads, head_dim): torch tensors when torch is present
-    (the same memory serves every peer), else CuPy (bfloat16 as uint16 bits)."""
+def _inputs(batch, s, h, d, dtype, torch, count=3):
+    """``count`` arrays (q, k, v[, do]) of (batch, seqlen, nheads, head_dim): torch tensors when
+    torch is present (the same memory serves every peer), else CuPy (bfloat16 as uint16 bits)."""
     import cupy as cp
     shape = (batch, s, h, d)
     if torch is not None:
         tdt = getattr(torch, dtype)
-        return [torch.randn(shape, device="cuda", dtype=tdt) for _ in range(3)]
-    xs = [cp.random.standard_normal(shape, dtype=cp.float32) for _ in range(3)]
+        return [torch.randn(shape, device="cuda", dtype=tdt) for _ in range(count)]
+    xs = [cp.random.standard_normal(shape, dtype=cp.float32) for _ in range(count)]
     if dtype == "bfloat16":
         return [((x.view(cp.uint32) + 0x8000) >> 16).astype(cp.uint16) for x in xs]
     return [x.astype(dtype) for x in xs]

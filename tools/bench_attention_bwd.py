@@ -25,25 +25,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 import benchutil as bu  # noqa: E402
-
-TOKENS = 16384
-HIDDEN = 2048
+from bench_attention import HIDDEN, TOKENS, _flops, _inputs  # noqa: E402  (the forward's grid and inputs)
 
 
 def _fwd_flops(b, s, h, d, causal):
-    f = 4.0 * b * s * s * h * d
-    return f / 2 if causal else f
-
-
-def _inputs(b, s, h, d, dtype, torch):
-    import cupy as cp
-    shape = (b, s, h, d)
-    if torch is not None:
-        return [torch.randn(shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(4)]
-    xs = [cp.random.standard_normal(shape, dtype=cp.float32) for _ in range(4)]
-    if dtype == "bfloat16":
-        return [((x.view(cp.uint32) + 0x8000) >> 16).astype(cp.uint16) for x in xs]
-    return [x.astype(dtype) for x in xs]
+    return _flops(b, s, s, h, d, causal)
 
 
 def _ours(q, k, v, do, causal, dtype, deterministic, torch, config=None):
@@ -146,7 +132,7 @@ def sweep(args, env, torch, peers):
         h = HIDDEN // d
         for s in seqlens:
             b = max(1, TOKENS // s)
-            q, k, v, do = _inputs(b, s, h, d, args.dtype, torch)
+            q, k, v, do = _inputs(b, s, h, d, args.dtype, torch, count=4)
             fl = 2.5 * _fwd_flops(b, s, h, d, causal)
             case = {"head_dim": d, "causal": causal, "seqlen": s}
             ref = None
@@ -250,7 +236,7 @@ def main():
         for causal in (False, True):
             for s in seqlens:
                 b = max(1, TOKENS // s)
-                q, k, v, do = _inputs(b, s, h, d, args.dtype, torch)
+                q, k, v, do = _inputs(b, s, h, d, args.dtype, torch, count=4)
                 fl = _fwd_flops(b, s, h, d, causal)
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
                 bwd, fwd_bwd, grads, cfg = _ours(q, k, v, do, causal, args.dtype, False, torch)
