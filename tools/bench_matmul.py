@@ -279,26 +279,33 @@ SWEEP_SM90 = [
 ]
 
 
+def _square_problem(torch, tdt, n: int, count: int):
+    """``count`` rotated (a, b, bias) sets for an n^3 problem as torch tensors and CuPy views, an
+    output, the FLOP count, cuBLAS's time (ms) and its result as the reference: what each sweep
+    times its configs against."""
+    from rtkernels.ops._arrays import as_device_array
+    sets_t = [(torch.randn(n, n, device="cuda", dtype=tdt), torch.randn(n, n, device="cuda", dtype=tdt),
+               torch.randn(n, device="cuda", dtype=tdt)) for _ in range(count)]
+    sets = [tuple(as_device_array(x, "bench", "x") for x in s_) for s_ in sets_t]
+    out_t = torch.empty(n, n, device="cuda", dtype=tdt)
+    out = as_device_array(out_t, "bench", "out")
+    ms_cublas = benchutil.time_cuda(lambda a, b, _: torch.matmul(a, b), inputs=sets_t, repeat=10)
+    ref = torch.matmul(sets_t[0][0], sets_t[0][1]).float()
+    return sets_t, sets, out_t, out, 2.0 * n ** 3, ms_cublas, ref
+
+
 def sweep_sm90(args) -> None:
     import torch
     import rtkernels as rtk
     from rtkernels import device
     from rtkernels.ops import matmul_sm90 as m90
-    from rtkernels.ops._arrays import as_device_array
 
     tdt = getattr(torch, args.dtype)
     sms = device.sm_count()
     rows = []
     fused = {}
     for n in (4096, 8192):
-        sets_t = [(torch.randn(n, n, device="cuda", dtype=tdt), torch.randn(n, n, device="cuda", dtype=tdt),
-                   torch.randn(n, device="cuda", dtype=tdt)) for _ in range(2 if n == 4096 else 1)]
-        sets = [tuple(as_device_array(x, "bench", "x") for x in s_) for s_ in sets_t]
-        out_t = torch.empty(n, n, device="cuda", dtype=tdt)
-        out = as_device_array(out_t, "bench", "out")
-        flops = 2.0 * n ** 3
-        ms_cublas = benchutil.time_cuda(lambda a, b, _: torch.matmul(a, b), inputs=sets_t, repeat=10)
-        ref = torch.matmul(sets_t[0][0], sets_t[0][1]).float()
+        sets_t, sets, out_t, out, flops, ms_cublas, ref = _square_problem(torch, tdt, n, 2 if n == 4096 else 1)
         row = {"n": n, "cuBLAS": round(flops / ms_cublas / 1e9)}
         heur = m90.heuristic_config(args.dtype, n, n, n, sm_count=sms)
         row["heuristic"] = f"{heur.block_m}x{heur.block_n}/{heur.num_stages}"
@@ -366,7 +373,6 @@ def sweep(args) -> None:
     import rtkernels as rtk
     from rtkernels import device
     from rtkernels.ops import matmul as mm
-    from rtkernels.ops._arrays import as_device_array
 
     tdt = torch.bfloat16
     l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice()).get("l2CacheSize", 50 << 20))
@@ -374,15 +380,8 @@ def sweep(args) -> None:
     arch = device.current_arch()
     rows, fused_rows = [], []
     for n in (4096, 8192):
-        per = 2 * 3 * n * n
-        sets_t = [(torch.randn(n, n, device="cuda", dtype=tdt), torch.randn(n, n, device="cuda", dtype=tdt),
-                   torch.randn(n, device="cuda", dtype=tdt)) for _ in range(max(1, min(4, -(-2 * l2 // per))))]
-        sets = [tuple(as_device_array(x, "bench", "x") for x in s_) for s_ in sets_t]
-        out_t = torch.empty(n, n, device="cuda", dtype=tdt)
-        out = as_device_array(out_t, "bench", "out")
-        flops = 2.0 * n ** 3
-        ms_cublas = benchutil.time_cuda(lambda a, b, _: torch.matmul(a, b), inputs=sets_t, repeat=10)
-        ref = torch.matmul(sets_t[0][0], sets_t[0][1]).float()
+        count = max(1, min(4, -(-2 * l2 // (2 * 3 * n * n))))   # enough input sets to overflow L2 twice
+        sets_t, sets, out_t, out, flops, ms_cublas, ref = _square_problem(torch, tdt, n, count)
         row = {"n": n, "cuBLAS": round(flops / ms_cublas / 1e9)}
         heur = mm.heuristic_config("bfloat16", n, n, n, sm_count=sms, a_kmajor=True, b_kmajor=False)
         row["heuristic"] = f"{heur.block_m}x{heur.block_n}x{heur.block_k}/{heur.num_stages}"
