@@ -183,7 +183,7 @@ def _triton(q, k, v, causal, torch, quick):
         run = bind(*t)
         try:
             run()
-        except Exception as exc:   # noqa: BLE001  (out of shared memory for this tile, ...)
+        except Exception:   # noqa: BLE001  (out of shared memory for this tile, ...)
             continue
         ms = bu.time_cuda(run, warmup=2, repeat=5) if len(tiles) > 1 else 0.0
         if best is None or ms < best[0]:
