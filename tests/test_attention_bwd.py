@@ -516,7 +516,6 @@ def emulate_bwd_cta(do, q, k, v, lse, delta, *, n_block, cfg, scale, dq_accum):
     for step in range(steps):
         stage = step & 1
         sQs, sdOs = sQ + stage * L.QO_TILE, sdO + stage * L.QO_TILE
-        h = step // n_m
         m0 = (m_begin + step % n_m) * L.BLOCK_M
         if step + 1 < steps:
             load_step(step + 1, stage ^ 1)   # sequential emulation: the other stage cannot race

@@ -450,7 +450,6 @@ def _inputs(rng, shape, dtype):
 def _cublas(a, b, dtype, trans_a=False, trans_b=False):
     """The same product by cuBLAS (cupy.matmul) in the input dtype, as float64 on the host."""
     import cupy as cp
-    from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits
     if dtype == "bfloat16":
         import torch
         ta = torch.from_dlpack(a).view(torch.bfloat16)

@@ -33,7 +33,6 @@ makes the row NaN; all-equal rows give exactly fp32(1/n).  LayerNorm uses the bi
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
