@@ -1,6 +1,6 @@
 // Primitives of the attention backward that mma.cuh does not have: float32 reductions into
-// global memory (the dQ accumulation), the bulk (TMA-engine) reduction of a staged dQ row on
-// sm_90, the acquire/release pair of the ordered (deterministic) dQ flush, and the log2-domain
+// global memory (the dQ accumulation; the sm_90 bulk reduction of a staged dQ row is in
+// rtk/sm90.cuh), the acquire/release pair of the ordered (deterministic) dQ flush, and the log2-domain
 // lse guard.  Plain CUDA C++ (no Jinja), included by templates/attention_bwd.cu.j2 after mma.cuh.
 #pragma once
 
@@ -29,25 +29,6 @@ __device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
     asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(dst + 3), "f"(v.w) : "memory");
 #endif
 }
-
-#if __CUDA_ARCH__ >= 900
-// gdst[0 .. bytes/4) += ssrc[...] (f32) by the TMA engine: one instruction per row instead of
-// bytes/8 lane reductions; the shared source may be reused after bulk_wait_read<0>().
-// bytes: a multiple of 16; both addresses 16-byte aligned.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, unsigned bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 :: "l"(gdst), "r"(smem_addr(ssrc)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// The shared sources of all but N committed groups have been read.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory"); }
-// All but N committed groups are complete (their global writes performed).
-template <int N>
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory"); }
-// Shared-memory writes of this thread become visible to the async proxy (the bulk copy engine).
-__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-#endif
 
 // Acquire load of a flush counter: 16 bytes, the count in the first int and zeros in the other
 // three (one 128-bit load, like every other global load of the family; OR-ing the zeros in keeps

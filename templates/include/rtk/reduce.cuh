@@ -10,6 +10,8 @@
 // threads of a row normalize with the same statistics, and results do not depend on scheduling.
 #pragma once
 #include "rtk/common.cuh"
+#include "rtk/gemm.cuh"   // cp.async (ring_rows)
+#include "rtk/sm90.cuh"   // cluster barriers, mbarriers, bulk copies (sm_90 variants only)
 
 namespace rtk {
 
@@ -224,17 +226,6 @@ __device__ __forceinline__ S block_reduce(S v, Op op, S* smem) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
 // A 4-byte-word copy of S from the shared memory of block `rank` of this cluster (DSMEM).
 template <typename S>
 __device__ __forceinline__ S load_peer(const S* local, unsigned rank) {
@@ -257,25 +248,12 @@ __device__ __forceinline__ S load_peer(const S* local, unsigned rank) {
 // Both use the register layout of the direct loads: slot i of a thread is vector i * kThreads +
 // rank of the row.  In shared memory slot q of thread t is the 16 bytes at (q * kBlock + t) * 16:
 // a warp touches 512 consecutive bytes (no bank conflicts).
-__device__ __forceinline__ unsigned smem_u32addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ int4 lds16(unsigned addr) {
     int4 r;
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
     return r;
 }
-
-// 16 bytes global -> shared, bypassing L1; `ok == false` reads nothing and writes zeros.
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // The staged sources keep only their ring position: the rows they load are passed in (`RowSpan`
 // built from kernel parameters, which ptxas re-reads from the constant bank instead of holding
@@ -299,14 +277,15 @@ struct RingRows {
     unsigned base;          // this thread's slot 0
     int stage = 0;
 
-    __device__ __forceinline__ explicit RingRows(void* smem) : base(smem_u32addr(smem) + 16u * threadIdx.x) {}
+    __device__ __forceinline__ explicit RingRows(void* smem) : base(sm90::smem_u32(smem) + 16u * threadIdx.x) {}
 
     __device__ __forceinline__ void issue(int s, const RowSpan<T>& span, long long r) {
         const T* p = span.x + r * span.stride + (long long)span.rank * kVec;
 #pragma unroll
         for (int i = 0; i < kVecs; ++i) {
             const bool ok = r < span.rows && i * kThreads < span.nvec - span.rank;
-            cp_async16(base + unsigned(s * kVecs + i) * kSlotStride, ok ? p + i * kThreads * kVec : span.x, ok);
+            // a copy with ok == false reads nothing and writes zeros
+            cp_async_16_s(base + unsigned(s * kVecs + i) * kSlotStride, ok ? p + i * kThreads * kVec : span.x, ok ? 16 : 0);
         }
         cp_async_commit();
     }
@@ -333,22 +312,6 @@ struct RingRows {
     __device__ __forceinline__ void finish() { cp_async_wait<0>(); }
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_parity(unsigned bar, unsigned parity) {
-    asm volatile("{\n.reg .pred p;\nRTK_ROW_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra RTK_ROW_WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
-// 1-D bulk copy (TMA engine, no tensor map) of `bytes` (multiple of 16, 16-byte aligned ends).
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-#endif
-
 // Per-block bulk stages (bulk_stages = kStages, sm_90, block or cluster rows): stage s holds the
 // block's part of one row as kVecs segments of kBlock vectors, each one cp.async.bulk completing
 // on the stage's mbarrier.  Thread 0 refills a stage with the row kStages further on once every
@@ -359,13 +322,14 @@ struct BulkRows {
     static_assert(kStages == 0 || kBlock >= 64, "release() relies on the reduction's block barrier");
     using V = Vec<T, kVec>;
     static constexpr unsigned kSegment = 16u * kBlock;   // bytes of one slot across the block
-    unsigned base;          // stage 0
-    unsigned bars;          // kStages mbarriers, 8 bytes apart
+    unsigned char* smem;    // stage 0
+    unsigned base;          // its shared-window address, for the 16-byte loads
+    unsigned long long* bars;   // kStages mbarriers
     int stage = 0;
     unsigned parity = 0;
 
-    __device__ __forceinline__ BulkRows(void* smem, unsigned long long* bars_)
-        : base(smem_u32addr(smem)), bars(smem_u32addr(bars_)) {}
+    __device__ __forceinline__ BulkRows(void* smem_, unsigned long long* bars_)
+        : smem(static_cast<unsigned char*>(smem_)), base(sm90::smem_u32(smem_)), bars(bars_) {}
 
     __device__ __forceinline__ void issue(int s, const RowSpan<T>& span, long long r) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -376,12 +340,11 @@ struct BulkRows {
         unsigned total = 0;
 #pragma unroll
         for (int i = 0; i < kVecs; ++i) total += 16u * unsigned(min(kBlock, max(0, block_vecs - i * kThreads)));
-        const unsigned bar = bars + 8u * s;
-        mbar_arrive_expect_tx(bar, total);
+        sm90::mbar_arrive_expect_tx(&bars[s], total);
 #pragma unroll
         for (int i = 0; i < kVecs; ++i) {
             const int v = min(kBlock, max(0, block_vecs - i * kThreads));
-            if (v > 0) bulk_copy(base + unsigned(s * kVecs + i) * kSegment, p + i * kThreads * kVec, 16u * v, bar);
+            if (v > 0) sm90::bulk_load(smem + unsigned(s * kVecs + i) * kSegment, p + i * kThreads * kVec, 16u * v, &bars[s]);
         }
 #endif
     }
@@ -389,10 +352,9 @@ struct BulkRows {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         if (threadIdx.x == 0) {
 #pragma unroll
-            for (int s = 0; s < kStages; ++s)
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8u * s) : "memory");
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            for (int s = 0; s < kStages; ++s) sm90::mbar_init(&bars[s], 1);
+            sm90::mbar_init_fence();
+            sm90::fence_proxy_async();
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -403,7 +365,7 @@ struct BulkRows {
     }
     __device__ __forceinline__ void acquire(V (&raw)[kVecs], const RowSpan<T>&, long long) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        mbar_wait_parity(bars + 8u * stage, parity);
+        sm90::mbar_wait(&bars[stage], parity);
         const unsigned at = base + unsigned(stage * kVecs) * kSegment + 16u * threadIdx.x;
 #pragma unroll
         for (int i = 0; i < kVecs; ++i) *reinterpret_cast<int4*>(&raw[i]) = lds16(at + unsigned(i) * kSegment);
@@ -414,7 +376,7 @@ struct BulkRows {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         if (threadIdx.x == 0) {
             // The stage was read through the generic proxy; the refill writes through the async one.
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            sm90::fence_proxy_async();
             issue(stage, span, row + kStages * span.step);
         }
         if (++stage == kStages) {
@@ -451,7 +413,7 @@ struct RowTeam {
     __device__ __forceinline__ RowTeam() {
         unsigned block_rank = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        if constexpr (kCluster > 1) block_rank = cluster_rank();
+        if constexpr (kCluster > 1) block_rank = sm90::cluster_ctarank();
 #endif
         rank = int(block_rank) * kBlock + int(threadIdx.x % kThreadsPerRow);
         local_row = int(threadIdx.x / kThreadsPerRow);
@@ -477,12 +439,12 @@ struct RowTeam {
             if constexpr (kCluster > 1) {
                 __shared__ S block_total;
                 if (threadIdx.x == 0) block_total = v;
-                cluster_arrive();
-                cluster_wait();
+                sm90::cluster_arrive();
+                sm90::cluster_wait();
                 v = group_reduce<kCluster>(load_peer(&block_total, unsigned(threadIdx.x & (kCluster - 1))), op);
                 // Done reading the peers; the matching wait in end_row() keeps every block's
                 // block_total alive (and unchanged) until the whole cluster has read it.
-                cluster_arrive();
+                sm90::cluster_arrive();
             }
 #endif
             return v;
@@ -491,7 +453,7 @@ struct RowTeam {
 
     __device__ __forceinline__ void end_row() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        if constexpr (kCluster > 1) cluster_wait();
+        if constexpr (kCluster > 1) sm90::cluster_wait();
 #endif
     }
 };

@@ -177,19 +177,28 @@ __device__ __forceinline__ void tma_store_5d(const TensorMap* map, const void* s
                  : "memory");
 }
 
-__device__ __forceinline__ void tma_store_commit() {
+// gdst[0 .. bytes/4) += ssrc[...] (f32) by the copy engine: one instruction per row instead of
+// bytes/8 lane reductions.  bytes a multiple of 16, both addresses 16-byte aligned; a bulk-group
+// operation like the stores (commit, then bulk_wait_read before the source is rewritten).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(gdst), "r"(smem_u32(ssrc)), "r"(bytes) : "memory");
+}
+
+// Bulk groups (TMA stores and bulk reductions issued by this thread): close the open group...
+__device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
-// Wait until at most N committed store groups are still reading their shared memory.
+// ...wait until at most N committed groups are still reading their shared memory...
 template <int N>
-__device__ __forceinline__ void tma_store_wait_read() {
+__device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
 }
 
-// Wait until at most N committed store groups are incomplete (their writes done).
+// ...or until at most N committed groups are incomplete (their global writes done).
 template <int N>
-__device__ __forceinline__ void tma_store_wait() {
+__device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
 }
 
