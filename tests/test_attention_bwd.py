@@ -871,8 +871,9 @@ def test_ds_stride_stores_are_bank_conflict_free():
 
 # ---- GPU: correctness --------------------------------------------------------------------
 def _gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, *, seed=None, deterministic=False, softmax_scale=None,
-              strided=False, tile=None):
-    """Forward with rtk.attention, backward into NaN-poisoned outputs, checked per gradient."""
+              strided=False, tile=None, hopper=None):
+    """Forward with rtk.attention, backward into NaN-poisoned outputs, checked per gradient.
+    tile: an AttentionBwdConfig's tile fields; hopper: an AttentionBwdSm90Config to run."""
     import cupy as cp
     from gpu_util import poison, random_array, to_f64
     from rtkernels.ops.attention import attention
@@ -892,8 +893,8 @@ def _gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, *, seed=None, determinist
     extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
     o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
     dq, dk, dv = (poison(cp.empty(x.shape, x.dtype)) for x in (q, k, v))
-    config = None if tile is None else AttentionBwdConfig(dtype=dtype, head_dim=d, causal=causal,
-                                                          deterministic=deterministic, **tile)
+    config = hopper if tile is None else AttentionBwdConfig(dtype=dtype, head_dim=d, causal=causal,
+                                                            deterministic=deterministic, **tile)
     r = attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                            deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config, **extra)
     assert r[0] is dq and r[1] is dk and r[2] is dv

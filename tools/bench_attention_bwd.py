@@ -51,6 +51,9 @@ def _ours(q, k, v, do, causal, dtype, deterministic, torch, config=None):
         bwd()
     import cupy as cp
     arch = A._device_arch(cp.cuda.runtime.getDevice())
+    H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
+    if config is None and H.ENABLED and H.is_sm90(arch) and q.shape[-1] <= H.MAX_HEAD_DIM:
+        config = H.choose_config(dtype, q.shape[-1], causal, deterministic)   # what the op dispatches to
     cfg = config or B.choose_config(dtype, q.shape[-1], causal, deterministic, arch)
     return bwd, fwd_bwd, grads, cfg
 
@@ -209,11 +212,15 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--no-sm90", action="store_true",
+                   help="time the mma.sync kernel on sm_90 too (rtk.attention_backward's Hopper kernel off)")
     p.add_argument("--sweep", "--tune", action="store_true",
                    help="time every tile candidate (d 64/128, seqlens 2k/4k/8k) beside the peers")
     args = p.parse_args()
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
+    if args.no_sm90:
+        importlib.import_module("rtkernels.ops.attention_bwd_sm90").ENABLED = False
     if args.sweep:
         import cupy as cp
         cp.cuda.Device().synchronize()

@@ -321,8 +321,10 @@ def tile_space(dtype: str, head_dim: int, causal: bool, deterministic: bool, arc
     return out
 
 
-def describe(cfg: AttentionBwdConfig) -> str:
-    """Short tile label for tables: ``64x128 w8 staged kv``."""
+def describe(cfg) -> str:
+    """Short tile label for tables: ``64x128 w8 staged kv`` (``sm90 s2`` for the Hopper kernel)."""
+    if isinstance(cfg, _sm90.AttentionBwdSm90Config):
+        return f"sm90 64x{cfg.block_n} s{cfg.num_stages}" + (" det" if cfg.deterministic else "")
     return (f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} {cfg.dq_mode}" + (" kv" if cfg.kv_regs else "")
             + (" ds2" if cfg.ds_stages == 2 else "") + (" pair" if cfg.layout == "pair" else "")
             + (f" dq{cfg.dq_block_n}w{cfg.dq_num_warps}" if cfg.dq_mode == "pass" else ""))
@@ -335,14 +337,15 @@ LSE_PAD = 128   # the template's LSE_PAD: lse_log2/delta rows per (batch, head) 
 
 
 def _kernels_for(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str,
-                 config: AttentionBwdConfig | None = None):
-    """({name: Kernel}, config), memoized per key."""
-    key = (dtype, head_dim, causal, deterministic, arch) if config is None else (config, arch)
+                 config: AttentionBwdConfig | None = None, main: bool = True):
+    """({name: Kernel}, config), memoized per key.  main=False: the pre-pass only (what the Hopper
+    kernel needs from this family)."""
+    key = ((dtype, head_dim, causal, deterministic, arch) if config is None else (config, arch)) + (main,)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
         cfg = config or choose_config(dtype, head_dim, causal, deterministic, arch)
-        names = ("attention_bwd_dot", "attention_bwd") + (
+        names = ("attention_bwd_dot",) if not main else ("attention_bwd_dot", "attention_bwd") + (
             ("attention_bwd_dq",) if cfg.dq_mode == "pass" else ("attention_bwd_dq_convert",))
         hit = _KERNELS[key] = ({n: get_kernel(cfg, n, arch=arch) for n in names}, cfg)
     return hit
@@ -404,10 +407,10 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     causal, deterministic = bool(causal), bool(deterministic)
     if config is not None:
         want = (dt, head_dim, causal, deterministic)
-        if not isinstance(config, AttentionBwdConfig) or (config.dtype, config.head_dim, config.causal,
-                                                          config.deterministic) != want:
-            raise _bad("config", config, f"config must be an AttentionBwdConfig with (dtype, head_dim, causal, "
-                                         f"deterministic) = {want}")
+        if not isinstance(config, (AttentionBwdConfig, _sm90.AttentionBwdSm90Config)) or (
+                config.dtype, config.head_dim, config.causal, config.deterministic) != want:
+            raise _bad("config", config, f"config must be an AttentionBwdConfig or AttentionBwdSm90Config with "
+                                         f"(dtype, head_dim, causal, deterministic) = {want}")
 
     with cupy.cuda.Device(dev):
         outs = []
@@ -433,7 +436,18 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         lse_c = cupy.ascontiguousarray(lse_)
 
         arch = _device_arch(dev)
-        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch, config)
+        if isinstance(config, _sm90.AttentionBwdSm90Config):
+            if not _sm90.runnable(arch, (do_, q_, k_, v_, o_), seqlen_k):
+                raise _bad("config", config, f"an AttentionBwdSm90Config runs on sm_90 with TMA-addressable inputs "
+                                             f"(device is {arch})")
+            hopper = config
+        elif config is None and _sm90.eligible(arch, (do_, q_, k_, v_, o_), seqlen_k, head_dim, causal):
+            hopper = _sm90.choose_config(dt, head_dim, causal, deterministic)
+        else:
+            hopper = None
+        # The Hopper kernel still takes the pre-pass (delta, lse*log2e) from this family.
+        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic and hopper is None, arch,
+                                  config if hopper is None else None, main=hopper is None)
         if stream is None and _is_torch(q):
             torch = sys.modules["torch"]
             stream = torch.cuda.current_stream(dev).cuda_stream
@@ -441,7 +455,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
         lse2 = cupy.empty((batch, nheads, sq_pad), cupy.float32)
         delta = cupy.empty((batch, nheads, sq_pad), cupy.float32)
-        in_main = cfg.dq_mode != "pass"
+        in_main = hopper is None and cfg.dq_mode != "pass"
         dq_accum = cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32) if in_main else None
         dq_count = (cupy.empty((batch, nheads, -(-seqlen_q // cfg.block_m), cfg.dq_units, 4), cupy.int32)
                     if (deterministic and in_main) else None)
@@ -449,11 +463,15 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         kerns["attention_bwd_dot"].launch((-(-sq_pad // rows_per_cta), nheads, batch), (_DOT_THREADS,),
                                           o_, do_, lse_c, lse2, delta, dq_accum, dq_count, seqlen_q, *s_o[:3],
                                           *s_do[:3], stream=stream)
-        kerns["attention_bwd"].launch(
-            (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
-            do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
-            *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale,
-            shared_mem=cfg.shared_mem_bytes, stream=stream)
+        if hopper is not None:
+            _sm90.launch(hopper, arch, q_, k_, v_, do_, dq_, dk_, dv_, lse2, delta, s_dq, s_dk, s_dv, scale, stream)
+            return dq_o, dk_o, dv_o
+        else:
+            kerns["attention_bwd"].launch(
+                (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
+                do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv,
+                nheads, *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale,
+                shared_mem=cfg.shared_mem_bytes, stream=stream)
         if not in_main:
             kerns["attention_bwd_dq"].launch(
                 (-(-seqlen_q // cfg.dq_block_m), nheads, batch), (32 * cfg.dq_num_warps,),
@@ -511,3 +529,6 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
             dq[b, :, h] = rnd(scale * (ds @ kf[b, :, hk]))
             dk[b, :, hk] += rnd(scale * (ds.T @ qf[b, :, h]))
     return dq, dk, dv
+
+
+from . import attention_bwd_sm90 as _sm90  # noqa: E402  (imports attention_sm90, not this module)

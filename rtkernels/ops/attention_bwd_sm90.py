@@ -1,0 +1,182 @@
+"""attention_bwd_sm90: the Hopper (sm_90a) FlashAttention backward behind ``rtk.attention_backward``.
+
+Same contract as :mod:`rtkernels.ops.attention_bwd` (layouts, GQA, bottom-right causal, lse,
+fp16/bf16, ``deterministic``); the main kernel differs (templates/attention_bwd_sm90.cu.j2): a
+producer warpgroup streams Q, dO, lse and delta tiles by TMA, two consumer warpgroups own 64 keys
+each and compute S^T, dP^T, dV, dK and (alternating) dQ with wgmma.  The pre-pass (delta,
+lse*log2e, zeroed dQ accumulator) and the dQ conversion are the mma.sync family's kernels.
+Head dims up to 128: beyond that, dK and dV alone would need 256 accumulator registers per
+thread; the mma.sync kernel (which splits the head dim between warps) keeps those.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..config import register_family
+from .attention import AttentionShape
+from .attention_sm90 import _TMA_STRIDE_LIMIT, SMEM_LIMIT_SM90, _map_strides, is_sm90
+
+FAMILY = "attention_bwd_sm90"
+MAX_HEAD_DIM = 128
+_ALIGN_SLACK = 1024
+_BLOCK_M = 64        # query rows per step (the template's BLOCK_M)
+_CONSUMERS = 2
+
+
+@register_family
+@dataclass(frozen=True)
+class AttentionBwdSm90Config(AttentionShape):
+    """One specialization of the Hopper backward kernel.
+
+    Parameters
+    ----------
+    dtype, head_dim, causal : as :class:`rtkernels.ops.attention_bwd.AttentionBwdConfig`;
+        head_dim a multiple of 8 in [8, 128].
+    deterministic : add the key tiles' dQ partials in a fixed order per query tile (bit-identical
+        results run to run) instead of unordered float32 reductions.
+    num_stages : depth of the Q/dO/lse/delta ring (2 or 3).
+    """
+
+    family: ClassVar[str] = FAMILY
+    template: ClassVar[str] = "attention_bwd_sm90.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("attention_bwd_sm90", "attention_bwd_sm90_dq_convert")
+    needs_arch_specific: ClassVar[bool] = True
+    expects_tensor_cores: ClassVar[bool] = True
+    expected_global_width: ClassVar[int | None] = None   # TMA loads; dK/dV/dQ leave from mma registers
+
+    deterministic: bool = False
+    num_stages: int = 2
+
+    def __post_init__(self):
+        self._check_shape()
+        if self.head_dim > MAX_HEAD_DIM:
+            self._fail("head_dim", f"a multiple of 8 in [8, {MAX_HEAD_DIM}] (dK and dV of 64 keys x head_dim stay "
+                                   "in one warpgroup's registers; larger head dims use attention_backward)")
+        self._check_choice("deterministic", (False, True))
+        self._check_choice("num_stages", (2, 3))
+        if self.shared_mem_bytes > SMEM_LIMIT_SM90:
+            self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
+                                     f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * (1 + _CONSUMERS)
+
+    @property
+    def block_n(self) -> int:
+        return 64 * _CONSUMERS
+
+    @property
+    def d_blocks(self) -> int:
+        return -(-self.head_dim // 64)
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """K and V (block_n rows), num_stages x (Q, dO tiles of 64 rows + 64 lse and delta values),
+        two dS^T buffers (block_n x 64 x 2 B), two f32 dQ tiles (64 x head_dim), the mbarriers and
+        1 KiB to align the base."""
+        kv = 2 * self.d_blocks * self.block_n * 128
+        ring = self.num_stages * (2 * self.d_blocks * _BLOCK_M * 128 + 2 * _BLOCK_M * 4)
+        ds = 2 * self.block_n * 128
+        dq = 2 * _BLOCK_M * self.head_dim * 4
+        bars = 8 * (1 + 2 * self.num_stages + 4)
+        return kv + ring + ds + dq + bars + _ALIGN_SLACK
+
+    def template_params(self) -> dict[str, Any]:
+        from .attention_bwd import LSE_PAD
+        p = super().template_params()
+        p.update(consumers=_CONSUMERS, smem_bytes=self.shared_mem_bytes, lse_pad=LSE_PAD,
+                 producer_regs=self.register_split[0], consumer_regs=self.register_split[1])
+        return p
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg.  The CTA starts with 168 per
+        thread (384 threads under one 64 Ki file, rounded down to 8) and setmaxnreg only moves
+        registers within the CTA: consumers may gain what the producer gives up,
+        2 x (C - 168) <= 168 - P.  24/240 spills 8-52 bytes in the producer warpgroup (TMA issue +
+        the dQ warp's bookkeeping); 32/240 asks for 1 Ki more registers than the CTA owns and
+        hangs (H200, 2026-11-21).  At 232, ptxas spills only head_dim 120 non-causal (372 B): that
+        case stays on the mma.sync kernel (:func:`eligible`)."""
+        return 40, 232
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool) -> AttentionBwdSm90Config:
+    """The config the op runs.  Two ring stages: Q/dO of the next tile land while this one computes,
+    and 8 + KiB more per stage buys nothing once a step's GEMMs outlast its loads."""
+    return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic)
+
+
+def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:
+    """Every config the op can dispatch to."""
+    return [choose_config(dt, d, c, det) for dt in dtypes for d in range(8, MAX_HEAD_DIM + 1, 8)
+            for c in (False, True) for det in (False, True) if (d, c) not in SPILLING]
+
+
+# ---- dispatch and launch ------------------------------------------------------------------
+ENABLED = True
+
+
+# (head_dim, causal) whose Hopper kernel spills (ptxas of NVRTC 13.5, sm_90a); checked by the tests.
+SPILLING = {(120, False)}
+
+
+def runnable(arch: str, views, seqlen_k: int) -> bool:
+    """An sm_90 device, at least one key and strides a tensor map can encode (the forward's rules)."""
+    return is_sm90(arch) and seqlen_k >= 1 and all(0 <= s < _TMA_STRIDE_LIMIT for v in views for s in v.strides)
+
+
+def eligible(arch: str, views, seqlen_k: int, head_dim: int, causal: bool = False) -> bool:
+    """Whether rtk.attention_backward picks this kernel by itself: switched on, head_dim <= 128
+    without spills, and :func:`runnable`."""
+    return (ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING
+            and runnable(arch, views, seqlen_k))
+
+
+_KERNELS: dict = {}
+
+
+def kernels_for(cfg: AttentionBwdSm90Config, arch: str = "sm_90a"):
+    """(main kernel, dQ conversion kernel), memoized per (config, arch)."""
+    key = (cfg, arch)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        from ..kernel import get_kernel
+        hit = _KERNELS[key] = tuple(get_kernel(cfg, name, arch=arch) for name in cfg.kernels)
+    return hit
+
+
+def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, do_, dq_, dk_, dv_, lse2, delta, s_dq, s_dk, s_dv,
+           softmax_scale: float, stream=None) -> None:
+    """Main kernel + dQ conversion over CuPy views (bfloat16 as uint16); lse2/delta from the
+    pre-pass (attention_bwd_dot)."""
+    import cupy
+    from ..kernel import _StreamPtr
+    from ..tma import tensor_map
+    kern, convert = kernels_for(cfg, arch)
+    batch, seqlen_q, nheads, _ = q_.shape
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
+    dt = cfg.dtype
+    box = lambda rows: (1, rows, 1, 64)   # noqa: E731  (64 columns = 128 bytes, the SW128 span)
+    maps = (tensor_map(q_, dt, q_.shape, _map_strides(q_), box(_BLOCK_M)),
+            tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n)),
+            tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n)),
+            tensor_map(do_, dt, do_.shape, _map_strides(do_), box(_BLOCK_M)))
+    m_tiles = -(-seqlen_q // _BLOCK_M)
+    # f32 dQ tiles in the consumers' fragment order, and (deterministic) 4 int32 per query tile for
+    # the ordered additions (one 16-byte acquire load each); zeroed on the launch stream
+    dq_accum = cupy.empty((batch, nheads, m_tiles, _BLOCK_M * cfg.head_dim), cupy.float32)
+    count = cupy.empty((batch, nheads, m_tiles, 4), cupy.int32) if cfg.deterministic else None
+    sptr = cupy.cuda.get_current_stream().ptr if stream is None else (
+        stream.ptr if hasattr(stream, "ptr") else _StreamPtr(stream).ptr)
+    for buf in (dq_accum, count):
+        if buf is not None:
+            cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, sptr)
+    kern.launch((-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,), *maps,
+                lse2, delta, dq_accum, count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
+                *s_dk[:3], *s_dv[:3], float(softmax_scale), shared_mem=cfg.shared_mem_bytes, stream=stream)
+    convert.launch((m_tiles, nheads, batch), (128,), dq_accum, dq_, seqlen_q, *s_dq[:3], float(softmax_scale),
+                   stream=stream)
+

@@ -1,0 +1,192 @@
+"""attention_bwd_sm90: the Hopper backward (TMA + wgmma, two consumer warpgroups) behind
+rtk.attention_backward on sm_90 for head dims up to 128.
+
+CPU: config validation, every config the op can pick compiles for sm_90a without spills or local
+memory, and its SASS holds the wgmma (HGMMA), TMA (UTMALDG) and dQ reductions (REDG) it is built on.
+GPU (``-m gpu``, sm_90 only): the backward's reference and 2x error rule (tests/test_attention_bwd.py)
+through the Hopper kernel explicitly: every head dim 8..128, ragged and causal seqlens with
+seqlen_q != seqlen_k, GQA/MQA, strided views, deterministic runs bit-identical; the mma.sync
+fall-backs (head dim > 128, the switch off) still give the same answers.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import rtkernels as rtk
+from rtkernels.errors import ConfigError
+from rtkernels.ops import attention_bwd_sm90 as B90
+from rtkernels.ops.attention_bwd_sm90 import AttentionBwdSm90Config
+
+import test_attention_bwd as bwd_tests   # the backward's GPU case runner and grids (tests/ is on sys.path)
+
+HEAD_DIMS = list(range(8, 129, 8))
+
+
+@pytest.mark.parametrize("bad", [dict(head_dim=136), dict(head_dim=12), dict(dtype="float32"), dict(num_stages=1),
+                                 dict(num_stages=4), dict(deterministic="yes")])
+def test_config_rejects(bad):
+    with pytest.raises(ConfigError) as e:
+        AttentionBwdSm90Config(**bad)
+    assert "attention_bwd_sm90" in str(e.value) and next(iter(bad)) in str(e.value)
+
+
+def test_config_derived_values():
+    c = AttentionBwdSm90Config(dtype="bf16", head_dim=80)
+    assert c.dtype == "bfloat16" and c.d_blocks == 2 and c.block_n == 128 and c.threads_per_block == 384
+    # K, V 128 rows x 2 blocks x 128 B; 2 stages x (Q, dO 64 x 2 x 128 B + lse, delta 2 x 256 B);
+    # dS^T 2 x 128 x 128 B; dQ 2 x 64 x 80 x 4 B; 9 barriers; 1 KiB slack
+    assert c.shared_mem_bytes == (2 * 128 * 2 * 128 + 2 * (2 * 64 * 2 * 128 + 512) + 2 * 128 * 128 + 2 * 64 * 80 * 4
+                                  + 8 * 9 + 1024)
+    assert rtk.families()["attention_bwd_sm90"] is AttentionBwdSm90Config and AttentionBwdSm90Config.needs_arch_specific
+    assert B90.heuristic_configs(("bfloat16",))[0].shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+
+
+def test_dispatch_rules():
+    class V:
+        def __init__(self, strides):
+            self.strides = strides
+    views = (V((1 << 20, 2048, 128, 2)),)
+    assert B90.eligible("sm_90", views, 100, 128)
+    assert not B90.eligible("sm_90", views, 100, 136)     # head dims > 128: the mma.sync kernel
+    assert not B90.eligible("sm_80", views, 100, 64)
+    assert not B90.eligible("sm_90", views, 0, 64)        # no key: nothing for a tensor map to address
+    assert not B90.eligible("sm_90", views, 100, 120, False) and B90.eligible("sm_90", views, 100, 120, True)
+    assert B90.runnable("sm_90", views, 100) and not B90.runnable("sm_86", views, 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal,det", [(False, False), (True, True)])
+def test_dispatched_configs_compile_without_spills(causal, det):
+    from rtkernels.kernel import get_kernel
+    for d in HEAD_DIMS:
+        dt = ("float16", "bfloat16")[d // 8 % 2]
+        k = get_kernel(B90.choose_config(dt, d, causal, det), arch="sm_90a")
+        r = k.resources
+        spills = bool(r.spill_stores or r.spill_loads or r.stack_frame)
+        # the op never dispatches a spilling case (SPILLING lists exactly those)
+        assert spills == ((d, causal) in B90.SPILLING), (d, causal, r)
+
+
+@pytest.mark.parametrize("d,causal,det", [(64, False, False), (128, True, True), (72, True, False)])
+def test_sass_has_wgmma_tma_and_reductions(d, causal, det):
+    from rtkernels.kernel import get_kernel
+    sass = get_kernel(B90.choose_config("bfloat16", d, causal, det), arch="sm_90a").sass
+    d_steps, m_steps, n_steps = -(-d // 16), 4, 8
+    # per step: S^T and dP^T over the head dim, dV and dK over the query tile, dQ over 128 keys
+    assert sass.count("HGMMA") == 2 * d_steps + 2 * m_steps + n_steps
+    # dQ tiles leave through one bulk reduction each (UBLKRED), not per-thread REDs
+    assert "UTMALDG" in sass and "UBLKRED" in sass and "LDL" not in sass and "STL" not in sass
+    conv = get_kernel(B90.choose_config("bfloat16", d, causal, det), "attention_bwd_sm90_dq_convert", arch="sm_90a")
+    assert "LDG.E.128" in conv.sass and "STG.E.128" in conv.sass and conv.resources.spill_stores == 0
+
+
+def test_dq_tile_order_is_a_permutation_that_convert_inverts():
+    """Model of dq_tile_index (consumer register i of thread tid -> tile slot) and of the
+    conversion's read: every (row, col) of a 64 x d tile lands in exactly one slot, and reading
+    slot j*512 + tid*4 + e back gives the row/col the convert kernel assumes."""
+    for d in (8, 40, 128):
+        slot_of = {}
+        for tid in range(128):
+            warp, lane = divmod(tid, 32)
+            for i in range(d // 2):
+                j, e = divmod(i, 4)
+                row = 16 * warp + lane // 4 + 8 * (e // 2)
+                col = 8 * j + 2 * (lane % 4) + e % 2
+                slot_of[(row, col)] = (i // 4) * 512 + tid * 4 + i % 4
+        assert sorted(slot_of.values()) == list(range(64 * d))
+        assert set(slot_of) == {(r, c) for r in range(64) for c in range(d)}
+        for tid in range(128):   # the convert kernel: float4 j of thread tid = rows r, r + 8, cols c, c + 1
+            warp, lane = divmod(tid, 32)
+            r, c = 16 * warp + lane // 4, 2 * (lane % 4)
+            for j in range(d // 8):
+                base = j * 512 + tid * 4
+                assert [slot_of[(r, 8 * j + c)], slot_of[(r, 8 * j + c + 1)], slot_of[(r + 8, 8 * j + c)],
+                        slot_of[(r + 8, 8 * j + c + 1)]] == [base, base + 1, base + 2, base + 3]
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+def _require_sm90():
+    from rtkernels.ops.attention import _device_arch
+    import cupy as cp
+    if not B90.is_sm90(_device_arch(cp.cuda.runtime.getDevice())):
+        pytest.skip("the Hopper backward needs an sm_90 device")
+
+
+def _case(*args, config=True, **kw):
+    """bwd_tests._gpu_case through the Hopper kernel (its config given explicitly, so a silent
+    fall-back to the mma.sync kernel cannot pass for it)."""
+    _require_sm90()
+    batch, sq, sk, h, hkv, d, causal, dtype = args
+    return bwd_tests._gpu_case(*args, **kw, hopper=B90.choose_config(dtype, d, causal, kw.get("deterministic", False))
+                               if config else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_head_dims(d, causal):
+    dtype = ("float16", "bfloat16")[(d // 8 + causal) % 2]
+    # (an explicit config runs even where the op would not pick it: the spilling case is still right)
+    _case(2, 113, 203, 4, 2, d, causal, dtype, deterministic=(d % 3 == 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk", bwd_tests.SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_seqlens(sq, sk, causal):
+    dtype = "float16" if (sq + sk) % 2 else "bfloat16"
+    d = 128 if sq * sk > 100_000 else 64
+    _case(1, sq, sk, 2, 1, d, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,det", [
+    (3, 255, 255, 16, 2, 64, True, "bfloat16", False),     # GQA 8:1
+    (2, 113, 1000, 8, 1, 128, False, "float16", True),     # MQA, deterministic
+    (1, 1000, 255, 8, 1, 80, True, "float16", False),      # MQA, causal rows that see no key
+    (1, 2048, 2048, 2, 2, 96, True, "bfloat16", True),
+    (2, 17, 4097, 4, 1, 120, True, "float16", False),
+    (1, 4097, 1000, 2, 1, 128, True, "bfloat16", True),
+])
+def test_gpu_combined(batch, sq, sk, h, hkv, d, causal, dtype, det):
+    _case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_strided_inputs_and_custom_scale(dtype):
+    _case(2, 333, 333, 4, 4, 72, True, dtype, softmax_scale=0.3, strided=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,hkv", [(64, False, 4), (128, True, 2), (40, True, 1)])
+def test_gpu_deterministic_is_bit_identical(d, causal, hkv):
+    import cupy as cp
+    a = _case(2, 700, 900, 4, hkv, d, causal, "bfloat16", deterministic=True, seed=11)
+    b = _case(2, 700, 900, 4, hkv, d, causal, "bfloat16", deterministic=True, seed=11)
+    for x, y in zip(a, b):
+        assert bool((x.view(cp.uint16) == y.view(cp.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_gpu_default_dispatch_and_fallbacks(monkeypatch):
+    """Default calls reach the Hopper kernel for d <= 128 (same answers as the explicit config);
+    with the switch off, or d > 128, the mma.sync kernel answers within the same error rule."""
+    _require_sm90()
+    bwd_tests._gpu_case(1, 300, 257, 4, 2, 128, True, "bfloat16")
+    bwd_tests._gpu_case(1, 300, 257, 4, 2, 136, True, "float16")
+    monkeypatch.setattr(B90, "ENABLED", False)
+    bwd_tests._gpu_case(1, 300, 257, 4, 2, 64, False, "bfloat16")
+
+
+@pytest.mark.gpu
+def test_gpu_config_mismatch_raises():
+    _require_sm90()
+    import cupy as cp
+    A = importlib.import_module("rtkernels.ops.attention_bwd")
+    q = cp.ones((1, 16, 2, 64), cp.float16)
+    lse = cp.zeros((1, 2, 16), cp.float32)
+    with pytest.raises(ConfigError, match="config must be"):
+        A.attention_backward(q, q, q, q, q, lse, config=AttentionBwdSm90Config(dtype="float16", head_dim=128))
