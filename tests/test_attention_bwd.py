@@ -934,24 +934,30 @@ def test_gpu_head_dims(d, causal):
 from test_attention import SEQLENS   # noqa: E402  (the forward's seqlen grid)
 
 
+def seqlen_args(sq, sk, causal):
+    """(batch, sq, sk, h, hkv, d, causal, dtype) of the seqlen grid's case (shared with the Hopper tests)."""
+    return 1, sq, sk, 2, 1, 128 if sq * sk > 100_000 else 64, causal, "float16" if (sq + sk) % 2 else "bfloat16"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_seqlens(sq, sk, causal):
-    dtype = "float16" if (sq + sk) % 2 else "bfloat16"
-    d = 128 if sq * sk > 100_000 else 64
-    _gpu_case(1, sq, sk, 2, 1, d, causal, dtype)
+    _gpu_case(*seqlen_args(sq, sk, causal))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,det", [
+COMBINED_CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, deterministic
     (3, 255, 255, 16, 2, 64, True, "bfloat16", False),     # GQA 8:1
     (2, 113, 1000, 8, 1, 128, False, "float16", True),     # MQA, deterministic
     (1, 1000, 255, 8, 1, 80, True, "float16", False),      # MQA, causal rows that see no key
     (1, 2048, 2048, 2, 2, 96, True, "bfloat16", True),
     (2, 17, 4097, 4, 1, 256, True, "float16", False),
     (1, 300, 300, 3, 3, 136, False, "bfloat16", True),
-])
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,det", COMBINED_CASES)
 def test_gpu_combined(batch, sq, sk, h, hkv, d, causal, dtype, det):
     _gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det)
 

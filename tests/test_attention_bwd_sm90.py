@@ -136,20 +136,17 @@ def test_gpu_head_dims(d, causal):
 @pytest.mark.parametrize("sq,sk", bwd_tests.SEQLENS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_seqlens(sq, sk, causal):
-    dtype = "float16" if (sq + sk) % 2 else "bfloat16"
-    d = 128 if sq * sk > 100_000 else 64
-    _case(1, sq, sk, 2, 1, d, causal, dtype)
+    _case(*bwd_tests.seqlen_args(sq, sk, causal))
+
+
+# the backward's combined cases, head dims beyond 128 brought to 120 (this kernel's range), plus
+# long queries over fewer keys, causal and deterministic
+COMBINED = [(*c[:5], c[5] if c[5] <= 128 else 120, *c[6:]) for c in bwd_tests.COMBINED_CASES] + [
+    (1, 4097, 1000, 2, 1, 128, True, "bfloat16", True)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,det", [
-    (3, 255, 255, 16, 2, 64, True, "bfloat16", False),     # GQA 8:1
-    (2, 113, 1000, 8, 1, 128, False, "float16", True),     # MQA, deterministic
-    (1, 1000, 255, 8, 1, 80, True, "float16", False),      # MQA, causal rows that see no key
-    (1, 2048, 2048, 2, 2, 96, True, "bfloat16", True),
-    (2, 17, 4097, 4, 1, 120, True, "float16", False),
-    (1, 4097, 1000, 2, 1, 128, True, "bfloat16", True),
-])
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,det", COMBINED)
 def test_gpu_combined(batch, sq, sk, h, hkv, d, causal, dtype, det):
     _case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det)
 
