@@ -34,7 +34,7 @@ DTYPES = ("float16", "bfloat16")
 @pytest.mark.parametrize("bad", [
     dict(head_dim=7), dict(head_dim=264), dict(dtype="float32"), dict(block_m=96), dict(block_m=256),
     dict(block_n=24), dict(block_n=272), dict(num_stages=1), dict(num_stages=4), dict(intra_overlap="yes"),
-    dict(pingpong="on"), dict(block_m=192, pingpong=True),
+    dict(pingpong="on"), dict(block_m=64, pingpong=True),
     dict(head_dim=256, block_n=128),                      # 64 KiB Q + 256 KiB K/V: no fit
     dict(head_dim=192, block_m=192, block_n=128),
 ])
@@ -127,6 +127,47 @@ def _ops(sass):
     return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
 
 
+# ptxas notes that cost the design its point: setmaxnreg ignored (C7508), wgmma serialized or a
+# wait_group injected because an accumulator is touched while in flight (C7512/C7514/C7515/C7517).
+PTXAS_NOTES = ("C7508", "C7512", "C7514", "C7515", "C7517")
+
+
+def _pipeline(sass):
+    """The kernel's wgmma/softmax order as a string: G = an HGMMA closing a group (gsb0), W<n> =
+    wait until at most n groups are pending, e<k> = k MUFU.EX2 in a row."""
+    ev = []
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            ev.append("W" + re.search(r"0x(\d+)", line.split("gsb0")[1]).group(1))
+        elif "MUFU.EX2" in line:
+            ev.append("e")
+        elif "HGMMA" in line and "gsb0" in line:
+            ev.append("G")
+    return re.sub(r"e+", lambda m: f"e{len(m.group())}", "".join(ev))
+
+
+@pytest.mark.parametrize("dtype,d,causal,tile", [("bfloat16", 96, True, {}), ("float16", 128, True, {}),
+                                                 ("bfloat16", 64, False, {}), ("bfloat16", 256, True, {}),
+                                                 ("float16", 112, False, dict(block_m=192, block_n=96, pingpong=True)),
+                                                 ("bfloat16", 96, True, dict(softmax_under_pv=False))])
+def test_sass_softmax_runs_under_the_pv_gemm(dtype, d, causal, tile):
+    """Intra-warpgroup overlap as compiled: in the main loop S_n and P_{n-1} V_{n-1} close their
+    groups (GG), the warp waits for S_n only (W1), every exponential of tile n is issued (e..), and
+    only then waits for P V (W0) - or, softmax_under_pv=False, waits for both first; no wgmma
+    is serialized."""
+    cfg = A90.choose_config(dtype, d, causal)
+    if tile:
+        cfg = cfg.replace(**tile) if "block_m" not in tile else AttentionSm90Config(
+            dtype=dtype, head_dim=d, causal=causal, **tile)
+    assert cfg.intra_overlap
+    k = rtk.get_kernel(cfg, arch="sm_90a")
+    pipe = _pipeline(k.sass)
+    exps = cfg.block_n // 2 + 2   # + 2: the two rows' corrections
+    assert re.search(rf"GGW1e{exps}W0" if cfg.softmax_under_pv else rf"GGW1W0e{exps}G", pipe), pipe
+    assert pipe.count("G") == 4 and pipe.count("W1") == 1, pipe       # S_0; S_n + P V; last P V
+    assert not any(c in k.module.log for c in PTXAS_NOTES), k.module.log
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
@@ -140,8 +181,10 @@ def test_heuristic_configs_compile_without_spills(dtype, causal):
         if r.spill_stores or r.spill_loads or r.stack_frame:
             bad.append((cfg.head_dim, r.registers, r.spill_stores, r.spill_loads, r.stack_frame))
         ops = set(_ops(k.sass))
-        if any(o.startswith(("LDL", "STL")) for o in ops) or "C7508" in k.module.log or "C7515" in k.module.log:
+        if any(o.startswith(("LDL", "STL")) for o in ops) or any(c in k.module.log for c in PTXAS_NOTES):
             bad.append((cfg.head_dim, "local memory or a ptxas setmaxnreg/wgmma warning"))
+        if cfg.intra_overlap and not re.search(r"GGW1e\d+W0", _pipeline(k.sass)):
+            bad.append((cfg.head_dim, "exponentials not between wait_group 1 and 0", _pipeline(k.sass)))
         if not {"UTMALDG", "UTMASTG"} <= {o.split(".")[0] for o in ops} or "HGMMA.64x" not in k.sass:
             missing.append(cfg.head_dim)
     assert not bad, f"sm_90a {dtype} causal={causal}: {bad}"
@@ -167,7 +210,7 @@ def test_sass_uses_wgmma_tma_and_register_handoff(dtype, d, causal):
     assert not any(o.startswith("LDG") for o in ops), "all tiles arrive by TMA"
     r = k.resources
     assert r.spill_stores == r.spill_loads == r.stack_frame == 0
-    assert "C7508" not in k.module.log and "C7515" not in k.module.log, k.module.log
+    assert not any(c in k.module.log for c in PTXAS_NOTES), k.module.log
     assert not rtk_inspect.flags(k), rtk_inspect.flags(k)
 
 
@@ -261,6 +304,38 @@ def test_model_consumer_loop_matches_softmax(sq, sk, causal, overlap):
             np.testing.assert_allclose(lse[fin], lse_ref[rows][fin], atol=1e-12)
 
 
+def _tile_range(m0, rows, sq, sk, block_n, causal):
+    """The template's tile_range(m0, rows, ...): (tiles to visit, first tile that needs a mask)."""
+    rows_q = min(rows, sq - m0)
+    if rows_q <= 0:
+        return 0, 0
+    n_blocks, n_mask_from = -(-sk // block_n), sk // block_n
+    if causal:
+        last = min(sk, m0 + rows_q + sk - sq)
+        n_blocks = -(-last // block_n) if last > 0 else 0
+        first = m0 + sk - sq + 1
+        n_mask_from = min(n_mask_from, first // block_n if first > 0 else 0)
+    return n_blocks, n_mask_from
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_model_warpgroup_ranges_cover_every_visible_key(causal):
+    """A consumer warpgroup's own range (64 rows) holds every key its stored rows see, lies within
+    the CTA's range, and its unmasked tiles are fully visible to all its rows."""
+    for sq in (1, 17, 64, 65, 191, 192, 193, 300, 577):
+        for sk in (1, 63, 112, 113, 300, 577):
+            for block_m, block_n in ((192, 112), (192, 128), (128, 128), (192, 64)):
+                for m0 in range(0, sq, block_m):
+                    cta, _ = _tile_range(m0, block_m, sq, sk, block_n, causal)
+                    for cw in range(block_m // 64):
+                        n, mask_from = _tile_range(m0 + 64 * cw, 64, sq, sk, block_n, causal)
+                        assert n <= cta
+                        for r in range(m0 + 64 * cw, min(sq, m0 + 64 * cw + 64)):
+                            hi = min(sk, r + sk - sq + 1) if causal else sk   # keys < hi are visible
+                            assert hi <= n * block_n, (sq, sk, block_m, block_n, m0, cw, r)
+                            assert min(mask_from, n) * block_n <= max(hi, 0)
+
+
 def _tma_sw128_offset(row, col, elem=2):
     """Byte offset at which TMA (CU_TENSOR_MAP_SWIZZLE_128B) puts box element (row, col) of a box
     with 128-byte rows: 16-byte chunk c of row r lands at chunk c ^ (r % 8)."""
@@ -342,13 +417,16 @@ def launches(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def prebuilt():
-    """Compile every heuristic config in parallel once (NVRTC releases the GIL)."""
+def prebuilt(request):
+    """Compile the heuristic configs of the selected test_gpu_every_head_dim cases in parallel once
+    (NVRTC releases the GIL)."""
     from rtkernels import device
     if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
         return
+    wanted = {A90.choose_config(it.callspec.params["dtype"], it.callspec.params["d"], it.callspec.params["causal"])
+              for it in request.session.items if getattr(it, "originalname", "") == "test_gpu_every_head_dim"}
     with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), A90.heuristic_configs()))
+        list(ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), wanted))
 
 
 def _run(batch, sq, sk, h, hkv, d, causal, dtype, seed=None, **kw):
@@ -494,8 +572,11 @@ def test_gpu_fallbacks_to_mma_sync(launches, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [dict(block_m=64, block_n=64, intra_overlap=False),
                                   dict(block_m=192, block_n=128, intra_overlap=True),
+                                  dict(block_m=192, block_n=96, intra_overlap=True, pingpong=True),
                                   dict(block_m=128, block_n=128, intra_overlap=True, pingpong=False),
                                   dict(block_m=128, block_n=128, intra_overlap=True, pingpong=True),
+                                  dict(block_m=128, block_n=128, intra_overlap=True, pingpong=True,
+                                       softmax_under_pv=False),
                                   dict(block_m=128, block_n=128, intra_overlap=False, pingpong=True),
                                   dict(block_m=128, block_n=80, intra_overlap=False, pingpong=True),
                                   dict(block_m=128, block_n=176, intra_overlap=False, pingpong=True),
@@ -544,9 +625,13 @@ class _Bar:
         return ok
 
 
-def _simulate(n_blocks, stages, consumers, overlap, rng):
+def _simulate(n_blocks, stages, consumers, overlap, rng, under_pv=True, own=None):
     """Producer and consumer warps of one CTA as generators, scheduled in random order; each wait
-    is a yield until its barrier passes.  Returns the tile order each consumer warp read."""
+    is a yield until its barrier passes.  ``own[cw]``: the tiles consumer warpgroup cw computes
+    (<= n_blocks, the template's per-warpgroup range); it releases the rest unread.  A tile read
+    must still be in its slot when the warp releases it (no early overwrite).  Returns the tile
+    order each consumer warp read."""
+    own = [n_blocks] * consumers if own is None else own
     full_k = [_Bar(1) for _ in range(stages)]
     full_v = [_Bar(1) for _ in range(stages)]
     empty_k = [_Bar(4 * consumers) for _ in range(stages)]
@@ -559,63 +644,76 @@ def _simulate(n_blocks, stages, consumers, overlap, rng):
         while not bar.try_wait(parity, phase):
             yield
 
-    def producer():
-        def load(n, is_v):
+    def producer(is_v):   # one thread per ring
+        for n in range(n_blocks):
             st = n % stages
             if n >= stages:
                 yield from wait((empty_v if is_v else empty_k)[st], (n // stages - 1) & 1, n // stages - 1)
             slots = slot_v if is_v else slot_k
             slots[st] = None
             landing.append((slots, st, n, (full_v if is_v else full_k)[st]))
-        for n in range(n_blocks):
-            yield from load(n, False)
-            if n > 0:
-                yield from load(n - 1, True)
-        if n_blocks:
-            yield from load(n_blocks - 1, True)
+            yield
 
-    seen = []
+    seen = [[] for _ in range(4 * consumers)]
 
     def consumer_warp(w):
-        order = []
-        seen.append(order)
+        order = seen[w]
+        mine = own[w // 4]
 
-        def use_k(n):
+        def use(n, is_v):
             st = n % stages
-            yield from wait(full_k[st], (n // stages) & 1, n // stages)
-            assert slot_k[st] == n
-            order.append(("S", n))
+            yield from wait((full_v if is_v else full_k)[st], (n // stages) & 1, n // stages)
+            assert (slot_v if is_v else slot_k)[st] == n
+            order.append(("PV" if is_v else "S", n))
 
-        def use_v(n):
+        def release(n, is_v, read=True):
             st = n % stages
-            yield from wait(full_v[st], (n // stages) & 1, n // stages)
-            assert slot_v[st] == n
-            order.append(("PV", n))
-        if overlap:
-            if n_blocks:
-                yield from use_k(0)
-                empty_k[0].arrive()
-            for n in range(1, n_blocks):
-                yield from use_k(n)
-                yield from use_v(n - 1)
+            if read:
+                assert (slot_v if is_v else slot_k)[st] == n, "slot overwritten while being read"
+            (empty_v if is_v else empty_k)[st].arrive()
+        if overlap:   # under_pv: V_{n-1} is released when P_{n-1} V_{n-1} retires, after tile n's softmax
+            if mine:
+                yield from use(0, False)
                 yield
-                empty_k[n % stages].arrive()
+                release(0, False)
+            for n in range(1, mine):
+                if under_pv and n >= 2:
+                    release(n - 2, True)
+                yield from use(n, False)
+                yield from use(n - 1, True)
                 yield
-                empty_v[(n - 1) % stages].arrive()
-            if n_blocks:
-                yield from use_v(n_blocks - 1)
+                release(n, False)
+                if not under_pv:
+                    yield
+                    release(n - 1, True)
+                yield
+            if mine:
+                if under_pv and mine >= 2:
+                    release(mine - 2, True)
+                yield from use(mine - 1, True)
+                yield
+            if mine < n_blocks and mine:
+                release(mine - 1, True)
         else:
-            for n in range(n_blocks):
-                yield from use_k(n)
-                empty_k[n % stages].arrive()
-                yield from use_v(n)
-                empty_v[n % stages].arrive()
+            for n in range(mine):
+                yield from use(n, False)
+                yield
+                release(n, False)
+                yield from use(n, True)
+                yield
+                release(n, True)
+        for n in range(mine, n_blocks):   # past this warpgroup's rows: released unread, after landing
+            st, ph = n % stages, n // stages
+            yield from wait(full_k[st], ph & 1, ph)
+            release(n, False, read=False)
+            yield from wait(full_v[st], ph & 1, ph)
+            release(n, True, read=False)
 
-    actors = [producer()] + [consumer_warp(w) for w in range(4 * consumers)]
+    actors = [producer(False), producer(True)] + [consumer_warp(w) for w in range(4 * consumers)]
     steps = 0
     while actors:
         steps += 1
-        assert steps < 100000, "deadlock"
+        assert steps < 200000, "deadlock"
         if landing and rng.random() < 0.3:   # a TMA load lands
             slots, st, n, bar = landing.pop(int(rng.integers(len(landing))))
             slots[st] = n
@@ -628,17 +726,87 @@ def _simulate(n_blocks, stages, consumers, overlap, rng):
     return seen
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+def _want(n, overlap):
+    if overlap:
+        return ([("S", 0)] if n else []) + [x for i in range(1, n) for x in (("S", i), ("PV", i - 1))] \
+            + ([("PV", n - 1)] if n else [])
+    return [x for i in range(n) for x in (("S", i), ("PV", i))]
+
+
+@pytest.mark.parametrize("overlap,under_pv", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("stages,consumers", [(2, 2), (3, 2), (2, 1), (2, 3)])
-def test_model_barrier_protocol_has_no_deadlock_or_stale_tile(overlap, stages, consumers):
+def test_model_barrier_protocol_has_no_deadlock_or_stale_tile(overlap, under_pv, stages, consumers):
     rng = np.random.default_rng(stages * 10 + consumers)
     for n_blocks in (0, 1, 2, 3, 5, 9):
         for _ in range(5):
-            seen = _simulate(n_blocks, stages, consumers, overlap, rng)
-            want = ([("S", 0)] if n_blocks else []) + [x for n in range(1, n_blocks) for x in (("S", n), ("PV", n - 1))] \
-                + ([("PV", n_blocks - 1)] if n_blocks else []) if overlap else \
-                [x for n in range(n_blocks) for x in (("S", n), ("PV", n))]
-            assert all(order == want for order in seen)
+            seen = _simulate(n_blocks, stages, consumers, overlap, rng, under_pv)
+            assert all(order == _want(n_blocks, overlap) for order in seen)
+
+
+@pytest.mark.parametrize("overlap,under_pv", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_model_warpgroups_stopping_early_release_what_they_skip(overlap, under_pv, stages):
+    """Causal 192-row CTAs: warpgroup cw computes only the tiles its own rows see (fewer for the
+    first rows, none when they see no key) and releases the CTA's others unread."""
+    rng = np.random.default_rng(stages)
+    for n_blocks in (1, 2, 3, 5, 9):
+        for own in ([n_blocks - 2, n_blocks - 1, n_blocks], [0, n_blocks - 1, n_blocks], [0, 0, n_blocks],
+                    [n_blocks - 1, n_blocks, n_blocks]):
+            own = [max(0, x) for x in own]
+            for _ in range(4):
+                seen = _simulate(n_blocks, stages, 3, overlap, rng, under_pv, own)
+                assert all(order == _want(own[w // 4], overlap) for w, order in enumerate(seen))
+
+
+def _simulate_turns(consumers, issue_points, rng):
+    """The pingpong hand-over (Turns in the template) with PTX named-barrier semantics: a barrier
+    of 256 threads completes once two warpgroups reached it, each by bar.sync (waits) or bar.arrive
+    (does not).  Returns the order in which warpgroups issued their GEMMs."""
+    arrived = {b: [] for b in range(consumers)}   # per barrier: "sync"/"arrive" of the current phase
+    done = {b: 0 for b in range(consumers)}       # completed phases
+    order = []
+
+    def reach(b, kind):
+        arrived[b].append(kind)
+        if len(arrived[b]) == 2:
+            assert arrived[b].count("sync") == 1, f"barrier {b} completed without its owner: {arrived[b]}"
+            arrived[b], done[b] = [], done[b] + 1
+
+    def wg(cw):
+        left = issue_points
+        if cw == consumers - 1 and issue_points:
+            reach(0, "arrive")
+        for _ in range(issue_points):
+            target = done[cw] + 1
+            reach(cw, "sync")
+            while done[cw] < target:
+                yield
+            order.append(cw)
+            yield
+            left -= 1
+            if left > 0 or cw != consumers - 1:
+                reach((cw + 1) % consumers, "arrive")
+            yield
+    actors = [wg(cw) for cw in range(consumers)]
+    steps = 0
+    while actors:
+        steps += 1
+        assert steps < 100000, "deadlock"
+        i = int(rng.integers(len(actors)))
+        try:
+            next(actors[i])
+        except StopIteration:
+            actors.pop(i)
+    assert all(not a for a in arrived.values()), f"unbalanced barriers: {arrived}"
+    return order
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_model_pingpong_turns_are_round_robin_and_balanced(consumers):
+    rng = np.random.default_rng(consumers)
+    for points in (0, 1, 2, 5, 9):
+        for _ in range(5):
+            assert _simulate_turns(consumers, points, rng) == list(range(consumers)) * points
 
 
 def test_from_params_builds_what_the_op_runs():

@@ -80,7 +80,7 @@ def test_host_arrays_are_rejected_clearly():
 
 @pytest.mark.parametrize("n, dtype, arch, row_class", [
     (1, "float16", "sm_90", "group"), (1000, "float16", "sm_90", "group"), (4096, "float16", "sm_90", "block"),
-    (8192, "float32", "sm_90", "block"), (16384, "float32", "sm_90", "cluster"), (65536, "bfloat16", "sm_90", "two_pass"),
+    (8192, "float32", "sm_90", "block"), (16384, "float32", "sm_90", "cluster"), (65536, "bfloat16", "sm_90", "cluster"),
     (16384, "bfloat16", "sm_90", "block"),  # measured table (H200): a 512-thread block beat the cluster
     (262144, "float32", "sm_90", "cluster"), (16384, "float16", "sm_80", "block"),
     (65536, "float16", "sm_80", "two_pass"),
@@ -96,18 +96,21 @@ def test_plan_width_classes(n, dtype, arch, row_class):
 def test_plan_measured_sm90_choices():
     sm = rw.plan("softmax", 4096, "bfloat16", 8, "sm_90")
     assert (sm.block_size, sm.vecs_per_thread, sm.streaming) == (128, 4, False)       # plain hints won
-    assert rw.plan("softmax", 65536, "bfloat16", 8, "sm_90").streaming                  # two passes keep .cs
+    assert rw.plan("softmax", 1 << 20, "bfloat16", 8, "sm_90").streaming                # two passes keep .cs
+    s64 = rw.plan("softmax", 65536, "bfloat16", 8, "sm_90")
+    assert (s64.cluster_size, s64.cluster_push, s64.smem_rows, s64.shared_mem_bytes) == (4, True, True, 32768)
+    assert rw.plan("norm", 65536, "bfloat16", 8, "sm_90", weight_dtype="float32", layer=True).smem_rows
     assert rw.plan("softmax", 4096, "bfloat16", 8, "sm_80").streaming                   # measured on sm_90 only
-    assert (rw.plan("softmax", 262144, "bfloat16", 8, "sm_90").row_class,
-            rw.plan("softmax", 262144, "bfloat16", 8, "sm_90").block_size) == ("two_pass", 1024)
+    s256 = rw.plan("softmax", 262144, "bfloat16", 8, "sm_90")
+    assert (s256.row_class, s256.block_size, s256.shared_mem_bytes, s256.max_registers) == ("cluster", 512, 65536, 40)
     r16 = rw.plan("norm", 16384, "bfloat16", 8, "sm_90", weight_dtype="bfloat16")
     assert (r16.ring_rows, r16.min_blocks, r16.param_slots, r16.two_pass) == (3, 2, 1, False)
     assert rw.plan("norm", 16384, "bfloat16", 8, "sm_90", weight_dtype="float32").two_pass
     l4 = rw.plan("norm", 4096, "float16", 8, "sm_90", weight_dtype="float16", layer=True)
-    assert (l4.min_blocks, l4.param_slots, l4.max_registers) == (6, 2, 80)
+    assert (l4.min_blocks, l4.param_slots, l4.max_registers) == (7, 1, 72)
     assert rw.plan("norm", 4096, "float16", 8, "sm_90", weight_dtype="float32", layer=True).min_blocks == 1
     ln = rw.plan("norm", 16384, "bfloat16", 8, "sm_90", weight_dtype="bfloat16", layer=True)
-    assert ln.prefetch and ln.streaming                                                 # LayerNorm keeps .cs
+    assert (ln.prefetch, ln.min_blocks, ln.streaming) == (False, 2, True)              # LayerNorm keeps .cs
 
 
 def test_plan_never_needs_more_than_8_block_clusters_or_1024_threads():
@@ -168,12 +171,15 @@ def test_vectorized_path_uses_128_bit_global_accesses(arch, family, kernel, n, d
     cfg = rw.plan(family, n, dtype, vec, arch, layer=kernel == "layernorm_rows")
     k = rtk.get_kernel(cfg, kernel, arch=arch)
     stats = sass_stats(k.sass)
-    assert stats["ldg_128"] >= cfg.vecs_per_thread, k.sass[:2000]
+    if getattr(cfg, "smem_rows", False):
+        assert "UBLKCP" in k.sass       # the row arrives by one bulk copy per block, not LDG
+    else:
+        assert stats["ldg_128"] >= cfg.vecs_per_thread, k.sass[:2000]
     assert stats["ldl"] == 0 and stats["stl"] == 0
     if family != "reduce":
         assert stats["stg_128"] >= 1 and stats["global_stores"] == stats["stg_128"]
-    if cfg.cluster_size > 1:   # the cluster barrier and the distributed shared memory read
-        assert "UCGABAR" in k.sass and "LD" in k.sass
+    if cfg.cluster_size > 1:   # the cluster barrier (at least once) and the exchange of block totals
+        assert "UCGABAR" in k.sass and ("STAS" in k.sass if getattr(cfg, "cluster_push", False) else "LD" in k.sass)
 
 
 def test_narrow_vectors_when_alignment_forbids_16_bytes():
@@ -286,6 +292,40 @@ def test_chan_combine_model_is_symmetric_and_exact_enough():
     assert st[0][0] == 4096
     assert abs(st[0][1] - x64.mean()) < 1e-4
     assert abs(st[0][2] / 4096 - x64.var()) / x64.var() < 1e-4   # E[x^2]-E[x]^2 in float32 would lose it all
+
+
+
+@pytest.mark.parametrize("case", ["offset", "outlier_first", "outlier_later", "constant", "huge"])
+def test_shifted_single_pass_stats_model(case):
+    """norm.cu.j2's per-thread LayerNorm statistics: sums of d = x - c and d^2 around c = the first
+    element, in float32, then mean = c + s1/k, M2 = s2 - s1^2/k; against float64 on 32 values."""
+    f = np.float32
+    rng = np.random.default_rng(len(case))
+    x = rng.standard_normal(32)
+    if case == "offset":
+        x = x * 3 + 1000
+    elif case == "outlier_first":
+        x[0] = 1e4
+    elif case == "outlier_later":
+        x[17] = -1e4
+    elif case == "constant":
+        x[:] = 0.7
+    else:
+        x = rng.uniform(-6e4, 6e4, 32)
+    x = x.astype(np.float16).astype(f)     # values a 16-bit input can hold
+    c = x[0]
+    s1 = s2 = f(0)
+    for v in x:
+        d = f(v - c)
+        s1 = f(s1 + d)
+        s2 = f(f(d * d) + s2)
+    dm = f(s1 * f(1 / f(32)))
+    mean, m2 = f(c + dm), max(f(s2 - f(s1 * dm)), f(0))
+    x64 = x.astype(np.float64)
+    m2_ref = ((x64 - x64.mean()) ** 2).sum()
+    assert abs(mean - x64.mean()) <= 1e-6 * np.abs(x64).max() + 1e-30
+    # a few dozen ulps of s2 at worst (c an outlier): far below bfloat16/float16 output rounding
+    assert abs(m2 - m2_ref) <= 64 * 2 ** -24 * max(float(s2), 1e-30), (m2, m2_ref)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -582,7 +622,9 @@ def test_signature_parsing_skips_cluster_dims_and_launch_bounds():
 
 
 @pytest.mark.parametrize("cls, params, field", [
-    (SoftmaxConfig, dict(threads_per_row=256, block_size=256, cluster_size=2, prefetch=True), "prefetch"),
+    (SoftmaxConfig, dict(threads_per_row=256, block_size=256, cluster_push=True), "cluster_push"),
+    (SoftmaxConfig, dict(threads_per_row=32, block_size=32, cluster_size=2, cluster_push=True), "cluster_push"),
+    (NormConfig, dict(threads_per_row=256, block_size=256, persistent=1), "persistent"),
     (NormConfig, dict(threads_per_row=256, block_size=256, two_pass=True, prefetch=True), "prefetch"),
     (SoftmaxConfig, dict(recompute=1), "recompute"),
     (SoftmaxConfig, dict(block_size=1024, threads_per_row=1024, min_blocks=4), "min_blocks"),
@@ -748,3 +790,268 @@ def test_staged_special_rows_gpu():
         got = to_f64(y, "bfloat16")
         assert not np.any(np.isnan(got)) and np.all(got[::7] == 0)
         _check(y, rw.softmax_reference(x64), "bfloat16", 1e-6, to_f64)
+
+
+# ---- cluster rows exchanging block totals by st.async + mbarrier (cluster_push) -------------------
+# (width, rows, fields, persistent grid in blocks or None).  The persistent cases shrink the grid so
+# that every cluster walks many rows: both slot sets and barrier parities are reused many times.
+PUSH_CONFIGS = [
+    (65536, 40, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, cluster_push=True,
+                     min_blocks=4), None),
+    (65536, 40, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, cluster_push=True,
+                     persistent=True, prefetch=True, min_blocks=2), 16),
+    (60000, 41, dict(threads_per_row=512, block_size=512, vecs_per_thread=4, cluster_size=4, cluster_push=True,
+                     persistent=True, min_blocks=2), 16),
+    (16384, 100, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=2, cluster_push=True,
+                      persistent=True, prefetch=True, min_blocks=2), 6),
+    (5000, 37, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2, cluster_push=True,
+                    min_blocks=4), None),
+    (65536, 40, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, persistent=True,
+                     prefetch=True, min_blocks=2), 16),     # barrier clusters, persistent + prefetch
+]
+
+
+def _push_id(case):
+    n, rows, f, grid = case
+    return f"{n}x{rows}-b{f['block_size']}c{f['cluster_size']}" + ("-push" if f.get("cluster_push") else "") + \
+        (f"-grid{grid}" if grid else "") + ("-pf" if f.get("prefetch") else "")
+
+
+def _norm_fields(fields):
+    """Norm configs of the same shape: one weight (+ bias) vector at a time within 64-80 registers."""
+    f = dict(fields)
+    if 65536 // (f["block_size"] * f.get("min_blocks", 1)) <= 80:
+        f["param_slots"] = 1
+    return f
+
+
+def test_cluster_push_knobs():
+    c = SoftmaxConfig(**_B8, threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8,
+                      cluster_push=True, persistent=True, min_blocks=4)
+    assert (c.row_class, c.min_arch, c.grid(1000, 132 * 4), c.grid(10, 132 * 4)) == ("cluster", 90, 528, 80)
+    assert c.replace(persistent=False).grid(1000, 132 * 4) == 8000
+    assert c.replace(prefetch=True).grid(1000, 132 * 4) == 528     # prefetch walks rows too
+
+
+@pytest.mark.parametrize("case", PUSH_CONFIGS, ids=_push_id)
+def test_cluster_push_configs_compile(case):
+    _, _, fields, _ = case
+    for cfg, names in ((SoftmaxConfig(**_B8, **fields), ("softmax_rows", "log_softmax_rows")),
+                       (NormConfig(**_B8, weight_dtype="bfloat16", **_norm_fields(fields)),
+                        ("rmsnorm_rows", "layernorm_rows"))):
+        for name in names:
+            k = rtk.get_kernel(cfg, name, arch="sm_90")
+            assert k.resources.spill_stores == 0, (cfg.key(), name, k.resources)
+            stats = sass_stats(k.sass)
+            assert stats["ldg_128"] >= fields["vecs_per_thread"] and stats["global_stores"] == stats["stg_128"]
+            if cfg.cluster_push:
+                # st.async pushes, an mbarrier wait, one cluster barrier (arrive + wait) before the first push
+                assert "STAS" in k.sass and "SYNCS.PHASECHK" in k.sass
+                assert k.sass.count("UCGABAR_ARV") == 1 and "LDSM" not in k.sass
+            else:
+                assert "UCGABAR_ARV" in k.sass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PUSH_CONFIGS, ids=_push_id)
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_cluster_push_rows_gpu(dtype, case, monkeypatch):
+    from rtkernels import device
+    if rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("clusters need sm_90")
+    n, rows, fields, grid = case
+    if grid:
+        monkeypatch.setattr(rw, "_resident_blocks", lambda k, cfg, _g=grid: _g)
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n + rows)
+    big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
+    x, x64 = big[:, :n], big64[:, :n]      # row stride n + 8
+    w, w64 = random_array(rng, (n,), dtype)
+    b, b64 = random_array(rng, (n,), dtype)
+    scfg = SoftmaxConfig(dtype=dtype, vec=8, **fields)
+    for log in (False, True):
+        y = rw.softmax(x, log_softmax=log, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=scfg)
+        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
+    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=8, **_norm_fields(fields))
+    _check(rw.rmsnorm(x, w, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
+           rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
+    _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
+           rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)
+
+
+_SPECIAL_VARIANTS = {   # cluster rows through pushed totals: registers or a shared-memory slice
+    "push": (dict(cluster_push=True, min_blocks=2), None),
+    "push-persistent": (dict(cluster_push=True, persistent=True, prefetch=True, min_blocks=2), 16),
+    "smem": (dict(cluster_push=True, smem_rows=True, min_blocks=6), None),
+    "smem-16blocks": (dict(cluster_push=True, smem_rows=True, min_blocks=6), 16),
+}
+
+
+def _shrink_grid(monkeypatch, fields, grid):
+    """Make every block (cluster) walk several rows: a persistent config's resident wave, or for the
+    others a grid capped at `grid` blocks (the kernels loop over rows for any grid)."""
+    if not grid:
+        return
+    if fields.get("persistent") or fields.get("prefetch"):
+        monkeypatch.setattr(rw, "_resident_blocks", lambda k, cfg, _g=grid: _g)
+    else:
+        orig = rw._RowConfig.grid
+        monkeypatch.setattr(rw._RowConfig, "grid", lambda self, rows, resident=None, _g=grid: min(orig(self, rows), _g))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(_SPECIAL_VARIANTS))
+def test_cluster_push_special_rows_gpu(variant, monkeypatch):
+    """-inf / all-equal / huge / offset / NaN rows through pushed cluster totals, one cluster per row
+    or 2 clusters walking 15 rows each."""
+    from rtkernels import device
+    if rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("clusters need sm_90")
+    extra, grid = _SPECIAL_VARIANTS[variant]
+    fields = dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, **extra)
+    _shrink_grid(monkeypatch, fields, grid)
+    cp, _, to_f64, poison, _ = _gpu()
+    n, rows = 65536, 30
+    h = np.random.default_rng(5).standard_normal((rows, n)) * 3
+    h[::6] = -np.inf
+    h[1::6] = 0.5
+    h[2::6] = np.random.default_rng(6).uniform(-1e4, 1e4, (len(h[2::6]), n))
+    h[3::6, : n // 3] = -np.inf
+    h[4::6] = -1e4
+    h[4::6, n - 1] = 1e4 / 2
+    h[5::6] += 1000                                # mean far from 0 next to a small spread (LayerNorm's M2)
+    x, x64 = _store(cp, h, "bfloat16")
+    cfg = SoftmaxConfig(dtype="bfloat16", vec=8, **fields)
+    for log in (False, True):
+        y = rw.softmax(x, out=poison(cp.empty_like(x)), log_softmax=log, dtype="bfloat16", config=cfg)
+        got = to_f64(y, "bfloat16")
+        assert not np.any(np.isnan(got))
+        if log:
+            assert np.all(got[::6] == -np.inf)
+        else:
+            assert np.all(got[::6] == 0) and np.all(got[1::6] == _ref_rounded(np.array([1 / n]), "bfloat16")[0])
+        _check(y, rw.softmax_reference(x64, log_softmax=log), "bfloat16", 1e-6 if not log else 1e-5, to_f64)
+    w = cp.full(n, 0x3F80, dtype=cp.uint16)        # 1.0
+    b = cp.zeros(n, dtype=cp.uint16)
+    ncfg = NormConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, **_norm_fields(fields))
+    fin = np.isfinite(h).all(axis=1)
+    for name, ref in (("rmsnorm", rw.rmsnorm_reference(x64[fin], np.ones(n))),
+                      ("layernorm", rw.layernorm_reference(x64[fin], np.ones(n), np.zeros(n)))):
+        y = rw.rmsnorm(x, w, out=poison(cp.empty_like(x)), dtype="bfloat16", config=ncfg) if name == "rmsnorm" else \
+            rw.layernorm(x, w, b, out=poison(cp.empty_like(x)), dtype="bfloat16", config=ncfg)
+        _check(y[cp.asarray(fin)], ref, "bfloat16", 4 * _TOL["bfloat16"], to_f64)
+    h[1, 7] = np.nan
+    x, _ = _store(cp, h, "bfloat16")
+    assert np.all(np.isnan(to_f64(rw.softmax(x, dtype="bfloat16", config=cfg), "bfloat16")[1]))
+
+
+# ---- a block's slice of the row in shared memory (smem_rows) -----------------------------------
+# (width, rows, fields, grid cap in blocks or None).  Ragged widths leave a partial slice and, at
+# 50000 over 8 slices of 1024 vectors, a block with nothing to copy; capped grids walk many rows
+# per block through the same slice (barrier before each copy, mbarrier parity flips).
+SMEM_CONFIGS = [
+    (65536, 40, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, cluster_push=True,
+                     smem_rows=True, min_blocks=6), None),
+    (65536, 40, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, cluster_push=True,
+                     smem_rows=True, min_blocks=6), 16),
+    (50000, 37, dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, cluster_push=True,
+                     smem_rows=True, min_blocks=6), None),
+    (60000, 41, dict(threads_per_row=512, block_size=512, vecs_per_thread=4, cluster_size=4, smem_rows=True,
+                     min_blocks=2), None),                     # barrier clusters
+    (16384, 100, dict(threads_per_row=256, block_size=256, vecs_per_thread=8, smem_rows=True, min_blocks=6), 8),
+    (16000, 100, dict(threads_per_row=256, block_size=256, vecs_per_thread=8, smem_rows=True, min_blocks=6), None),
+    (4000, 300, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, smem_rows=True, min_blocks=12), 16),
+    (1000, 50, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, smem_rows=True, min_blocks=12), None),
+]
+
+
+def _smem_id(case):
+    n, rows, f, grid = case
+    return f"{n}x{rows}-b{f['block_size']}v{f['vecs_per_thread']}c{f.get('cluster_size', 1)}" + \
+        ("-push" if f.get("cluster_push") else "") + (f"-grid{grid}" if grid else "")
+
+
+@pytest.mark.parametrize("cls, params, field", [
+    (SoftmaxConfig, dict(dtype="bfloat16", vec=4, threads_per_row=128, block_size=128, smem_rows=True), "smem_rows"),
+    (SoftmaxConfig, dict(_B8, threads_per_row=32, block_size=128, smem_rows=True), "smem_rows"),
+    (NormConfig, dict(_B8, weight_dtype="bfloat16", threads_per_row=128, block_size=128, two_pass=True,
+                      smem_rows=True), "smem_rows"),
+    (SoftmaxConfig, dict(_B8, threads_per_row=1024, block_size=1024, vecs_per_thread=16, smem_rows=True), "smem_rows"),
+])
+def test_smem_rows_knobs_are_validated(cls, params, field):
+    with pytest.raises(ConfigError) as e:
+        cls(**params)
+    assert field in str(e.value)
+
+
+def test_smem_rows_derived_values():
+    c = SoftmaxConfig(**_B8, threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, smem_rows=True)
+    assert (c.shared_mem_bytes, c.min_arch, c.grid(100, 1000)) == (16384, 90, 800)
+
+
+@pytest.mark.parametrize("case", SMEM_CONFIGS, ids=_smem_id)
+def test_smem_rows_compile(case):
+    _, _, fields, _ = case
+    for cfg, names in ((SoftmaxConfig(**_B8, **fields), ("softmax_rows", "log_softmax_rows")),
+                       (NormConfig(**_B8, weight_dtype="bfloat16", **_norm_fields(fields)),
+                        ("rmsnorm_rows", "layernorm_rows"))):
+        for name in names:
+            k = rtk.get_kernel(cfg, name, arch="sm_90")
+            assert k.resources.spill_stores == 0, (cfg.key(), name, k.resources)
+            stats = sass_stats(k.sass)
+            assert "UBLKCP" in k.sass and "SYNCS" in k.sass          # the bulk copy and its mbarrier wait
+            assert stats["global_stores"] == stats["stg_128"] >= 1
+            # x arrives only by the bulk copy: the only 128-bit global loads left are the weights
+            assert stats["ldg_128"] == (0 if name.endswith("softmax_rows") else stats["ldg_128"])
+            if name.endswith("softmax_rows"):
+                assert stats["ldg_128"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SMEM_CONFIGS, ids=_smem_id)
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_smem_rows_gpu(dtype, case, monkeypatch):
+    from rtkernels import device
+    if rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("bulk copies need sm_90")
+    n, rows, fields, grid = case
+    _shrink_grid(monkeypatch, fields, grid)
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n + rows + 1)
+    big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
+    x, x64 = big[:, :n], big64[:, :n]      # row stride n + 8
+    w, w64 = random_array(rng, (n,), dtype)
+    b, b64 = random_array(rng, (n,), dtype)
+    scfg = SoftmaxConfig(dtype=dtype, vec=8, **fields)
+    for log in (False, True):
+        y = rw.softmax(x, log_softmax=log, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=scfg)
+        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
+    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=8, **_norm_fields(fields))
+    _check(rw.rmsnorm(x, w, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
+           rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
+    _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
+           rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [16384, 32768, 50000, 65536, 131072])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_default_wide_rows_gpu(dtype, n):
+    """The heuristics' own configs (no config=) for the widths whose defaults the session-3 tables
+    changed (shared-memory slices over clusters, 16-bit LayerNorm tiles), 16-bit and float32 weights."""
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n + 3)
+    rows = 24
+    big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
+    x, x64 = big[:, :n], big64[:, :n]
+    for log in (False, True):
+        y = rw.softmax(x, log_softmax=log, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype)
+        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
+    for wdt in (dtype, "float32"):
+        w, w64 = random_array(rng, (n,), wdt)
+        b, b64 = random_array(rng, (n,), wdt)
+        _check(rw.rmsnorm(x, w, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype),
+               rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
+        _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype),
+               rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)

@@ -10,6 +10,16 @@ TFLOP/s = 4 * batch * seqlen_q * seqlen_k * nheads * head_dim / time, halved for
 Also: cold compile time of one config and its warm (disk-cache) load time.  Run on the GPU:
 
     PYTHONPATH=. python tools/bench_attention.py --out results/ [--quick] [--dtype bfloat16]
+    PYTHONPATH=. python tools/bench_attention.py --backward [...]    # = tools/bench_attention_bwd.py [...]
+
+The peer table in chunks of well under 60 s (one dtype, one or two head dims, no SDPA, no
+fa2 column, the best of the Triton tiles):
+
+    PYTHONPATH=. python tools/bench_attention.py --dtype float16 --head-dims 128 --seqlens 2048,4096,8192,16384 \
+        --no-sdpa --no-fa2 --no-compile-time
+
+Kernels are timed back to back (median over batches of launches, :func:`time_gpu`), so host
+launch costs - Triton's Python launcher's most of all - hide behind the GPU work.
 
 Every (seqlen, head_dim) set holds 16k x 2048 elements per tensor (64 MiB in 16 bits), more
 than L2 holds, so inputs are not rotated.  Each kernel is checked against the others' output
@@ -27,6 +37,31 @@ import benchutil as bu  # noqa: E402
 
 TOKENS = 16384
 HIDDEN = 2048
+
+
+def time_gpu(fn, warmup: int = 3, repeat: int = 10) -> float:
+    """Median milliseconds per call of ``fn`` over ``repeat`` batches of back-to-back calls (a batch
+    lasts >= ~2 ms), so the host's launch cost - larger for Triton's Python launcher - hides
+    behind the kernels instead of being timed as idle GPU between events."""
+    import statistics
+    import cupy as cp
+    for _ in range(warmup):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    batch = max(1, min(50, int(2.0 / max(cp.cuda.get_elapsed_time(start, end), 1e-3))))
+    times = []
+    for _ in range(repeat):
+        start.record()
+        for _ in range(batch):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / batch)
+    return statistics.median(times)
 
 
 def _flops(batch, sq, sk, h, d, causal):
@@ -159,7 +194,7 @@ _TRITON_TILES = {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
                  256: [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]}
 
 
-def _triton(q, k, v, causal, torch, quick):
+def _triton(q, k, v, causal, torch, quick, max_tiles=None):
     tk = _triton_kernel()
     if tk is None or torch is None:
         return None, "triton not importable"
@@ -168,7 +203,7 @@ def _triton(q, k, v, causal, torch, quick):
     o = torch.empty_like(q)
     bd = triton.next_power_of_2(d)
     key = 64 if d <= 64 else (128 if d <= 128 else 256)
-    tiles = _TRITON_TILES[key][:1 if quick else None]
+    tiles = _TRITON_TILES[key][:max_tiles or (1 if quick else None)]
     st = [x.stride(i) for x in (q, k, v, o) for i in range(3)]
 
     def bind(bm, bn, w, stages):
@@ -185,7 +220,7 @@ def _triton(q, k, v, causal, torch, quick):
             run()
         except Exception:   # noqa: BLE001  (out of shared memory for this tile, ...)
             continue
-        ms = bu.time_cuda(run, warmup=2, repeat=5) if len(tiles) > 1 else 0.0
+        ms = time_gpu(run, warmup=2, repeat=5) if len(tiles) > 1 else 0.0
         if best is None or ms < best[0]:
             best = (ms, run, t)
     if best is None:
@@ -298,14 +333,42 @@ def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
     return rows
 
 
-def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None) -> list[dict]:
-    """Time every tile of attention_sm90.tile_space at one seqlen (the data its heuristics table is
-    set from); spilling candidates are dropped after compiling, all compiled in parallel first."""
+def parse_tiles(spec: str) -> list[dict]:
+    """``"192x112ov,128x128ovpp,128x64s3"`` -> attention_sm90 tile fields (``ov``: intra_overlap,
+    ``pp``: pingpong, ``sN``: num_stages)."""
+    import re
+    out = []
+    for tok in filter(None, (t.strip() for t in spec.split(","))):
+        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?", tok)
+        if not m:
+            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp], e.g. 192x112ov or 128x128ovpp")
+        out.append(dict(block_m=int(m[1]), block_n=int(m[2]), num_stages=int(m[3] or 2), intra_overlap=bool(m[4]),
+                        pingpong=bool(m[5]), softmax_under_pv=not m[6]))
+    return out
+
+
+def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None, tiles=None,
+              causals=(False, True)) -> list[dict]:
+    """Time every tile of attention_sm90.tile_space (or the heuristic's plus ``tiles``) at one seqlen
+    (the data its heuristics table is set from); spilling candidates are dropped after compiling,
+    all compiled in parallel first."""
     import cupy as cp
     from concurrent.futures import ThreadPoolExecutor
     import rtkernels as rtk
+    from rtkernels.errors import ConfigError
     from rtkernels.ops import attention_sm90 as H
-    cands = [c for d in head_dims for causal in (False, True) for c in H.tile_space(dtype, d, causal)]
+
+    def space(d, causal):
+        if tiles is None:
+            return H.tile_space(dtype, d, causal)
+        out = [H.choose_config(dtype, d, causal)]
+        for t in tiles:
+            try:
+                out.append(H.AttentionSm90Config(dtype=dtype, head_dim=d, causal=causal, **t))
+            except ConfigError:
+                pass   # does not fit shared memory at this head dim
+        return list(dict.fromkeys(out))
+    cands = [c for d in head_dims for causal in causals for c in space(d, causal)]
 
     def build(c):
         try:
@@ -327,7 +390,7 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None) -> li
         qc, kc, vc = (as_cp(t) for t in (q, k, v))
         oc = cp.empty_like(qc)
         lse = cp.empty((b, h, seqlen), cp.float32)
-        for causal in (False, True):
+        for causal in causals:
             heur = H.choose_config(dtype, d, causal)
             flops = _flops(b, seqlen, seqlen, h, d, causal)
             for c, kern, note in built:
@@ -337,8 +400,7 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None) -> li
                 if kern is None:
                     row["note"] = note
                 else:
-                    H.launch(kern, c, qc, kc, vc, oc, lse, d ** -0.5)
-                    ms = bu.time_cuda(lambda: H.launch(kern, c, qc, kc, vc, oc, lse, d ** -0.5), warmup=2, repeat=7)
+                    ms = time_gpu(sm90_runner(kern, c, qc, kc, vc, oc, lse), warmup=2, repeat=7)
                     row["tflops"] = flops / (ms * 1e-3) / 1e12
                 rows.append(row)
                 print(row, flush=True)
@@ -348,9 +410,22 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None) -> li
     return rows
 
 
+def sm90_runner(kern, cfg, qc, kc, vc, oc, lse):
+    """A launcher of one attention_sm90 config with its tensor maps encoded once."""
+    from rtkernels.ops import attention_sm90 as H
+    b, s, h, d = qc.shape
+    maps = H.tensor_maps(cfg, qc, kc, vc, oc)
+    grid = (-(-s // cfg.block_m), h, b)
+    args = (*maps, lse, s, kc.shape[1], h // kc.shape[2], 1.0 / d ** 0.5)
+
+    def run():
+        kern.launch(grid, (cfg.threads_per_block,), *args, shared_mem=cfg.shared_mem_bytes)
+    return run
+
+
 def _short90(c) -> str:
     return (f"{c.block_m}x{c.block_n} s{c.num_stages}" + (" ov" if c.intra_overlap else "")
-            + (" pp" if c.pingpong else ""))
+            + (" pp" if c.pingpong else "") + ("" if c.softmax_under_pv or not c.intra_overlap else " early"))
 
 
 def _short(cfg) -> str:
@@ -365,19 +440,38 @@ def _short_key(key: str) -> str:
 
 
 def main():
+    if "--backward" in sys.argv[1:]:
+        # the backward's table (rtk vs SDPA flash/cuDNN backward, deterministic, forward+backward)
+        # lives in its own script; this flag is the entry point the issue names
+        sys.argv.remove("--backward")
+        import bench_attention_bwd
+        return bench_attention_bwd.main()
     p = bu.parser(__doc__)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--head-dims", default="64,128,256,80,96")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton peer")
     p.add_argument("--no-fa2", action="store_true", help="skip timing the mma.sync kernel beside the sm_90 one")
+    p.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA peers (flash, cuDNN)")
+    p.add_argument("--no-compile-time", action="store_true", help="skip the cold-compile / warm-load timing")
+    p.add_argument("--causal", default="both", choices=["both", "false", "true"], help="which masks to time")
+    p.add_argument("--triton-tiles", type=int, default=None,
+                   help="Triton tile candidates timed per shape, best kept (default: all; 1 with --quick)")
+    p.add_argument("--tag", default="", help="suffix of the JSON/PNG names (several chunks into one --out)")
+    p.add_argument("--tiles", default=None, help="--tune-sm90: the heuristic's tile plus these (e.g. "
+                                                 "192x112ov,128x176ovpp) instead of attention_sm90.tile_space")
     p.add_argument("--tune-sm90", action="store_true", help="time every sm_90 tile candidate (seqlen 4096 or the "
                                                             "last --seqlens) instead of the peer comparison")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     args = p.parse_args()
+    t_start = time.perf_counter()
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
+    if args.no_sdpa:
+        peers = {}
+    causals = {"both": (False, True), "false": (False,), "true": (True,)}[args.causal]
+    sfx = f"_{args.tag}" if args.tag else ""
     head_dims = [int(x) for x in args.head_dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     if args.quick:   # the head dims asked for (default 64, 128, 256) at seqlen 4096: well under 90 s
@@ -389,8 +483,9 @@ def main():
     cp.cuda.Device().synchronize()   # create the CUDA context first: it is not part of a warm start
     if args.tune_sm90:
         def save(rows):
-            bu.save(args.out, "bench_attention_tune_sm90", {"env": env, "dtype": args.dtype, "rows": rows})
-        rows = tune_sm90(head_dims, args.dtype, torch, seqlens[-1] if "--seqlens" in sys.argv else 4096, save)
+            bu.save(args.out, "bench_attention_tune_sm90" + sfx, {"env": env, "dtype": args.dtype, "rows": rows})
+        rows = tune_sm90(head_dims, args.dtype, torch, seqlens[-1] if "--seqlens" in sys.argv else 4096, save,
+                         parse_tiles(args.tiles) if args.tiles else None, causals)
         print(bu.table(rows, ["head_dim", "causal", "tile", "heuristic", "tflops", "note"]))
         return
     if args.tune:
@@ -400,18 +495,21 @@ def main():
         print(bu.table(rows, ["head_dim", "causal", "heuristic", "heuristic_tflops", "best1", "best1_tflops",
                               "best2", "best2_tflops", "best3", "best3_tflops"]))
         return
-    ct = compile_times(args.dtype)
+    ct = None if args.no_compile_time else compile_times(args.dtype)
     rows = []
+
+    def save_rows():   # after each head dim: a run cut short still leaves its rows
+        bu.save(args.out, "bench_attention" + sfx, {"env": env, "dtype": args.dtype, "compile": ct, "rows": rows})
     for d in head_dims:
         h = HIDDEN // d
-        for causal in (False, True):
+        for causal in causals:
             for s in seqlens:
                 b = max(1, TOKENS // s)
                 q, k, v = _inputs(b, s, h, d, args.dtype, torch)
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
                 run, o_ours, tag = _ours(q, k, v, causal, args.dtype, torch)
                 row["config"] = tag
-                ms = bu.time_cuda(run, warmup=warmup, repeat=repeat)
+                ms = time_gpu(run, warmup=warmup, repeat=repeat)
                 flops = _flops(b, s, s, h, d, causal)
                 row["rtk_ms"] = ms
                 row["rtk_tflops"] = flops / (ms * 1e-3) / 1e12
@@ -419,17 +517,17 @@ def main():
                     frun, o_fa2, ftag = _ours(q, k, v, causal, args.dtype, torch, hopper=False)
                     row["fa2_config"] = ftag
                     row["fa2_maxdiff"] = _max_diff(o_ours, o_fa2, torch)
-                    row["fa2_tflops"] = flops / (bu.time_cuda(frun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                    row["fa2_tflops"] = flops / (time_gpu(frun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                     row["ratio_vs_fa2"] = row["rtk_tflops"] / row["fa2_tflops"]
                     del o_fa2
                 if not args.no_triton:
-                    trun, tout = _triton(q, k, v, causal, torch, args.quick)
+                    trun, tout = _triton(q, k, v, causal, torch, args.quick, args.triton_tiles)
                     if trun is None:
                         row["triton_tflops"], row["triton_note"] = None, tout
                     else:
                         row["triton_config"] = tout[1]
                         row["triton_maxdiff"] = _max_diff(o_ours, tout[0], torch)
-                        row["triton_tflops"] = flops / (bu.time_cuda(trun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["triton_tflops"] = flops / (time_gpu(trun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                         row["ratio_vs_triton"] = row["rtk_tflops"] / row["triton_tflops"]
                 for name, backend in peers.items():
                     prun, out = _sdpa(q, k, v, causal, backend, torch)
@@ -438,16 +536,16 @@ def main():
                         row[f"{name}_note"] = out
                         continue
                     row[f"{name}_maxdiff"] = _max_diff(o_ours, out, torch)
-                    pms = bu.time_cuda(prun, warmup=warmup, repeat=repeat)
+                    pms = time_gpu(prun, warmup=warmup, repeat=repeat)
                     row[f"{name}_tflops"] = flops / (pms * 1e-3) / 1e12
                     row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
                 rows.append(row)
                 print(row, flush=True)
                 del q, k, v, o_ours
-    bu.save(args.out, "bench_attention", {"env": env, "dtype": args.dtype, "compile": ct, "rows": rows})
+        save_rows()
     for d in head_dims:
         series = {}
-        for causal in (False, True):
+        for causal in causals:
             sel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
             tag = "causal" if causal else "non-causal"
             series[f"rtk {tag}"] = ([r["seqlen"] for r in sel], [r["rtk_tflops"] for r in sel])
@@ -455,7 +553,7 @@ def main():
                 pts = [(r["seqlen"], r[f"{name}_tflops"]) for r in sel if r.get(f"{name}_tflops")]
                 if pts:
                     series[f"{name} {tag}"] = tuple(map(list, zip(*pts)))
-        bu.plot(args.out, f"bench_attention_d{d}", series, "seqlen", "TFLOP/s",
+        bu.plot(args.out, f"bench_attention{sfx}_d{d}", series, "seqlen", "TFLOP/s",
                 f"attention fwd {args.dtype} head_dim={d} ({env['gpu']})")
 
     cols = ["head_dim", "causal", "seqlen", "batch", "config", "rtk_tflops"]
@@ -464,9 +562,11 @@ def main():
             cols += [f"{name}_tflops", f"ratio_vs_{name}"]
     print(f"\n{env['gpu']} ({env['arch']}, {env['sms']} SMs), driver {env['driver']}, NVRTC {env['nvrtc']}, "
           f"{args.dtype}, {env['date']}" + (f", torch {env['torch']}" if torch else " (torch absent: no peers)"))
-    print(f"cold compile ({ct['config']}): {ct['cold_compile_s'] * 1e3:.0f} ms; "
-          f"warm disk load: {ct['warm_disk_load_s'] * 1e3:.1f} ms")
+    if ct:
+        print(f"cold compile ({ct['config']}): {ct['cold_compile_s'] * 1e3:.0f} ms; "
+              f"warm disk load: {ct['warm_disk_load_s'] * 1e3:.1f} ms")
     print(bu.table(rows, cols))
+    print(f"({time.perf_counter() - t_start:.0f} s)")
 
 
 if __name__ == "__main__":

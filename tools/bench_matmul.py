@@ -6,25 +6,28 @@ Run on a GPU host:  PYTHONPATH=. python tools/bench_matmul.py [--quick] [--dtype
   quantization); FLOPs = 2 M N K;
 * columns, all timed in the same run: cuBLAS through torch.matmul (bfloat16; CuPy has no bfloat16)
   or cupy.matmul (float16); ``rtk`` = what rtk.matmul runs (on sm_90 the TMA + wgmma kernel of
-  ops/matmul_sm90.py, elsewhere the mma.sync kernel); ``mma.sync`` = the sm_80 kernel launched
-  directly with its heuristic config; ``triton`` = a plain tiled Triton matmul (128x256x64 tiles,
-  grouped order, 3 stages, 8 warps: the kernel a user would otherwise write), where triton imports;
+  ops/matmul_sm90.py, elsewhere the mma.sync kernel); on sm_90 also ``mma_sync`` = rtk.matmul with
+  the Hopper path turned off (ops.matmul.USE_SM90), i.e. the mma.sync kernel with its heuristic
+  config, as sm_80-89 run it; ``triton`` = a plain tiled Triton matmul (128x256x64 tiles, grouped
+  order, 3 stages, 8 warps: the kernel a user would otherwise write), where triton imports, and on
+  sm_90 ``triton_mma_sync`` = the same kernel compiled with DISABLE_MMA_V3=1 (Triton's mma.sync
+  code generation: the peer of the mma.sync kernel);
 * with --tune (not in --quick), rtk with the autotuner (RTKERNELS_AUTOTUNE=1, tuning file in a
   temporary folder so an old winner cannot leak in);
-* fused bias + GELU at 4096^3 vs cuBLAS (bias fused by cuBLAS in addmm) + a separate GELU pass;
+* fused bias + GELU at 4096^3 vs cuBLAS (bias fused by cuBLAS in addmm) + a separate GELU pass
+  (on sm_90 for both kernels);
 * inputs rotate among enough copies to exceed twice the L2; CUDA events, warm-up, median; every
   timed call is queued behind a spin kernel (bench_membound.time_gpu), so the columns are kernel
   time and the host's per-call cost of rtk.matmul (Python checks, tensor maps, launch) is reported
-  separately as ``rtk_host_us``;
-* the mma.sync column is timed last, after the table is saved; on sm_90 only with --mma-sync
-  (MMA_SYNC_NOTE).
+  separately as ``rtk_host_us``.
 Prints a table last; writes matmul.json and matmul.png (TFLOP/s vs size, waves annotated).
 
 --sweep (alone, well under 4 minutes): bfloat16 4096^3 and 8192^3 for each config of SWEEP
-(mma.sync tile, k-depth, stages, warps, group order) launched directly, beside cuBLAS, plus the
+(mma.sync tile, k-depth, stages, warps, group order, refill order) launched directly, beside cuBLAS, plus the
 fused bias + GELU of the best ones vs cuBLAS addmm + GELU; prints one compact table last and
 writes matmul_sweep.json.  --sweep-sm90 does the same for the Hopper kernel's SWEEP_SM90.
-They are how the heuristics tables are set.
+They are how the heuristics tables are set.  --ceiling: the mma.sync ceilings of the device
+(HMMA from registers, and fed by the kernel's ldmatrix pattern), one 8-warp CTA per SM.
 """
 from __future__ import annotations
 
@@ -42,8 +45,13 @@ SIZES = [256, 512, 1024, 1536, 1792, 1793, 2048, 3072, 4095, 4096, 6144, 8192]
 QUICK = [1024, 1793, 4096, 8192]
 
 
-def triton_matmul():
-    """A plain tiled Triton matmul (None without triton): ``run(a, b, out)`` for 2-D torch tensors."""
+def triton_matmul(mma_sync: bool = False):
+    """A plain tiled Triton matmul (None without triton): ``run(a, b, out)`` for 2-D torch tensors.
+
+    ``mma_sync``: compiled with DISABLE_MMA_V3=1, which makes Triton lower ``tl.dot`` to mma.sync
+    instead of wgmma on Hopper (the flag is read when the kernel compiles, on its first call, and
+    is part of Triton's cache key; each call of this function makes a new kernel object).
+    """
     try:
         import triton
         import triton.language as tl
@@ -76,12 +84,25 @@ def triton_matmul():
         c_p = c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn
         tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    def run(a, b, out):
+    def launch(a, b, out):
         M, K = a.shape
         N = b.shape[1]
         grid = (triton.cdiv(M, 128) * triton.cdiv(N, 256),)
         kernel[grid](a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                      out.stride(1), BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3)
+
+    def run(a, b, out):
+        if not mma_sync:
+            return launch(a, b, out)
+        old = os.environ.get("DISABLE_MMA_V3")
+        os.environ["DISABLE_MMA_V3"] = "1"
+        try:
+            launch(a, b, out)
+        finally:
+            if old is None:
+                os.environ.pop("DISABLE_MMA_V3", None)
+            else:
+                os.environ["DISABLE_MMA_V3"] = old
     return run
 
 
@@ -92,14 +113,23 @@ def main() -> None:
     p.add_argument("--no-tune", action="store_true", help=argparse_suppress())
     p.add_argument("--sweep", action="store_true", help="only the mma.sync config sweep at 4096^3 / 8192^3")
     p.add_argument("--sweep-sm90", action="store_true", help="only the sm_90 config sweep at 4096^3 / 8192^3")
-    p.add_argument("--mma-sync", action="store_true",
-                   help="add the mma.sync kernel's column on sm_90 (timed last; see MMA_SYNC_NOTE)")
+    p.add_argument("--no-mma-sync", action="store_true",
+                   help="on sm_90, skip the mma.sync kernel's and Triton's mma.sync columns")
+    p.add_argument("--mma-sync", action="store_true", help=argparse_suppress())   # the default now
+    p.add_argument("--ceiling", action="store_true",
+                   help="only the mma.sync ceilings of this device (HMMA from registers; fed by ldmatrix)")
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="comma-separated square sizes instead of the default list")
+    p.add_argument("--fused-n", type=int, default=4096, help="size of the fused bias + GELU comparison")
     args = p.parse_args()
     if args.sweep:
         sweep(args)
         return
     if args.sweep_sm90:
         sweep_sm90(args)
+        return
+    if args.ceiling:
+        ceiling(args)
         return
     tune = args.tune and not args.quick
     os.environ.setdefault("RTKERNELS_AUTOTUNE", "0")
@@ -111,7 +141,6 @@ def main() -> None:
     from rtkernels import arch, autotune, device
     from rtkernels.ops import matmul as mm
     from rtkernels.ops import matmul_sm90 as m90
-    from rtkernels.ops._arrays import as_device_array
 
     tdt = getattr(torch, args.dtype)
     l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice()).get("l2CacheSize", 50 << 20))
@@ -119,6 +148,18 @@ def main() -> None:
     on_sm90 = device.current_arch() == "sm_90"
     repeat = 10 if args.quick else 20
     tri = triton_matmul()
+    with_mma = on_sm90 and not args.no_mma_sync
+    tri_mma = triton_matmul(mma_sync=True) if with_mma else None
+
+    def mma_sync(fn):
+        """``fn`` through rtk.matmul with the Hopper path off: the mma.sync kernel, as sm_80-89 run it."""
+        def run(*a, **kw):
+            old, mm.USE_SM90 = mm.USE_SM90, False
+            try:
+                return fn(*a, **kw)
+            finally:
+                mm.USE_SM90 = old
+        return run
 
     def sets_for(n, k, m, extra=()):
         per = 2 * (n * k + k * m + n * m)
@@ -135,21 +176,6 @@ def main() -> None:
             return cp.matmul(cp.from_dlpack(a), cp.from_dlpack(b))
         return torch.matmul(a, b)
 
-    def mma_sync(n, bias=None, act="none"):
-        """The mma.sync kernel on an n^3 row-major problem, launched directly: run(a, b, out)."""
-        vec = next(v for v in (8, 4, 2, 1) if n % v == 0)   # as rtk.matmul picks for n-element rows
-        cfg = mm.heuristic_config(args.dtype, n, n, n, sm_count=sms, a_kmajor=True, b_kmajor=False, vec_a=vec,
-                                  vec_b=vec, has_bias=bias is not None, activation=act)
-        k_ = rtk.get_kernel(cfg)
-        tiles = -(-n // cfg.block_m) * -(-n // cfg.block_n)
-
-        def run(a, b, out, bias=None):
-            cv = as_device_array(out, "bench", "out")
-            k_.launch((tiles, 1, 1), (cfg.threads_per_block, 1, 1), as_device_array(a, "bench", "a"),
-                      as_device_array(b, "bench", "b"), None if bias is None else as_device_array(bias, "bench", "bias"),
-                      cv, n, n, n, n, n, n, 0, 0, 0, 8 if vec == 8 else 1, shared_mem=cfg.shared_mem_bytes)
-        return run, cfg
-
     def rel_err(got, ref):
         return float(((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
 
@@ -159,13 +185,15 @@ def main() -> None:
         return time_gpu(fn, sets, repeat=repeat)[0]
 
     rows = []
-    for n in (QUICK if args.quick else SIZES):
+    for n in args.sizes or (QUICK if args.quick else SIZES):
         sets = sets_for(n, n, n)
         outs = [torch.empty(n, n, device="cuda", dtype=tdt) for _ in range(2)]
         flops = 2.0 * n ** 3
         ms_peer = timed(peer_mm, sets)
         ms_rtk, host_us, drained = time_gpu(lambda a, b: rtk.matmul(a, b, out=outs[0]), sets, repeat=repeat)
-        cfg_mma = mma_sync(n)[1]
+        vec = next(v for v in (8, 4, 2, 1) if n % v == 0)   # as rtk.matmul picks for n-element rows
+        cfg_mma = mm.heuristic_config(args.dtype, n, n, n, sm_count=sms, a_kmajor=True, b_kmajor=False, vec_a=vec,
+                                      vec_b=vec)
         if on_sm90 and n % 8 == 0:
             cfg = m90.heuristic_config(args.dtype, n, n, n, sm_count=sms)
             tiles = arch.matmul_tiles(n, n, cfg.block_m, cfg.block_n)
@@ -182,11 +210,18 @@ def main() -> None:
         ref = peer_mm(*sets[0][:2])
         ref_t = torch.from_dlpack(ref) if not isinstance(ref, torch.Tensor) else ref
         row["max_rel_err"] = rel_err(rtk.matmul(*sets[0][:2], out=outs[1]), ref_t)
+        if with_mma:
+            run_mma = mma_sync(lambda a, b: rtk.matmul(a, b, out=outs[0]))
+            row["mma_sync_tflops"] = flops / timed(run_mma, sets) / 1e9
+            row["mma_sync_tile"] = f"{cfg_mma.block_m}x{cfg_mma.block_n}x{cfg_mma.block_k}/{cfg_mma.num_stages}"
+            row["mma_sync_err"] = rel_err(mma_sync(rtk.matmul)(*sets[0][:2], out=outs[1]), ref_t)
         if tri is not None:
             ms_tri = timed(lambda a, b: tri(a, b, outs[0]), sets)
             row["triton_tflops"] = flops / ms_tri / 1e9
             tri(*sets[0][:2], outs[1])
             row["triton_err"] = rel_err(outs[1], ref_t)
+        if tri_mma is not None:
+            row["triton_mma_sync_tflops"] = flops / timed(lambda a, b: tri_mma(a, b, outs[0]), sets) / 1e9
         if tune:
             old = os.environ.get("RTKERNELS_CACHE_DIR")
             os.environ["RTKERNELS_AUTOTUNE"] = "1"
@@ -211,7 +246,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # fused bias + GELU vs cuBLAS (bias in its epilogue) + one GELU pass
-    n = 4096
+    n = args.fused_n
     sets = sets_for(n, n, n, extra=(lambda: torch.randn(n, device="cuda", dtype=tdt),))
     out = torch.empty(n, n, device="cuda", dtype=tdt)
     ms_fused = timed(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out), sets)
@@ -223,39 +258,28 @@ def main() -> None:
     fused = {"n": n, "rtk_fused_ms": ms_fused, "rtk_plain_ms": ms_plain, "cublas_plus_gelu_ms": ms_sep,
              "speedup": ms_sep / ms_fused, "fused_tflops": 2.0 * n ** 3 / ms_fused / 1e9,
              "max_rel_err": rel_err(got, ref)}
+    if with_mma:
+        ms_mf = timed(mma_sync(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out)), sets)
+        fused.update(mma_sync_fused_ms=ms_mf, mma_sync_plain_ms=timed(mma_sync(lambda a, b, bias: rtk.matmul(
+            a, b, out=out)), sets), mma_sync_speedup=ms_sep / ms_mf,
+            mma_sync_err=rel_err(mma_sync(rtk.matmul)(a, b, bias=bias, activation="gelu"), ref))
 
     env = benchutil.environment()
     env["triton"] = __import__("triton").__version__ if tri is not None else None
     payload = {"environment": env, "dtype": args.dtype, "square": rows, "fused_bias_gelu": fused}
     benchutil.save(args.out, "matmul", payload)
     _plot(args.out, rows, args.dtype, payload["environment"])
-    if args.mma_sync or not on_sm90:
-        # last: the kernel rtk.matmul ran before the sm_90 path, for the record (after the save, so a
-        # failure here loses nothing above)
-        for row in rows:
-            n = row["n"]
-            sets = sets_for(n, n, n)
-            outs = [torch.empty(n, n, device="cuda", dtype=tdt) for _ in range(2)]
-            run_mma = mma_sync(n)[0]
-            row["mma_sync_tflops"] = 2.0 * n ** 3 / timed(lambda a, b: run_mma(a, b, outs[0]), sets) / 1e9
-            del sets, outs
-        benchutil.save(args.out, "matmul", payload)
     cols = ["n", "cublas_tflops", "rtk_tflops", "vs_cublas", "rtk_host_us"]
+    cols += ["mma_sync_tflops", "mma_sync_tile"] if with_mma else []
     cols += ["triton_tflops"] if tri is not None else []
-    cols += ["mma_sync_tflops"] if args.mma_sync or not on_sm90 else []
+    cols += ["triton_mma_sync_tflops"] if tri_mma is not None else []
     cols += ["tuned_tflops", "tuned_tile"] if tune else []
     print(f"{payload['environment']['gpu']}  {args.dtype}  ({sms} SMs)  rtk = {'sm_90 TMA+wgmma' if on_sm90 else 'mma.sync'}"
           "  (kernel time; rtk_host_us = host cost per rtk.matmul call)")
     print(benchutil.table(rows, cols + ["tile", "waves", "tail", "max_rel_err"]))
     print(benchutil.table([fused], ["n", "rtk_fused_ms", "rtk_plain_ms", "cublas_plus_gelu_ms", "speedup",
-                                    "fused_tflops", "max_rel_err"]))
-
-
-# On the H200 (driver 13.0), three back-to-back launches of the mma.sync kernel's 64x64x32 / 4-warp
-# config at n = 1024 (bf16, even K) in this script end in cudaErrorMisalignedAddress; one launch,
-# or thirteen with a synchronize after each, in a fresh process do not.  Under investigation; the
-# sm_90 path does not use that kernel for TMA-addressable inputs.
-MMA_SYNC_NOTE = "see the comment above"
+                                    "fused_tflops", "max_rel_err"] +
+                          (["mma_sync_fused_ms", "mma_sync_plain_ms", "mma_sync_speedup"] if with_mma else [])))
 
 
 def argparse_suppress():
@@ -354,6 +378,9 @@ def sweep_sm90(args) -> None:
 # (label, MatmulConfig fields): every variant the lead compares in one --sweep run.
 SWEEP = [
     ("128x256x32/4 g8", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2)),
+    ("128x256x32/4 copies first", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2,
+                                       ldsm_first=False)),
+    ("128x256x64/4 g8", dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, warps_m=2)),
     ("128x256x32/3 g8", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=3, warps_m=2)),
     ("128x256x32/4 g16", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2,
                               group_m=16)),
@@ -440,6 +467,127 @@ def sweep(args) -> None:
     print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["regs", "fused 4096 (x sep)"]))
 
 
+CEILING_SRC = r"""
+// mma.sync ceilings of this device for the matmul kernel's 64 x 64 warp tile (bf16, f32 accumulate):
+// hmma_regs issues only HMMAs on register fragments; hmma_ldsm feeds each k16 step with the
+// kernel's 8 ldmatrix.x4 (4 for A, 4 .trans for B) from a swizzled shared tile, double-buffered,
+// without global loads or barriers.  8 warps per CTA, one CTA per SM (as the 128 x 256 tile).
+#include "rtk/gemm.cuh"
+
+extern "C" __global__ void __launch_bounds__(256, 1) hmma_regs(float* out, int iters) {
+    unsigned a[4][4], b[8][2];
+    float acc[4][8][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[i][e] = (threadIdx.x * 2654435761u + i * 97 + e) & 0x3f803f80u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) b[j][e] = (threadIdx.x * 40503u + j * 31 + e) & 0x3f803f80u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) rtk::mma_m16n8k16<__nv_bfloat16>(acc[i][j], a[i], b[j][0], b[j][1]);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s += acc[i][j][e];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) hmma_ldsm(float* out, int iters) {
+    // A: 128 x 32 K-major (64-byte rows), B: 32 x 256 N-major, one stage of the real kernel
+    __shared__ __align__(128) unsigned short sa[128 * 32], sb[32 * 256];
+    for (int i = threadIdx.x; i < 128 * 32; i += 256) sa[i] = (unsigned short)(0x3f80 ^ (i & 0x7f));
+    for (int i = threadIdx.x; i < 32 * 256; i += 256) sb[i] = (unsigned short)(0x3f80 ^ (i & 0x3f));
+    __syncthreads();
+    const unsigned base_a = rtk::smem_addr(sa), base_b = rtk::smem_addr(sb);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm0 = (warp / 4) * 64, wn0 = (warp % 4) * 64;
+    const int j8 = lane >> 3, l8 = lane & 7;
+    unsigned offa[2], offb[4];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) offa[s] = base_a + 2 * rtk::swizzle<32>(wm0 + (j8 & 1) * 8 + l8, (j8 >> 1) * 8 + 16 * s);
+#pragma unroll
+    for (int f = 0; f < 4; ++f) offb[f] = base_b + 2 * rtk::swizzle<256>((j8 & 1) * 8 + l8, wn0 + (j8 >> 1) * 8 + 16 * f);
+    unsigned af[2][4][4], bf[2][8][2];
+    float acc[4][8][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    auto load = [&](int buf, int s) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rtk::ldsm_x4_s<false>(af[buf][i], offa[s] + i * 16 * 64);
+#pragma unroll
+        for (int f = 0; f < 4; ++f) {
+            unsigned r[4];
+            rtk::ldsm_x4_s<true>(r, offb[f] + s * 16 * 512);
+            bf[buf][2 * f][0] = r[0]; bf[buf][2 * f][1] = r[1]; bf[buf][2 * f + 1][0] = r[2]; bf[buf][2 * f + 1][1] = r[3];
+        }
+    };
+    load(0, 0);
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            load((s + 1) & 1, (s + 1) & 1);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    rtk::mma_m16n8k16<__nv_bfloat16>(acc[i][j], af[s][i], bf[s][j][0], bf[s][j][1]);
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s += acc[i][j][e];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+
+
+def ceiling(args) -> dict:
+    """TFLOP/s of bf16 mma.sync m16n8k16 on this device with the kernel's 64 x 64 warp tile, one
+    8-warp CTA per SM: HMMAs alone, and HMMAs fed by the kernel's ldmatrix pattern from shared
+    memory.  What the matmul kernel can reach at most, before global loads and barriers."""
+    import cupy as cp
+    import rtkernels as rtk
+    from rtkernels import device
+    sms = device.sm_count()
+    t = rtk.Template(CEILING_SRC, name="matmul_ceiling")
+    out = cp.empty(sms * 4 * 256, cp.float32)
+    res = {}
+    for name, hmma_per_iter in (("hmma_regs", 32), ("hmma_ldsm", 64)):
+        k = rtk.compile(t, kernel=name)
+        for grid in (sms, 4 * sms):
+            iters = 4096 if name == "hmma_regs" else 2048
+            ms = benchutil.time_cuda(lambda: k.launch((grid, 1, 1), (256, 1, 1), out, iters), repeat=5)
+            res[f"{name} grid={grid // sms}xSMs"] = round(grid * 8 * iters * hmma_per_iter * 4096 / ms / 1e9)
+    env = benchutil.environment()
+    benchutil.save(args.out, "matmul_ceiling", {"environment": env, "tflops": res})
+    print(f"{env['gpu']}  bf16 mma.sync m16n8k16 ceilings (TFLOP/s), 8 warps x 64x64 warp tiles per CTA")
+    print(benchutil.table([res], list(res)))
+    return res
+
+
 def _plot(out, rows, dtype, env):
     try:
         import matplotlib
@@ -453,6 +601,8 @@ def _plot(out, rows, dtype, env):
     ax.plot(xs, [r["rtk_tflops"] for r in rows], marker="s", label="rtk (heuristic)")
     if "mma_sync_tflops" in rows[0]:
         ax.plot(xs, [r["mma_sync_tflops"] for r in rows], marker="v", label="rtk mma.sync kernel")
+    if "triton_mma_sync_tflops" in rows[0]:
+        ax.plot(xs, [r["triton_mma_sync_tflops"] for r in rows], marker="+", label="Triton mma.sync")
     if "triton_tflops" in rows[0]:
         ax.plot(xs, [r["triton_tflops"] for r in rows], marker="x", label="Triton (plain tiled)")
     if "tuned_tflops" in rows[0]:

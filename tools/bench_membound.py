@@ -187,6 +187,9 @@ def _label(cfg) -> str:
                                           (getattr(cfg, "ring_rows", 0), f" ring{getattr(cfg, 'ring_rows', 0)}"),
                                           (getattr(cfg, "bulk_stages", 0), f" bulk{getattr(cfg, 'bulk_stages', 0)}"),
                                           (cfg.min_blocks > 1, f" mb{cfg.min_blocks}"),
+                                          (getattr(cfg, "cluster_push", False), " push"),
+                                          (getattr(cfg, "persistent", False), " pers"),
+                                          (getattr(cfg, "smem_rows", False), " smem"),
                                           (getattr(cfg, "param_slots", 4) != 4, f" ps{getattr(cfg, 'param_slots', 4)}"))
                     if flag)
     if not getattr(cfg, "streaming", True):
@@ -200,12 +203,25 @@ def _label(cfg) -> str:
 # (-1 to -6% with a persistent grid; clusters -25 to -60%) except RMSNorm 16k (+1%).  Round 2 timed
 # cache hints, block shapes and two-pass chunking (the winners are in rowwise's tables).  Round 3:
 # LayerNorm tiles with fewer registers (more resident blocks): 128x4 at 80 registers won at 4k.
+# Session 3, round 1: cluster rows whose block totals travel by st.async + mbarrier (push) instead
+# of two cluster barriers per row: 64k softmax 80.0% / RMSNorm 77.7% (two passes 76.9 / 73.2),
+# LayerNorm 67% either way; a persistent cluster grid (with or without prefetch) lost 14-35%.
+# Round 2: rows landing in shared memory by one bulk copy per block (smem_rows), read back twice
+# or three times, so registers no longer cap the blocks (and bytes in flight) per SM: 64k softmax
+# 81.7%, RMSNorm 80.7%, LayerNorm 72.1% (4 blocks x 256x8 or 512x4); at 4k-16k the register
+# tiles stayed ahead (the new defaults are in rowwise's table).  Round 3 timed the new defaults
+# against the ones they replaced at 4k-256k; 256k then switched to 8 x 512x8 slices (+13-17%).
 CANDIDATE_WIDTHS = (4096, 16384, 65536, 1024, 262144)   # the targets first
-_CANDIDATES = {
-    4096: [(128, 4, 1, None, dict(min_blocks=7, param_slots=1)), (128, 4, 1, None, dict(min_blocks=6, param_slots=2)),
-           (128, 4, 1, None, dict(min_blocks=6, param_slots=1)), (256, 2, 1, None, dict(min_blocks=3, param_slots=1))],
-    16384: [(512, 4, 1, None, dict(prefetch=True, param_slots=1)), (512, 4, 1, None, dict(param_slots=1))],
-    65536: [(512, 2, 1, None, dict(two_pass=True, param_slots=1)), (256, 4, 1, None, dict(two_pass=True, param_slots=1))],
+_PUSH = dict(cluster_push=True)
+_SPUSH = dict(smem_rows=True, cluster_push=True)
+_CANDIDATES = {   # round 3: the new defaults ("new") against the defaults they replaced
+    4096: [(128, 4, 1, None, dict(min_blocks=6, param_slots=2))],
+    16384: [(512, 4, 1, None, dict(prefetch=True))],
+    32768: [(512, 8, 1, None, {}), (512, 4, 1, None, dict(two_pass=True)), (512, 2, 1, None, dict(two_pass=True))],
+    65536: [(512, 4, 1, None, dict(two_pass=True)), (512, 2, 1, None, dict(two_pass=True)),
+            (256, 4, 8, None, dict(_PUSH, min_blocks=3))],
+    131072: [(512, 4, 1, None, dict(two_pass=True))],
+    262144: [(512, 8, 8, None, dict(_SPUSH, min_blocks=3)), (256, 16, 8, None, dict(_SPUSH, min_blocks=3))],
 }
 
 
@@ -217,14 +233,17 @@ def _candidate_configs(op, dtype, n, arch):
     cls = rw.SoftmaxConfig if family == "softmax" else rw.NormConfig
     new = rw.plan(family, n, dtype, 8, arch, weight_dtype=extra.get("weight_dtype"), layer=op == "layernorm")
     out = [("new", new)]
-    if new.streaming:
-        out.append(("alt", new.replace(streaming=False)))
     for block, v, cluster, tpr, fields in _CANDIDATES.get(n, []):
         f = dict(dtype=dtype, vec=8, threads_per_row=tpr or block, block_size=block, vecs_per_thread=v,
                  cluster_size=cluster, **fields, **extra)
-        if family == "norm" and f.get("min_blocks", 1) * block >= 1024 and f.get("ring_rows"):
-            f["param_slots"] = 1     # 64 registers: weight (+ bias) one vector at a time
-        if family == "softmax" and v >= 8 and not f.get("two_pass"):
+        if family == "softmax":
+            f.pop("param_slots", None)
+        if op in rw._PLAIN_HINTS_SM90_16BIT and not f.get("two_pass"):
+            f["streaming"] = False   # as plan() does for resident softmax / RMSNorm rows
+        cap = 65536 // (block * f.get("min_blocks", 1))
+        if family == "norm" and cap <= 96 and "param_slots" not in fields:
+            f["param_slots"] = 1 if cap <= 64 else 2   # weight (+ bias) vectors in flight within the cap
+        if family == "softmax" and v >= 8 and not f.get("two_pass") and not f.get("smem_rows"):
             f["recompute"] = True
         try:
             c = cls(**f)
@@ -276,7 +295,8 @@ def candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, budget_s):
     rows, best_rows = [], []
     dtype = args.sweep_dtype
     t0 = time.time()
-    for n in CANDIDATE_WIDTHS:
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else CANDIDATE_WIDTHS
+    for n in widths:
         nrows = max(1, DATA_BYTES // (n * 2))
         sets = _inputs(cp, nrows, n, dtype)
         nbytes = 2 * nrows * n * 2
@@ -290,7 +310,7 @@ def candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, budget_s):
                 try:
                     k = get_kernel(cfg, kernel)
                     r["regs"], r["spill"] = k.resources.registers, k.resources.spill_stores
-                    if k.resources.spill_stores > 64 and name == "alt":
+                    if k.resources.spill_stores and name == "alt":
                         r["skipped"] = f"spills {k.resources.spill_stores} B"
                         rows.append(r)
                         continue
@@ -300,6 +320,9 @@ def candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, budget_s):
                 except Exception as exc:   # a candidate that fails must not sink the run
                     r["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 rows.append(r)
+                print(f"cand {op} {n} {name} {r['config']}: regs {r.get('regs')} spill {r.get('spill')} " +
+                      (f"{r['GBs']:.0f} GB/s {r['%copy']:.1f}%" if "GBs" in r else
+                       str(r.get("skipped") or r.get("error"))[:120]), flush=True)
                 if "GBs" in r:
                     res.append(r)
             if res:
@@ -420,6 +443,8 @@ def main():
     p.add_argument("--candidates", type=float, default=0, metavar="SECONDS",
                    help="only time the candidate configs per width (about SECONDS for the alternatives) and the "
                         "references (copy and elementwise at 64 / 512 MiB, row ops at 512 MiB), then print them")
+    p.add_argument("--widths", default="", help="comma-separated widths for --candidates (default: all)")
+    p.add_argument("--no-references", action="store_true", help="--candidates without the reference rows")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
@@ -431,11 +456,12 @@ def main():
     t_start = time.time()
     env = benchutil.environment()
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
+    print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
     arch = device.current_arch()
     if args.candidates:
         cand_rows, best_rows = candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, args.candidates)
         try:
-            ref_rows = references(cp, rtk, copy_gbs)
+            ref_rows = [] if args.no_references else references(cp, rtk, copy_gbs)
         except Exception as exc:   # noqa: BLE001 - the sweep's data must survive
             ref_rows = [{"what": "references", "error": f"{type(exc).__name__}: {exc}"[:300]}]
         path = benchutil.save(args.out, "bench_membound_candidates",

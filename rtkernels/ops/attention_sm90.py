@@ -35,8 +35,11 @@ class AttentionSm90Config(AttentionShape):
     num_stages : K/V ring depth (2 or 3).
     intra_overlap : issue S_n = Q K_n^T together with O += P_{n-1} V_{n-1} so the softmax of one
         tile runs under the other's GEMM (off: the plain S -> softmax -> P V order).
-    pingpong : the two consumer warpgroups (block_m=128) take turns issuing GEMMs, so one's softmax
-        overlaps the other's GEMMs (named barriers).
+    pingpong : the consumer warpgroups (block_m=128 or 192) take turns, round robin, issuing GEMMs,
+        so one's softmax overlaps another's GEMMs (named barriers).
+    softmax_under_pv : with intra_overlap, wait for P_{n-1} V_{n-1} only after tile n's softmax,
+        so the exponentials run under that GEMM (off: wait before the softmax and release V_{n-1}
+        one softmax earlier).
     """
 
     family: ClassVar[str] = FAMILY
@@ -51,6 +54,7 @@ class AttentionSm90Config(AttentionShape):
     num_stages: int = 2
     intra_overlap: bool = True
     pingpong: bool = False
+    softmax_under_pv: bool = True
 
     def __post_init__(self):
         self._check_shape()
@@ -59,8 +63,9 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("num_stages", (2, 3))
         self._check_choice("intra_overlap", (False, True))
         self._check_choice("pingpong", (False, True))
-        if self.pingpong and self.consumers != 2:
-            self._fail("pingpong", "False unless block_m=128 (two consumer warpgroups take turns)")
+        self._check_choice("softmax_under_pv", (False, True))
+        if self.pingpong and self.consumers < 2:
+            self._fail("pingpong", "False unless block_m >= 128 (two or three consumer warpgroups take turns)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("block_n", f"a tile that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: block_m="
                                   f"{self.block_m}, block_n={self.block_n}, num_stages={self.num_stages} at "
@@ -71,7 +76,7 @@ class AttentionSm90Config(AttentionShape):
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        tile = ("block_m", "block_n", "num_stages", "intra_overlap", "pingpong")
+        tile = ("block_m", "block_n", "num_stages", "intra_overlap", "pingpong", "softmax_under_pv")
         if any(f in params for f in tile):
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
@@ -129,23 +134,36 @@ class Tile(NamedTuple):
     intra_overlap: bool
     pingpong: bool
     why: str
+    softmax_under_pv: bool = True
 
 
 # (lowest head_dim, highest head_dim, causal or None for both) -> tile.  Timings: H200, bf16,
-# seqlen 4096 (16k tokens, hidden 2048), tools/bench_attention.py --tune-sm90, 2026-11-21, with K
-# and V released separately.  Register/spill figures: ptxas of NVRTC 13.5, sm_90a.
+# seqlen 4096 (16k tokens, hidden 2048), TFLOP/s non-causal / causal; head dims <= 128 from one
+# same-run A/B of 2026-11-21 (round 2: back-to-back launches, 3 interleaved rounds, median; the
+# committed kernel's own tile measured beside them), the rest from tools/bench_attention.py
+# --tune-sm90 of the same day.  Register/spill figures: ptxas of NVRTC 13.5, sm_90a.
 HEURISTICS: list[tuple[int, int, bool | None, Tile]] = [
     (8, 64, False, Tile(192, 128, 2, True, False,
-                        "d64 non-causal: 3 consumer warpgroups 453 TFLOP/s vs 421 for 128x128 overlap-only, 392 "
-                        "with pingpong, 416 at 128x176; the softmax-bound small head dim gains most from more "
-                        "warpgroups in flight; O 32 + S 64 + P 32 fit the 160 registers each, 0 spills")),
-    (8, 64, True, Tile(128, 128, 2, True, True,
-                       "d64 causal: 361 TFLOP/s (192x64 368, 192x128 355, 128x176 pingpong 358: within noise); "
-                       "the diagonal tiles favour the smaller CTA")),
-    (72, 128, None, Tile(128, 128, 2, True, True,
-                         "d128: overlap + pingpong 630 / 490 TFLOP/s (non-causal / causal) vs 599 / 502 overlap "
-                         "only, 594 / 506 at 128x176, 555 / 482 at 128x96; Q 32 KiB + 2 x (K + V) 128 KiB; <= 187 "
-                         "of 240 registers, 0 spills")),
+                        "d64 non-causal: 3 consumer warpgroups, overlap: 505 TFLOP/s vs 491 with round-robin "
+                        "turns, 477 at 192x144 without overlap, 425 for 128x192 pingpong; the softmax-bound "
+                        "small head dim gains most from warpgroups in flight; O 32 + S 64 + P 32 fit the 160 "
+                        "registers each, 0 spills")),
+    (8, 96, True, Tile(192, 112, 2, True, False,
+                       "causal d64: 418 vs 411 at 192x144 without overlap, 404 with turns, 365 for 128x128 "
+                       "pingpong; d96: 468 vs 459 with turns, 456 at 192x144, 448 for 128x128 pingpong; "
+                       "with each warpgroup stopping at its own rows' last tile (no turns): d64 at 2k 380 vs "
+                       "353 for 128x128 overlap, d96 531 (d128's 128x128 pingpong: 575); O + S + P = 48 + "
+                       "56 + 28 at d96 fit 160 registers (192x128 spills)")),
+    (72, 128, False, Tile(192, 128, 2, False, False,
+                          "non-causal d96 / d112 / d128: 572 / 578 / 621 without overlap vs 568 / 571 / - with "
+                          "overlap + turns at 192x112 / 192x96 (192x128 with overlap spills) and 482 / 520 / 604 "
+                          "for 128x128 overlap + pingpong; without overlap S and P never live together, so "
+                          "three warpgroups keep 128-key tiles in 160 registers (<= 156 at d128) and the warp "
+                          "schedulers interleave one's softmax with the others' GEMMs")),
+    (104, 128, True, Tile(128, 128, 2, True, True,
+                          "causal d112 / d128: 477 / 524 TFLOP/s vs 475 / 518 at 128x176, 471 / - for 192x96 "
+                          "with turns, 463 / 505 for 192x128 without overlap; Q 32 KiB + 2 x (K + V) 128 KiB; "
+                          "<= 187 of 240 registers, 0 spills")),
     (136, 192, None, Tile(128, 112, 2, True, True,
                           "d160 678 / 559, d192 711 / 618 TFLOP/s (bench_attention); 3 column blocks: Q 48 KiB + "
                           "2 x (K + V) 168 KiB = 217 KiB fits 227; O 96 + S 56 + P 28 registers, 0 spills")),
@@ -168,7 +186,7 @@ def choose_config(dtype: str, head_dim: int, causal: bool) -> AttentionSm90Confi
     t = candidate(head_dim, causal)
     return AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=t.block_m,
                                block_n=t.block_n, num_stages=t.num_stages, intra_overlap=t.intra_overlap,
-                               pingpong=t.pingpong)
+                               pingpong=t.pingpong, softmax_under_pv=t.softmax_under_pv)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Config]:
@@ -177,13 +195,14 @@ def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Confi
 
 
 def tile_space(dtype: str, head_dim: int, causal: bool) -> list[AttentionSm90Config]:
-    """Candidates for the autotuner: the heuristic's tile first, then 128-row CTAs with 64..176-key
-    tiles (intra-warpgroup overlap, pingpong, or both) and 192-row CTAs (head_dim <= 64) - those
+    """Candidates for the autotuner: the heuristic's tile first, then 128-row CTAs with 64..192-key
+    tiles (intra-warpgroup overlap, pingpong, or both) and 192-row CTAs (head_dim <= 128) - those
     that fit shared memory (spilling ones are pruned from the ptxas report before anything launches)."""
-    tiles = [dict(block_m=128, block_n=n, intra_overlap=ov, pingpong=pp) for n in (64, 80, 96, 112, 128, 176)
+    tiles = [dict(block_m=128, block_n=n, intra_overlap=ov, pingpong=pp)
+             for n in (64, 80, 96, 112, 128, 144, 160, 176, 192)
              for ov, pp in ((True, False), (True, True), (False, True))]
-    if head_dim <= 64:   # 3 consumer warpgroups get 160 registers each: O + S + P fit only for small D
-        tiles += [dict(block_m=192, block_n=n) for n in (64, 128)]
+    if head_dim <= 128:   # 3 consumer warpgroups get 160 registers each: O + S + P fit only for small D
+        tiles += [dict(block_m=192, block_n=n, pingpong=pp) for n in (64, 80, 96, 112, 128) for pp in (False, True)]
     out = [choose_config(dtype, head_dim, causal)]
     for t in tiles:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,6 +34,10 @@ ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
 # sm_90's opt-in per block (227 KiB); smaller archs are pruned by the autotuner
 _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin
+# On sm_90 float16 / bfloat16 go to the Hopper kernel whenever TMA can address them; False (or
+# RTKERNELS_MATMUL_SM90=0 at import) sends them to the mma.sync kernel there too, so that its
+# aligned, even-K paths are tested and benchmarked on the Hopper machines we have.
+USE_SM90 = os.environ.get("RTKERNELS_MATMUL_SM90", "1") != "0"
 
 
 @register_family
@@ -46,6 +51,10 @@ class MatmulConfig(KernelConfig):
     stride or base pointer is not aligned for wider ones.
     ``even_k``: K is a multiple of ``block_k``, so the kernel drops all K bounds checks (the
     host sets it per call; False is always correct).
+    ``ldsm_first``: the double-buffered main loop issues the next k step's ldmatrix before the
+    k-tile's refill copies (~10% faster: 461 -> 510 TFLOP/s, 128x256x32 at 4096^3 on an H200);
+    False issues the copies first, which the 64-deep tiles' K-tail path needs to stay in
+    registers.
     """
 
     family: ClassVar[str] = "matmul"
@@ -67,6 +76,7 @@ class MatmulConfig(KernelConfig):
     has_bias: bool = False
     activation: str = "none"
     even_k: bool = False
+    ldsm_first: bool = True
 
     @property
     def expects_tensor_cores(self) -> bool:
@@ -77,7 +87,7 @@ class MatmulConfig(KernelConfig):
             object.__setattr__(self, "activation", "none")
         self._check_dtype("dtype", _DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("a_kmajor", "b_kmajor", "has_bias", "even_k"):
+        for f in ("a_kmajor", "b_kmajor", "has_bias", "even_k", "ldsm_first"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         self._check_int("block_m", 16, 256, multiple_of=16)
@@ -162,9 +172,10 @@ class _Tile:
 # traffic (block_m * block_n / (block_m + block_n)): 85 for 128x256, 64 for 128x128, 43 for
 # 128x64, 32 for 64x64; mma.sync on H100 needs ~80+ to keep the tensor pipes fed.
 # blocks_per_sm from the ptxas report (test_matmul prints it) and the smem ring.
-# Registers after the main-loop rewrite (sm_90, bf16, even K): 128x256x32 234, 256x128x32 ~224,
-# x64 variants ~240, 128x128x32/4 warps <= 255 (2 CTAs/SM), all without spills.
-# TODO(lead): set order/efficiency from `tools/bench_matmul.py --sweep` on the H200.
+# Registers (sm_90, bf16, even K): 128x256x32 232, 256x128x32 232, 128x128x32/4 warps 238
+# (2 CTAs/SM), 128x256x64 254, all without spills.
+# Measured on an H200 (2026-11-21, bf16, TFLOP/s at 4096^3 / 8192^3, cuBLAS 781 / 783):
+# 128x256x32/4 510 / 452, 256x128x32/4 ~490 / 480, 128x256x64/4 490 / 504, x64/3 487 / 455.
 TC_TILES = (
     _Tile(128, 256, 32, 8, 4, 2, 1, 1.00, "64x64 warp tiles, 96 KiB ring: the large-problem workhorse"),
     _Tile(256, 128, 32, 8, 4, 4, 1, 1.00, "same work as 128x256, better when N is the short side"),
@@ -172,9 +183,14 @@ TC_TILES = (
     _Tile(128, 64, 32, 4, 4, 2, 3, 0.65, "thin N or many small tiles"),
     _Tile(64, 64, 32, 4, 4, 2, 4, 0.50, "tiny/skinny problems: most CTAs"),
 )
+# Long K (operands streamed from DRAM, CTAs drifting apart over the loop) wants more bytes in
+# flight: 3 x 48 KiB of 64-deep stages instead of 3 x 24 KiB (504 vs 452 TFLOP/s at 8192^3; at
+# 4096^3 the 32-deep tile is ahead, 510 vs 490).  Its 192 KiB ring fits sm_90 only.
+DEEP_K = 8192
+DEEP_TILE = _Tile(128, 256, 64, 8, 4, 2, 1, 1.00, "K >= DEEP_K: twice the bytes in flight per stage")
 # Extra shapes the autotuner may try (never picked by the heuristic without a measurement).
 TUNE_ONLY = (
-    _Tile(128, 256, 64, 8, 3, 2, 1, 1.00, "half the barriers per K; 144 KiB ring (reasoned, to be measured)"),
+    _Tile(128, 256, 64, 8, 3, 2, 1, 1.00, "half the barriers per K; 144 KiB ring (487 / 455 TFLOP/s)"),
     _Tile(256, 128, 64, 8, 3, 4, 1, 1.00, "fewer barriers per K; 144 KiB ring"),
     _Tile(128, 256, 32, 8, 3, 2, 1, 1.00, "shallower ring, 2 CTAs of smem"),
 )
@@ -204,28 +220,42 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
     return w.waves * tile.blocks_per_sm * tile.block_m * tile.block_n / tile.efficiency
 
 
-def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: bool = False) -> _Tile:
+def _fits(tile: _Tile, arch: str) -> bool:
+    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+    return max(ring, tile.block_m * tile.block_n * 2) <= arch_mod.limits(arch).max_smem_per_block_optin
+
+
+def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: bool = False, k: int = 0,
+                 arch: str = "sm_90") -> _Tile:
     tiles = F32_TILES if dtype == "float32" else NARROW_TILES if narrow else TC_TILES
     # ties go to the smaller tile: less work wasted on the zero-filled border
-    return min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
+    tile = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
+    if tile is TC_TILES[0] and k >= DEEP_K and _fits(DEEP_TILE, arch):
+        tile = DEEP_TILE
+    return tile
 
 
 def _config(tile: _Tile, dtype: str, k: int | None = None, **layout) -> MatmulConfig:
     if k is not None:
         layout = {**layout, "even_k": dtype != "float32" and k % tile.block_k == 0}
+    if tile.block_k == 64 and not layout.get("even_k", False):
+        # the K-tail copies of the 64-deep tiles leave no registers for the refill behind the
+        # ldmatrix (ptxas: 4-28 bytes of spill at 255 registers); they refill first
+        layout = {**layout, "ldsm_first": False}
     return MatmulConfig(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k,
                         num_warps=tile.num_warps, num_stages=tile.num_stages, warps_m=tile.warps_m, **layout)
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int | None = None,
-                     **layout) -> MatmulConfig:
+                     arch: str | None = None, **layout) -> MatmulConfig:
     """The heuristic's config for a problem; ``layout``: a_kmajor, b_kmajor, vec_a, vec_b, has_bias, activation."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
     if dtype == "float32":
         layout = {**layout, "vec_a": 1, "vec_b": 1}
     narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
-    return _config(_choose_tile(dtype, m, n, batch, sm_count, narrow), dtype, k, **layout)
+    tile = _choose_tile(dtype, m, n, batch, sm_count, narrow, k, arch or device.current_arch())
+    return _config(tile, dtype, k, **layout)
 
 
 def candidate_configs(dtype: str, k: int | None = None, **layout) -> list[MatmulConfig]:
@@ -235,7 +265,7 @@ def candidate_configs(dtype: str, k: int | None = None, **layout) -> list[Matmul
         return [_config(t, dtype, k, **layout) for t in F32_TILES]
     out = []
     narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
-    for t in NARROW_TILES if narrow else TC_TILES + TUNE_ONLY:
+    for t in NARROW_TILES if narrow else TC_TILES + (DEEP_TILE,) + TUNE_ONLY:
         try:
             out.append(_config(t, dtype, k, **layout))
         except ConfigError:
@@ -400,7 +430,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     if max(m, n, k) >= 2 ** 31:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
-    if da != "float32" and k > 0 and device.current_arch() == "sm_90":
+    if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
         if _run_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
                      batch_c, act, stream):
             return out
@@ -426,7 +456,8 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
             # describe this K, or the kernel would read past it
             even = da != "float32" and k % cfg.block_k == 0
             if cfg.even_k != even:
-                cfg = dataclasses.replace(cfg, even_k=even)
+                # (and the 64-deep tiles' K-tail path refills first, as _config sets it)
+                cfg = dataclasses.replace(cfg, even_k=even, ldsm_first=cfg.ldsm_first and (even or cfg.block_k != 64))
         kern = get_kernel(cfg)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if tiles > tiles_limit:

@@ -25,6 +25,10 @@ How a row is processed (one config field each, chosen on the host by :func:`plan
   by constants: 1 read + 1 write per element.  ``two_pass`` - rows too wide for the registers
   of a block (and, on sm_80, of a cluster) take 2 reads + 1 write: softmax keeps an online
   (max, sum) over the first pass, the norms their statistics.
+* ``cluster_push`` (clusters) - each block sends its total to every block of the cluster with
+  ``st.async`` onto an mbarrier instead of two cluster barriers per row.  ``smem_rows`` (sm_90) -
+  a block's slice of the row lands in shared memory by one bulk copy and is read back from there,
+  so registers no longer cap the blocks resident per SM (the 32k-256k defaults on sm_90).
 
 Semantics fixed here: softmax of an all -inf row is 0 (log-softmax -inf); NaN or +inf in a row
 makes the row NaN; all-equal rows give exactly fp32(1/n).  LayerNorm uses the biased variance.
@@ -33,6 +37,7 @@ makes the row NaN; all-equal rows give exactly fp32(1/n).  LayerNorm uses the bi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -77,6 +82,9 @@ class _RowConfig(KernelConfig):
     vecs_per_thread: int = 4
     cluster_size: int = 1
     min_blocks: int = 1
+    cluster_push: bool = False   # cluster rows: block totals pushed with st.async + mbarrier, no cluster barrier
+    persistent: bool = False     # one resident wave of blocks (or clusters) walks all rows
+    smem_rows: bool = False      # sm_90: a block's slice of the row lands in shared memory by one bulk copy
 
     def __post_init__(self):
         self._check_dtype("dtype", FLOAT_DTYPES)
@@ -91,13 +99,27 @@ class _RowConfig(KernelConfig):
         if self.cluster_size > 1 and self.threads_per_row != self.block_size:
             self._fail("cluster_size", f"1 unless threads_per_row == block_size (clusters split whole-block rows; "
                                        f"threads_per_row={self.threads_per_row})")
+        for name in ("cluster_push", "persistent", "smem_rows"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
+        if self.cluster_push and (self.cluster_size == 1 or self.block_size < 64):
+            self._fail("cluster_push", f"False unless cluster_size > 1 and block_size >= 64 (cluster_size="
+                                       f"{self.cluster_size}, block_size={self.block_size})")
+        if self.smem_rows:
+            if self.threads_per_row != self.block_size or self.vec * dtypes.itemsize(self.dtype) != 16:
+                self._fail("smem_rows", "False unless a block (or cluster) owns each row and vec * itemsize == 16 "
+                                        f"(threads_per_row={self.threads_per_row}, vec={self.vec}, {self.dtype})")
+            if getattr(self, "two_pass", False) or getattr(self, "prefetch", False) or self.persistent or \
+                    getattr(self, "ring_rows", 0) or getattr(self, "bulk_stages", 0):
+                self._fail("smem_rows", "False with two_pass, prefetch, persistent, ring_rows or bulk_stages")
+            if self.shared_mem_bytes > _SMEM_MAX:
+                self._fail("smem_rows", f"False for slices over {_SMEM_MAX} B ({self.shared_mem_bytes} B)")
         self._check_int("min_blocks", 1, 32)
         if self.min_blocks * self.block_size > 2048:
             self._fail("min_blocks", f"at most {2048 // self.block_size} (2048 threads per SM) with "
                                      f"block_size={self.block_size}")
-        if getattr(self, "prefetch", False) and (self.cluster_size != 1 or getattr(self, "two_pass", False)):
-            self._fail("prefetch", "False with cluster_size > 1 or two_pass (prefetch overlaps whole resident rows "
-                                   "of one block or lane group)")
+        if getattr(self, "prefetch", False) and getattr(self, "two_pass", False):
+            self._fail("prefetch", "False with two_pass (prefetch overlaps whole resident rows)")
         ring, stages = getattr(self, "ring_rows", 0), getattr(self, "bulk_stages", 0)
         if ring or stages:
             name = "ring_rows" if ring else "bulk_stages"
@@ -152,13 +174,13 @@ class _RowConfig(KernelConfig):
 
     @property
     def shared_mem_bytes(self) -> int:
-        """Dynamic shared memory at launch: the ring or the bulk stages (16-byte vectors)."""
+        """Dynamic shared memory at launch: the ring, the bulk stages or the row slice (16-byte vectors)."""
         ring, stages = getattr(self, "ring_rows", 0), getattr(self, "bulk_stages", 0)
-        return 16 * self.block_size * self.vecs_per_thread * (ring or stages)
+        return 16 * self.block_size * self.vecs_per_thread * (ring or stages or int(self.smem_rows))
 
     @property
     def min_arch(self) -> int:
-        return 90 if self.cluster_size > 1 or getattr(self, "bulk_stages", 0) else 80
+        return 90 if self.cluster_size > 1 or getattr(self, "bulk_stages", 0) or self.smem_rows else 80
 
     @property
     def max_registers(self) -> int:
@@ -182,7 +204,7 @@ class _RowConfig(KernelConfig):
             blocks = -(-rows // self.rows_per_block)
         else:
             blocks = rows * self.cluster_size
-        if (getattr(self, "prefetch", False) or self.staged) and resident_blocks:
+        if (getattr(self, "prefetch", False) or self.staged or self.persistent) and resident_blocks:
             blocks = min(blocks, max(self.cluster_size, resident_blocks // self.cluster_size * self.cluster_size))
         cap = (2 ** 31 - 1) // self.cluster_size * self.cluster_size
         return max(0, min(blocks, cap))
@@ -283,6 +305,18 @@ _GROUP_BLOCK = 128   # lane-group rows: 4 warps, 4..128 rows per block
 _TWO_PASS_BLOCK = 512
 
 
+def _SMEM_CLUSTER(cluster: int, blocks_per_sm: int = 6) -> dict:
+    """Rows split over `cluster` blocks whose slices land in shared memory, block totals pushed by
+    st.async: 256x8 (32 KiB slices) at 40 registers leaves 6 blocks (192 KiB) per SM, 512x8 (64 KiB)
+    3 blocks; the register cap keeps that many resident."""
+    return dict(cluster_size=cluster, cluster_push=cluster > 1, smem_rows=True, min_blocks=blocks_per_sm,
+                param_slots=1)
+
+
+# Session 3 (H200, 2026-11-21, tools/bench_membound.py --candidates, bf16, 64 MiB, copy 4198-4225
+# GB/s): from 32k up a row is split over a cluster of 2-8 blocks whose slices arrive in shared memory
+# by one bulk copy each (smem_rows) and whose totals travel by st.async (cluster_push); LayerNorm
+# takes its statistics in one pass.  Entries below say which numbers are from which round.
 # Measured choices on sm_90 for 2-byte dtypes with 16-byte vectors: (family, layernorm?, vectors
 # per row rounded up to a power of two) -> (threads per row = block, vectors per thread, prefetch,
 # two_pass[, fields that replace these with 16-bit weights]).  H200, bf16, 64 MiB of x,
@@ -290,42 +324,57 @@ _TWO_PASS_BLOCK = 512
 # (rounds 1-2, 2026-11-21, copy 4187-4220 GB/s; percentages are of that 1 GiB copy).  "cluster" is
 # what the reasoned rules below pick; "ring" = ring_rows (rows staged through shared memory).
 # Staging (ring_rows / bulk_stages, 1-3 rows ahead, persistent grid) lost 1-6% everywhere except
-# RMSNorm 16k, and clusters of 2-8 blocks lost 25-60% (round 1): the SM already has more bytes in
-# flight than the bandwidth-latency product needs; a 64 MiB op is ~32 us and its ramp-up and
+# RMSNorm 16k, and clusters of 2-8 blocks behind cluster barriers lost 25-60% (round 1): the SM has
+# more bytes in flight than the bandwidth-latency product needs; a 64 MiB op is ~32 us and its ramp-up and
 # tail cost more than phases inside it (the device copy itself reaches 77% at 64 MiB, rtkernels'
 # elementwise 90%; the row ops reach 90-97% of copy at 512 MiB, LayerNorm 64k 72%).
 _MEASURED_SM90_16BIT = {
     ("softmax", False, 512): (128, 4, False, False),    # 4k: 3723 GB/s (88.2%) plain hints, 3565 with .cs
     ("softmax", False, 1024): (256, 4, False, False),   # 8k:  3537 (83.9%, round 0, .cs)
     ("softmax", False, 2048): (512, 4, False, False),   # 16k: 3619 (85.8%) plain vs 3468 .cs; cluster x2 2855
-    # 32k: 512x8 with prefetch measured best (3324, 78.8%, vs cluster x4 2740) but spills 20 B for
-    # float16 under NVRTC 13.5 (register cap 128 at 512 threads); the same tile without prefetch
-    # compiles clean (96-127 registers) - not timed separately yet.
-    ("softmax", False, 4096): (512, 8, False, False),
-    # 64k: two passes 3213 (76.1%); 256x8 74%, 1024x2 67%, 256x4 63%, without .cs 67% (the second
-    # read then misses L2); cluster x8 2714, cluster x2 + ring 2498.
-    ("softmax", False, 8192): (512, 4, False, True),
-    ("softmax", False, 16384): (512, 4, False, True),    # 128k: as 64k (reasoned)
-    ("softmax", False, 32768): (1024, 2, False, True),   # 256k: two passes 1024x2 2565 (60.8%) vs cluster 1975
+    # 32k: as 64k on 2 blocks 3461 (82.4%) vs two passes 3248-3272 (77.4-77.9%), the old 512x8
+    # registers-only tile 2675 (63.7%, 128 registers: one block per SM).
+    ("softmax", False, 4096): (256, 8, False, False, _SMEM_CLUSTER(2)),
+    # 64k (session 3): each of 4 blocks brings its 32 KiB slice in by one bulk copy and reads it
+    # back three times (32 registers, 6 blocks per SM), totals pushed by st.async: 3441 (81.7%)
+    # vs two passes 3239 (76.9%), registers-only push clusters 3378 (80.2%), barrier clusters
+    # (round 0) 2714; a persistent cluster grid lost 14-35%.
+    ("softmax", False, 8192): (256, 8, False, False, _SMEM_CLUSTER(4)),
+    ("softmax", False, 16384): (256, 8, False, False, _SMEM_CLUSTER(8)),   # 128k: 3425 (81.6%) vs 2635 (62.8%)
+    # 256k: 8 blocks of 512x8 with 64 KiB slices (3 per SM) 3116 (74.2%) vs two passes 1024x2 2561
+    # (61.0%), barrier clusters (round 1) 1975.
+    ("softmax", False, 32768): (512, 8, False, False, _SMEM_CLUSTER(8, blocks_per_sm=3)),
     # RMSNorm 4k: 128x4 3712 (88.0%) vs 256x2 3625 (85.9%); 1k lane groups 89.2% plain vs 87.5% .cs.
     ("norm", False, 512): (128, 4, False, False),
     ("norm", False, 1024): (256, 4, False, False),      # 8k:  3700 (87.7%)
     # 16k: 512x4 rows through a 3-row ring 3567 (84.5%) and 3522 (84.1%) vs two passes 3520 / 3494
     # (83.4%); the ring needs 64 registers (param_slots=1), so float32 weights keep two passes.
     ("norm", False, 2048): (512, 4, False, True, dict(two_pass=False, ring_rows=3, min_blocks=2, param_slots=1)),
-    ("norm", False, 4096): (512, 4, False, True),       # 32k: 3327 (78.9%) vs 2857
-    ("norm", False, 8192): (512, 4, False, True),       # 64k: 3089 (73.2%); 1024x4 3128, 1024x2 2992
-    # LayerNorm 4k: 128x4 capped at 80 registers (72 used: 6 blocks per SM instead of 5 at 96) with 2
-    # weight/bias vectors in flight 3565 (84.8%) vs 3353 (79.7%) uncapped; 7 blocks, 1 at a time 3554.
-    ("norm", True, 512): (128, 4, False, False, dict(min_blocks=6, param_slots=2)),
+    # 32k: 2 blocks 3309 (78.8%), 512x8 in registers 3321, two passes 3292 (all within noise).
+    ("norm", False, 4096): (256, 8, False, False, _SMEM_CLUSTER(2)),
+    # 64k: slices in shared memory as softmax: 512x4 in 4 blocks 3400 (80.7%), 256x8 x4 3377, 256x4
+    # x8 3395 vs two passes 3099 (73.6%) and registers-only push clusters 3269 (77.6%).
+    ("norm", False, 8192): (512, 4, False, False, dict(_SMEM_CLUSTER(4), min_blocks=4)),
+    # 128k: 256x8 over 8 blocks 3295 (78.5%) vs two passes 2577 (61.4%).
+    ("norm", False, 16384): (256, 8, False, False, _SMEM_CLUSTER(8)),
+    # 256k: 512x8 over 8 blocks 3168 (75.5%) vs two passes 2441 (58.2%).
+    ("norm", False, 32768): (512, 8, False, False, _SMEM_CLUSTER(8, blocks_per_sm=3)),
+    # LayerNorm 4k: 128x4 capped at 72 registers (7 blocks per SM), one weight/bias vector at a time:
+    # 3556 / 3642 (84.7 / 86.2%, session 3, one-pass statistics) vs 6 blocks with 2 in flight 3519 /
+    # 3516 (83.8 / 83.2%); uncapped (96 registers, 5 blocks) 3243-3353 (77-80%).
+    ("norm", True, 512): (128, 4, False, False, dict(min_blocks=7, param_slots=1)),
     ("norm", True, 1024): (256, 4, True, False),        # 8k:  3269 (77.5%) vs 2845 without prefetch
-    # LayerNorm 16k: 512x4 with prefetch 3187 (75.5%) vs 2594 without, two passes 2362, cluster 2271;
-    # with float32 weights it spills 8-92 B under NVRTC 13.5, so those drop the prefetch.
-    ("norm", True, 2048): (512, 4, True, False),
-    # 32k: 512x8 measured 2759 (65.4%) vs cluster 2070 but spills 4-232 B under NVRTC 13.5; two passes
-    # in 512x2 chunks (best at 64k) compile clean.
-    ("norm", True, 4096): (512, 2, False, True),
-    ("norm", True, 8192): (512, 2, False, True),        # 64k: two passes 512x2 2836 (67.2%) vs 512x4 2676
+    # LayerNorm 16k (session 3, one-pass statistics): 512x4 at 64 registers (2 blocks per SM), one
+    # weight/bias vector at a time 3370 / 3406 (80.3 / 80.8%) vs the prefetching 512x4 (127
+    # registers, 1 block) 3310 / 3309 (78.9 / 78.5%), slices in shared memory 3128-3191 (74-76%).
+    ("norm", True, 2048): (512, 4, False, False, dict(min_blocks=2, param_slots=1)),
+    ("norm", True, 4096): (256, 8, False, False, _SMEM_CLUSTER(2)),    # 32k: 3097 (73.8%) vs 2923 (69.6%)
+    # 64k: shared-memory slices, 256x8 in 4 blocks 3038 (72.1%) vs two passes 512x2 2851 (67.7%),
+    # registers-only push clusters 2791-2833 (66-67%).
+    ("norm", True, 8192): (256, 8, False, False, _SMEM_CLUSTER(4)),
+    ("norm", True, 16384): (256, 8, False, False, _SMEM_CLUSTER(8)),   # 128k: 3014 (71.8%) vs 2637 (62.8%)
+    # 256k: 512x8 over 8 blocks 2828 (67.4%) vs two passes 2368 (56.4%).
+    ("norm", True, 32768): (512, 8, False, False, _SMEM_CLUSTER(8, blocks_per_sm=3)),
 }
 # Plain loads and stores (streaming=False) for resident softmax and RMSNorm rows: +3.7 / +4.4 /
 # +4.4% for softmax at 1k / 4k / 16k, +1.9% RMSNorm 1k, +-0 RMSNorm 4k and LayerNorm (kept .cs);
@@ -370,11 +419,17 @@ def _plan(family, size, nvec, vmax, need, hopper, common, rows, sms, layer, vec)
         threads, vecs, prefetch, two_pass = measured[:4]
         fields = dict(threads_per_row=threads, block_size=threads, vecs_per_thread=vecs, prefetch=prefetch,
                       two_pass=two_pass)
+        names = {f.name for f in dataclasses.fields(_CONFIG_CLASS[family])}
+        extra = {k: v for k, v in (measured[4] if len(measured) > 4 else {}).items() if k in names}
         wide_weights = family == "norm" and dtypes.itemsize(common["weight_dtype"]) > 2
         if wide_weights:
-            fields["prefetch"] = False   # float32 weights: the prefetching tiles spill (see the table)
-        elif len(measured) > 4:
-            fields.update(measured[4])
+            # float32 weights: the prefetching and register-capped tiles spill (see the table); the
+            # row's split over a cluster stays (the tile holds the row only with it).
+            fields["prefetch"] = False
+            fields.update({k: v for k, v in extra.items()
+                           if k in ("cluster_size", "cluster_push", "persistent", "smem_rows")})
+        else:
+            fields.update(extra)
         return _make(family, common, **fields)
     if need <= 32:                                # (a) a lane group per row
         group = need
@@ -395,8 +450,9 @@ def _plan(family, size, nvec, vmax, need, hopper, common, rows, sms, layer, vec)
                      vecs_per_thread=_pow2_ceil(-(-nvec // need)), prefetch=_PREFETCH_BLOCK_ROWS)
     if hopper and need <= 8 * block_max:          # (b') a cluster per row, in registers
         block = max(_BLOCK_PREFERRED, need // 8)
+        # block totals pushed by st.async (no cluster barriers): +15-25% at 64k on an H200, session 3
         return _make(family, common, threads_per_row=block, block_size=block, vecs_per_thread=vmax,
-                     cluster_size=need // block)
+                     cluster_size=need // block, cluster_push=True)
     if need <= block_max:                         # (b'') sm_80: one big block still beats 2 reads
         return _make(family, common, threads_per_row=need, block_size=need, vecs_per_thread=vmax)
     # (c) too wide for registers: two passes over the row.
@@ -583,7 +639,7 @@ _RESIDENT: dict = {}
 
 def _resident_blocks(k, cfg) -> int | None:
     """Blocks of this kernel resident on the whole device at once (prefetching and staged configs)."""
-    if not (getattr(cfg, "prefetch", False) or cfg.staged):
+    if not (getattr(cfg, "prefetch", False) or cfg.staged or cfg.persistent):
         return None
     got = _RESIDENT.get(k)
     if got is None:
@@ -603,9 +659,10 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     Parameters
     ----------
     x : CuPy array / torch tensor / CAI or DLPack object, float16, bfloat16 or float32, any
-        leading shape; the last axis holds 1 .. 2**30 elements.  Rows stay in registers (one
-        read) up to 262144 elements on sm_90 and 32768 on sm_80 with 16-byte access; wider rows
-        take two reads.  (Norms: 131072 / 65536 for 16-bit / float32 on sm_90, 16384 / 8192 on sm_80.)
+        leading shape; the last axis holds 1 .. 2**30 elements.  Rows stay on chip (registers, or
+        on sm_90 from 32k up shared-memory slices of a cluster; one read) up to 262144 elements on
+        sm_90 and 32768 on sm_80 with 16-byte access; wider rows take two reads.  (Norms: 131072 /
+        65536 for float32 on sm_90, 16384 / 8192 on sm_80.)
     axis : -1 (or ``x.ndim - 1``) only.
     out : optional array of x's shape and dtype (rows reachable with one row stride).
     log_softmax : return ``x - max - log(sum(exp(x - max)))``.

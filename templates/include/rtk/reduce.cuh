@@ -458,4 +458,159 @@ struct RowTeam {
     }
 };
 
+// ---- cluster rows without cluster barriers (cluster_push) -------------------------------------
+// RowTeam's cluster exchange takes two barrier.cluster rounds per row; a barrier's .release
+// arrive also waits until this thread's earlier global stores (the previous row's y) are
+// performed.  PushRowTeam instead sends each block's total to every block of the cluster with
+// st.async, which completes bytes on the receiver's mbarrier: a block waits only for the
+// kCluster totals of the row it is on, and nothing orders its stores.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+// The 4-byte word v to the shared address `dst` (this CTA's offset) of CTA `rank`, completing 4
+// bytes on the mbarrier at offset `bar` of that CTA.
+__device__ __forceinline__ void push_word(unsigned dst, unsigned bar, unsigned rank, unsigned v) {
+    asm volatile("{\n.reg .b32 rd, rb;\n"
+                 "mapa.shared::cluster.u32 rd, %0, %2;\n"
+                 "mapa.shared::cluster.u32 rb, %1, %2;\n"
+                 "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [rd], %3, [rb];\n}"
+                 :: "r"(dst), "r"(bar), "r"(rank), "r"(v) : "memory");
+}
+
+// Wait for phase `phase` of a barrier whose bytes other CTAs of the cluster deliver.
+__device__ __forceinline__ void mbar_wait_cluster(unsigned long long* bar, unsigned phase) {
+    asm volatile("{\n.reg .pred p;\nRTK_MBAR_WAIT_CL:\n"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra RTK_MBAR_WAIT_CL;\n}" :: "r"(sm90::smem_u32(bar)), "r"(phase) : "memory");
+}
+#endif
+
+// The interface of RowTeam (a cluster of kCluster >= 2 whole blocks per row).  Per row: warp
+// shuffles and one __syncthreads give the block total; threads 0..kCluster-1 push it into slot
+// [own rank] of every block (itself included); each block waits on its own mbarrier for the
+// kCluster totals and reduces them in the same order as every other block (identical bits).
+// Two slot sets and barriers alternate by row: a block reaches row i + 2's push only after
+// every block pushed row i + 1, which each did after reading its row-i slots.
+template <int kThreadsPerRow, int kBlock, int kCluster>
+struct PushRowTeam {
+    static_assert(kThreadsPerRow == kBlock && kCluster >= 2 && kCluster <= 8, "clusters of 2..8 whole blocks");
+    static_assert(kBlock >= 64, "the block barrier orders slot reads before the next push");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(kCluster == 1, "cluster_push needs sm_90 or newer");
+#endif
+    static constexpr int kRowsPerBlock = 1;
+    static constexpr int kThreads = kThreadsPerRow * kCluster;
+    static constexpr int kWarps = kBlock / 32;
+
+    int rank;
+    int local_row = 0;
+    unsigned iter = 0;
+    unsigned block_rank = 0;
+    bool started = false;
+
+    __device__ __forceinline__ static unsigned long long* bars() {
+        __shared__ unsigned long long b[2];
+        return b;
+    }
+
+    __device__ __forceinline__ PushRowTeam() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        block_rank = sm90::cluster_ctarank();
+        if (threadIdx.x == 0) {
+            sm90::mbar_init(&bars()[0], 1);
+            sm90::mbar_init(&bars()[1], 1);
+            sm90::mbar_init_fence();
+        }
+        // Peers push only after the matching wait (first reduce()): the barriers exist by then.
+        cluster_arrive_relaxed();
+#endif
+        rank = int(block_rank) * kBlock + int(threadIdx.x);
+    }
+    __device__ __forceinline__ long long first_row() const { return (long long)(blockIdx.x / kCluster); }
+    __device__ __forceinline__ long long row_step() const { return (long long)(gridDim.x / kCluster); }
+
+    template <typename S, typename Op>
+    __device__ __forceinline__ S reduce(S v, Op op) {
+        static_assert(sizeof(S) % 4 == 0, "states are made of 4-byte fields");
+        __shared__ S partials[2][kWarps];
+        __shared__ S slots[2][kCluster];
+        const unsigned p = iter & 1u;
+        v = block_reduce<kWarps>(v, op, partials[p]);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (!started) {
+            sm90::cluster_wait();
+            started = true;
+        }
+        unsigned long long* bar = &bars()[p];
+        if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, unsigned(kCluster * sizeof(S)));
+        if (threadIdx.x < kCluster) {
+            const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+            const unsigned dst = sm90::smem_u32(&slots[p][block_rank]);
+#pragma unroll
+            for (int k = 0; k < int(sizeof(S) / 4); ++k) push_word(dst + 4u * k, sm90::smem_u32(bar), threadIdx.x, w[k]);
+        }
+        mbar_wait_cluster(bar, (iter >> 1) & 1u);
+        v = group_reduce<kCluster>(slots[p][threadIdx.x & (kCluster - 1)], op);
+#endif
+        ++iter;
+        return v;
+    }
+    __device__ __forceinline__ void end_row() {}
+};
+
+// ---- a block's slice of the row in shared memory (smem_rows, sm_90) ------------------------------
+// The block owns kBlock * kVecs consecutive vectors of the row (a cluster: kCluster such slices);
+// thread 0 brings them in with one bulk copy completing on an mbarrier, and the threads read them
+// back as often as the op needs (slot i of thread t: vector i * kBlock + t of the slice, so a warp
+// reads 512 consecutive bytes and stores y coalesced).  While the copy is in flight no register
+// holds the row: the block count per SM is set by the slice's shared memory, not by registers.
+template <typename T, int kVec, int kVecs, int kBlock>
+struct SmemRow {
+    using V = Vec<T, kVec>;
+    static constexpr int kSlice = kBlock * kVecs;   // vectors per block
+    unsigned char* smem;
+    unsigned base;              // this thread's slot 0
+    unsigned long long* bar;
+    unsigned parity = 0;
+
+    __device__ __forceinline__ SmemRow(void* smem_, unsigned long long* bar_)
+        : smem(static_cast<unsigned char*>(smem_)), base(sm90::smem_u32(smem_) + 16u * threadIdx.x), bar(bar_) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (threadIdx.x == 0) {
+            sm90::mbar_init(bar, 1);
+            sm90::mbar_init_fence();
+        }
+        __syncthreads();
+#endif
+    }
+    // Vectors [first, first + count) of the row at `row` (count may be <= 0: nothing to copy).
+    // Every thread calls it; the barrier first keeps the previous row's slots until all have read them.
+    __device__ __forceinline__ void load(const T* row, int first, int count) {
+        // (here, not on the class: templates name the type whether or not they use it)
+        static_assert(int(sizeof(T)) * kVec == 16, "the slice holds 16-byte vectors");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const int c = min(max(count, 0), kSlice);
+            if (c > 0) {
+                sm90::fence_proxy_async();   // earlier generic reads of the slots before the async write
+                sm90::mbar_arrive_expect_tx(bar, 16u * unsigned(c));
+                sm90::bulk_load(smem, row + (long long)first * kVec, 16u * unsigned(c), bar);
+            } else {
+                sm90::mbar_arrive(bar);
+            }
+        }
+        sm90::mbar_wait(bar, parity);
+        parity ^= 1u;
+#endif
+    }
+    __device__ __forceinline__ V get(int i) const {
+        V v;
+        *reinterpret_cast<int4*>(&v) = lds16(base + 16u * unsigned(i * kBlock));
+        return v;
+    }
+};
+
 }  // namespace rtk
