@@ -825,6 +825,18 @@ def _norm_fields(fields):
     return f
 
 
+def _row_kernels_sm90(fields):
+    """(config, kernel name, Kernel, SASS stats) of the four row kernels built with these fields
+    for sm_90, each checked spill-free."""
+    for cfg, names in ((SoftmaxConfig(**_B8, **fields), ("softmax_rows", "log_softmax_rows")),
+                       (NormConfig(**_B8, weight_dtype="bfloat16", **_norm_fields(fields)),
+                        ("rmsnorm_rows", "layernorm_rows"))):
+        for name in names:
+            k = rtk.get_kernel(cfg, name, arch="sm_90")
+            assert k.resources.spill_stores == 0, (cfg.key(), name, k.resources)
+            yield cfg, name, k, sass_stats(k.sass)
+
+
 def test_cluster_push_knobs():
     c = SoftmaxConfig(**_B8, threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8,
                       cluster_push=True, persistent=True, min_blocks=4)
@@ -836,34 +848,21 @@ def test_cluster_push_knobs():
 @pytest.mark.parametrize("case", PUSH_CONFIGS, ids=_push_id)
 def test_cluster_push_configs_compile(case):
     _, _, fields, _ = case
-    for cfg, names in ((SoftmaxConfig(**_B8, **fields), ("softmax_rows", "log_softmax_rows")),
-                       (NormConfig(**_B8, weight_dtype="bfloat16", **_norm_fields(fields)),
-                        ("rmsnorm_rows", "layernorm_rows"))):
-        for name in names:
-            k = rtk.get_kernel(cfg, name, arch="sm_90")
-            assert k.resources.spill_stores == 0, (cfg.key(), name, k.resources)
-            stats = sass_stats(k.sass)
-            assert stats["ldg_128"] >= fields["vecs_per_thread"] and stats["global_stores"] == stats["stg_128"]
-            if cfg.cluster_push:
-                # st.async pushes, an mbarrier wait, one cluster barrier (arrive + wait) before the first push
-                assert "STAS" in k.sass and "SYNCS.PHASECHK" in k.sass
-                assert k.sass.count("UCGABAR_ARV") == 1 and "LDSM" not in k.sass
-            else:
-                assert "UCGABAR_ARV" in k.sass
+    for cfg, name, k, stats in _row_kernels_sm90(fields):
+        assert stats["ldg_128"] >= fields["vecs_per_thread"] and stats["global_stores"] == stats["stg_128"]
+        if cfg.cluster_push:
+            # st.async pushes, an mbarrier wait, one cluster barrier (arrive + wait) before the first push
+            assert "STAS" in k.sass and "SYNCS.PHASECHK" in k.sass
+            assert k.sass.count("UCGABAR_ARV") == 1 and "LDSM" not in k.sass
+        else:
+            assert "UCGABAR_ARV" in k.sass
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", PUSH_CONFIGS, ids=_push_id)
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_cluster_push_rows_gpu(dtype, case, monkeypatch):
-    from rtkernels import device
-    if rw._arch_number(device.current_arch()) < 90:
-        pytest.skip("clusters need sm_90")
-    n, rows, fields, grid = case
-    if grid:
-        monkeypatch.setattr(rw, "_resident_blocks", lambda k, cfg, _g=grid: _g)
+def _three_ops_on_strided_rows(dtype, n, rows, fields, seed):
+    """softmax (and log), RMSNorm and LayerNorm with the given config fields on rows of width n
+    (row stride n + 8, poisoned outputs) against the float64 references."""
     cp, random_array, to_f64, poison, _ = _gpu()
-    rng = np.random.default_rng(n + rows)
+    rng = np.random.default_rng(seed)
     big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
     x, x64 = big[:, :n], big64[:, :n]      # row stride n + 8
     w, w64 = random_array(rng, (n,), dtype)
@@ -877,6 +876,19 @@ def test_cluster_push_rows_gpu(dtype, case, monkeypatch):
            rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
     _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
            rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PUSH_CONFIGS, ids=_push_id)
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_cluster_push_rows_gpu(dtype, case, monkeypatch):
+    from rtkernels import device
+    if rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("clusters need sm_90")
+    n, rows, fields, grid = case
+    if grid:
+        monkeypatch.setattr(rw, "_resident_blocks", lambda k, cfg, _g=grid: _g)
+    _three_ops_on_strided_rows(dtype, n, rows, fields, seed=n + rows)
 
 
 _SPECIAL_VARIANTS = {   # cluster rows through pushed totals: registers or a shared-memory slice
@@ -992,19 +1004,13 @@ def test_smem_rows_derived_values():
 @pytest.mark.parametrize("case", SMEM_CONFIGS, ids=_smem_id)
 def test_smem_rows_compile(case):
     _, _, fields, _ = case
-    for cfg, names in ((SoftmaxConfig(**_B8, **fields), ("softmax_rows", "log_softmax_rows")),
-                       (NormConfig(**_B8, weight_dtype="bfloat16", **_norm_fields(fields)),
-                        ("rmsnorm_rows", "layernorm_rows"))):
-        for name in names:
-            k = rtk.get_kernel(cfg, name, arch="sm_90")
-            assert k.resources.spill_stores == 0, (cfg.key(), name, k.resources)
-            stats = sass_stats(k.sass)
-            assert "UBLKCP" in k.sass and "SYNCS" in k.sass          # the bulk copy and its mbarrier wait
-            assert stats["global_stores"] == stats["stg_128"] >= 1
-            # x arrives only by the bulk copy: the only 128-bit global loads left are the weights
-            assert stats["ldg_128"] == (0 if name.endswith("softmax_rows") else stats["ldg_128"])
-            if name.endswith("softmax_rows"):
-                assert stats["ldg_128"] == 0
+    for cfg, name, k, stats in _row_kernels_sm90(fields):
+        assert "UBLKCP" in k.sass and "SYNCS" in k.sass          # the bulk copy and its mbarrier wait
+        assert stats["global_stores"] == stats["stg_128"] >= 1
+        # x arrives only by the bulk copy: the only 128-bit global loads left are the weights
+        assert stats["ldg_128"] == (0 if name.endswith("softmax_rows") else stats["ldg_128"])
+        if name.endswith("softmax_rows"):
+            assert stats["ldg_128"] == 0
 
 
 @pytest.mark.gpu
@@ -1016,21 +1022,7 @@ def test_smem_rows_gpu(dtype, case, monkeypatch):
         pytest.skip("bulk copies need sm_90")
     n, rows, fields, grid = case
     _shrink_grid(monkeypatch, fields, grid)
-    cp, random_array, to_f64, poison, _ = _gpu()
-    rng = np.random.default_rng(n + rows + 1)
-    big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
-    x, x64 = big[:, :n], big64[:, :n]      # row stride n + 8
-    w, w64 = random_array(rng, (n,), dtype)
-    b, b64 = random_array(rng, (n,), dtype)
-    scfg = SoftmaxConfig(dtype=dtype, vec=8, **fields)
-    for log in (False, True):
-        y = rw.softmax(x, log_softmax=log, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=scfg)
-        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
-    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=8, **_norm_fields(fields))
-    _check(rw.rmsnorm(x, w, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
-           rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
-    _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
-           rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)
+    _three_ops_on_strided_rows(dtype, n, rows, fields, seed=n + rows + 1)
 
 
 
