@@ -293,6 +293,31 @@ def test_gpu_torch_bfloat16_in_torch_out():
 
 
 @pytest.mark.gpu
+def test_gpu_torch_side_stream_orders_forward_and_backward():
+    """Inputs written on a torch side stream and the ops called under it: the launches go to
+    that stream (torch's current one), so no explicit synchronize is needed before or between."""
+    torch = pytest.importorskip("torch")
+    from rtkernels.ops.attention_bwd import attention_backward
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v, do = (torch.randn(1, 300, 2, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(4))
+        q.mul_(1.5)   # more work queued on s right before the launch
+        o, lse = attention(q, k, v, causal=True)
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal=True)
+        # references on the same stream from the same tensors
+        qt, kt, vt = (x.float().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        mask = torch.ones(300, 300, dtype=torch.bool, device="cuda").tril()
+        ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+        ref.backward(do.float().transpose(1, 2))
+    s.synchronize()
+    assert (o.float() - ref.transpose(1, 2)).abs().max().item() < 2e-2
+    for got, r in ((dq, qt.grad), (dk, kt.grad), (dv, vt.grad)):
+        r = r.transpose(1, 2)
+        assert ((got.float() - r).norm() / r.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
 def test_gpu_empty_inputs_launch_nothing():
     import cupy as cp
     q = cp.zeros((0, 5, 2, 64), cp.float16)

@@ -403,7 +403,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     ConfigError : wrong dtype, shape, head_dim (a multiple of 8 in [8, 256]), strides, devices, or
         out; nothing is launched.
     """
-    from ._arrays import as_device_array, new_like, _is_torch
+    from ._arrays import as_device_array, new_like, _is_torch, torch_stream_ptr
     import cupy
 
     p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY)
@@ -437,8 +437,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 
         arch = _device_arch(dev)
         if stream is None and _is_torch(q):
-            torch = sys.modules["torch"]
-            stream = torch.cuda.current_stream(dev).cuda_stream
+            stream = torch_stream_ptr(sys.modules["torch"], dev)
         # sm_90: the TMA/wgmma kernel (rtkernels.ops.attention_sm90) whenever TMA can address
         # the arrays; everything else, and other archs, the mma.sync kernel below.
         hopper = _sm90.eligible(arch, (q_, k_, v_, o_), seqlen_k)

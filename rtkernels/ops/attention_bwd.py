@@ -391,7 +391,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     ------
     ConfigError : bad dtype, shape, head_dim, strides, devices, lse or outputs; nothing launched.
     """
-    from ._arrays import as_device_array, new_like, _is_torch, dtype_name
+    from ._arrays import as_device_array, new_like, _is_torch, dtype_name, torch_stream_ptr
     import cupy
 
     p = check_inputs({"do": do, "q": q, "k": k, "v": v, "o": o}, dtype, softmax_scale, FAMILY)
@@ -449,8 +449,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic and hopper is None, arch,
                                   config if hopper is None else None, main=hopper is None)
         if stream is None and _is_torch(q):
-            torch = sys.modules["torch"]
-            stream = torch.cuda.current_stream(dev).cuda_stream
+            stream = torch_stream_ptr(sys.modules["torch"], dev)
         scale = float(softmax_scale)
         sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
         lse2 = cupy.empty((batch, nheads, sq_pad), cupy.float32)
