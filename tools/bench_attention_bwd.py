@@ -52,7 +52,7 @@ def _ours(q, k, v, do, causal, dtype, deterministic, torch, config=None):
     import cupy as cp
     arch = A._device_arch(cp.cuda.runtime.getDevice())
     H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
-    if config is None and H.ENABLED and H.is_sm90(arch) and q.shape[-1] <= H.MAX_HEAD_DIM:
+    if config is None and H.is_sm90(arch) and H.picks(q.shape[-1], causal):
         config = H.choose_config(dtype, q.shape[-1], causal, deterministic)   # what the op dispatches to
     cfg = config or B.choose_config(dtype, q.shape[-1], causal, deterministic, arch)
     return bwd, fwd_bwd, grads, cfg

@@ -465,12 +465,11 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         if hopper is not None:
             _sm90.launch(hopper, arch, q_, k_, v_, do_, dq_, dk_, dv_, lse2, delta, s_dq, s_dk, s_dv, scale, stream)
             return dq_o, dk_o, dv_o
-        else:
-            kerns["attention_bwd"].launch(
-                (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
-                do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv,
-                nheads, *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale,
-                shared_mem=cfg.shared_mem_bytes, stream=stream)
+        kerns["attention_bwd"].launch(
+            (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
+            do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv,
+            nheads, *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale,
+            shared_mem=cfg.shared_mem_bytes, stream=stream)
         if not in_main:
             kerns["attention_bwd_dq"].launch(
                 (-(-seqlen_q // cfg.dq_block_m), nheads, batch), (32 * cfg.dq_num_warps,),

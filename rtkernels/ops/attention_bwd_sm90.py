@@ -112,7 +112,7 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool) 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:
     """Every config the op can dispatch to."""
     return [choose_config(dt, d, c, det) for dt in dtypes for d in range(8, MAX_HEAD_DIM + 1, 8)
-            for c in (False, True) for det in (False, True) if (d, c) not in SPILLING]
+            for c in (False, True) for det in (False, True) if picks(d, c)]
 
 
 # ---- dispatch and launch ------------------------------------------------------------------
@@ -123,16 +123,20 @@ ENABLED = True
 SPILLING = {(120, False)}
 
 
+def picks(head_dim: int, causal: bool) -> bool:
+    """The op's rule for a (head_dim, causal) on sm_90, before looking at the arrays: switched on,
+    head_dim <= 128 and not a spilling case."""
+    return ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING
+
+
 def runnable(arch: str, views, seqlen_k: int) -> bool:
     """An sm_90 device, at least one key and strides a tensor map can encode (the forward's rules)."""
     return is_sm90(arch) and seqlen_k >= 1 and all(0 <= s < _TMA_STRIDE_LIMIT for v in views for s in v.strides)
 
 
 def eligible(arch: str, views, seqlen_k: int, head_dim: int, causal: bool = False) -> bool:
-    """Whether rtk.attention_backward picks this kernel by itself: switched on, head_dim <= 128
-    without spills, and :func:`runnable`."""
-    return (ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING
-            and runnable(arch, views, seqlen_k))
+    """Whether rtk.attention_backward picks this kernel by itself: :func:`picks` and :func:`runnable`."""
+    return picks(head_dim, causal) and runnable(arch, views, seqlen_k)
 
 
 _KERNELS: dict = {}
