@@ -337,15 +337,14 @@ LSE_PAD = 128   # the template's LSE_PAD: lse_log2/delta rows per (batch, head) 
 
 
 def _kernels_for(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str,
-                 config: AttentionBwdConfig | None = None, main: bool = True):
-    """({name: Kernel}, config), memoized per key.  main=False: the pre-pass only (what the Hopper
-    kernel needs from this family)."""
-    key = ((dtype, head_dim, causal, deterministic, arch) if config is None else (config, arch)) + (main,)
+                 config: AttentionBwdConfig | None = None):
+    """({name: Kernel}, config), memoized per key."""
+    key = (dtype, head_dim, causal, deterministic, arch) if config is None else (config, arch)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
         cfg = config or choose_config(dtype, head_dim, causal, deterministic, arch)
-        names = ("attention_bwd_dot",) if not main else ("attention_bwd_dot", "attention_bwd") + (
+        names = ("attention_bwd_dot", "attention_bwd") + (
             ("attention_bwd_dq",) if cfg.dq_mode == "pass" else ("attention_bwd_dq_convert",))
         hit = _KERNELS[key] = ({n: get_kernel(cfg, n, arch=arch) for n in names}, cfg)
     return hit
@@ -445,26 +444,25 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             hopper = _sm90.choose_config(dt, head_dim, causal, deterministic)
         else:
             hopper = None
-        # The Hopper kernel still takes the pre-pass (delta, lse*log2e) from this family.
-        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic and hopper is None, arch,
-                                  config if hopper is None else None, main=hopper is None)
         if stream is None and _is_torch(q):
             stream = torch_stream_ptr(sys.modules["torch"], dev)
         scale = float(softmax_scale)
         sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
         lse2 = cupy.empty((batch, nheads, sq_pad), cupy.float32)
         delta = cupy.empty((batch, nheads, sq_pad), cupy.float32)
-        in_main = hopper is None and cfg.dq_mode != "pass"
+        rows_per_cta = _DOT_THREADS // _dot_lanes(head_dim)
+        dot_grid = (-(-sq_pad // rows_per_cta), nheads, batch)
+        if hopper is not None:
+            _sm90.launch(hopper, arch, q_, k_, v_, o_, do_, lse_c, lse2, delta, dq_, dk_, dv_,
+                         (s_o, s_do, s_dq, s_dk, s_dv), scale, dot_grid, stream)
+            return dq_o, dk_o, dv_o
+        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch, config)
+        in_main = cfg.dq_mode != "pass"
         dq_accum = cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32) if in_main else None
         dq_count = (cupy.empty((batch, nheads, -(-seqlen_q // cfg.block_m), cfg.dq_units, 4), cupy.int32)
                     if (deterministic and in_main) else None)
-        rows_per_cta = _DOT_THREADS // _dot_lanes(head_dim)
-        kerns["attention_bwd_dot"].launch((-(-sq_pad // rows_per_cta), nheads, batch), (_DOT_THREADS,),
-                                          o_, do_, lse_c, lse2, delta, dq_accum, dq_count, seqlen_q, *s_o[:3],
-                                          *s_do[:3], stream=stream)
-        if hopper is not None:
-            _sm90.launch(hopper, arch, q_, k_, v_, do_, dq_, dk_, dv_, lse2, delta, s_dq, s_dk, s_dv, scale, stream)
-            return dq_o, dk_o, dv_o
+        kerns["attention_bwd_dot"].launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_c, lse2, delta, dq_accum, dq_count,
+                                          seqlen_q, *s_o[:3], *s_do[:3], stream=stream)
         kerns["attention_bwd"].launch(
             (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
             do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv,

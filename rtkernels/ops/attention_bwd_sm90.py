@@ -40,7 +40,7 @@ class AttentionBwdSm90Config(AttentionShape):
 
     family: ClassVar[str] = FAMILY
     template: ClassVar[str] = "attention_bwd_sm90.cu.j2"
-    kernels: ClassVar[tuple[str, ...]] = ("attention_bwd_sm90", "attention_bwd_sm90_dq_convert")
+    kernels: ClassVar[tuple[str, ...]] = ("attention_bwd_sm90", "attention_bwd_sm90_dot", "attention_bwd_sm90_dq_convert")
     needs_arch_specific: ClassVar[bool] = True
     expects_tensor_cores: ClassVar[bool] = True
     expected_global_width: ClassVar[int | None] = None   # TMA loads; dK/dV/dQ leave from mma registers
@@ -143,7 +143,7 @@ _KERNELS: dict = {}
 
 
 def kernels_for(cfg: AttentionBwdSm90Config, arch: str = "sm_90a"):
-    """(main kernel, dQ conversion kernel), memoized per (config, arch)."""
+    """(main kernel, pre-pass, dQ conversion), memoized per (config, arch)."""
     key = (cfg, arch)
     hit = _KERNELS.get(key)
     if hit is None:
@@ -152,14 +152,18 @@ def kernels_for(cfg: AttentionBwdSm90Config, arch: str = "sm_90a"):
     return hit
 
 
-def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, do_, dq_, dk_, dv_, lse2, delta, s_dq, s_dk, s_dv,
-           softmax_scale: float, stream=None) -> None:
-    """Main kernel + dQ conversion over CuPy views (bfloat16 as uint16); lse2/delta from the
-    pre-pass (attention_bwd_dot)."""
+def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, lse2, delta, dq_, dk_, dv_, strides,
+           softmax_scale: float, dot_grid, stream=None) -> None:
+    """Pre-pass (delta and lse*log2e into lse2/delta, the op's padded buffers, on ``dot_grid``),
+    main kernel and dQ conversion over CuPy views (bfloat16 as uint16).  ``strides``: the element
+    strides of o, do, dq, dk, dv."""
     import cupy
     from ..kernel import _StreamPtr
     from ..tma import tensor_map
-    kern, convert = kernels_for(cfg, arch)
+    from .attention_bwd import _DOT_THREADS   # the template's DOT_THREADS
+    kern, dot, convert = kernels_for(cfg, arch)
+    s_o, s_do, s_dq, s_dk, s_dv = strides
+    dot.launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_, lse2, delta, q_.shape[1], *s_o[:3], *s_do[:3], stream=stream)
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     dt = cfg.dtype

@@ -58,4 +58,39 @@ __device__ __forceinline__ float lse_log2_or_inf(float lse, bool valid) {
     return (valid && lse != __int_as_float(0xff800000)) ? lse * 1.4426950408889634f : __int_as_float(0x7f800000);
 }
 
+// The backward's pre-pass, one row per LANES lanes (a power of two >= HEAD_DIM / 8, one 16-byte
+// chunk of o and do each): delta = rowsum(dO * O) in f32 and lse * log2(e) (+inf for rows that
+// saw no key), both into rows padded to a multiple of lse_pad (padding rows: +inf and 0).
+// Shared by the mma.sync and the Hopper kernels' pre-pass entry points (which add their own
+// buffer zeroing); needs rtk/common.cuh.
+template <typename T, int HEAD_DIM, int LANES>
+__device__ __forceinline__ void bwd_dot_row(const T* __restrict__ o, const T* __restrict__ dout,
+                                            const float* __restrict__ lse, float* __restrict__ lse_log2,
+                                            float* __restrict__ delta, int seqlen_q, int lse_pad, long long hb,
+                                            int row, int c, long long o_row, long long do_row) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    float acc = 0.f;
+    if (row < seqlen_q && c < CHUNKS) {
+        const Vec<T, 8> x = *reinterpret_cast<const Vec<T, 8>*>(o + o_row + c * 8);
+        const Vec<T, 8> y = *reinterpret_cast<const Vec<T, 8>*>(dout + do_row + c * 8);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(to_float(x.v[e]), to_float(y.v[e]), acc);
+    }
+#pragma unroll
+    for (int w = LANES / 2; w >= 1; w /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, w);
+    const int padded = (seqlen_q + lse_pad - 1) / lse_pad * lse_pad;
+    if (c == 0 && row < padded) {
+        const bool valid = row < seqlen_q;
+        lse_log2[hb * padded + row] = lse_log2_or_inf(valid ? lse[hb * seqlen_q + row] : 0.f, valid);
+        delta[hb * padded + row] = acc;   // 0 for padding rows
+    }
+}
+
+// LANES of bwd_dot_row for a head dim: the smallest power of two >= HEAD_DIM / 8.
+template <int HEAD_DIM>
+constexpr int bwd_dot_lanes() {
+    return HEAD_DIM / 8 <= 1 ? 1 : HEAD_DIM / 8 <= 2 ? 2 : HEAD_DIM / 8 <= 4 ? 4 : HEAD_DIM / 8 <= 8 ? 8
+         : HEAD_DIM / 8 <= 16 ? 16 : 32;
+}
+
 }  // namespace rtk
