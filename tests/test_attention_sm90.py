@@ -183,8 +183,9 @@ def test_heuristic_configs_compile_without_spills(dtype, causal):
         ops = set(_ops(k.sass))
         if any(o.startswith(("LDL", "STL")) for o in ops) or any(c in k.module.log for c in PTXAS_NOTES):
             bad.append((cfg.head_dim, "local memory or a ptxas setmaxnreg/wgmma warning"))
-        if cfg.intra_overlap and not re.search(r"GGW1e\d+W0", _pipeline(k.sass)):
-            bad.append((cfg.head_dim, "exponentials not between wait_group 1 and 0", _pipeline(k.sass)))
+        pipe = _pipeline(k.sass)
+        if cfg.intra_overlap and not re.search(r"GGW1e\d+W0", pipe):
+            bad.append((cfg.head_dim, "exponentials not between wait_group 1 and 0", pipe))
         if not {"UTMALDG", "UTMASTG"} <= {o.split(".")[0] for o in ops} or "HGMMA.64x" not in k.sass:
             missing.append(cfg.head_dim)
     assert not bad, f"sm_90a {dtype} causal={causal}: {bad}"

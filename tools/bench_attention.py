@@ -335,13 +335,13 @@ def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
 
 def parse_tiles(spec: str) -> list[dict]:
     """``"192x112ov,128x128ovpp,128x64s3"`` -> attention_sm90 tile fields (``ov``: intra_overlap,
-    ``pp``: pingpong, ``sN``: num_stages)."""
+    ``pp``: pingpong, ``sN``: num_stages, ``early``: softmax_under_pv=False)."""
     import re
     out = []
     for tok in filter(None, (t.strip() for t in spec.split(","))):
         m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?", tok)
         if not m:
-            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp], e.g. 192x112ov or 128x128ovpp")
+            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early], e.g. 192x112ov or 128x128ovpp")
         out.append(dict(block_m=int(m[1]), block_n=int(m[2]), num_stages=int(m[3] or 2), intra_overlap=bool(m[4]),
                         pingpong=bool(m[5]), softmax_under_pv=not m[6]))
     return out
@@ -355,20 +355,8 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None, tiles
     import cupy as cp
     from concurrent.futures import ThreadPoolExecutor
     import rtkernels as rtk
-    from rtkernels.errors import ConfigError
     from rtkernels.ops import attention_sm90 as H
-
-    def space(d, causal):
-        if tiles is None:
-            return H.tile_space(dtype, d, causal)
-        out = [H.choose_config(dtype, d, causal)]
-        for t in tiles:
-            try:
-                out.append(H.AttentionSm90Config(dtype=dtype, head_dim=d, causal=causal, **t))
-            except ConfigError:
-                pass   # does not fit shared memory at this head dim
-        return list(dict.fromkeys(out))
-    cands = [c for d in head_dims for causal in causals for c in space(d, causal)]
+    cands = [c for d in head_dims for causal in causals for c in H.tile_space(dtype, d, causal, tiles)]
 
     def build(c):
         try:
@@ -413,14 +401,8 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None, tiles
 def sm90_runner(kern, cfg, qc, kc, vc, oc, lse):
     """A launcher of one attention_sm90 config with its tensor maps encoded once."""
     from rtkernels.ops import attention_sm90 as H
-    b, s, h, d = qc.shape
-    maps = H.tensor_maps(cfg, qc, kc, vc, oc)
-    grid = (-(-s // cfg.block_m), h, b)
-    args = (*maps, lse, s, kc.shape[1], h // kc.shape[2], 1.0 / d ** 0.5)
-
-    def run():
-        kern.launch(grid, (cfg.threads_per_block,), *args, shared_mem=cfg.shared_mem_bytes)
-    return run
+    maps, scale = H.tensor_maps(cfg, qc, kc, vc, oc), 1.0 / qc.shape[3] ** 0.5
+    return lambda: H.launch(kern, cfg, qc, kc, vc, oc, lse, scale, maps=maps)
 
 
 def _short90(c) -> str:

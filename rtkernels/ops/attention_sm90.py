@@ -76,15 +76,14 @@ class AttentionSm90Config(AttentionShape):
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        tile = ("block_m", "block_n", "num_stages", "intra_overlap", "pingpong", "softmax_under_pv")
-        if any(f in params for f in tile):
+        if any(f in params for f in _TILE_FIELDS):
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
                                 params.get("causal", cls.causal))
         except (ConfigError, TypeError, ValueError, KeyError):
             return {}   # the constructor then reports the bad field itself
-        return {f: getattr(cfg, f) for f in tile}
+        return {f: getattr(cfg, f) for f in _TILE_FIELDS}
 
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
@@ -137,6 +136,9 @@ class Tile(NamedTuple):
     softmax_under_pv: bool = True
 
 
+_TILE_FIELDS = tuple(f for f in Tile._fields if f != "why")   # the config fields a Tile sets
+
+
 # (lowest head_dim, highest head_dim, causal or None for both) -> tile.  Timings: H200, bf16,
 # seqlen 4096 (16k tokens, hidden 2048), TFLOP/s non-causal / causal; head dims <= 128 from one
 # same-run A/B of 2026-11-21 (round 2: back-to-back launches, 3 interleaved rounds, median; the
@@ -184,9 +186,8 @@ def candidate(head_dim: int, causal: bool) -> Tile:
 def choose_config(dtype: str, head_dim: int, causal: bool) -> AttentionSm90Config:
     """The config the heuristics pick for (dtype, head_dim, causal) on sm_90."""
     t = candidate(head_dim, causal)
-    return AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=t.block_m,
-                               block_n=t.block_n, num_stages=t.num_stages, intra_overlap=t.intra_overlap,
-                               pingpong=t.pingpong, softmax_under_pv=t.softmax_under_pv)
+    return AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
+                               **{f: getattr(t, f) for f in _TILE_FIELDS})
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Config]:
@@ -194,15 +195,13 @@ def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Confi
     return [choose_config(dt, d, c) for d in range(8, 257, 8) for dt in dtypes for c in (False, True)]
 
 
-def tile_space(dtype: str, head_dim: int, causal: bool) -> list[AttentionSm90Config]:
+def tile_space(dtype: str, head_dim: int, causal: bool, tiles=None) -> list[AttentionSm90Config]:
     """Candidates for the autotuner: the heuristic's tile first, then 128-row CTAs with 64..192-key
-    tiles (intra-warpgroup overlap, pingpong, or both) and 192-row CTAs (head_dim <= 128) - those
-    that fit shared memory (spilling ones are pruned from the ptxas report before anything launches)."""
-    tiles = [dict(block_m=128, block_n=n, intra_overlap=ov, pingpong=pp)
-             for n in (64, 80, 96, 112, 128, 144, 160, 176, 192)
-             for ov, pp in ((True, False), (True, True), (False, True))]
-    if head_dim <= 128:   # 3 consumer warpgroups get 160 registers each: O + S + P fit only for small D
-        tiles += [dict(block_m=192, block_n=n, pingpong=pp) for n in (64, 80, 96, 112, 128) for pp in (False, True)]
+    tiles (intra-warpgroup overlap, pingpong, or both) and 192-row CTAs (head_dim <= 128) - or the
+    tile fields ``tiles`` instead - those that fit shared memory (spilling ones are pruned from the
+    ptxas report before anything launches)."""
+    if tiles is None:
+        tiles = _default_tiles(head_dim)
     out = [choose_config(dtype, head_dim, causal)]
     for t in tiles:
         try:
@@ -210,6 +209,15 @@ def tile_space(dtype: str, head_dim: int, causal: bool) -> list[AttentionSm90Con
         except ConfigError:
             pass   # does not fit shared memory
     return list(dict.fromkeys(out))
+
+
+def _default_tiles(head_dim: int) -> list[dict]:
+    tiles = [dict(block_m=128, block_n=n, intra_overlap=ov, pingpong=pp)
+             for n in (64, 80, 96, 112, 128, 144, 160, 176, 192)
+             for ov, pp in ((True, False), (True, True), (False, True))]
+    if head_dim <= 128:   # 3 consumer warpgroups get 160 registers each: O + S + P fit only for small D
+        tiles += [dict(block_m=192, block_n=n, pingpong=pp) for n in (64, 80, 96, 112, 128) for pp in (False, True)]
+    return tiles
 
 
 # ---- dispatch and launch ------------------------------------------------------------------
@@ -255,11 +263,13 @@ def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_):
             tensor_map(o_, dt, o_.shape, _map_strides(o_), box(64)))
 
 
-def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None) -> None:
-    """One launch over CuPy views q_, k_, v_, o_ (bfloat16 as uint16) and lse_ (or None)."""
+def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None,
+           maps=None) -> None:
+    """One launch over CuPy views q_, k_, v_, o_ (bfloat16 as uint16) and lse_ (or None); ``maps``:
+    their :func:`tensor_maps`, when the caller encoded them once for repeated launches."""
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    tq, tk, tv, to = tensor_maps(cfg, q_, k_, v_, o_)
+    tq, tk, tv, to = maps or tensor_maps(cfg, q_, k_, v_, o_)
     kern.launch((-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,), tq, tk, tv, to, lse_,
                 seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale), shared_mem=cfg.shared_mem_bytes,
                 stream=stream)
