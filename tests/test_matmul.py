@@ -108,7 +108,6 @@ def test_ldmatrix_ahead_of_refill_copies():
     """ldsm_first: the k-tile's first ldmatrix comes before its refill copies in the SASS of the
     main loop (copies first, ptxas keeps them ahead of every later shared-memory access and the
     next step's ldmatrix drift to the end of the step's HMMAs: 461 vs 510 TFLOP/s on an H200)."""
-    import dataclasses
     import rtkernels as rtk
     cfg = mm._config(mm.TC_TILES[0], "bfloat16", a_kmajor=True, b_kmajor=False, even_k=True)
     assert cfg.ldsm_first

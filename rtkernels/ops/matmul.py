@@ -220,9 +220,11 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
     return w.waves * tile.blocks_per_sm * tile.block_m * tile.block_n / tile.efficiency
 
 
-def _fits(tile: _Tile, arch: str) -> bool:
-    ring = tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
-    return max(ring, tile.block_m * tile.block_n * 2) <= arch_mod.limits(arch).max_smem_per_block_optin
+def _ldsm_first_ok(block_k: int, even_k: bool) -> bool:
+    """Whether the ldmatrix-before-refill order fits: the K-tail copies of the 64-deep tiles leave
+    no registers for the refill behind the ldmatrix (ptxas: 4-28 bytes of spill at 255
+    registers), so they refill first."""
+    return even_k or block_k != 64
 
 
 def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: bool = False, k: int = 0,
@@ -230,7 +232,7 @@ def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: 
     tiles = F32_TILES if dtype == "float32" else NARROW_TILES if narrow else TC_TILES
     # ties go to the smaller tile: less work wasted on the zero-filled border
     tile = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
-    if tile is TC_TILES[0] and k >= DEEP_K and _fits(DEEP_TILE, arch):
+    if tile is TC_TILES[0] and k >= DEEP_K and _DEEP_SMEM <= arch_mod.limits(arch).max_smem_per_block_optin:
         tile = DEEP_TILE
     return tile
 
@@ -238,12 +240,13 @@ def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: 
 def _config(tile: _Tile, dtype: str, k: int | None = None, **layout) -> MatmulConfig:
     if k is not None:
         layout = {**layout, "even_k": dtype != "float32" and k % tile.block_k == 0}
-    if tile.block_k == 64 and not layout.get("even_k", False):
-        # the K-tail copies of the 64-deep tiles leave no registers for the refill behind the
-        # ldmatrix (ptxas: 4-28 bytes of spill at 255 registers); they refill first
+    if not _ldsm_first_ok(tile.block_k, layout.get("even_k", False)):
         layout = {**layout, "ldsm_first": False}
     return MatmulConfig(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k,
                         num_warps=tile.num_warps, num_stages=tile.num_stages, warps_m=tile.warps_m, **layout)
+
+
+_DEEP_SMEM = _config(DEEP_TILE, "bfloat16").shared_mem_bytes   # 192 KiB: sm_90 only
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int | None = None,
@@ -457,7 +460,8 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
             even = da != "float32" and k % cfg.block_k == 0
             if cfg.even_k != even:
                 # (and the 64-deep tiles' K-tail path refills first, as _config sets it)
-                cfg = dataclasses.replace(cfg, even_k=even, ldsm_first=cfg.ldsm_first and (even or cfg.block_k != 64))
+                cfg = dataclasses.replace(cfg, even_k=even,
+                                          ldsm_first=cfg.ldsm_first and _ldsm_first_ok(cfg.block_k, even))
         kern = get_kernel(cfg)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if tiles > tiles_limit:
