@@ -750,22 +750,9 @@ def test_staged_rows_gpu(dtype, case, monkeypatch):
     if (fields.get("cluster_size", 1) > 1 or fields.get("bulk_stages")) and \
             rw._arch_number(device.current_arch()) < 90:
         pytest.skip("clusters / bulk copies need sm_90")
-    cp, random_array, to_f64, poison, _ = _gpu()
-    rng = np.random.default_rng(n + rows)
-    big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
     # row stride n + 8 (still 16-byte rows) except at 4096, where the rows are contiguous
-    x, x64 = (big[:, :n], big64[:, :n]) if n != 4096 else random_array(rng, (rows, n), dtype, scale=3.0)
-    w, w64 = random_array(rng, (n,), dtype)
-    b, b64 = random_array(rng, (n,), dtype)
-    scfg = SoftmaxConfig(dtype=dtype, vec=8, **fields)
-    for log in (False, True):
-        y = rw.softmax(x, log_softmax=log, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=scfg)
-        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
-    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=8, param_slots=1, **fields)
-    _check(rw.rmsnorm(x, w, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
-           rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
-    _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
-           rw.layernorm_reference(x64, w64, b64), dtype, 4 * _TOL[dtype], to_f64)
+    _three_ops_on_strided_rows(dtype, n, rows, fields, seed=n + rows, norm_fields=dict(param_slots=1, **fields),
+                               contiguous=n == 4096)
 
 
 @pytest.mark.gpu
@@ -857,20 +844,22 @@ def test_cluster_push_configs_compile(case):
             assert "UCGABAR_ARV" in k.sass
 
 
-def _three_ops_on_strided_rows(dtype, n, rows, fields, seed):
-    """softmax (and log), RMSNorm and LayerNorm with the given config fields on rows of width n
-    (row stride n + 8, poisoned outputs) against the float64 references."""
+def _three_ops_on_strided_rows(dtype, n, rows, fields, seed, norm_fields=None, contiguous=False):
+    """softmax (and log), RMSNorm and LayerNorm with the given config fields (norm_fields for the
+    norms: default the softmax fields mapped by _norm_fields) on rows of width n (row stride n + 8,
+    or contiguous rows drawn after the strided ones; poisoned outputs) against the float64 references."""
     cp, random_array, to_f64, poison, _ = _gpu()
     rng = np.random.default_rng(seed)
     big, big64 = random_array(rng, (rows, n + 8), dtype, scale=3.0)
-    x, x64 = big[:, :n], big64[:, :n]      # row stride n + 8
+    x, x64 = (big[:, :n], big64[:, :n]) if not contiguous else random_array(rng, (rows, n), dtype, scale=3.0)
     w, w64 = random_array(rng, (n,), dtype)
     b, b64 = random_array(rng, (n,), dtype)
     scfg = SoftmaxConfig(dtype=dtype, vec=8, **fields)
     for log in (False, True):
         y = rw.softmax(x, log_softmax=log, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=scfg)
         _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
-    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=8, **_norm_fields(fields))
+    ncfg = NormConfig(dtype=dtype, weight_dtype=dtype, vec=8,
+                      **(_norm_fields(fields) if norm_fields is None else norm_fields))
     _check(rw.rmsnorm(x, w, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
            rw.rmsnorm_reference(x64, w64), dtype, _TOL[dtype], to_f64)
     _check(rw.layernorm(x, w, b, out=poison(cp.empty((rows, n), dtype=x.dtype)), dtype=dtype, config=ncfg),
