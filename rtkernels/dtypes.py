@@ -26,13 +26,23 @@ ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "f
            "fp32": "float32", "double": "float64", "fp64": "float64"}
 
 
+# dtype object -> name: NumPy 2's dtype.name / str() cost 1-3 us each, and an op asks several
+# times per call (profiled on the H200 host, 2026-11-21).
+_OBJECT_NAMES: dict = {}
+
+
 def canonical(name: object, *, family: str = "rtkernels", field: str = "dtype",
               allowed: tuple[str, ...] | None = None) -> str:
     """Return the canonical dtype name for ``name`` (a string, NumPy dtype or torch dtype)."""
     raw = name
     if not isinstance(name, str):
-        name = str(getattr(name, "name", None) or name)   # np.dtype('float16').name, torch.float16
-        name = name.replace("torch.", "")
+        try:
+            name = _OBJECT_NAMES[raw]
+        except (KeyError, TypeError):
+            name = str(getattr(raw, "name", None) or raw)   # np.dtype('float16').name, torch.float16
+            name = name.replace("torch.", "")
+            if name in DTYPES and len(_OBJECT_NAMES) < 64:
+                _OBJECT_NAMES[raw] = name
     name = ALIASES.get(name, name)
     choices = allowed or tuple(DTYPES)
     if name not in DTYPES or name not in choices:

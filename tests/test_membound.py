@@ -459,6 +459,47 @@ def test_strided_and_misaligned_rows_gpu(dtype, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_launch_plans_replay_per_signature_gpu(dtype):
+    """Second calls with a signature replay the first call's launch; anything that changes a
+    decision (alignment, strides, out given or not, options) is a different plan."""
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(17)
+    n = 1000
+    rw._PLANS.clear()
+    big, big64 = random_array(rng, (2, 48, n + 8), dtype)
+    w, w64 = random_array(rng, (n,), dtype)
+    b, b64 = random_array(rng, (n,), dtype)
+    calls = [(big[0, :, :n], big64[0, :, :n]), (big[1, :, :n], big64[1, :, :n]),     # same signature
+             (big[0, :, 1:n + 1], big64[0, :, 1:n + 1]),                            # 2-byte offset: narrower vec
+             (big[1, :, 1:n + 1], big64[1, :, 1:n + 1])]
+    for x, x64 in calls:
+        for log in (False, True):
+            _check(rw.softmax(x, log_softmax=log, dtype=dtype), rw.softmax_reference(x64, log), dtype,
+                   1e-6 if not log else 1e-5, to_f64)
+            out = poison(cp.empty(x.shape, dtype=x.dtype))
+            assert rw.softmax(x, log_softmax=log, out=out, dtype=dtype) is out
+            _check(out, rw.softmax_reference(x64, log), dtype, 1e-6 if not log else 1e-5, to_f64)
+        _check(rw.rmsnorm(x, w, eps=1e-6, dtype=dtype), rw.rmsnorm_reference(x64, w64, 1e-6), dtype,
+               _TOL[dtype], to_f64)
+        _check(rw.layernorm(x, w, b, eps=1e-5, dtype=dtype), rw.layernorm_reference(x64, w64, b64, 1e-5), dtype,
+               4 * _TOL[dtype], to_f64)
+        _check(rw.layernorm(x, w, b, eps=0.5, dtype=dtype), rw.layernorm_reference(x64, w64, b64, 0.5), dtype,
+               4 * _TOL[dtype], to_f64)
+        y = rw.reduce(x, op="argmax", dtype=dtype)
+        assert str(y.dtype) == "int64" and y.shape == (48,)
+        assert np.array_equal(cp.asnumpy(y), rw.reduce_reference(x64, "argmax"))
+    # 2 alignments x (softmax, log-softmax) x (out new, given) + rmsnorm, layernorm x 2 eps, argmax
+    assert len(rw._PLANS) == 2 * (4 + 1 + 2 + 1)
+    # a replayed signature still rejects what its first call would have rejected
+    with pytest.raises(ConfigError, match="axis"):
+        rw.softmax(calls[0][0], axis=0, dtype=dtype)
+    other = "float32" if dtype != "float32" else "float16"
+    with pytest.raises(ConfigError, match="dtype"):
+        rw.softmax(calls[0][0], dtype=other)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_leading_shapes_and_copied_views_gpu(dtype):
     cp, random_array, to_f64, _, _ = _gpu()
     rng = np.random.default_rng(5)

@@ -52,6 +52,7 @@ def as_device_array(x, op: str, name: str):
 _TORCH_TO_CUPY = {"float16": "float16", "bfloat16": "uint16", "float32": "float32", "float64": "float64",
                   "int8": "int8", "uint8": "uint8", "int16": "int16", "int32": "int32", "int64": "int64",
                   "bool": "bool"}
+_TORCH_CUPY_DTYPE: dict = {}   # torch dtype -> CuPy dtype name (False: none); str(dtype) per call adds up
 
 
 def _torch_view(x, cupy, torch):
@@ -65,10 +66,14 @@ def _torch_view(x, cupy, torch):
     is the stream CuPy will launch on, there is nothing to order, so the view is made directly
     (the view keeps ``x`` alive).
     """
-    dt = _TORCH_TO_CUPY.get(str(x.dtype).rpartition(".")[2])
-    if dt is None or x.numel() == 0:
+    dt = _TORCH_CUPY_DTYPE.get(x.dtype)
+    if dt is None:
+        dt = _TORCH_CUPY_DTYPE[x.dtype] = _TORCH_TO_CUPY.get(str(x.dtype).rpartition(".")[2], False)
+    if dt is False:
         return None
-    dev = x.device.index
+    if x.numel() == 0:
+        return None
+    dev = x.get_device()
     if dev != cupy.cuda.runtime.getDevice():
         return None
     if torch_stream_ptr(torch, dev) != cupy.cuda.get_current_stream().ptr:

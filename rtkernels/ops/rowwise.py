@@ -501,7 +501,7 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...
 
 # ---- array plumbing -------------------------------------------------------------------------
 def _dtype_of(x, dtype, op: str) -> str:
-    dt = dtype_name(x) if not (hasattr(x, "dtype") and str(x.dtype) == "uint16") else "uint16"
+    dt = dtype_name(x)   # uint16 stays "uint16" (bfloat16 bits with dtype="bfloat16")
     if dtype is not None:
         want = dtypes.canonical(dtype, family=op, field="dtype", allowed=FLOAT_DTYPES)
         if not (dt == want or (dt == "uint16" and want == "bfloat16")):
@@ -570,7 +570,7 @@ def _out_rows(out, x, shape, dtype: str, op: str):
     if out is None:
         out = new_like(x, shape, dtype)
     ov = as_device_array(out, op, "out")
-    odt = dtype_name(out) if str(getattr(out, "dtype", "")) != "uint16" else "uint16"
+    odt = dtype_name(out)
     if tuple(ov.shape) != tuple(shape) or not (odt == dtype or (odt == "uint16" and dtype == "bfloat16")):
         raise ConfigError(f"{op}: out must be a {dtype} array of shape {tuple(shape)}, got {odt} {tuple(ov.shape)}",
                           family=op, field="out", value=f"{odt}{tuple(ov.shape)}", allowed=f"{dtype}{tuple(shape)}")
@@ -651,6 +651,82 @@ def _resident_blocks(k, cfg) -> int | None:
     return got
 
 
+# ---- per-signature launch plans --------------------------------------------------------------
+# The checks and the planning above cost 55-100 us of Python per call (H200 host, 2026-11-21:
+# rtk.softmax 61 us, rtk.layernorm 106 us, against 7 us for a CuPy RawKernel launch), which made
+# these ops host-bound on any tensor under ~200 MiB of traffic.  Everything they decide depends
+# only on the arrays' dtypes, shapes, strides, 16-byte alignment (the vector width) and device,
+# plus the op's scalar options, so calls on CuPy arrays remember the decision per signature and a
+# later call with the same signature only allocates ``out`` (when not given) and launches.  Other
+# array kinds (torch, DLPack) take the full path: their stream and view handling runs per call.
+_PLANS: dict = {}
+_PLANS_MAX = 4096
+_NDARRAY = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kernel: object
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    out_shape: tuple
+    out_dtype: object
+    tail: tuple          # the arguments after ``out``
+
+
+def _ndarray():
+    global _NDARRAY
+    if _NDARRAY is None:
+        import cupy
+        _NDARRAY = cupy.ndarray
+    return _NDARRAY
+
+
+def _plan_key(op_key: tuple, arrays: tuple, out):
+    """The plan's key when every array (and ``out``, if given) is a CuPy array on the current
+    device, else None (no plan)."""
+    nd = _ndarray()
+    sig = []
+    for a in arrays if out is None else arrays + (out,):
+        if type(a) is not nd:
+            return None
+        mem = a.data
+        sig.append((a.dtype, a.shape, a.strides, mem.ptr & 15, mem.device_id))
+    if sig[0][4] != _current_device():
+        return None
+    return op_key + (out is None,) + tuple(sig)
+
+
+def _lookup(key):
+    try:
+        return _PLANS.get(key) if key is not None else None
+    except TypeError:   # an unhashable option (dtype=[...]): the full path reports it
+        return None
+
+
+def _current_device() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
+def _remember(key, xv, x, ov, out, k, grid, block, shared_mem, tail) -> None:
+    """Store the launch when the call used the caller's arrays as they are (no copied view)."""
+    if key is None or xv is not x or ov is not out:
+        return
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = _Plan(k, grid, block, shared_mem, tuple(out.shape), out.dtype, tail)
+
+
+def _replay(plan: _Plan, inputs: tuple, out, stream):
+    if out is None:
+        import cupy
+        out = cupy.empty(plan.out_shape, plan.out_dtype)
+    plan.kernel.launch(plan.grid, plan.block, *inputs, out, *plan.tail, shared_mem=plan.shared_mem, stream=stream)
+    return out
+
+
 # ---- public ops -------------------------------------------------------------------------------
 def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: str | None = None, stream=None,
             config: SoftmaxConfig | None = None):
@@ -674,6 +750,11 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     -------
     ``out`` (new if None): same kind of array as ``x``.  All -inf rows give 0 (log: -inf).
     """
+    key = _plan_key(("softmax", bool(log_softmax), axis, dtype, config), (x,), out) \
+        if type(axis) is int else None
+    plan = _lookup(key)
+    if plan is not None:
+        return _replay(plan, (x,), out, stream)
     op = "log_softmax" if log_softmax else "softmax"
     dt = _dtype_of(x, dtype, op)
     _check_axis(axis, _ndim(x), op)
@@ -686,8 +767,9 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
     cfg = _config_for("softmax", config, n, dt, vec, rows, op)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
-    k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, ov, rows, n, xs, ys,
-             shared_mem=cfg.shared_mem_bytes, stream=stream)
+    grid, block, tail = (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), (rows, n, xs, ys)
+    k.launch(grid, block, xv, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=stream)
+    _remember(key, xv, x, ov, out, k, grid, block, cfg.shared_mem_bytes, tail)
     return out
 
 
@@ -718,6 +800,11 @@ def layernorm(x, weight, bias, eps: float = 1e-5, out=None, *, dtype: str | None
 
 
 def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
+    inputs = (x, weight) if bias is None else (x, weight, bias)
+    key = _plan_key((op, eps, dtype, config), inputs, out) if type(eps) is float else None
+    plan = _lookup(key)
+    if plan is not None:
+        return _replay(plan, inputs, out, stream)
     dt = _dtype_of(x, dtype, op)
     xv, (rows, n, xs) = _rows_of(x, op)
     _check_width(n, op)
@@ -729,7 +816,7 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
         if p is None:
             raise ConfigError(f"{op}: {name} is required", family=op, field=name)
         pv = as_device_array(p, op, name)
-        pdt = dtype_name(p) if str(getattr(p, "dtype", "")) != "uint16" else "uint16"
+        pdt = dtype_name(p)
         if pdt == "uint16" and dt == "bfloat16":
             pdt = "bfloat16"
         if pdt not in FLOAT_DTYPES:
@@ -757,8 +844,10 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
         vec //= 2   # weights load in pieces of at most 16 bytes
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
     k = get_kernel(cfg, op + "_rows")
-    k.launch((cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), xv, *params, ov, rows, n, xs, ys,
-             float(eps), shared_mem=cfg.shared_mem_bytes, stream=stream)
+    grid, block, tail = (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), (rows, n, xs, ys, float(eps))
+    k.launch(grid, block, xv, *params, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=stream)
+    if all(pv is p for pv, p in zip(params, inputs[1:])):
+        _remember(key, xv, x, ov, out, k, grid, block, cfg.shared_mem_bytes, tail)
     return out
 
 
@@ -773,6 +862,10 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     if op not in REDUCE_OPS:
         raise ConfigError(f"reduce: op={op!r} is not allowed; op must be one of {', '.join(map(repr, REDUCE_OPS))}",
                           family="reduce", field="op", value=op, allowed=", ".join(REDUCE_OPS))
+    key = _plan_key(("reduce", op, axis, dtype, config), (x,), out) if type(axis) is int else None
+    plan = _lookup(key)
+    if plan is not None:
+        return _replay(plan, (x,), out, stream)
     name = f"reduce({op})"
     dt = _dtype_of(x, dtype, name)
     _check_axis(axis, _ndim(x), name)
@@ -792,7 +885,9 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     vec = _pick_vec(size, n, (_ptr(xv),), (xs,) if rows > 1 else ())
     cfg = _config_for("reduce", config, n, dt, vec, rows, name)
     k = get_kernel(cfg, f"reduce_{op}_rows")
-    k.launch((cfg.grid(rows),), (cfg.block_size,), xv, ov, rows, n, xs, stream=stream)
+    grid, block, tail = (cfg.grid(rows),), (cfg.block_size,), (rows, n, xs)
+    k.launch(grid, block, xv, ov, *tail, stream=stream)
+    _remember(key, xv, x, ov, out, k, grid, block, 0, tail)
     return out
 
 
