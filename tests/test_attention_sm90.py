@@ -414,6 +414,8 @@ def launches(monkeypatch):
         calls.append(cfg)
         return real(kern, cfg, *a, **kw)
     monkeypatch.setattr(A90, "launch", spy)
+    # launch plans replay a signature without A90.launch: start each test with none
+    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", {})
     return calls
 
 
@@ -819,3 +821,63 @@ def test_from_params_builds_what_the_op_runs():
             assert got == A90.choose_config("bfloat16", d, causal)
     c = AttentionSm90Config.from_params(dict(head_dim=64, block_n=64), "sm_90")
     assert (c.block_m, c.block_n) == (128, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_launch_plans_replay_per_signature_cupy(launches, dtype):
+    """A second call with a signature replays the first call's launch (new addresses, new data);
+    out given, return_lse=False, another alignment or causal are other plans."""
+    import cupy as cp
+    from gpu_util import poison
+    from test_attention import _check, _data
+    plans = importlib.import_module("rtkernels.ops.attention")._FORWARD_PLANS
+    rng = np.random.default_rng()
+    extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    for trial in range(3):
+        q = _data(rng, (2, 200, 4, 72), dtype)
+        k = _data(rng, (2, 301, 2, 72), dtype)
+        v = _data(rng, (2, 301, 2, 72), dtype)
+        o, lse = rtk.attention(q, k, v, causal=True, **extra)
+        _check(q, k, v, True, dtype, o, lse)
+        out = poison(cp.empty(q.shape, q.dtype))
+        assert rtk.attention(q, k, v, return_lse=False, out=out, softmax_scale=0.2, **extra) is out
+        _check(q, k, v, False, dtype, out, None, 0.2)
+    assert len(launches) == 2 and len(plans) == 2    # the first trial planned, the others replayed
+    packed = _data(rng, (2, 200, 3, 4, 72), dtype)    # q, k, v as strided slices of one buffer
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    for _ in range(2):
+        o, lse = rtk.attention(q, k, v, **extra)
+        _check(q, k, v, False, dtype, o, lse)
+    assert len(plans) == 3
+
+
+@pytest.mark.gpu
+def test_gpu_launch_plans_replay_per_signature_torch(launches):
+    """torch tensors replay on torch's current stream: inputs written on a side stream right
+    before each call need no synchronize, and a second call under the default stream still
+    orders after the side stream's work once the user waits for it."""
+    torch = pytest.importorskip("torch")
+    plans = importlib.import_module("rtkernels.ops.attention")._FORWARD_PLANS
+
+    def ref(q, k, v):
+        qt, kt, vt = (x.float().transpose(1, 2) for x in (q, k, v))
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device="cuda").tril(k.shape[1] - q.shape[1])
+        r = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+        return r.transpose(1, 2)
+
+    s = torch.cuda.Stream()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    results = []
+    for trial in range(4):
+        with torch.cuda.stream(s):
+            q = torch.randn(1, 257, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            k, v = (torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+            q.mul_(1.5)   # work queued on s right before the launch
+            o, lse = rtk.attention(q, k, v, causal=True)
+            results.append((o, lse, ref(q, k, v)))
+    s.synchronize()
+    for o, lse, r in results:
+        assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (1, 4, 257)
+        assert (o.float() - r).abs().max().item() < 3e-2
+    assert len(launches) == 1 and len(plans) == 1

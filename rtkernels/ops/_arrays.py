@@ -106,3 +106,32 @@ def new_like(x, shape, dtype: str | None = None):
         return cupy.empty(shape, dtype=cupy.uint16)   # bfloat16 bits; see the module docstring
     with cupy.cuda.Device(x.device.id if hasattr(x, "device") and hasattr(x.device, "id") else None):
         return cupy.empty(shape, dtype=dtype)
+
+
+_NDARRAY = None
+
+
+def array_signature(a):
+    """What a launch plan depends on in an array: (kind, dtype, shape, strides, base address mod
+    16, device) for a CuPy array (kind 0) or a CUDA torch tensor (kind 1); None for anything
+    else (those take an op's full path every call)."""
+    global _NDARRAY
+    if _NDARRAY is None:
+        import cupy
+        _NDARRAY = cupy.ndarray
+    if type(a) is _NDARRAY:
+        mem = a.data
+        return 0, a.dtype, a.shape, a.strides, mem.ptr & 15, mem.device_id
+    if _is_torch(a) and getattr(a, "is_cuda", False):
+        return 1, a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device()
+    return None
+
+
+def device_pointer(a, dev: int):
+    """A kernel pointer argument for a CuPy array (itself) or a CUDA torch tensor (a CuPy
+    MemoryPointer that keeps the tensor alive) without building a view."""
+    if _is_torch(a):
+        import cupy
+        mem = cupy.cuda.UnownedMemory(a.data_ptr(), a.numel() * a.element_size(), a, dev)
+        return cupy.cuda.MemoryPointer(mem, 0)
+    return a

@@ -406,6 +406,10 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     from ._arrays import as_device_array, new_like, _is_torch, torch_stream_ptr
     import cupy
 
+    plan_key = _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype)
+    plan = _FORWARD_PLANS.get(plan_key) if plan_key is not None else None
+    if plan is not None:
+        return _replay_forward(plan, q, k, v, out, return_lse, stream)
     p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY)
     q_, k_, v_ = p.views["q"], p.views["k"], p.views["v"]
     dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
@@ -445,6 +449,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch)
             if not _autotune.enabled():
                 _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream)
+                if plan_key is not None:
+                    _remember_forward(plan_key, kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale)
                 return (o, lse) if return_lse else o
         else:
             kern, cfg = _kernel_for(dt, head_dim, causal, arch)
@@ -470,6 +476,84 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             if best != cfg:
                 kern, cfg = _get_kernel(best, arch), best
         run(cfg, kern)
+    return (o, lse) if return_lse else o
+
+
+# ---- per-signature launch plans (Hopper kernel, heuristic tiles) ---------------------------------
+# check_inputs, the views of torch tensors, the stride checks and the tensor-map lookups cost
+# ~120 us of host time per rtk.attention call with torch tensors (H200 host, 2026-11-21: 5-20x
+# the kernel of a decoding-sized problem).  What they decide depends only on each array's dtype,
+# shape, strides, 16-byte alignment and device plus the options, so the first call with a
+# signature records the launch and later ones allocate the outputs, look up the four tensor maps
+# for the new base addresses (rtkernels.tma memoizes them) and launch.  torch tensors launch on
+# torch's current stream (as the full path does) from their addresses, without views.
+_FORWARD_PLANS: dict = {}
+_PLANS_MAX = 1024
+
+
+class _ForwardPlan(NamedTuple):
+    kern: Any
+    cfg: Any
+    grid: tuple
+    block: tuple
+    scalars: tuple       # seqlen_q, seqlen_k, group, softmax_scale
+    specs: tuple         # the tensor maps' (shape, strides, box)
+    o_shape: tuple
+    o_dtype: Any
+    lse_shape: tuple
+    torch: bool
+
+
+def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype):
+    import os
+    from ._arrays import array_signature
+    if not _sm90.ENABLED or _autotune.enabled():
+        return None
+    sigs = tuple(array_signature(a) for a in ((q, k, v) if out is None else (q, k, v, out)))
+    if None in sigs or len({s[0] for s in sigs}) != 1 or len({s[5] for s in sigs}) != 1:
+        return None
+    import cupy
+    if sigs[0][5] != cupy.cuda.runtime.getDevice():
+        return None
+    key = (sigs, out is None, bool(causal), softmax_scale, bool(return_lse), dtype, os.environ.get("RTKERNELS_ARCH"))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale) -> None:
+    q_, k_, v_, o_ = views
+    batch, seqlen_q, nheads, _ = q_.shape
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
+    if len(_FORWARD_PLANS) >= _PLANS_MAX:
+        _FORWARD_PLANS.clear()
+    _FORWARD_PLANS[key] = _ForwardPlan(
+        kern, cfg, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
+        (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale)), _sm90.map_specs(cfg, *views),
+        tuple(o.shape), o.dtype, None if lse is None else tuple(lse.shape), key[0][0][0] == 1)
+
+
+def _replay_forward(plan: _ForwardPlan, q, k, v, out, return_lse, stream):
+    if plan.torch:
+        import torch
+        from ._arrays import device_pointer, torch_stream_ptr
+        dev = q.get_device()
+        o = out if out is not None else torch.empty(plan.o_shape, dtype=plan.o_dtype, device=q.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+        addrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+        lse_arg = device_pointer(lse, dev) if return_lse else None
+        if stream is None:
+            stream = torch_stream_ptr(torch, dev)
+    else:
+        import cupy
+        o = out if out is not None else cupy.empty(plan.o_shape, plan.o_dtype)
+        lse = lse_arg = cupy.empty(plan.lse_shape, cupy.float32) if return_lse else None
+        addrs = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr)
+    maps = _sm90.tensor_maps(plan.cfg, *addrs, specs=plan.specs)
+    plan.kern.launch(plan.grid, plan.block, *maps, lse_arg, *plan.scalars, shared_mem=plan.cfg.shared_mem_bytes,
+                     stream=stream)
     return (o, lse) if return_lse else o
 
 

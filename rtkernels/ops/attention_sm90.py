@@ -251,16 +251,22 @@ def _map_strides(view) -> tuple[int, ...]:
     return tuple(out)
 
 
-def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_):
-    """The four by-value tensor maps: Q and O boxes of (block_m resp. 64) rows x 64 columns, K/V
-    boxes of block_n rows x 64 columns; 64 columns = 128 bytes, the SW128 swizzle span."""
-    from ..tma import tensor_map
-    dt = cfg.dtype
+def map_specs(cfg: AttentionSm90Config, q_, k_, v_, o_) -> tuple:
+    """(shape, strides, box) of the four tensor maps: Q and O boxes of (block_m resp. 64) rows x 64
+    columns, K/V boxes of block_n rows x 64 columns; 64 columns = 128 bytes, the SW128 swizzle span.
+    Everything but the base addresses, so a launch plan can keep them."""
     box = lambda rows: (1, rows, 1, 64)   # noqa: E731
-    return (tensor_map(q_, dt, q_.shape, _map_strides(q_), box(cfg.block_m)),
-            tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n)),
-            tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n)),
-            tensor_map(o_, dt, o_.shape, _map_strides(o_), box(64)))
+    return tuple((tuple(a.shape), _map_strides(a), box(rows))
+                 for a, rows in ((q_, cfg.block_m), (k_, cfg.block_n), (v_, cfg.block_n), (o_, 64)))
+
+
+def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_, specs=None):
+    """The four by-value tensor maps of q_, k_, v_, o_ (CuPy views or base addresses; ``specs``
+    from :func:`map_specs` when the arguments are addresses)."""
+    from ..tma import tensor_map
+    specs = specs or map_specs(cfg, q_, k_, v_, o_)
+    return tuple(tensor_map(a, cfg.dtype, shape, strides, box)
+                 for a, (shape, strides, box) in zip((q_, k_, v_, o_), specs))
 
 
 def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None,
