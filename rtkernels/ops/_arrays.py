@@ -78,11 +78,18 @@ def _torch_view(x, cupy, torch):
         return None
     if torch_stream_ptr(torch, dev) != cupy.cuda.get_current_stream().ptr:
         return None
+    return torch_view_as(x, dt, dev)
+
+
+def torch_view_as(x, dtype, dev: int):
+    """A CuPy view (CuPy dtype ``dtype`` of x's item size) of a non-empty CUDA torch tensor,
+    built from its address, shape and strides; the view keeps ``x`` alive."""
+    import cupy
     item = x.element_size()
     shape, strides = tuple(x.shape), tuple(s * item for s in x.stride())
     span = item + sum((n - 1) * s for n, s in zip(shape, strides))
     mem = cupy.cuda.UnownedMemory(x.data_ptr(), span, x, dev)
-    return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
 
 
 def torch_stream_ptr(torch, dev: int) -> int:
