@@ -18,7 +18,7 @@ fa2 column, the best of the Triton tiles):
     PYTHONPATH=. python tools/bench_attention.py --dtype float16 --head-dims 128 --seqlens 2048,4096,8192,16384 \
         --no-sdpa --no-fa2 --no-compile-time
 
-Kernels are timed back to back (median over batches of launches, :func:`time_gpu`), so host
+Kernels are timed back to back (median over batches of launches, :func:`benchutil.time_batched`), so host
 launch costs - Triton's Python launcher's most of all - hide behind the GPU work.
 
 Every (seqlen, head_dim) set holds 16k x 2048 elements per tensor (64 MiB in 16 bits), more
@@ -37,31 +37,6 @@ import benchutil as bu  # noqa: E402
 
 TOKENS = 16384
 HIDDEN = 2048
-
-
-def time_gpu(fn, warmup: int = 3, repeat: int = 10) -> float:
-    """Median milliseconds per call of ``fn`` over ``repeat`` batches of back-to-back calls (a batch
-    lasts >= ~2 ms), so the host's launch cost - larger for Triton's Python launcher - hides
-    behind the kernels instead of being timed as idle GPU between events."""
-    import statistics
-    import cupy as cp
-    for _ in range(warmup):
-        fn()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    batch = max(1, min(50, int(2.0 / max(cp.cuda.get_elapsed_time(start, end), 1e-3))))
-    times = []
-    for _ in range(repeat):
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / batch)
-    return statistics.median(times)
 
 
 def _flops(batch, sq, sk, h, d, causal):
@@ -220,7 +195,7 @@ def _triton(q, k, v, causal, torch, quick, max_tiles=None):
             run()
         except Exception:   # noqa: BLE001  (out of shared memory for this tile, ...)
             continue
-        ms = time_gpu(run, warmup=2, repeat=5) if len(tiles) > 1 else 0.0
+        ms = bu.time_batched(run, warmup=2, repeat=5) if len(tiles) > 1 else 0.0
         if best is None or ms < best[0]:
             best = (ms, run, t)
     if best is None:
@@ -388,7 +363,7 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None, tiles
                 if kern is None:
                     row["note"] = note
                 else:
-                    ms = time_gpu(sm90_runner(kern, c, qc, kc, vc, oc, lse), warmup=2, repeat=7)
+                    ms = bu.time_batched(sm90_runner(kern, c, qc, kc, vc, oc, lse), warmup=2, repeat=7)
                     row["tflops"] = flops / (ms * 1e-3) / 1e12
                 rows.append(row)
                 print(row, flush=True)
@@ -491,7 +466,7 @@ def main():
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
                 run, o_ours, tag = _ours(q, k, v, causal, args.dtype, torch)
                 row["config"] = tag
-                ms = time_gpu(run, warmup=warmup, repeat=repeat)
+                ms = bu.time_batched(run, warmup=warmup, repeat=repeat)
                 flops = _flops(b, s, s, h, d, causal)
                 row["rtk_ms"] = ms
                 row["rtk_tflops"] = flops / (ms * 1e-3) / 1e12
@@ -499,7 +474,7 @@ def main():
                     frun, o_fa2, ftag = _ours(q, k, v, causal, args.dtype, torch, hopper=False)
                     row["fa2_config"] = ftag
                     row["fa2_maxdiff"] = _max_diff(o_ours, o_fa2, torch)
-                    row["fa2_tflops"] = flops / (time_gpu(frun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                    row["fa2_tflops"] = flops / (bu.time_batched(frun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                     row["ratio_vs_fa2"] = row["rtk_tflops"] / row["fa2_tflops"]
                     del o_fa2
                 if not args.no_triton:
@@ -509,7 +484,8 @@ def main():
                     else:
                         row["triton_config"] = tout[1]
                         row["triton_maxdiff"] = _max_diff(o_ours, tout[0], torch)
-                        row["triton_tflops"] = flops / (time_gpu(trun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        ms_t = bu.time_batched(trun, warmup=warmup, repeat=repeat)
+                        row["triton_tflops"] = flops / (ms_t * 1e-3) / 1e12
                         row["ratio_vs_triton"] = row["rtk_tflops"] / row["triton_tflops"]
                 for name, backend in peers.items():
                     prun, out = _sdpa(q, k, v, causal, backend, torch)
@@ -518,7 +494,7 @@ def main():
                         row[f"{name}_note"] = out
                         continue
                     row[f"{name}_maxdiff"] = _max_diff(o_ours, out, torch)
-                    pms = time_gpu(prun, warmup=warmup, repeat=repeat)
+                    pms = bu.time_batched(prun, warmup=warmup, repeat=repeat)
                     row[f"{name}_tflops"] = flops / (pms * 1e-3) / 1e12
                     row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
                 rows.append(row)

@@ -47,47 +47,7 @@ def _torch():
         return None
 
 
-_SPIN = None
-
-
-def _spin(cp, ns: int) -> None:
-    """Occupy the stream for ``ns`` nanoseconds (one block), so that the calls queued behind it
-    are enqueued by the host before the GPU reaches them."""
-    global _SPIN
-    if _SPIN is None:
-        _SPIN = cp.RawKernel(r'''
-extern "C" __global__ void spin(long long ns) {
-    long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}''', "spin")
-    _SPIN((1,), (1,), (np.int64(ns),))
-
-
-def time_gpu(fn, inputs, *, warmup: int = 3, repeat: int = 20):
-    """(median GPU ms per call, host us per call, queue drained?) of ``fn(*inputs[i % len])``.
-
-    Events around each call, all queued behind a spin kernel long enough for the host to enqueue
-    every call: the intervals are the kernels' own time back to back (rotating inputs keep L2
-    honest).  If the host needed longer than the spin, ``drained`` is True and the times include
-    host gaps."""
-    import statistics
-    import cupy as cp
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    cp.cuda.get_current_stream().synchronize()
-    spin_ns = 2_000_000 + repeat * 150_000
-    events = [cp.cuda.Event() for _ in range(repeat + 1)]
-    _spin(cp, spin_ns)
-    t0 = time.perf_counter()
-    events[0].record()
-    for i in range(repeat):
-        fn(*inputs[i % len(inputs)])
-        events[i + 1].record()
-    host_s = time.perf_counter() - t0
-    events[-1].synchronize()
-    times = [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
-    return statistics.median(times), host_s / repeat * 1e6, host_s * 1e9 > spin_ns
+time_gpu = benchutil.time_queued   # the name bench_matmul imports
 
 
 def _inputs(cp, rows, n, dtype, sets=2):
@@ -274,7 +234,8 @@ def references(cp, rtk, copy_gbs):
         f = rtk.elementwise("y = 2*x + 1") if hasattr(rtk, "elementwise") else None
         if f is not None:
             try:
-                ms, _, _ = time_gpu(lambda a, b: f(a, out=b, dtype="bfloat16"), [(x, y)], warmup=3, repeat=10)
+                ms, _, _ = benchutil.time_queued(lambda a, b: f(a, out=b, dtype="bfloat16"), [(x, y)], warmup=3,
+                                                 repeat=10)
                 gbs = 2 * n * 2 / (ms * 1e-3) / 1e9
                 rows.append({"what": "elementwise y=2x+1 bf16", "MiB": mib, "GBs": gbs, "%copy": 100 * gbs / copy_gbs})
             except Exception as exc:   # noqa: BLE001
@@ -285,7 +246,7 @@ def references(cp, rtk, copy_gbs):
         nrows = (512 << 20) // (n * 2)
         sets = _inputs(cp, nrows, n, "bfloat16", sets=1)
         for op in ("softmax", "rmsnorm", "layernorm"):
-            ms, _, _ = time_gpu(_ours(op, "bfloat16", n, cp, rtk), sets, warmup=2, repeat=6)
+            ms, _, _ = benchutil.time_queued(_ours(op, "bfloat16", n, cp, rtk), sets, warmup=2, repeat=6)
             gbs = 2 * nrows * n * 2 / (ms * 1e-3) / 1e9
             rows.append({"what": f"{op} {n} default", "MiB": 512, "GBs": gbs, "%copy": 100 * gbs / copy_gbs})
         del sets
@@ -318,7 +279,7 @@ def candidate_sweep(args, cp, rtk, copy_gbs, arch, t_start, budget_s):
                         r["skipped"] = f"spills {k.resources.spill_stores} B"
                         rows.append(r)
                         continue
-                    ms, _, drained = time_gpu(_ours(op, dtype, n, cp, rtk, cfg), sets, warmup=2, repeat=10)
+                    ms, _, drained = benchutil.time_queued(_ours(op, dtype, n, cp, rtk, cfg), sets, warmup=2, repeat=10)
                     r.update(GBs=nbytes / (ms * 1e-3) / 1e9, drained=drained)
                     r["%copy"] = 100 * r["GBs"] / copy_gbs
                 except Exception as exc:   # a candidate that fails must not sink the run
@@ -413,7 +374,8 @@ def sweep(args, cp, rtk, copy_gbs, arch, t_start):
                         r["skipped"] = f"spills {k.resources.spill_stores} B"
                         rows.append(r)
                         continue
-                    ms, host_us, drained = time_gpu(_ours(op, dtype, n, cp, rtk, cfg), sets, warmup=2, repeat=10)
+                    ms, host_us, drained = benchutil.time_queued(_ours(op, dtype, n, cp, rtk, cfg), sets, warmup=2,
+                                                                 repeat=10)
                     r.update(GBs=nbytes / (ms * 1e-3) / 1e9, host_us=host_us, drained=drained)
                     r["%copy"] = 100 * r["GBs"] / copy_gbs
                 except Exception as exc:   # a candidate that fails must not sink the run
@@ -505,7 +467,7 @@ def main():
                 fns.update(_peers(op, dtype, n, cp, torch))
                 for name, fn in fns.items():
                     try:
-                        ms, host_us, drained = time_gpu(fn, sets, warmup=3, repeat=repeat)
+                        ms, host_us, drained = benchutil.time_queued(fn, sets, warmup=3, repeat=repeat)
                         row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
                         row[f"{name}_host_us"] = host_us
                         if drained:
