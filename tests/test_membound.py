@@ -630,6 +630,39 @@ def test_torch_tensors_gpu():
 
 
 @pytest.mark.gpu
+def test_torch_side_stream_and_replayed_plans_gpu():
+    """torch tensors launch on torch's current stream: inputs written on a side stream right before
+    each call, outputs read there after it, no synchronize in between; repeated signatures replay."""
+    torch = pytest.importorskip("torch")
+    rw._PLANS.clear()
+    s = torch.cuda.Stream()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    got = []
+    with torch.cuda.stream(s):
+        w = torch.randn(3000, device="cuda", dtype=torch.bfloat16, generator=g)
+        b = torch.randn(3000, device="cuda", dtype=torch.bfloat16, generator=g)
+        for trial in range(3):
+            x = torch.randn(4096, 3000, device="cuda", dtype=torch.bfloat16, generator=g)
+            x.mul_(2.0)   # queued on s right before the op reads x
+            y = rw.softmax(x)
+            z = rw.layernorm(x, w, b)
+            z.add_(1.0)   # queued on s right after the op writes z
+            o = torch.empty_like(x)
+            rw.rmsnorm(x, w, out=o)
+            got.append((x, y, z, o, rw.reduce(x, op="argmax")))
+    s.synchronize()
+    for x, y, z, o, a in got:
+        xf = x.float()
+        torch.testing.assert_close(y.float(), torch.softmax(xf, -1), atol=1e-6, rtol=2 ** -7)
+        ref = torch.nn.functional.layer_norm(xf, (3000,), w.float(), b.float(), 1e-5) + 1.0
+        torch.testing.assert_close(z.float(), ref, atol=2 ** -5, rtol=2 ** -6)
+        torch.testing.assert_close(o.float(), torch.nn.functional.rms_norm(xf, (3000,), w.float(), 1e-6),
+                                   atol=2 ** -6, rtol=2 ** -7)
+        assert torch.equal(a, torch.argmax(xf, -1))
+    assert len(rw._PLANS) == 4
+
+
+@pytest.mark.gpu
 def test_empty_inputs_gpu():
     import cupy as cp
     assert rw.softmax(cp.zeros((0, 16), cp.float32)).shape == (0, 16)

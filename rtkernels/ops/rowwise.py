@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
@@ -50,7 +51,8 @@ from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import as_device_array, dtype_name, new_like
+from ._arrays import (_is_torch, array_signature, as_device_array, device_pointer, dtype_name, new_like,
+                      torch_stream_ptr)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
@@ -656,12 +658,11 @@ def _resident_blocks(k, cfg) -> int | None:
 # rtk.softmax 61 us, rtk.layernorm 106 us, against 7 us for a CuPy RawKernel launch), which made
 # these ops host-bound on any tensor under ~200 MiB of traffic.  Everything they decide depends
 # only on the arrays' dtypes, shapes, strides, 16-byte alignment (the vector width) and device,
-# plus the op's scalar options, so calls on CuPy arrays remember the decision per signature and a
-# later call with the same signature only allocates ``out`` (when not given) and launches.  Other
-# array kinds (torch, DLPack) take the full path: their stream and view handling runs per call.
+# plus the op's scalar options, so calls on CuPy arrays or torch tensors remember the decision per
+# signature and a later call with the same signature only allocates ``out`` (when not given) and
+# launches.  Other array kinds (CAI, DLPack) take the full path every call.
 _PLANS: dict = {}
 _PLANS_MAX = 4096
-_NDARRAY = None
 
 
 @dataclass(frozen=True)
@@ -671,31 +672,20 @@ class _Plan:
     block: tuple
     shared_mem: int
     out_shape: tuple
-    out_dtype: object
+    out_dtype: object    # CuPy or torch dtype, as the op hands ``out`` back
     tail: tuple          # the arguments after ``out``
-
-
-def _ndarray():
-    global _NDARRAY
-    if _NDARRAY is None:
-        import cupy
-        _NDARRAY = cupy.ndarray
-    return _NDARRAY
+    torch: bool
 
 
 def _plan_key(op_key: tuple, arrays: tuple, out):
-    """The plan's key when every array (and ``out``, if given) is a CuPy array on the current
-    device, else None (no plan)."""
-    nd = _ndarray()
-    sig = []
-    for a in arrays if out is None else arrays + (out,):
-        if type(a) is not nd:
-            return None
-        mem = a.data
-        sig.append((a.dtype, a.shape, a.strides, mem.ptr & 15, mem.device_id))
-    if sig[0][4] != _current_device():
+    """The plan's key when every array (and ``out``, if given) is a CuPy array, or every one a
+    torch tensor, on the current device; else None (no plan)."""
+    sigs = tuple(array_signature(a) for a in (arrays if out is None else arrays + (out,)))
+    if None in sigs or any(s[0] != sigs[0][0] or s[5] != sigs[0][5] for s in sigs):
         return None
-    return op_key + (out is None,) + tuple(sig)
+    if sigs[0][5] != _current_device():
+        return None
+    return op_key + (out is None,) + sigs
 
 
 def _lookup(key):
@@ -710,16 +700,37 @@ def _current_device() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
-def _remember(key, xv, x, ov, out, k, grid, block, shared_mem, tail) -> None:
-    """Store the launch when the call used the caller's arrays as they are (no copied view)."""
-    if key is None or xv is not x or ov is not out:
+def _default_stream(x, stream):
+    """torch inputs launch on torch's current stream (where their producers and consumers run)."""
+    if stream is None and _is_torch(x):
+        return torch_stream_ptr(sys.modules["torch"], x.get_device())
+    return stream
+
+
+def _remember(key, views, arrays, k, grid, block, shared_mem, tail) -> None:
+    """Store the launch when every view is the caller's array itself (no copy was made).
+    ``views`` and ``arrays`` end with the output."""
+    if key is None or any(_ptr(v) != _address(a) for v, a in zip(views, arrays)):
         return
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
-    _PLANS[key] = _Plan(k, grid, block, shared_mem, tuple(out.shape), out.dtype, tail)
+    out = arrays[-1]
+    _PLANS[key] = _Plan(k, grid, block, shared_mem, tuple(out.shape), out.dtype, tail, key[-1][0] == 1)
+
+
+def _address(a) -> int:
+    return a.data_ptr() if _is_torch(a) else int(a.data.ptr)
 
 
 def _replay(plan: _Plan, inputs: tuple, out, stream):
+    if plan.torch:
+        x = inputs[0]
+        dev = x.get_device()
+        if out is None:
+            out = sys.modules["torch"].empty(plan.out_shape, dtype=plan.out_dtype, device=x.device)
+        plan.kernel.launch(plan.grid, plan.block, *(device_pointer(a, dev) for a in inputs), device_pointer(out, dev),
+                           *plan.tail, shared_mem=plan.shared_mem, stream=_default_stream(x, stream))
+        return out
     if out is None:
         import cupy
         out = cupy.empty(plan.out_shape, plan.out_dtype)
@@ -743,7 +754,8 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     out : optional array of x's shape and dtype (rows reachable with one row stride).
     log_softmax : return ``x - max - log(sum(exp(x - max)))``.
     dtype : ``"bfloat16"`` to read a uint16 CuPy array as bfloat16 bits.
-    stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream).
+    stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
+        current stream when x is a torch tensor).
     config : a :class:`SoftmaxConfig` overriding the heuristic (tuning, benchmarks).
 
     Returns
@@ -768,8 +780,8 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     cfg = _config_for("softmax", config, n, dt, vec, rows, op)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
     grid, block, tail = (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), (rows, n, xs, ys)
-    k.launch(grid, block, xv, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=stream)
-    _remember(key, xv, x, ov, out, k, grid, block, cfg.shared_mem_bytes, tail)
+    k.launch(grid, block, xv, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=_default_stream(x, stream))
+    _remember(key, (xv, ov), (x, out), k, grid, block, cfg.shared_mem_bytes, tail)
     return out
 
 
@@ -845,9 +857,8 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
     k = get_kernel(cfg, op + "_rows")
     grid, block, tail = (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), (rows, n, xs, ys, float(eps))
-    k.launch(grid, block, xv, *params, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=stream)
-    if all(pv is p for pv, p in zip(params, inputs[1:])):
-        _remember(key, xv, x, ov, out, k, grid, block, cfg.shared_mem_bytes, tail)
+    k.launch(grid, block, xv, *params, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=_default_stream(x, stream))
+    _remember(key, (xv, *params, ov), (*inputs, out), k, grid, block, cfg.shared_mem_bytes, tail)
     return out
 
 
@@ -886,8 +897,8 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     cfg = _config_for("reduce", config, n, dt, vec, rows, name)
     k = get_kernel(cfg, f"reduce_{op}_rows")
     grid, block, tail = (cfg.grid(rows),), (cfg.block_size,), (rows, n, xs)
-    k.launch(grid, block, xv, ov, *tail, stream=stream)
-    _remember(key, xv, x, ov, out, k, grid, block, 0, tail)
+    k.launch(grid, block, xv, ov, *tail, stream=_default_stream(x, stream))
+    _remember(key, (xv, ov), (x, out), k, grid, block, 0, tail)
     return out
 
 
