@@ -112,6 +112,25 @@ def test_torch_tensors_and_bf16(rng):
     assert torch.equal(y, a * 2)
 
 
+def test_torch_side_stream_orders_elementwise():
+    """torch inputs run on torch's current stream: written right before and read right after on a
+    side stream, with no synchronize between."""
+    torch = pytest.importorskip("torch")
+    f = rtk.elementwise("y = 3*x + 1")
+    s = torch.cuda.Stream()
+    outs = []
+    with torch.cuda.stream(s):
+        for _ in range(4):
+            x = torch.full((1 << 22,), 1.0, device="cuda", dtype=torch.float16)
+            x.mul_(2.0)          # queued on s just before the op reads x
+            y = f(x)
+            y.add_(1.0)          # queued on s just after the op writes y
+            outs.append(y)
+    s.synchronize()
+    for y in outs:
+        assert bool((y == 8.0).all())
+
+
 def test_argument_errors():
     import cupy as cp
     k = rtk.compile("vector_add", dtype="float32")
