@@ -22,10 +22,12 @@ Run on a GPU host:  PYTHONPATH=. python tools/bench_matmul.py [--quick] [--dtype
   separately as ``rtk_host_us``.
 Prints a table last; writes matmul.json and matmul.png (TFLOP/s vs size, waves annotated).
 
---sweep (alone, well under 4 minutes): bfloat16 4096^3 and 8192^3 for each config of SWEEP
-(mma.sync tile, k-depth, stages, warps, group order, refill order) launched directly, beside cuBLAS, plus the
-fused bias + GELU of the best ones vs cuBLAS addmm + GELU; prints one compact table last and
-writes matmul_sweep.json.  --sweep-sm90 does the same for the Hopper kernel's SWEEP_SM90.
+--sweep (alone, well under a minute): bfloat16 4096^3 and 8192^3 for each config of SWEEP (tile,
+k-depth, stages, warps, main-loop options, and measurement builds without copies or barriers)
+launched directly, beside cuBLAS (timed at the start and the end), ``--passes`` times
+interleaved; with --sweep-k the K scan of KSCAN (per-tile fixed cost vs main loop), with --fused
+the fused bias + GELU of each config; prints one compact table last and writes
+matmul_sweep.json.  --sweep-sm90 does the same for the Hopper kernel's SWEEP_SM90.
 They are how the heuristics tables are set.  --ceiling: the mma.sync ceilings of the device
 (HMMA from registers, and fed by the kernel's ldmatrix pattern), one 8-warp CTA per SM.
 """
@@ -121,6 +123,11 @@ def main() -> None:
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="comma-separated square sizes instead of the default list")
     p.add_argument("--fused-n", type=int, default=4096, help="size of the fused bias + GELU comparison")
+    p.add_argument("--sweep-only", default="", help="--sweep: comma-separated labels of SWEEP to run")
+    p.add_argument("--sweep-k", action="store_true", help="--sweep: also the K scan of KSCAN at M = N = 4096")
+    p.add_argument("--fused", action="store_true", help="--sweep: also the fused bias + GELU of each config")
+    p.add_argument("--repeat", type=int, default=20, help="--sweep: timed calls per config")
+    p.add_argument("--passes", type=int, default=3, help="--sweep: passes over all configs (median shown)")
     args = p.parse_args()
     if args.sweep:
         sweep(args)
@@ -375,96 +382,166 @@ def sweep_sm90(args) -> None:
     print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["fused 4096 (x sep)"]))
 
 
-# (label, MatmulConfig fields): every variant the lead compares in one --sweep run.
+# (label, MatmulConfig fields): every variant one --sweep run compares (bf16, A row-major, B
+# row-major, K a multiple of block_k).  "csN": refill copies spread over N k steps; "pfN": L2
+# fetch-size hint of N bytes; "w4": 4 warps (2 CTAs per SM); "gN": group_m.
+_T32 = dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2)
+_T64 = dict(_T32, block_k=64)
+_P = dict(copy_steps=2, l2_prefetch=256)
 SWEEP = [
-    ("128x256x32/4 g8", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2)),
-    ("128x256x32/4 copies first", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2,
-                                       ldsm_first=False)),
-    ("128x256x64/4 g8", dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, warps_m=2)),
-    ("128x256x32/3 g8", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=3, warps_m=2)),
-    ("128x256x32/4 g16", dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4, warps_m=2,
-                              group_m=16)),
-    ("128x256x64/3 g8", dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, warps_m=2)),
-    ("256x128x32/4 g8", dict(block_m=256, block_n=128, block_k=32, num_warps=8, num_stages=4, warps_m=4)),
-    ("256x128x64/3 g8", dict(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, warps_m=4)),
-    ("256x128x32/4 g16", dict(block_m=256, block_n=128, block_k=32, num_warps=8, num_stages=4, warps_m=4,
-                              group_m=16)),
+    ("128x256x32/4", _T32),                                      # the heuristic's tile at every K
+    ("128x256x64/4", _T64),                                      # the third session's K >= 8192 tile
+    ("128x256x32/4 cs2 pf256", dict(_T32, **_P)),
+    ("128x256x32/6 cs2 pf256", dict(_T32, **_P, num_stages=6)),
+    ("128x256x64/4 cs3", dict(_T64, copy_steps=3)),
+    ("256x128x32/4 cs2 pf256", dict(_T32, **_P, block_m=256, block_n=128, warps_m=4)),
     ("128x128x32/4 w4", dict(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4, warps_m=2)),
-    ("128x128x64/3 w4", dict(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3, warps_m=2)),
+    # measurement builds (wrong results, -DRTK_MATMUL_DIAG): no refill copies / no barriers / neither
+    ("128x256x32/4 DIAG no copies", dict(_T32, diag=1)),
+    ("128x256x32/4 DIAG no barriers", dict(_T32, diag=2)),
+    ("128x256x32/4 DIAG neither", dict(_T32, diag=3)),
 ]
+# --sweep-k: M = N = 4096 at these K for the first configs of KSCAN; time(K) = fixed + per_k * K
+# separates the per-tile fixed cost (pipeline fill, epilogue, wave tail) from the main loop's.
+KSCAN = ["128x256x32/4", "128x256x32/4 cs2 pf256", "128x256x32/4 DIAG neither"]
+KSCAN_K = (1024, 2048, 4096, 8192)
 
 
 def sweep(args) -> None:
     import cupy as cp
+    import numpy as np
     import torch
     import rtkernels as rtk
     from rtkernels import device
+    from rtkernels.compiler import CompileOptions
     from rtkernels.ops import matmul as mm
+    from bench_membound import time_gpu
 
     tdt = torch.bfloat16
     l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice()).get("l2CacheSize", 50 << 20))
     sms = device.sm_count()
     arch = device.current_arch()
+    only = set(args.sweep_only.split(",")) if args.sweep_only else None
+    configs = [(lbl, f) for lbl, f in SWEEP if only is None or lbl in only]
     rows, fused_rows = [], []
-    for n in (4096, 8192):
+    for n in args.sizes or (4096, 8192):
         count = max(1, min(4, -(-2 * l2 // (2 * 3 * n * n))))   # enough input sets to overflow L2 twice
         sets_t, sets, out_t, out, flops, ms_cublas, ref = _square_problem(torch, tdt, n, count)
+        ms_cublas = time_gpu(lambda a, b, _: torch.matmul(a, b), sets_t, repeat=args.repeat)[0]
         row = {"n": n, "cuBLAS": round(flops / ms_cublas / 1e9)}
         heur = mm.heuristic_config("bfloat16", n, n, n, sm_count=sms, a_kmajor=True, b_kmajor=False)
-        row["heuristic"] = f"{heur.block_m}x{heur.block_n}x{heur.block_k}/{heur.num_stages}"
-        for label, fields in SWEEP:
+        row["heuristic"] = (f"{heur.block_m}x{heur.block_n}x{heur.block_k}/{heur.num_stages} cs{heur.copy_steps}"
+                            f" pf{heur.l2_prefetch}")
+        built = {}
+        for label, fields in configs:
             try:
+                fields = dict(fields)
+                diag = fields.pop("diag", 0)
                 cfg = mm.MatmulConfig(dtype="bfloat16", a_kmajor=True, b_kmajor=False, even_k=n % fields["block_k"] == 0,
                                       **fields)
-                k_ = rtk.get_kernel(cfg, arch=arch)
+                opts = CompileOptions(defines=(("RTK_MATMUL_DIAG", str(diag)),)) if diag else None
+                k_ = rtk.get_kernel(cfg, arch=arch, options=opts)
+                k_.resources
             except Exception as e:   # a variant that does not build is reported, not fatal
                 row[label] = f"err {type(e).__name__}"
+                print(f"  n={n} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             tiles = -(-n // cfg.block_m) * -(-n // cfg.block_n)
 
             def run(a, b, bias, cfg=cfg, k_=k_, tiles=tiles):
                 k_.launch((tiles, 1, 1), (cfg.threads_per_block, 1, 1), a, b, None, out, n, n, n, n, n, n, 0, 0, 0,
                           8, shared_mem=cfg.shared_mem_bytes)
-            ms = benchutil.time_cuda(run, inputs=sets, repeat=10)
+            out_t.fill_(float("nan"))
             run(*sets[0])
             err = float(((out_t.float() - ref).abs().max() / ref.abs().max()).item())
-            tf = flops / ms / 1e9
+            built[label] = (run, err, diag, k_)
+            if n == 4096 and args.fused and not diag:
+                fused_rows.append((label, cfg, tiles))
+        # --passes: every config once per pass, so that clock and thermal drift over the run
+        # spreads over all of them; the cell is the median pass
+        tfs = {label: [] for label in built}
+        for _ in range(args.passes):
+            for label, (run, err, diag, k_) in built.items():
+                tfs[label].append(flops / time_gpu(run, sets, repeat=args.repeat)[0] / 1e9)
+        ms_cublas_end = time_gpu(lambda a, b, _: torch.matmul(a, b), sets_t, repeat=args.repeat)[0]
+        row["cuBLAS end"] = round(flops / ms_cublas_end / 1e9)
+        for label, (run, err, diag, k_) in built.items():
+            tf = float(np.median(tfs[label]))
             spill = k_.resources.spill_stores
-            row[label] = f"{tf:.0f} ({ms_cublas / ms:.2f}x)" + (" BAD" if err > 1e-2 else "") + \
+            spread = f" [{min(tfs[label]):.0f}-{max(tfs[label]):.0f}]" if args.passes > 1 else ""
+            row[label] = f"{tf:.0f} ({tf / row['cuBLAS']:.2f}x){spread}" + ("" if err <= 1e-2 or diag else " BAD") + \
                 (f" spill{spill}" if spill else "")
             row[label + " regs"] = k_.resources.registers
-            if n == 4096:
-                fused_rows.append((label, cfg, sets, sets_t, tiles))
+            row[label + " tflops"] = [round(x, 1) for x in tfs[label]]
+            print(f"  n={n} {label}: {row[label]} regs {k_.resources.registers}  cuBLAS {row['cuBLAS']}", flush=True)
         rows.append(row)
-        if n == 4096:
-            ms_sep = benchutil.time_cuda(lambda a, b, bias: torch.nn.functional.gelu(torch.addmm(bias, a, b)),
-                                         inputs=sets_t, repeat=10)
+        if n == 4096 and args.fused:
+            ms_sep = time_gpu(lambda a, b, bias: torch.nn.functional.gelu(torch.addmm(bias, a, b)), sets_t,
+                              repeat=args.repeat)[0]
             f = {"n": n, "cuBLAS addmm+gelu ms": round(ms_sep, 4)}
-            for label, cfg, sets_, _, tiles in fused_rows:
+            for label, cfg, tiles in fused_rows:
                 fc = cfg.replace(has_bias=True, activation="gelu")
                 kf = rtk.get_kernel(fc, arch=arch)
 
                 def runf(a, b, bias, fc=fc, kf=kf, tiles=tiles):
                     kf.launch((tiles, 1, 1), (fc.threads_per_block, 1, 1), a, b, bias, out, n, n, n, n, n, n, 0, 0, 0,
                               8, shared_mem=fc.shared_mem_bytes)
-                ms = benchutil.time_cuda(runf, inputs=sets_, repeat=10)
+                ms = time_gpu(runf, sets, repeat=args.repeat)[0]
                 f[label] = f"{ms:.3f}ms ({ms_sep / ms:.2f}x)"
             fused_rows = [f]
         del sets, sets_t
         torch.cuda.empty_cache()
 
+    kscan = []
+    if args.sweep_k:
+        n = 4096
+        for label in KSCAN:
+            fields = dict(dict(SWEEP)[label])
+            diag = fields.pop("diag", 0)
+            cfg = mm.MatmulConfig(dtype="bfloat16", a_kmajor=True, b_kmajor=False, even_k=True, **fields)
+            opts = CompileOptions(defines=(("RTK_MATMUL_DIAG", str(diag)),)) if diag else None
+            k_ = rtk.get_kernel(cfg, arch=arch, options=opts)
+            tiles = -(-n // cfg.block_m) * -(-n // cfg.block_n)
+            pts = []
+            for kk in KSCAN_K:
+                count = max(1, min(4, -(-2 * l2 // (2 * (2 * n * kk + n * n)))))
+                def bf16(shape):   # bfloat16 bits of normal values
+                    return (cp.random.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+                sets = [(bf16((n, kk)), bf16((kk, n))) for _ in range(count)]
+                c = cp.empty((n, n), cp.uint16)
+
+                def run(a, b, k_=k_, cfg=cfg, kk=kk, c=c, tiles=tiles):
+                    k_.launch((tiles, 1, 1), (cfg.threads_per_block, 1, 1), a, b, None, c, n, n, kk, kk, n, n, 0, 0,
+                              0, 8, shared_mem=cfg.shared_mem_bytes)
+                pts.append((kk, time_gpu(run, sets, repeat=args.repeat)[0]))
+                del sets
+            ks = np.array([p[0] for p in pts], float)
+            ts = np.array([p[1] for p in pts], float)
+            slope, icpt = np.polyfit(ks, ts, 1)
+            waves = -(-tiles // sms)
+            main_tf = 2.0 * n * n / slope / 1e9
+            kscan.append({"config": label, "ms": {int(k): round(t, 4) for k, t in pts},
+                          "fixed_us": round(icpt * 1e3, 1), "fixed_us_per_wave": round(icpt * 1e3 / waves, 2),
+                          "main_loop_tflops": round(main_tf), "waves": waves})
+            print(f"  kscan {label}: {kscan[-1]}", flush=True)
+
     benchutil.save(args.out, "matmul_sweep", {"environment": benchutil.environment(), "square": rows,
-                                              "fused_bias_gelu": fused_rows})
+                                              "fused_bias_gelu": fused_rows, "kscan": kscan})
     print(f"{benchutil.environment()['gpu']}  bfloat16 sweep  ({sms} SMs); cell = TFLOP/s (x cuBLAS)")
-    labels = [lbl for lbl, _ in SWEEP]
     flat = []
-    for lbl in labels:
+    for lbl, _ in configs:
         flat.append({"config": lbl, **{f"n={r['n']}": r.get(lbl, "") for r in rows},
-                     "regs": rows[0].get(lbl + " regs", ""), "fused 4096 (x sep)": fused_rows[0].get(lbl, "")})
-    flat.append({"config": "cuBLAS", **{f"n={r['n']}": r["cuBLAS"] for r in rows}, "regs": "",
-                 "fused 4096 (x sep)": f"{fused_rows[0]['cuBLAS addmm+gelu ms']}ms"})
-    print("heuristic picks: " + ", ".join(f"{r['n']}: {r['heuristic']}" for r in rows))
-    print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["regs", "fused 4096 (x sep)"]))
+                     "regs": rows[0].get(lbl + " regs", ""),
+                     **({"fused 4096 (x sep)": fused_rows[0].get(lbl, "")} if fused_rows else {})})
+    flat.append({"config": "cuBLAS (start / end)", **{f"n={r['n']}": f"{r['cuBLAS']} / {r['cuBLAS end']}" for r in rows},
+                 "regs": "",
+                 **({"fused 4096 (x sep)": f"{fused_rows[0]['cuBLAS addmm+gelu ms']}ms"} if fused_rows else {})})
+    print("heuristic picks: " + " | ".join(f"{r['n']}: {r['heuristic']}" for r in rows))
+    for k in kscan:
+        print(f"kscan {k['config']}: fixed {k['fixed_us']} us ({k['fixed_us_per_wave']} us/wave, {k['waves']} waves), "
+              f"main loop {k['main_loop_tflops']} TFLOP/s; ms {k['ms']}")
+    print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["regs"] +
+                          (["fused 4096 (x sep)"] if fused_rows else [])))
 
 
 CEILING_SRC = r"""

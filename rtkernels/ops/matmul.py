@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +29,7 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
-from ._arrays import as_device_array, dtype_name, new_like
+from ._arrays import _is_torch, array_signature, as_device_array, device_pointer, dtype_name, new_like, torch_stream_ptr
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -55,6 +56,9 @@ class MatmulConfig(KernelConfig):
     k-tile's refill copies (~10% faster: 461 -> 510 TFLOP/s, 128x256x32 at 4096^3 on an H200);
     False issues the copies first, which the 64-deep tiles' K-tail path needs to stay in
     registers.
+    ``copy_steps``: the refill copies of a k-tile are spread over its first ``copy_steps`` k steps
+    of 16 (1: all issued in the first step); needs ``ldsm_first`` and 16-byte loads.
+    ``l2_prefetch``: L2 fetch-size hint of the 16-byte copies in bytes (0: none, 64, 128, 256).
     """
 
     family: ClassVar[str] = "matmul"
@@ -77,6 +81,8 @@ class MatmulConfig(KernelConfig):
     activation: str = "none"
     even_k: bool = False
     ldsm_first: bool = True
+    copy_steps: int = 1
+    l2_prefetch: int = 0
 
     @property
     def expects_tensor_cores(self) -> bool:
@@ -106,11 +112,19 @@ class MatmulConfig(KernelConfig):
             self._check_int("num_stages", 1, 1)
             self._check_int("vec_a", 1, 1)
             self._check_int("vec_b", 1, 1)
+            self._check_int("copy_steps", 1, 1)
+            self._check_choice("l2_prefetch", (0,))
             return
         self._check_int("block_k", 16, 128, power_of_two=True)
         self._check_int("num_stages", 2, 8)
         self._check_int("vec_a", 1, 8, power_of_two=True)
         self._check_int("vec_b", 1, 8, power_of_two=True)
+        self._check_int("copy_steps", 1, self.block_k // 16)
+        if self.copy_steps > 1 and not (self.ldsm_first and self.vec_a == 8 and self.vec_b == 8):
+            self._fail("copy_steps", "1 unless ldsm_first and vec_a == vec_b == 8 (the double-buffered loop)")
+        if self.copy_steps == self.block_k // 16 and self.copy_steps > 1 and self.num_stages < 3:
+            self._fail("copy_steps", "below block_k / 16 with 2 stages (copies committed after the barrier)")
+        self._check_choice("l2_prefetch", (0, 64, 128, 256))
         warps_n = self.num_warps // self.warps_m
         if self.block_m % (16 * self.warps_m):
             self._fail("block_m", f"a multiple of 16 * warps_m = {16 * self.warps_m}")
@@ -166,6 +180,10 @@ class _Tile:
     blocks_per_sm: int   # resident CTAs per SM (ptxas registers / smem on sm_90)
     efficiency: float    # relative tensor-core throughput per resident SM
     why: str
+    # Main-loop options, applied where the problem allows them (see _config): refill copies
+    # spread over k steps, and the L2 fetch size of the copies.
+    copy_steps: int = 1
+    l2_prefetch: int = 0
 
 
 # Each tile's efficiency is reasoned from its arithmetic intensity per byte of shared memory
@@ -176,6 +194,12 @@ class _Tile:
 # (2 CTAs/SM), 128x256x64 254, all without spills.
 # Measured on an H200 (2026-11-21, bf16, TFLOP/s at 4096^3 / 8192^3, cuBLAS 781 / 783):
 # 128x256x32/4 510 / 452, 256x128x32/4 ~490 / 480, 128x256x64/4 490 / 504, x64/3 487 / 455.
+# Fourth session (tools/bench_matmul.py --sweep --passes 3: three interleaved passes, cuBLAS
+# 789 / 790): 128x256x32/4 508 / 504 (its three 8192^3 passes 502-516), 128x256x64/4 490 / 452
+# (448-473); the first, single-pass sweep had 507 / 456 and 489 / 456.  The 64-deep tile no
+# longer earns its 192 KiB ring at long K: the 32-deep tile serves every K.  Neither main-loop
+# option helps it: copies spread over both k steps with 256-byte L2 fetches 509 / 479, with 6
+# stages 509 / 489; an L2 prefetch of B's rows 4-8 tiles ahead (prefetch.global.L2) 432 / 404.
 TC_TILES = (
     _Tile(128, 256, 32, 8, 4, 2, 1, 1.00, "64x64 warp tiles, 96 KiB ring: the large-problem workhorse"),
     _Tile(256, 128, 32, 8, 4, 4, 1, 1.00, "same work as 128x256, better when N is the short side"),
@@ -183,16 +207,18 @@ TC_TILES = (
     _Tile(128, 64, 32, 4, 4, 2, 3, 0.65, "thin N or many small tiles"),
     _Tile(64, 64, 32, 4, 4, 2, 4, 0.50, "tiny/skinny problems: most CTAs"),
 )
-# Long K (operands streamed from DRAM, CTAs drifting apart over the loop) wants more bytes in
-# flight: 3 x 48 KiB of 64-deep stages instead of 3 x 24 KiB (504 vs 452 TFLOP/s at 8192^3; at
-# 4096^3 the 32-deep tile is ahead, 510 vs 490).  Its 192 KiB ring fits sm_90 only.
-DEEP_K = 8192
-DEEP_TILE = _Tile(128, 256, 64, 8, 4, 2, 1, 1.00, "K >= DEEP_K: twice the bytes in flight per stage")
-# Extra shapes the autotuner may try (never picked by the heuristic without a measurement).
+# Extra shapes the autotuner may try (never picked by the heuristic without a measurement;
+# fourth-session TFLOP/s at 4096^3 / 8192^3 beside 508 / 504 for the heuristic's tile).
 TUNE_ONLY = (
     _Tile(128, 256, 64, 8, 3, 2, 1, 1.00, "half the barriers per K; 144 KiB ring (487 / 455 TFLOP/s)"),
     _Tile(256, 128, 64, 8, 3, 4, 1, 1.00, "fewer barriers per K; 144 KiB ring"),
     _Tile(128, 256, 32, 8, 3, 2, 1, 1.00, "shallower ring, 2 CTAs of smem"),
+    _Tile(128, 256, 64, 8, 4, 2, 1, 1.00, "the third session's long-K tile (490 / 452)"),
+    _Tile(128, 256, 32, 8, 4, 2, 1, 1.00, "copies over both k steps, 256-byte L2 fetches (509 / 479)",
+          copy_steps=2, l2_prefetch=256),
+    _Tile(128, 256, 32, 8, 6, 2, 1, 1.00, "the same with 6 stages: five tiles in flight (509 / 489)",
+          copy_steps=2, l2_prefetch=256),
+    _Tile(128, 256, 64, 8, 4, 2, 1, 1.00, "64-deep, copies over 3 of its 4 k steps (502 / 469)", copy_steps=3),
 )
 # Narrow loads (vec_a or vec_b < 8: unaligned strides such as K % 8 != 0) issue up to 8x
 # more copies per thread; 64x32 warp tiles over 8 warps keep their addresses in registers
@@ -227,37 +253,43 @@ def _ldsm_first_ok(block_k: int, even_k: bool) -> bool:
     return even_k or block_k != 64
 
 
-def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: bool = False, k: int = 0,
-                 arch: str = "sm_90") -> _Tile:
+def _choose_tile(dtype: str, m: int, n: int, batch: int, sm_count: int, narrow: bool = False) -> _Tile:
     tiles = F32_TILES if dtype == "float32" else NARROW_TILES if narrow else TC_TILES
     # ties go to the smaller tile: less work wasted on the zero-filled border
-    tile = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
-    if tile is TC_TILES[0] and k >= DEEP_K and _DEEP_SMEM <= arch_mod.limits(arch).max_smem_per_block_optin:
-        tile = DEEP_TILE
-    return tile
+    return min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
 
 
 def _config(tile: _Tile, dtype: str, k: int | None = None, **layout) -> MatmulConfig:
     if k is not None:
         layout = {**layout, "even_k": dtype != "float32" and k % tile.block_k == 0}
-    if not _ldsm_first_ok(tile.block_k, layout.get("even_k", False)):
+    even = layout.get("even_k", False)
+    first = _ldsm_first_ok(tile.block_k, even) and layout.get("ldsm_first", True)
+    if not first:
         layout = {**layout, "ldsm_first": False}
+    # Spread copies need the double-buffered loop's 16-byte loads and ldmatrix-first order, and
+    # a K without tail: the tail's second copy path does not fit in registers beside them
+    # (ptxas sm_90: 4-12 bytes of spill for the 64-deep tiles).
+    tc = dtype != "float32"
+    wide = tc and layout.get("vec_a", 8) == 8 and layout.get("vec_b", 8) == 8
+    opts = dict(copy_steps=tile.copy_steps if wide and first and even else 1,
+                l2_prefetch=tile.l2_prefetch if tc else 0)
     return MatmulConfig(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k,
-                        num_warps=tile.num_warps, num_stages=tile.num_stages, warps_m=tile.warps_m, **layout)
-
-
-_DEEP_SMEM = _config(DEEP_TILE, "bfloat16").shared_mem_bytes   # 192 KiB: sm_90 only
+                        num_warps=tile.num_warps, num_stages=tile.num_stages, warps_m=tile.warps_m,
+                        **{**opts, **layout})
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int | None = None,
                      arch: str | None = None, **layout) -> MatmulConfig:
-    """The heuristic's config for a problem; ``layout``: a_kmajor, b_kmajor, vec_a, vec_b, has_bias, activation."""
+    """The heuristic's config for a problem; ``layout``: a_kmajor, b_kmajor, vec_a, vec_b, has_bias, activation.
+
+    ``arch`` does not change the choice: every heuristic tile's ring fits sm_80+ (96 KiB at most).
+    """
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
     if dtype == "float32":
         layout = {**layout, "vec_a": 1, "vec_b": 1}
     narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
-    tile = _choose_tile(dtype, m, n, batch, sm_count, narrow, k, arch or device.current_arch())
+    tile = _choose_tile(dtype, m, n, batch, sm_count, narrow)
     return _config(tile, dtype, k, **layout)
 
 
@@ -268,7 +300,7 @@ def candidate_configs(dtype: str, k: int | None = None, **layout) -> list[Matmul
         return [_config(t, dtype, k, **layout) for t in F32_TILES]
     out = []
     narrow = min(layout.get("vec_a", 8), layout.get("vec_b", 8)) < 8
-    for t in NARROW_TILES if narrow else TC_TILES + (DEEP_TILE,) + TUNE_ONLY:
+    for t in NARROW_TILES if narrow else TC_TILES + TUNE_ONLY:
         try:
             out.append(_config(t, dtype, k, **layout))
         except ConfigError:
@@ -338,6 +370,94 @@ def _elem_strides(view, name: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+# ---- per-signature launch plans ---------------------------------------------------------------
+# The checks, layout analysis and dispatch below cost 40-80 us of host time per call (H200 host,
+# 2026-11-21; cupy.matmul: 17-26 us).  Their outcome depends only on each array's dtype, shape,
+# strides, 16-byte alignment and device plus the options, so the first call with a signature
+# records the launch (:class:`_Launch`) and later calls allocate ``out`` if needed, look up the
+# tensor maps for the new addresses (Hopper kernel) and launch.
+_LAUNCHES: dict = {}
+_LAUNCHES_MAX = 4096
+
+
+@dataclass(frozen=True)
+class _Launch:
+    kern: object
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    scalars: tuple          # the arguments after C
+    maps: tuple | None      # Hopper kernel: (config, A map, B map, C map or None) without addresses
+
+
+@dataclass(frozen=True)
+class _Plan:
+    launch: _Launch
+    out_shape: tuple
+    out_dtype: object
+    torch: bool
+
+
+def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
+    """None unless a, b (bias, out) are all CuPy arrays or all torch tensors on the current device
+    and autotuning is off (a tuning call must run its sweep)."""
+    if autotune.enabled():
+        return None
+    arrays = [x for x in (a, b, bias, out) if x is not None]
+    sigs = tuple(array_signature(x) for x in arrays)
+    if None in sigs or any(s_[0] != sigs[0][0] or s_[5] != sigs[0][5] for s_ in sigs):
+        return None
+    import cupy
+    if sigs[0][5] != cupy.cuda.runtime.getDevice():
+        return None
+    key = (sigs, bias is None, out is None, activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
+           os.environ.get("RTKERNELS_ARCH"))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(key, launch: _Launch, views, arrays) -> None:
+    """Keep the launch when every view is its array's own memory (none was copied)."""
+    if key is None:
+        return
+    for v, x in zip(views, arrays):
+        if x is not None and int(v.data.ptr) != (x.data_ptr() if _is_torch(x) else int(x.data.ptr)):
+            return
+    if len(_LAUNCHES) >= _LAUNCHES_MAX:
+        _LAUNCHES.clear()
+    out = arrays[3]
+    _LAUNCHES[key] = _Plan(launch, tuple(out.shape), out.dtype, _is_torch(out))
+
+
+def _replay(plan: _Plan, a, b, bias, out, stream):
+    import cupy
+    if plan.torch:
+        torch = sys.modules["torch"]
+        dev = a.get_device()
+        if out is None:
+            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
+        if stream is None:
+            stream = torch_stream_ptr(torch, dev)
+        ptrs = (a.data_ptr(), b.data_ptr(), out.data_ptr())
+        args = [None if x is None else device_pointer(x, dev) for x in (a, b, bias, out)]
+    else:
+        if out is None:
+            out = cupy.empty(plan.out_shape, plan.out_dtype)
+        ptrs = (a.data.ptr, b.data.ptr, out.data.ptr)
+        args = [a, b, bias, out]
+    ln = plan.launch
+    if ln.maps is not None:
+        cfg, a_map, b_map, c_map = ln.maps
+        ma, mb, mc = m90.tensor_maps(cfg, (ptrs[0], *a_map), (ptrs[1], *b_map),
+                                     None if c_map is None else (ptrs[2], *c_map))
+        args = [ma, mb, mc] + args[2:]
+    ln.kern.launch(ln.grid, ln.block, *args, *ln.scalars, shared_mem=ln.shared_mem, stream=stream)
+    return out
+
+
 _plans: dict = {}
 
 
@@ -355,14 +475,21 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     out : optional output of shape (M, N) / (B, M, N), same dtype, unit stride along N.
     trans_a, trans_b : use the transpose of the last two dims (no copy is made).
     dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits.
-    stream : CuPy stream (default: the current one).
+    stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
+        current stream when a is a torch tensor).
 
     One of each operand's last two dims must have unit stride (any row/column stride, any
     batch stride); float16 / bfloat16 use tensor cores, float32 a SIMT kernel.
     """
+    plan_key = _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype)
+    launch = _LAUNCHES.get(plan_key) if plan_key is not None else None
+    if launch is not None:
+        return _replay(launch, a, b, bias, out, stream)
     if activation not in (None, *ACTIVATIONS):
         raise ConfigError.bad_value("matmul", "activation", activation, "None, 'relu', 'gelu' or 'silu'")
     act = activation or "none"
+    if stream is None and _is_torch(a):
+        stream = torch_stream_ptr(sys.modules["torch"], a.get_device())
     av, bv = as_device_array(a, "matmul", "a"), as_device_array(b, "matmul", "b")
     da, db = _resolve_dtype(a, av, "a", dtype), _resolve_dtype(b, bv, "b", dtype)
     if da != db:
@@ -434,8 +561,10 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
-        if _run_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
-                     batch_c, act, stream):
+        done = _run_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
+                         batch_c, act, stream)
+        if done is not None:
+            _remember(plan_key, done, (av, bv, biv, cv), (a, b, bias, out))
             return out
 
     if da == "float32":
@@ -448,8 +577,8 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, vec_a=vec_a, vec_b=vec_b, has_bias=biv is not None,
                   activation=act)
     dev = device.current_device()
-    plan_key = (da, m, n, k, batch, tuple(layout.values()), dev, autotune.enabled())
-    plan = _plans.get(plan_key)
+    memo_key = (da, m, n, k, batch, tuple(layout.values()), dev, autotune.enabled())
+    plan = _plans.get(memo_key)
     if plan is None:
         cfg = heuristic_config(da, m, n, k, batch, sm_count=device.sm_count(), **layout)
         if autotune.enabled():
@@ -459,17 +588,20 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
             # describe this K, or the kernel would read past it
             even = da != "float32" and k % cfg.block_k == 0
             if cfg.even_k != even:
-                # (and the 64-deep tiles' K-tail path refills first, as _config sets it)
-                cfg = dataclasses.replace(cfg, even_k=even,
-                                          ldsm_first=cfg.ldsm_first and _ldsm_first_ok(cfg.block_k, even))
+                # (and the 64-deep tiles' K-tail path refills first, with neither main-loop
+                # option, as _config sets it)
+                first = cfg.ldsm_first and _ldsm_first_ok(cfg.block_k, even)
+                cfg = dataclasses.replace(cfg, even_k=even, ldsm_first=first,
+                                          copy_steps=cfg.copy_steps if even and first else 1)
         kern = get_kernel(cfg)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         if tiles > tiles_limit:
             raise ConfigError(f"matmul: {tiles} tiles exceed the grid limit", field="shape")
-        plan = _plans[plan_key] = (kern, (tiles, 1, batch), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes)
+        plan = _plans[memo_key] = (kern, (tiles, 1, batch), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes)
     kern, grid, block, smem = plan
-    kern.launch(grid, block, av, bv, biv, cv, m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec,
-                shared_mem=smem, stream=stream)
+    scalars = (m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec)
+    kern.launch(grid, block, av, bv, biv, cv, *scalars, shared_mem=smem, stream=stream)
+    _remember(plan_key, _Launch(kern, grid, block, smem, scalars, None), (av, bv, biv, cv), (a, b, bias, out))
     return out
 
 
@@ -477,8 +609,9 @@ _plans90: dict = {}
 
 
 def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b, batch_c,
-              act, stream) -> bool:
-    """Launch the Hopper kernel (ops/matmul_sm90.py) if TMA can address A and B; False otherwise.
+              act, stream):
+    """Launch the Hopper kernel (ops/matmul_sm90.py) if TMA can address A and B and return what
+    was launched (a :class:`_Launch`); None otherwise.
 
     A batch stride of 0 (a 2-D operand broadcast over the batch) becomes a batch extent of 1
     that the kernel does not index.  C goes through a TMA store when it is 16-byte addressable,
@@ -489,7 +622,7 @@ def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, l
     a_map = m90.operand_maps(av.data.ptr, a_rows, a_cols, lda, batch if batch_a else 1, batch_a)
     b_map = m90.operand_maps(bv.data.ptr, b_rows, b_cols, ldb, batch if batch_b else 1, batch_b)
     if a_map is None or b_map is None:
-        return False
+        return None
     c_map = m90.operand_maps(cv.data.ptr, m, n, ldc, batch if batch_c else 1, batch_c)
     tma_store = c_map is not None
     dev = device.current_device()
@@ -501,7 +634,7 @@ def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, l
         sms = device.sm_count()
         cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
-            return False
+            return None
         if autotune.enabled():
             cfg = _tuned_sm90(cfg, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc,
                               batch_c, stream)
@@ -510,10 +643,11 @@ def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, l
     ma, mb, mc = m90.tensor_maps(cfg, (av.data.ptr, *a_map), (bv.data.ptr, *b_map),
                                  (cv.data.ptr, *c_map) if tma_store else None)
     c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
-    kern.launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma, mb, mc, biv, cv, m, n, k, batch,
-                int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes,
-                stream=stream)
-    return True
+    scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned)
+    kern.launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma, mb, mc, biv, cv, *scalars,
+                shared_mem=cfg.shared_mem_bytes, stream=stream)
+    return _Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, scalars,
+                   (cfg, a_map, b_map, c_map if tma_store else None))
 
 
 def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc, batch_c,

@@ -30,10 +30,24 @@ __device__ __forceinline__ void cp_async_16_s(unsigned smem, const void* gmem, i
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
 }
-template <int BYTES>
+// L2_PREFETCH (16-byte copies only): 0 = no hint (ptxas then emits a 128-byte L2 fetch), or the
+// L2 fetch size in bytes (64 / 128 / 256): a K-contiguous row of a 32-deep tile is 64 bytes, so a
+// 256-byte fetch brings the next 3 tiles' row segments into L2 with this one.
+template <int BYTES, int L2_PREFETCH = 0>
 __device__ __forceinline__ void cp_async_s(unsigned smem, const void* gmem, int src_bytes) {
     static_assert(BYTES == 16 || BYTES == 8 || BYTES == 4, "cp.async moves 4, 8 or 16 bytes");
-    if constexpr (BYTES == 16) {
+    static_assert(L2_PREFETCH == 0 || L2_PREFETCH == 64 || L2_PREFETCH == 128 || L2_PREFETCH == 256,
+                  "L2 prefetch sizes are 64, 128 or 256 bytes");
+    if constexpr (BYTES == 16 && L2_PREFETCH == 64) {
+        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n"
+                     :: "r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+    } else if constexpr (BYTES == 16 && L2_PREFETCH == 128) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+                     :: "r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+    } else if constexpr (BYTES == 16 && L2_PREFETCH == 256) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                     :: "r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+    } else if constexpr (BYTES == 16) {
         cp_async_16_s(smem, gmem, src_bytes);
     } else {
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
