@@ -17,7 +17,7 @@ Run on a GPU host:  PYTHONPATH=. python tools/bench_matmul.py [--quick] [--dtype
 * fused bias + GELU at 4096^3 vs cuBLAS (bias fused by cuBLAS in addmm) + a separate GELU pass
   (on sm_90 for both kernels);
 * inputs rotate among enough copies to exceed twice the L2; CUDA events, warm-up, median; every
-  timed call is queued behind a spin kernel (bench_membound.time_gpu), so the columns are kernel
+  timed call is queued behind a spin kernel (benchutil.time_queued), so the columns are kernel
   time and the host's per-call cost of rtk.matmul (Python checks, tensor maps, launch) is reported
   separately as ``rtk_host_us``.
 Prints a table last; writes matmul.json and matmul.png (TFLOP/s vs size, waves annotated).
@@ -186,7 +186,7 @@ def main() -> None:
     def rel_err(got, ref):
         return float(((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
 
-    from bench_membound import time_gpu
+    from benchutil import time_queued as time_gpu
 
     def timed(fn, sets):
         return time_gpu(fn, sets, repeat=repeat)[0]
@@ -415,7 +415,7 @@ def sweep(args) -> None:
     from rtkernels import device
     from rtkernels.compiler import CompileOptions
     from rtkernels.ops import matmul as mm
-    from bench_membound import time_gpu
+    from benchutil import time_queued as time_gpu
 
     tdt = torch.bfloat16
     l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice()).get("l2CacheSize", 50 << 20))

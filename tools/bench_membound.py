@@ -47,9 +47,6 @@ def _torch():
         return None
 
 
-time_gpu = benchutil.time_queued   # the name bench_matmul imports
-
-
 def _inputs(cp, rows, n, dtype, sets=2):
     """`sets` (x, y) pairs; bfloat16 as uint16 bits of normal values."""
     out = []
