@@ -18,6 +18,7 @@ import rtkernels as rtk
 from rtkernels.errors import ConfigError
 from rtkernels.ops import attention_bwd_sm90 as B90
 from rtkernels.ops.attention_bwd_sm90 import AttentionBwdSm90Config
+from rtkernels.ops._arrays import LaunchPlans
 
 import test_attention_bwd as bwd_tests   # the backward's GPU case runner and grids (tests/ is on sys.path)
 
@@ -195,7 +196,7 @@ def test_gpu_launch_plans_replay_per_signature_cupy(monkeypatch):
     and not); deterministic and causal are other plans."""
     _require_sm90()
     A = importlib.import_module("rtkernels.ops.attention_bwd")
-    monkeypatch.setattr(A, "_BACKWARD_PLANS", {})
+    monkeypatch.setattr(A, "_BACKWARD_PLANS", LaunchPlans())
     for seed in (1, 2, 3):
         bwd_tests._gpu_case(1, 300, 257, 4, 2, 64, True, "bfloat16", seed=seed)
         bwd_tests._gpu_case(2, 200, 200, 2, 2, 128, False, "float16", seed=seed, deterministic=True)
@@ -219,7 +220,7 @@ def test_gpu_launch_plans_replay_per_signature_torch(monkeypatch):
     _require_sm90()
     torch = pytest.importorskip("torch")
     A = importlib.import_module("rtkernels.ops.attention_bwd")
-    monkeypatch.setattr(A, "_BACKWARD_PLANS", {})
+    monkeypatch.setattr(A, "_BACKWARD_PLANS", LaunchPlans())
     s = torch.cuda.Stream()
     g = torch.Generator(device="cuda").manual_seed(2)
     for trial in range(3):

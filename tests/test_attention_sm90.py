@@ -22,6 +22,7 @@ from rtkernels import inspect as rtk_inspect
 from rtkernels.errors import ConfigError
 from rtkernels.ops import attention_sm90 as A90
 from rtkernels.ops.attention_sm90 import AttentionSm90Config
+from rtkernels.ops._arrays import LaunchPlans
 
 import test_attention as fwd_tests   # the forward's shape grids (tests/ is on sys.path)
 
@@ -415,7 +416,7 @@ def launches(monkeypatch):
         return real(kern, cfg, *a, **kw)
     monkeypatch.setattr(A90, "launch", spy)
     # launch plans replay a signature without A90.launch: start each test with none
-    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", {})
+    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
     return calls
 
 

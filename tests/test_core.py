@@ -100,7 +100,7 @@ def test_vector_add_compiles(arch, dtype):
     assert k.arch == arch
     r = k.resources
     assert 4 <= r.registers <= 32 and r.spill_stores == 0 and r.stack_frame == 0
-    assert f".text.vector_add" in k.sass and "EXIT" in k.sass
+    assert ".text.vector_add" in k.sass and "EXIT" in k.sass
     assert "LDG.E" in k.sass and "STG.E" in k.sass
 
 
@@ -300,3 +300,23 @@ def test_cache_info_and_clear(fresh_cache):
     info = cache.info()
     assert info["entries"] == 1 and info["bytes"] > 0 and info["root"] == str(fresh_cache)
     assert cache.clear() == 1 and cache.list_entries() == []
+
+
+def test_launch_plans_key_rules_and_bound():
+    """LaunchPlans (rtkernels.ops._arrays): only CuPy arrays / CUDA torch tensors get a key (host
+    arrays and unhashable options take the op's full path); the table empties when full."""
+    import numpy as np
+    from rtkernels.ops._arrays import LaunchPlans
+    plans = LaunchPlans(maxsize=2)
+    assert plans.key((np.zeros(4),), ("op",)) is None
+    assert plans.key((None, None), ("op",)) is None
+    assert plans.get(None) is None
+    plans.put(None, "ignored")
+    assert len(plans) == 0
+    plans.put(("a",), 1)
+    plans.put(("b",), 2)
+    assert plans.get(("a",)) == 1 and len(plans) == 2
+    plans.put(("c",), 3)                   # full: emptied, then stored
+    assert len(plans) == 1 and plans.get(("a",)) is None and plans.get(("c",)) == 3
+    plans.clear()
+    assert len(plans) == 0

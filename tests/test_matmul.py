@@ -12,6 +12,7 @@ import pytest
 
 from rtkernels.errors import ConfigError
 from rtkernels.ops import matmul as mm
+from rtkernels.ops._arrays import LaunchPlans
 from rtkernels.ops.matmul import MatmulConfig
 
 ARCHS = ("sm_80", "sm_90")
@@ -687,7 +688,7 @@ def test_gpu_mma_sync_aligned_back_to_back(monkeypatch, tile, shape, trans_b, va
     monkeypatch.setattr(mm, "USE_SM90", False)
     monkeypatch.setattr(mm, "_choose_tile", lambda *a, **k: tile)
     monkeypatch.setattr(mm, "_plans", {})
-    monkeypatch.setattr(mm, "_LAUNCHES", {})   # no replay of another case's tile
+    monkeypatch.setattr(mm, "_LAUNCHES", LaunchPlans())   # no replay of another case's tile
     base_config = mm._config
     monkeypatch.setattr(mm, "_config", lambda *a, **k: dataclasses.replace(base_config(*a, **k), **variant))
     M, N, K = shape
@@ -716,7 +717,7 @@ def test_gpu_launch_plans_replay_per_signature(monkeypatch, kind):
     stream (inputs written on a side stream right before each call)."""
     import cupy as cp
     import rtkernels as rtk
-    monkeypatch.setattr(mm, "_LAUNCHES", {})
+    monkeypatch.setattr(mm, "_LAUNCHES", LaunchPlans())
     rng = np.random.default_rng(9)
     M, N, K = 300, 264, 200
     if kind == "torch":

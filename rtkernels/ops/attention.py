@@ -19,6 +19,7 @@ from .. import arch as _arch
 from .. import autotune as _autotune
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
+from ._arrays import LaunchPlans
 
 FAMILY = "attention"
 
@@ -407,7 +408,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     import cupy
 
     plan_key = _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype)
-    plan = _FORWARD_PLANS.get(plan_key) if plan_key is not None else None
+    plan = _FORWARD_PLANS.get(plan_key)
     if plan is not None:
         return _replay_forward(plan, q, k, v, out, return_lse, stream)
     p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY)
@@ -487,8 +488,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 # signature records the launch and later ones allocate the outputs, look up the four tensor maps
 # for the new base addresses (rtkernels.tma memoizes them) and launch.  torch tensors launch on
 # torch's current stream (as the full path does) from their addresses, without views.
-_FORWARD_PLANS: dict = {}
-_PLANS_MAX = 1024
+_FORWARD_PLANS = LaunchPlans(1024)
 
 
 class _ForwardPlan(NamedTuple):
@@ -506,33 +506,21 @@ class _ForwardPlan(NamedTuple):
 
 def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype):
     import os
-    from ._arrays import array_signature
     if not _sm90.ENABLED or _autotune.enabled():
         return None
-    sigs = tuple(array_signature(a) for a in ((q, k, v) if out is None else (q, k, v, out)))
-    if None in sigs or len({s[0] for s in sigs}) != 1 or len({s[5] for s in sigs}) != 1:
-        return None
-    import cupy
-    if sigs[0][5] != cupy.cuda.runtime.getDevice():
-        return None
-    key = (sigs, out is None, bool(causal), softmax_scale, bool(return_lse), dtype, os.environ.get("RTKERNELS_ARCH"))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype,
+                                                  os.environ.get("RTKERNELS_ARCH")))
 
 
 def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale) -> None:
+    from ._arrays import _is_torch
     q_, k_, v_, o_ = views
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    if len(_FORWARD_PLANS) >= _PLANS_MAX:
-        _FORWARD_PLANS.clear()
-    _FORWARD_PLANS[key] = _ForwardPlan(
+    _FORWARD_PLANS.put(key, _ForwardPlan(
         kern, cfg, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
         (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale)), _sm90.map_specs(cfg, *views),
-        tuple(o.shape), o.dtype, None if lse is None else tuple(lse.shape), key[0][0][0] == 1)
+        tuple(o.shape), o.dtype, None if lse is None else tuple(lse.shape), _is_torch(o)))
 
 
 def _replay_forward(plan: _ForwardPlan, q, k, v, out, return_lse, stream):

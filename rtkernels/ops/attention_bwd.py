@@ -22,6 +22,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..config import register_family
 from ..errors import ConfigError
+from ._arrays import LaunchPlans
 from .attention import (AttentionShape, check_inputs, _device_arch, _device_of, _elem_strides, _smem_limit,
                         _to_f32)
 
@@ -395,7 +396,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
 
     plan_key = _backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), causal, softmax_scale, deterministic, dtype,
                                   config)
-    plan = _BACKWARD_PLANS.get(plan_key) if plan_key is not None else None
+    plan = _BACKWARD_PLANS.get(plan_key)
     if plan is not None:
         return _replay_backward(plan, (do, q, k, v, o, lse), (dq, dk, dv), stream)
     p = check_inputs({"do": do, "q": q, "k": k, "v": v, "o": o}, dtype, softmax_scale, FAMILY)
@@ -495,8 +496,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
 # ~230 us of host time per call with torch tensors (H200 host, 2026-11-21); their outcome depends
 # only on the arrays' signatures and the options, so a repeated signature rebuilds the views from
 # the addresses (no checks), allocates the outputs and workspaces and launches.
-_BACKWARD_PLANS: dict = {}
-_PLANS_MAX = 1024
+_BACKWARD_PLANS = LaunchPlans(1024)
 
 
 class _BackwardPlan(NamedTuple):
@@ -514,33 +514,17 @@ class _BackwardPlan(NamedTuple):
 
 def _backward_plan_key(arrays, outs, causal, softmax_scale, deterministic, dtype, config):
     import os
-    from ._arrays import array_signature
     if not _sm90.ENABLED:
         return None
-    sigs = tuple(array_signature(a) for a in arrays) + tuple(None if a is None else array_signature(a) for a in outs)
-    given = [s for s, a in zip(sigs[6:], outs) if a is not None]
-    if None in sigs[:6] or None in given:
-        return None
-    every = sigs[:6] + tuple(given)
-    if len({s[0] for s in every}) != 1 or len({s[5] for s in every}) != 1:
-        return None
-    import cupy
-    if sigs[0][5] != cupy.cuda.runtime.getDevice():
-        return None
-    key = (sigs, bool(causal), softmax_scale, bool(deterministic), dtype, config, os.environ.get("RTKERNELS_ARCH"))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return _BACKWARD_PLANS.key(tuple(arrays) + tuple(outs), (bool(causal), softmax_scale, bool(deterministic),
+                                                               dtype, config, os.environ.get("RTKERNELS_ARCH")))
 
 
 def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, dot_grid) -> None:
-    if len(_BACKWARD_PLANS) >= _PLANS_MAX:
-        _BACKWARD_PLANS.clear()
-    _BACKWARD_PLANS[key] = _BackwardPlan(cfg, arch, tuple(v.dtype for v in views), tuple(tuple(o.shape) for o in outs),
-                                         outs[0].dtype, tuple(lse2_shape), strides, scale, dot_grid,
-                                         key[0][0][0] == 1)
+    from ._arrays import _is_torch
+    _BACKWARD_PLANS.put(key, _BackwardPlan(cfg, arch, tuple(v.dtype for v in views),
+                                             tuple(tuple(o.shape) for o in outs), outs[0].dtype, tuple(lse2_shape),
+                                             strides, scale, dot_grid, _is_torch(outs[0])))
 
 
 def _replay_backward(plan: _BackwardPlan, arrays, outs, stream):

@@ -29,7 +29,8 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
-from ._arrays import _is_torch, array_signature, as_device_array, device_pointer, dtype_name, new_like, torch_stream_ptr
+from ._arrays import (LaunchPlans, _is_torch, as_device_array, device_pointer, dtype_name, new_like,
+                      torch_stream_ptr)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -376,8 +377,7 @@ def _elem_strides(view, name: str) -> tuple[int, ...]:
 # strides, 16-byte alignment and device plus the options, so the first call with a signature
 # records the launch (:class:`_Launch`) and later calls allocate ``out`` if needed, look up the
 # tensor maps for the new addresses (Hopper kernel) and launch.
-_LAUNCHES: dict = {}
-_LAUNCHES_MAX = 4096
+_LAUNCHES = LaunchPlans()
 
 
 @dataclass(frozen=True)
@@ -399,24 +399,11 @@ class _Plan:
 
 
 def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
-    """None unless a, b (bias, out) are all CuPy arrays or all torch tensors on the current device
-    and autotuning is off (a tuning call must run its sweep)."""
+    """None with autotuning on (a tuning call must run its sweep), else the LaunchPlans key."""
     if autotune.enabled():
         return None
-    arrays = [x for x in (a, b, bias, out) if x is not None]
-    sigs = tuple(array_signature(x) for x in arrays)
-    if None in sigs or any(s_[0] != sigs[0][0] or s_[5] != sigs[0][5] for s_ in sigs):
-        return None
-    import cupy
-    if sigs[0][5] != cupy.cuda.runtime.getDevice():
-        return None
-    key = (sigs, bias is None, out is None, activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-           os.environ.get("RTKERNELS_ARCH"))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
+                                             os.environ.get("RTKERNELS_ARCH")))
 
 
 def _remember(key, launch: _Launch, views, arrays) -> None:
@@ -426,10 +413,8 @@ def _remember(key, launch: _Launch, views, arrays) -> None:
     for v, x in zip(views, arrays):
         if x is not None and int(v.data.ptr) != (x.data_ptr() if _is_torch(x) else int(x.data.ptr)):
             return
-    if len(_LAUNCHES) >= _LAUNCHES_MAX:
-        _LAUNCHES.clear()
     out = arrays[3]
-    _LAUNCHES[key] = _Plan(launch, tuple(out.shape), out.dtype, _is_torch(out))
+    _LAUNCHES.put(key, _Plan(launch, tuple(out.shape), out.dtype, _is_torch(out)))
 
 
 def _replay(plan: _Plan, a, b, bias, out, stream):
@@ -482,7 +467,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     batch stride); float16 / bfloat16 use tensor cores, float32 a SIMT kernel.
     """
     plan_key = _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype)
-    launch = _LAUNCHES.get(plan_key) if plan_key is not None else None
+    launch = _LAUNCHES.get(plan_key)
     if launch is not None:
         return _replay(launch, a, b, bias, out, stream)
     if activation not in (None, *ACTIVATIONS):

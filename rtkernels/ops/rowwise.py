@@ -51,7 +51,7 @@ from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import (_is_torch, array_signature, as_device_array, device_pointer, dtype_name, new_like,
+from ._arrays import (LaunchPlans, _is_torch, as_device_array, device_pointer, dtype_name, new_like,
                       torch_stream_ptr)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -661,8 +661,7 @@ def _resident_blocks(k, cfg) -> int | None:
 # plus the op's scalar options, so calls on CuPy arrays or torch tensors remember the decision per
 # signature and a later call with the same signature only allocates ``out`` (when not given) and
 # launches.  Other array kinds (CAI, DLPack) take the full path every call.
-_PLANS: dict = {}
-_PLANS_MAX = 4096
+_PLANS = LaunchPlans()
 
 
 @dataclass(frozen=True)
@@ -677,29 +676,6 @@ class _Plan:
     torch: bool
 
 
-def _plan_key(op_key: tuple, arrays: tuple, out):
-    """The plan's key when every array (and ``out``, if given) is a CuPy array, or every one a
-    torch tensor, on the current device; else None (no plan)."""
-    sigs = tuple(array_signature(a) for a in (arrays if out is None else arrays + (out,)))
-    if None in sigs or any(s[0] != sigs[0][0] or s[5] != sigs[0][5] for s in sigs):
-        return None
-    if sigs[0][5] != _current_device():
-        return None
-    return op_key + (out is None,) + sigs
-
-
-def _lookup(key):
-    try:
-        return _PLANS.get(key) if key is not None else None
-    except TypeError:   # an unhashable option (dtype=[...]): the full path reports it
-        return None
-
-
-def _current_device() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDevice()
-
-
 def _default_stream(x, stream):
     """torch inputs launch on torch's current stream (where their producers and consumers run)."""
     if stream is None and _is_torch(x):
@@ -712,10 +688,8 @@ def _remember(key, views, arrays, k, grid, block, shared_mem, tail) -> None:
     ``views`` and ``arrays`` end with the output."""
     if key is None or any(_ptr(v) != _address(a) for v, a in zip(views, arrays)):
         return
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
     out = arrays[-1]
-    _PLANS[key] = _Plan(k, grid, block, shared_mem, tuple(out.shape), out.dtype, tail, key[-1][0] == 1)
+    _PLANS.put(key, _Plan(k, grid, block, shared_mem, tuple(out.shape), out.dtype, tail, _is_torch(out)))
 
 
 def _address(a) -> int:
@@ -762,9 +736,8 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     -------
     ``out`` (new if None): same kind of array as ``x``.  All -inf rows give 0 (log: -inf).
     """
-    key = _plan_key(("softmax", bool(log_softmax), axis, dtype, config), (x,), out) \
-        if type(axis) is int else None
-    plan = _lookup(key)
+    key = _PLANS.key((x, out), ("softmax", bool(log_softmax), axis, dtype, config)) if type(axis) is int else None
+    plan = _PLANS.get(key)
     if plan is not None:
         return _replay(plan, (x,), out, stream)
     op = "log_softmax" if log_softmax else "softmax"
@@ -813,8 +786,8 @@ def layernorm(x, weight, bias, eps: float = 1e-5, out=None, *, dtype: str | None
 
 def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
     inputs = (x, weight) if bias is None else (x, weight, bias)
-    key = _plan_key((op, eps, dtype, config), inputs, out) if type(eps) is float else None
-    plan = _lookup(key)
+    key = _PLANS.key(inputs + (out,), (op, eps, dtype, config)) if type(eps) is float else None
+    plan = _PLANS.get(key)
     if plan is not None:
         return _replay(plan, inputs, out, stream)
     dt = _dtype_of(x, dtype, op)
@@ -873,8 +846,8 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     if op not in REDUCE_OPS:
         raise ConfigError(f"reduce: op={op!r} is not allowed; op must be one of {', '.join(map(repr, REDUCE_OPS))}",
                           family="reduce", field="op", value=op, allowed=", ".join(REDUCE_OPS))
-    key = _plan_key(("reduce", op, axis, dtype, config), (x,), out) if type(axis) is int else None
-    plan = _lookup(key)
+    key = _PLANS.key((x, out), ("reduce", op, axis, dtype, config)) if type(axis) is int else None
+    plan = _PLANS.get(key)
     if plan is not None:
         return _replay(plan, (x,), out, stream)
     name = f"reduce({op})"
