@@ -399,11 +399,10 @@ class _Plan:
 
 
 def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
-    """None with autotuning on (a tuning call must run its sweep), else the LaunchPlans key."""
-    if autotune.enabled():
-        return None
+    """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
+    its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             os.environ.get("RTKERNELS_ARCH")))
+                                             autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
 
 
 def _remember(key, launch: _Launch, views, arrays) -> None:
