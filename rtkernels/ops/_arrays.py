@@ -6,6 +6,9 @@ as the first input (CuPy for CuPy, torch for torch).
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 from .. import dtypes
 from ..errors import ConfigError
 
@@ -196,3 +199,41 @@ class LaunchPlans:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A recorded kernel launch: the kernel, grid, block, dynamic shared memory and the
+    arguments after the arrays."""
+    kernel: object
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    tail: tuple
+
+    def run(self, arrays, stream) -> None:
+        self.kernel.launch(self.grid, self.block, *arrays, *self.tail, shared_mem=self.shared_mem, stream=stream)
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """The plan of an op with one output: its launch, the output's shape, dtype and kind (to
+    allocate it when the caller gives none) and what else the op keeps (``extra``)."""
+    launch: Launch
+    out_shape: tuple
+    out_dtype: object    # CuPy or torch dtype, as the op hands the output back
+    torch: bool
+    extra: object = None
+
+    @classmethod
+    def of(cls, launch: Launch, out, extra=None) -> "OutputPlan":
+        return cls(launch, tuple(out.shape), out.dtype, _is_torch(out), extra)
+
+    def output(self, like, out):
+        """``out``, or a new output on ``like``'s device."""
+        if out is not None:
+            return out
+        if self.torch:
+            return sys.modules["torch"].empty(self.out_shape, dtype=self.out_dtype, device=like.device)
+        import cupy
+        return cupy.empty(self.out_shape, self.out_dtype)

@@ -29,8 +29,8 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
-from ._arrays import (LaunchPlans, _is_torch, as_device_array, device_pointer, dtype_name, new_like,
-                      torch_stream_ptr)
+from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, device_pointer, dtype_name,
+                      new_like, torch_stream_ptr)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -375,27 +375,9 @@ def _elem_strides(view, name: str) -> tuple[int, ...]:
 # The checks, layout analysis and dispatch below cost 40-80 us of host time per call (H200 host,
 # 2026-11-21; cupy.matmul: 17-26 us).  Their outcome depends only on each array's dtype, shape,
 # strides, 16-byte alignment and device plus the options, so the first call with a signature
-# records the launch (:class:`_Launch`) and later calls allocate ``out`` if needed, look up the
+# records the launch (an OutputPlan) and later calls allocate ``out`` if needed, look up the
 # tensor maps for the new addresses (Hopper kernel) and launch.
 _LAUNCHES = LaunchPlans()
-
-
-@dataclass(frozen=True)
-class _Launch:
-    kern: object
-    grid: tuple
-    block: tuple
-    shared_mem: int
-    scalars: tuple          # the arguments after C
-    maps: tuple | None      # Hopper kernel: (config, A map, B map, C map or None) without addresses
-
-
-@dataclass(frozen=True)
-class _Plan:
-    launch: _Launch
-    out_shape: tuple
-    out_dtype: object
-    torch: bool
 
 
 def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
@@ -405,40 +387,33 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
                                              autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
 
 
-def _remember(key, launch: _Launch, views, arrays) -> None:
-    """Keep the launch when every view is its array's own memory (none was copied)."""
+def _remember(key, launch: Launch, maps, views, arrays) -> None:
+    """Keep the launch when every view is its array's own memory (none was copied).  ``maps``:
+    the Hopper kernel's (config, A map, B map, C map or None) without addresses, else None."""
     if key is None:
         return
     for v, x in zip(views, arrays):
         if x is not None and int(v.data.ptr) != (x.data_ptr() if _is_torch(x) else int(x.data.ptr)):
             return
-    out = arrays[3]
-    _LAUNCHES.put(key, _Plan(launch, tuple(out.shape), out.dtype, _is_torch(out)))
+    _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps))
 
 
-def _replay(plan: _Plan, a, b, bias, out, stream):
-    import cupy
+def _replay(plan: OutputPlan, a, b, bias, out, stream):
+    out = plan.output(a, out)
     if plan.torch:
-        torch = sys.modules["torch"]
         dev = a.get_device()
-        if out is None:
-            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=a.device)
         if stream is None:
-            stream = torch_stream_ptr(torch, dev)
+            stream = torch_stream_ptr(sys.modules["torch"], dev)
         ptrs = (a.data_ptr(), b.data_ptr(), out.data_ptr())
         args = [None if x is None else device_pointer(x, dev) for x in (a, b, bias, out)]
     else:
-        if out is None:
-            out = cupy.empty(plan.out_shape, plan.out_dtype)
         ptrs = (a.data.ptr, b.data.ptr, out.data.ptr)
         args = [a, b, bias, out]
-    ln = plan.launch
-    if ln.maps is not None:
-        cfg, a_map, b_map, c_map = ln.maps
-        ma, mb, mc = m90.tensor_maps(cfg, (ptrs[0], *a_map), (ptrs[1], *b_map),
-                                     None if c_map is None else (ptrs[2], *c_map))
-        args = [ma, mb, mc] + args[2:]
-    ln.kern.launch(ln.grid, ln.block, *args, *ln.scalars, shared_mem=ln.shared_mem, stream=stream)
+    if plan.extra is not None:
+        cfg, a_map, b_map, c_map = plan.extra
+        args[:2] = m90.tensor_maps(cfg, (ptrs[0], *a_map), (ptrs[1], *b_map),   # ma, mb, mc replace a, b
+                                   None if c_map is None else (ptrs[2], *c_map))
+    plan.launch.run(args, stream)
     return out
 
 
@@ -548,7 +523,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         done = _run_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
                          batch_c, act, stream)
         if done is not None:
-            _remember(plan_key, done, (av, bv, biv, cv), (a, b, bias, out))
+            _remember(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out))
             return out
 
     if da == "float32":
@@ -585,7 +560,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     kern, grid, block, smem = plan
     scalars = (m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec)
     kern.launch(grid, block, av, bv, biv, cv, *scalars, shared_mem=smem, stream=stream)
-    _remember(plan_key, _Launch(kern, grid, block, smem, scalars, None), (av, bv, biv, cv), (a, b, bias, out))
+    _remember(plan_key, Launch(kern, grid, block, smem, scalars), None, (av, bv, biv, cv), (a, b, bias, out))
     return out
 
 
@@ -595,7 +570,7 @@ _plans90: dict = {}
 def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b, batch_c,
               act, stream):
     """Launch the Hopper kernel (ops/matmul_sm90.py) if TMA can address A and B and return what
-    was launched (a :class:`_Launch`); None otherwise.
+    was launched: (:class:`Launch`, the tensor maps without addresses); None otherwise.
 
     A batch stride of 0 (a 2-D operand broadcast over the batch) becomes a batch extent of 1
     that the kernel does not index.  C goes through a TMA store when it is 16-byte addressable,
@@ -630,8 +605,8 @@ def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, l
     scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned)
     kern.launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma, mb, mc, biv, cv, *scalars,
                 shared_mem=cfg.shared_mem_bytes, stream=stream)
-    return _Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, scalars,
-                   (cfg, a_map, b_map, c_map if tma_store else None))
+    return (Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, scalars),
+            (cfg, a_map, b_map, c_map if tma_store else None))
 
 
 def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc, batch_c,

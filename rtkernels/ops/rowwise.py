@@ -51,8 +51,8 @@ from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import (LaunchPlans, _is_torch, as_device_array, device_pointer, dtype_name, new_like,
-                      torch_stream_ptr)
+from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, device_pointer, dtype_name,
+                      new_like, torch_stream_ptr)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
@@ -664,18 +664,6 @@ def _resident_blocks(k, cfg) -> int | None:
 _PLANS = LaunchPlans()
 
 
-@dataclass(frozen=True)
-class _Plan:
-    kernel: object
-    grid: tuple
-    block: tuple
-    shared_mem: int
-    out_shape: tuple
-    out_dtype: object    # CuPy or torch dtype, as the op hands ``out`` back
-    tail: tuple          # the arguments after ``out``
-    torch: bool
-
-
 def _default_stream(x, stream):
     """torch inputs launch on torch's current stream (where their producers and consumers run)."""
     if stream is None and _is_torch(x):
@@ -688,27 +676,21 @@ def _remember(key, views, arrays, k, grid, block, shared_mem, tail) -> None:
     ``views`` and ``arrays`` end with the output."""
     if key is None or any(_ptr(v) != _address(a) for v, a in zip(views, arrays)):
         return
-    out = arrays[-1]
-    _PLANS.put(key, _Plan(k, grid, block, shared_mem, tuple(out.shape), out.dtype, tail, _is_torch(out)))
+    _PLANS.put(key, OutputPlan.of(Launch(k, grid, block, shared_mem, tail), arrays[-1]))
 
 
 def _address(a) -> int:
     return a.data_ptr() if _is_torch(a) else int(a.data.ptr)
 
 
-def _replay(plan: _Plan, inputs: tuple, out, stream):
+def _replay(plan: OutputPlan, inputs: tuple, out, stream):
+    x = inputs[0]
+    out = plan.output(x, out)
     if plan.torch:
-        x = inputs[0]
         dev = x.get_device()
-        if out is None:
-            out = sys.modules["torch"].empty(plan.out_shape, dtype=plan.out_dtype, device=x.device)
-        plan.kernel.launch(plan.grid, plan.block, *(device_pointer(a, dev) for a in inputs), device_pointer(out, dev),
-                           *plan.tail, shared_mem=plan.shared_mem, stream=_default_stream(x, stream))
-        return out
-    if out is None:
-        import cupy
-        out = cupy.empty(plan.out_shape, plan.out_dtype)
-    plan.kernel.launch(plan.grid, plan.block, *inputs, out, *plan.tail, shared_mem=plan.shared_mem, stream=stream)
+        plan.launch.run([device_pointer(a, dev) for a in (*inputs, out)], _default_stream(x, stream))
+    else:
+        plan.launch.run((*inputs, out), stream)
     return out
 
 
