@@ -414,13 +414,28 @@ KSCAN = ["128x256x32/4", "128x256x32/4 cs2 pf256", "128x256x32/4 DIAG neither"]
 KSCAN_K = (1024, 2048, 4096, 8192)
 
 
+def _sweep_kernel(fields: dict, k: int, arch: str):
+    """(config, kernel, diag) of a SWEEP entry for bf16 A row-major, B row-major and this K; a
+    ``diag`` entry builds the measurement variant (-DRTK_MATMUL_DIAG, wrong results)."""
+    import rtkernels as rtk
+    from rtkernels.compiler import CompileOptions
+    from rtkernels.ops import matmul as mm
+    fields = dict(fields)
+    diag = fields.pop("diag", 0)
+    cfg = mm.MatmulConfig(dtype="bfloat16", a_kmajor=True, b_kmajor=False, even_k=k % fields["block_k"] == 0,
+                          **fields)
+    opts = CompileOptions(defines=(("RTK_MATMUL_DIAG", str(diag)),)) if diag else None
+    kern = rtk.get_kernel(cfg, arch=arch, options=opts)
+    kern.resources   # compile now: a variant that does not build is reported by the caller
+    return cfg, kern, diag
+
+
 def sweep(args) -> None:
     import cupy as cp
     import numpy as np
     import torch
     import rtkernels as rtk
     from rtkernels import device
-    from rtkernels.compiler import CompileOptions
     from rtkernels.ops import matmul as mm
     from benchutil import time_queued as time_gpu
 
@@ -442,13 +457,7 @@ def sweep(args) -> None:
         built = {}
         for label, fields in configs:
             try:
-                fields = dict(fields)
-                diag = fields.pop("diag", 0)
-                cfg = mm.MatmulConfig(dtype="bfloat16", a_kmajor=True, b_kmajor=False, even_k=n % fields["block_k"] == 0,
-                                      **fields)
-                opts = CompileOptions(defines=(("RTK_MATMUL_DIAG", str(diag)),)) if diag else None
-                k_ = rtk.get_kernel(cfg, arch=arch, options=opts)
-                k_.resources
+                cfg, k_, diag = _sweep_kernel(fields, n, arch)
             except Exception as e:   # a variant that does not build is reported, not fatal
                 row[label] = f"err {type(e).__name__}"
                 print(f"  n={n} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -503,11 +512,7 @@ def sweep(args) -> None:
     if args.sweep_k:
         n = 4096
         for label in KSCAN:
-            fields = dict(dict(SWEEP)[label])
-            diag = fields.pop("diag", 0)
-            cfg = mm.MatmulConfig(dtype="bfloat16", a_kmajor=True, b_kmajor=False, even_k=True, **fields)
-            opts = CompileOptions(defines=(("RTK_MATMUL_DIAG", str(diag)),)) if diag else None
-            k_ = rtk.get_kernel(cfg, arch=arch, options=opts)
+            cfg, k_, _ = _sweep_kernel(dict(SWEEP)[label], n, arch)
             tiles = -(-n // cfg.block_m) * -(-n // cfg.block_n)
             pts = []
             for kk in KSCAN_K:

@@ -90,9 +90,16 @@ def torch_view_as(x, dtype, dev: int):
     import cupy
     item = x.element_size()
     shape, strides = tuple(x.shape), tuple(s * item for s in x.stride())
-    span = item + sum((n - 1) * s for n, s in zip(shape, strides))
-    mem = cupy.cuda.UnownedMemory(x.data_ptr(), span, x, dev)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+    return cupy.ndarray(shape, dtype, _torch_memory(x, dev, strides), strides=strides)
+
+
+def _torch_memory(x, dev: int, strides=None):
+    """A CuPy MemoryPointer over the bytes a non-empty torch tensor spans (keeps it alive)."""
+    import cupy
+    item = x.element_size()
+    strides = strides or tuple(s * item for s in x.stride())
+    span = item + sum((n - 1) * s for n, s in zip(x.shape, strides))
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(x.data_ptr(), span, x, dev), 0)
 
 
 def torch_stream_ptr(torch, dev: int) -> int:
@@ -103,6 +110,34 @@ def torch_stream_ptr(torch, dev: int) -> int:
     H200 host, 2026-11-21).  Falls back to the public call where the private one is missing."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return int(raw(dev)) if raw is not None else int(torch.cuda.current_stream(dev).cuda_stream)
+
+
+def default_stream(x, stream):
+    """``stream``, or for a torch tensor ``x`` with none given, torch's current stream: where
+    the tensor's producers and consumers are queued, so the launch is ordered with them."""
+    if stream is None and _is_torch(x):
+        return torch_stream_ptr(sys.modules["torch"], x.get_device())
+    return stream
+
+
+def address(a) -> int:
+    """Base device address of a CuPy array or torch tensor."""
+    return a.data_ptr() if _is_torch(a) else int(a.data.ptr)
+
+
+def same_memory(views, arrays) -> bool:
+    """Whether each CuPy view starts where its caller's array does (None entries skipped): no
+    view is a copy, so a launch made on the views can be replayed on the arrays."""
+    return all(a is None or int(v.data.ptr) == address(a) for v, a in zip(views, arrays))
+
+
+def empty_as(like, shape, dtype):
+    """An uninitialized array of ``like``'s kind (torch or CuPy; ``dtype`` that library's dtype
+    object) on ``like``'s device - which for CuPy must be the current one, as launch plans check."""
+    if _is_torch(like):
+        return sys.modules["torch"].empty(shape, dtype=dtype, device=like.device)
+    import cupy
+    return cupy.empty(shape, dtype)
 
 
 def new_like(x, shape, dtype: str | None = None):
@@ -138,13 +173,9 @@ def array_signature(a):
 
 
 def device_pointer(a, dev: int):
-    """A kernel pointer argument for a CuPy array (itself) or a CUDA torch tensor (a CuPy
-    MemoryPointer that keeps the tensor alive) without building a view."""
-    if _is_torch(a):
-        import cupy
-        mem = cupy.cuda.UnownedMemory(a.data_ptr(), a.numel() * a.element_size(), a, dev)
-        return cupy.cuda.MemoryPointer(mem, 0)
-    return a
+    """A kernel argument for a CUDA torch tensor: a CuPy MemoryPointer that keeps the tensor
+    alive, without building a view; anything else (CuPy arrays, None, scalars) as it is."""
+    return _torch_memory(a, dev) if _is_torch(a) else a
 
 
 class LaunchPlans:
@@ -231,9 +262,4 @@ class OutputPlan:
 
     def output(self, like, out):
         """``out``, or a new output on ``like``'s device."""
-        if out is not None:
-            return out
-        if self.torch:
-            return sys.modules["torch"].empty(self.out_shape, dtype=self.out_dtype, device=like.device)
-        import cupy
-        return cupy.empty(self.out_shape, self.out_dtype)
+        return out if out is not None else empty_as(like, self.out_shape, self.out_dtype)

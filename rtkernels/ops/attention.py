@@ -11,7 +11,6 @@ lookup without touching the wrapper.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -19,7 +18,7 @@ from .. import arch as _arch
 from .. import autotune as _autotune
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
-from ._arrays import LaunchPlans
+from ._arrays import LaunchPlans, OutputPlan, address, default_stream, device_pointer, empty_as
 
 FAMILY = "attention"
 
@@ -404,7 +403,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     ConfigError : wrong dtype, shape, head_dim (a multiple of 8 in [8, 256]), strides, devices, or
         out; nothing is launched.
     """
-    from ._arrays import as_device_array, new_like, _is_torch, torch_stream_ptr
+    from ._arrays import as_device_array, new_like
     import cupy
 
     plan_key = _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype)
@@ -441,8 +440,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         lse_ = as_device_array(lse, FAMILY, "lse") if return_lse else None
 
         arch = _device_arch(dev)
-        if stream is None and _is_torch(q):
-            stream = torch_stream_ptr(sys.modules["torch"], dev)
+        stream = default_stream(q, stream)
         # sm_90: the TMA/wgmma kernel (rtkernels.ops.attention_sm90) whenever TMA can address
         # the arrays; everything else, and other archs, the mma.sync kernel below.
         hopper = _sm90.eligible(arch, (q_, k_, v_, o_), seqlen_k)
@@ -491,19 +489,6 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 _FORWARD_PLANS = LaunchPlans(1024)
 
 
-class _ForwardPlan(NamedTuple):
-    kern: Any
-    cfg: Any
-    grid: tuple
-    block: tuple
-    scalars: tuple       # seqlen_q, seqlen_k, group, softmax_scale
-    specs: tuple         # the tensor maps' (shape, strides, box)
-    o_shape: tuple
-    o_dtype: Any
-    lse_shape: tuple
-    torch: bool
-
-
 def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype):
     import os
     if not _sm90.ENABLED or _autotune.enabled():
@@ -513,35 +498,20 @@ def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype):
 
 
 def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale) -> None:
-    from ._arrays import _is_torch
-    q_, k_, v_, o_ = views
-    batch, seqlen_q, nheads, _ = q_.shape
-    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    _FORWARD_PLANS.put(key, _ForwardPlan(
-        kern, cfg, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
-        (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale)), _sm90.map_specs(cfg, *views),
-        tuple(o.shape), o.dtype, None if lse is None else tuple(lse.shape), _is_torch(o)))
+    """The plan: the launch, o's allocation, and as ``extra`` the config, the tensor maps'
+    (shape, strides, box) and lse's (shape, dtype) or None."""
+    _FORWARD_PLANS.put(key, OutputPlan.of(_sm90.recorded_launch(kern, cfg, views[0], views[1], softmax_scale), o,
+                                          (cfg, _sm90.map_specs(cfg, *views),
+                                           None if lse is None else (tuple(lse.shape), lse.dtype))))
 
 
-def _replay_forward(plan: _ForwardPlan, q, k, v, out, return_lse, stream):
-    if plan.torch:
-        import torch
-        from ._arrays import device_pointer, torch_stream_ptr
-        dev = q.get_device()
-        o = out if out is not None else torch.empty(plan.o_shape, dtype=plan.o_dtype, device=q.device)
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-        addrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
-        lse_arg = device_pointer(lse, dev) if return_lse else None
-        if stream is None:
-            stream = torch_stream_ptr(torch, dev)
-    else:
-        import cupy
-        o = out if out is not None else cupy.empty(plan.o_shape, plan.o_dtype)
-        lse = lse_arg = cupy.empty(plan.lse_shape, cupy.float32) if return_lse else None
-        addrs = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr)
-    maps = _sm90.tensor_maps(plan.cfg, *addrs, specs=plan.specs)
-    plan.kern.launch(plan.grid, plan.block, *maps, lse_arg, *plan.scalars, shared_mem=plan.cfg.shared_mem_bytes,
-                     stream=stream)
+def _replay_forward(plan: OutputPlan, q, k, v, out, return_lse, stream):
+    cfg, specs, lse_spec = plan.extra
+    o = plan.output(q, out)
+    lse = empty_as(q, *lse_spec) if return_lse else None
+    maps = _sm90.tensor_maps(cfg, *(address(a) for a in (q, k, v, o)), specs=specs)
+    lse_arg = device_pointer(lse, q.get_device()) if plan.torch else lse
+    plan.launch.run((*maps, lse_arg), default_stream(q, stream))
     return (o, lse) if return_lse else o
 
 

@@ -16,13 +16,12 @@ Measurements behind the heuristics: ``tools/bench_attention_bwd.py --sweep`` (H2
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from ..config import register_family
 from ..errors import ConfigError
-from ._arrays import LaunchPlans
+from ._arrays import LaunchPlans, _is_torch, default_stream, empty_as, torch_view_as
 from .attention import (AttentionShape, check_inputs, _device_arch, _device_of, _elem_strides, _smem_limit,
                         _to_f32)
 
@@ -391,7 +390,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     ------
     ConfigError : bad dtype, shape, head_dim, strides, devices, lse or outputs; nothing launched.
     """
-    from ._arrays import as_device_array, new_like, _is_torch, dtype_name, torch_stream_ptr
+    from ._arrays import as_device_array, new_like, dtype_name
     import cupy
 
     plan_key = _backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), causal, softmax_scale, deterministic, dtype,
@@ -450,8 +449,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             hopper = _sm90.choose_config(dt, head_dim, causal, deterministic)
         else:
             hopper = None
-        if stream is None and _is_torch(q):
-            stream = torch_stream_ptr(sys.modules["torch"], dev)
+        stream = default_stream(q, stream)
         scale = float(softmax_scale)
         sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
         lse2 = cupy.empty((batch, nheads, sq_pad), cupy.float32)
@@ -521,7 +519,6 @@ def _backward_plan_key(arrays, outs, causal, softmax_scale, deterministic, dtype
 
 
 def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, dot_grid) -> None:
-    from ._arrays import _is_torch
     _BACKWARD_PLANS.put(key, _BackwardPlan(cfg, arch, tuple(v.dtype for v in views),
                                              tuple(tuple(o.shape) for o in outs), outs[0].dtype, tuple(lse2_shape),
                                              strides, scale, dot_grid, _is_torch(outs[0])))
@@ -529,25 +526,19 @@ def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, 
 
 def _replay_backward(plan: _BackwardPlan, arrays, outs, stream):
     import cupy
+    q = arrays[1]
+    res = tuple(given if given is not None else empty_as(q, shape, plan.out_dtype)
+                for given, shape in zip(outs, plan.out_shapes))
     if plan.torch:
-        import torch
-        from ._arrays import torch_stream_ptr, torch_view_as
-        q = arrays[1]
         dev = q.get_device()
-        res = tuple(given if given is not None else torch.empty(shape, dtype=plan.out_dtype, device=q.device)
-                    for given, shape in zip(outs, plan.out_shapes))
         views = tuple(torch_view_as(a, dt, dev) for a, dt in zip(arrays, plan.view_dtypes))
         out_views = tuple(torch_view_as(r, plan.view_dtypes[1], dev) for r in res)
-        if stream is None:
-            stream = torch_stream_ptr(torch, dev)
     else:
-        res = out_views = tuple(given if given is not None else cupy.empty(shape, plan.out_dtype)
-                                for given, shape in zip(outs, plan.out_shapes))
-        views = arrays
+        views, out_views = arrays, res
     do_, q_, k_, v_, o_, lse_ = views
     lse2, delta = cupy.empty(plan.lse2_shape, cupy.float32), cupy.empty(plan.lse2_shape, cupy.float32)
     _sm90.launch(plan.cfg, plan.arch, q_, k_, v_, o_, do_, lse_, lse2, delta, *out_views, plan.strides, plan.scale,
-                 plan.dot_grid, stream)
+                 plan.dot_grid, default_stream(q, stream))
     return res
 
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, NamedTuple
 from .. import arch as _arch
 from ..config import register_family
 from ..errors import ConfigError
+from ._arrays import Launch
 from .attention import AttentionShape
 
 FAMILY = "attention_sm90"
@@ -269,16 +270,20 @@ def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_, specs=None):
                  for a, (shape, strides, box) in zip((q_, k_, v_, o_), specs))
 
 
+def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float) -> Launch:
+    """The launch for q_, k_ shapes without its array arguments (the four tensor maps, then lse)."""
+    batch, seqlen_q, nheads, _ = q_.shape
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
+    return Launch(kern, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
+                  cfg.shared_mem_bytes, (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale)))
+
+
 def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None,
            maps=None) -> None:
     """One launch over CuPy views q_, k_, v_, o_ (bfloat16 as uint16) and lse_ (or None); ``maps``:
     their :func:`tensor_maps`, when the caller encoded them once for repeated launches."""
-    batch, seqlen_q, nheads, _ = q_.shape
-    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    tq, tk, tv, to = maps or tensor_maps(cfg, q_, k_, v_, o_)
-    kern.launch((-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,), tq, tk, tv, to, lse_,
-                seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale), shared_mem=cfg.shared_mem_bytes,
-                stream=stream)
+    recorded_launch(kern, cfg, q_, k_, softmax_scale).run(
+        (*(maps or tensor_maps(cfg, q_, k_, v_, o_)), lse_), stream)
 
 
 _KERNELS: dict = {}

@@ -24,7 +24,7 @@ from .. import device
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import _is_torch, as_device_array, dtype_name, new_like, torch_stream_ptr
+from ._arrays import as_device_array, default_stream, dtype_name, new_like
 
 _TOKEN = re.compile(r"\d+\.?\d*(?:[eE][+-]?\d+)?[fF]?|\.\d+(?:[eE][+-]?\d+)?[fF]?|[A-Za-z_]\w*|\s+|.")
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
@@ -228,11 +228,7 @@ class ElementwiseFunction:
                 self._fast[fast_key] = plan
         k, per_block, max_grid, _, bs = plan
         grid = max(1, min((n + per_block - 1) // per_block, max_grid))
-        if stream is None and _is_torch(first):
-            # torch tensors: torch's current stream, where their producers and consumers are queued
-            import sys
-            stream = torch_stream_ptr(sys.modules["torch"], first.get_device())
-        k.launch((grid, 1, 1), (bs, 1, 1), *arrays, *outs, n, stream=stream)
+        k.launch((grid, 1, 1), (bs, 1, 1), *arrays, *outs, n, stream=default_stream(first, stream))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _fast_call(self, args, out, stream):

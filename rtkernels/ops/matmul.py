@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,8 +28,8 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
-from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, device_pointer, dtype_name,
-                      new_like, torch_stream_ptr)
+from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, default_stream,
+                      device_pointer, dtype_name, new_like, same_memory)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -387,33 +386,33 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
                                              autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
 
 
-def _remember(key, launch: Launch, maps, views, arrays) -> None:
-    """Keep the launch when every view is its array's own memory (none was copied).  ``maps``:
-    the Hopper kernel's (config, A map, B map, C map or None) without addresses, else None."""
-    if key is None:
-        return
-    for v, x in zip(views, arrays):
-        if x is not None and int(v.data.ptr) != (x.data_ptr() if _is_torch(x) else int(x.data.ptr)):
-            return
-    _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps))
+def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
+    """Run ``launch`` on the views and keep it as the signature's plan when no view is a copy.
+    ``views``, ``arrays``: A, B, bias, C; ``maps``: see :func:`_args`."""
+    launch.run(_args(maps, views), stream)
+    if key is not None and same_memory(views, arrays):
+        _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps))
+
+
+def _args(maps, abc):
+    """The kernel's array arguments for (A, B, bias, C): with ``maps`` (the Hopper kernel's config
+    and A, B, C tensor maps without addresses; C None for direct stores) the three encoded maps,
+    bias and C; else the four arrays."""
+    if maps is None:
+        return list(abc)
+    cfg, a_map, b_map, c_map = maps
+    a, b, bias, c = abc
+    return [*m90.tensor_maps(cfg, (address(a), *a_map), (address(b), *b_map),
+                             None if c_map is None else (address(c), *c_map)), bias, c]
 
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
+    args = _args(plan.extra, (a, b, bias, out))
     if plan.torch:
         dev = a.get_device()
-        if stream is None:
-            stream = torch_stream_ptr(sys.modules["torch"], dev)
-        ptrs = (a.data_ptr(), b.data_ptr(), out.data_ptr())
-        args = [None if x is None else device_pointer(x, dev) for x in (a, b, bias, out)]
-    else:
-        ptrs = (a.data.ptr, b.data.ptr, out.data.ptr)
-        args = [a, b, bias, out]
-    if plan.extra is not None:
-        cfg, a_map, b_map, c_map = plan.extra
-        args[:2] = m90.tensor_maps(cfg, (ptrs[0], *a_map), (ptrs[1], *b_map),   # ma, mb, mc replace a, b
-                                   None if c_map is None else (ptrs[2], *c_map))
-    plan.launch.run(args, stream)
+        args = [device_pointer(x, dev) for x in args]   # maps and None pass through
+    plan.launch.run(args, default_stream(a, stream))
     return out
 
 
@@ -447,8 +446,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     if activation not in (None, *ACTIVATIONS):
         raise ConfigError.bad_value("matmul", "activation", activation, "None, 'relu', 'gelu' or 'silu'")
     act = activation or "none"
-    if stream is None and _is_torch(a):
-        stream = torch_stream_ptr(sys.modules["torch"], a.get_device())
+    stream = default_stream(a, stream)
     av, bv = as_device_array(a, "matmul", "a"), as_device_array(b, "matmul", "b")
     da, db = _resolve_dtype(a, av, "a", dtype), _resolve_dtype(b, bv, "b", dtype)
     if da != db:
@@ -520,10 +518,10 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
-        done = _run_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
-                         batch_c, act, stream)
+        done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
+                          batch_c, act, stream)
         if done is not None:
-            _remember(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out))
+            _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream)
             return out
 
     if da == "float32":
@@ -558,19 +556,19 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
             raise ConfigError(f"matmul: {tiles} tiles exceed the grid limit", field="shape")
         plan = _plans[memo_key] = (kern, (tiles, 1, batch), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes)
     kern, grid, block, smem = plan
-    scalars = (m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec)
-    kern.launch(grid, block, av, bv, biv, cv, *scalars, shared_mem=smem, stream=stream)
-    _remember(plan_key, Launch(kern, grid, block, smem, scalars), None, (av, bv, biv, cv), (a, b, bias, out))
+    _launch(plan_key, Launch(kern, grid, block, smem, (m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec)),
+            None, (av, bv, biv, cv), (a, b, bias, out), stream)
     return out
 
 
 _plans90: dict = {}
 
 
-def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b, batch_c,
-              act, stream):
-    """Launch the Hopper kernel (ops/matmul_sm90.py) if TMA can address A and B and return what
-    was launched: (:class:`Launch`, the tensor maps without addresses); None otherwise.
+def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
+               batch_c, act, stream):
+    """The Hopper kernel's launch (ops/matmul_sm90.py) if TMA can address A and B: (:class:`Launch`,
+    (config, A, B, C tensor maps without addresses)); None otherwise.  ``stream``: where a tuning
+    call (RTKERNELS_AUTOTUNE=1) times its candidates.
 
     A batch stride of 0 (a 2-D operand broadcast over the batch) becomes a batch extent of 1
     that the kernel does not index.  C goes through a TMA store when it is 16-byte addressable,
@@ -599,12 +597,8 @@ def _run_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, l
                               batch_c, stream)
         plan = _plans90[key] = (get_kernel(cfg), cfg, m90.grid_size(m, n, batch, cfg, sms))
     kern, cfg, grid = plan
-    ma, mb, mc = m90.tensor_maps(cfg, (av.data.ptr, *a_map), (bv.data.ptr, *b_map),
-                                 (cv.data.ptr, *c_map) if tma_store else None)
     c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
     scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned)
-    kern.launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma, mb, mc, biv, cv, *scalars,
-                shared_mem=cfg.shared_mem_bytes, stream=stream)
     return (Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, scalars),
             (cfg, a_map, b_map, c_map if tma_store else None))
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
@@ -51,8 +50,8 @@ from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, device_pointer, dtype_name,
-                      new_like, torch_stream_ptr)
+from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer, dtype_name,
+                      new_like, same_memory)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
@@ -664,23 +663,12 @@ def _resident_blocks(k, cfg) -> int | None:
 _PLANS = LaunchPlans()
 
 
-def _default_stream(x, stream):
-    """torch inputs launch on torch's current stream (where their producers and consumers run)."""
-    if stream is None and _is_torch(x):
-        return torch_stream_ptr(sys.modules["torch"], x.get_device())
-    return stream
-
-
-def _remember(key, views, arrays, k, grid, block, shared_mem, tail) -> None:
-    """Store the launch when every view is the caller's array itself (no copy was made).
-    ``views`` and ``arrays`` end with the output."""
-    if key is None or any(_ptr(v) != _address(a) for v, a in zip(views, arrays)):
-        return
-    _PLANS.put(key, OutputPlan.of(Launch(k, grid, block, shared_mem, tail), arrays[-1]))
-
-
-def _address(a) -> int:
-    return a.data_ptr() if _is_torch(a) else int(a.data.ptr)
+def _launch(key, launch: Launch, views, arrays, stream) -> None:
+    """Run ``launch`` on the views (the arrays', output last) and keep it as the signature's plan
+    when no view is a copy."""
+    launch.run(views, default_stream(arrays[0], stream))
+    if key is not None and same_memory(views, arrays):
+        _PLANS.put(key, OutputPlan.of(launch, arrays[-1]))
 
 
 def _replay(plan: OutputPlan, inputs: tuple, out, stream):
@@ -688,7 +676,7 @@ def _replay(plan: OutputPlan, inputs: tuple, out, stream):
     out = plan.output(x, out)
     if plan.torch:
         dev = x.get_device()
-        plan.launch.run([device_pointer(a, dev) for a in (*inputs, out)], _default_stream(x, stream))
+        plan.launch.run([device_pointer(a, dev) for a in (*inputs, out)], default_stream(x, stream))
     else:
         plan.launch.run((*inputs, out), stream)
     return out
@@ -734,9 +722,8 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
     cfg = _config_for("softmax", config, n, dt, vec, rows, op)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
-    grid, block, tail = (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), (rows, n, xs, ys)
-    k.launch(grid, block, xv, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=_default_stream(x, stream))
-    _remember(key, (xv, ov), (x, out), k, grid, block, cfg.shared_mem_bytes, tail)
+    _launch(key, Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
+                        (rows, n, xs, ys)), (xv, ov), (x, out), stream)
     return out
 
 
@@ -811,9 +798,8 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
         vec //= 2   # weights load in pieces of at most 16 bytes
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
     k = get_kernel(cfg, op + "_rows")
-    grid, block, tail = (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), (rows, n, xs, ys, float(eps))
-    k.launch(grid, block, xv, *params, ov, *tail, shared_mem=cfg.shared_mem_bytes, stream=_default_stream(x, stream))
-    _remember(key, (xv, *params, ov), (*inputs, out), k, grid, block, cfg.shared_mem_bytes, tail)
+    _launch(key, Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
+                        (rows, n, xs, ys, float(eps))), (xv, *params, ov), (*inputs, out), stream)
     return out
 
 
@@ -851,9 +837,7 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     vec = _pick_vec(size, n, (_ptr(xv),), (xs,) if rows > 1 else ())
     cfg = _config_for("reduce", config, n, dt, vec, rows, name)
     k = get_kernel(cfg, f"reduce_{op}_rows")
-    grid, block, tail = (cfg.grid(rows),), (cfg.block_size,), (rows, n, xs)
-    k.launch(grid, block, xv, ov, *tail, stream=_default_stream(x, stream))
-    _remember(key, (xv, ov), (x, out), k, grid, block, 0, tail)
+    _launch(key, Launch(k, (cfg.grid(rows),), (cfg.block_size,), 0, (rows, n, xs)), (xv, ov), (x, out), stream)
     return out
 
 
