@@ -1,7 +1,8 @@
 """Hopper matmul (ops/matmul_sm90.py, templates/matmul_sm90.cu.j2): config validation, sm_90a
 compile and SASS checks, NumPy models of the persistent tile walk, of the TMA-swizzle ->
 wgmma-descriptor round trip and of the stmatrix -> TMA-store epilogue; GPU correctness against
-a float64 reference (including the fallback to the mma.sync kernel for what TMA cannot take)."""
+a float64 reference (including the fallback to the mma.sync kernel for what TMA cannot take), each
+GPU test of the op path once with wgmma consumers and once with mma.sync ones (mma="sync")."""
 import re
 
 import numpy as np
@@ -29,6 +30,8 @@ from rtkernels.ops.matmul_sm90 import MatmulSm90Config
     (dict(activation="tanh"), "activation"),
     (dict(tma_store=1), "tma_store"),
     (dict(group_m=0), "group_m"),
+    (dict(mma="hmma", tma_store=False), "mma"),
+    (dict(mma="sync"), "tma_store"),                  # mma.sync warps store C directly
 ])
 def test_config_errors(bad, field):
     with pytest.raises(ConfigError) as e:
@@ -81,6 +84,51 @@ def test_compiles_clean_for_sm90a(cfg):
         assert s["utmastg"] > 0 and "STSM" in k.sass
     else:
         assert s["utmastg"] == 0
+
+
+def _sync_configs():
+    out = []
+    for t in m90.TILES:
+        if t.block_m != 128:
+            continue
+        for ak, bk in ((True, False), (False, True), (True, True), (False, False)):
+            out.append(m90._config(t, "bfloat16", a_kmajor=ak, b_kmajor=bk, tma_store=False, mma="sync"))
+        out.append(m90._config(t, "float16", has_bias=True, activation="gelu", tma_store=False, mma="sync"))
+    return out
+
+
+@pytest.mark.parametrize("cfg", _sync_configs(), ids=lambda c: re.sub(r"\W+", "-", c.key()[12:])[:90])
+def test_sync_consumers_compile_clean(cfg):
+    """mma="sync": HMMA from ldmatrix fragments, TMA loads, no wgmma, no cp.async, no local memory,
+    one k-tile's 4 k16 steps unrolled once (KSTEPS x m16 x n8 HMMAs) within the setmaxnreg budget."""
+    import rtkernels as rtk
+    from rtkernels.inspect import sass_stats
+    k = rtk.get_kernel(cfg, arch="sm_90")
+    r = k.resources
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    s = sass_stats(k.sass)
+    mi, ni = cfg.block_m // 2 // 16, cfg.block_n // 4 // 8
+    assert s["hmma"] == 4 * mi * ni and s["hgmma"] == 0 and s["ldgsts"] == 0, s
+    assert s["utmaldg"] > 0 and s["ldsm"] >= 4 * (mi + ni // 2) and s["ldl"] == 0 and s["stl"] == 0, s
+    used = max(int(x) for x in re.findall(r"\bR(\d+)\b", k.sass))
+    assert used < m90._CONSUMER_REGS, "consumers stay within the registers setmaxnreg gives them"
+    if cfg.block_n == 256:   # 128 accumulators + two fragment buffers: beyond the launch's 168
+        assert used >= 168
+
+
+def test_sync_main_loop_is_hmma_and_ldmatrix():
+    """Between its first and last HMMA the 128x256 sync consumer issues the 128 HMMAs of a k-tile, the
+    32 ldmatrix of the next steps and the stage bookkeeping, nothing per copy (the cp.async kernel
+    spends ~11% of its main loop there)."""
+    import rtkernels as rtk
+    sass = rtk.get_kernel(MatmulSm90Config(mma="sync", tma_store=False), arch="sm_90").sass
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    first = next(i for i, o in enumerate(ops) if o.startswith("HMMA"))
+    last = max(i for i, o in enumerate(ops) if o.startswith("HMMA"))
+    body = ops[first:last + 1]
+    assert sum(o.startswith("HMMA") for o in body) == 128 and sum(o.startswith("LDSM") for o in body) == 32
+    other = [o for o in body if not o.startswith(("HMMA", "LDSM", "U"))]
+    assert len(other) <= 12, other
 
 
 def test_main_loop_is_wgmma_only():
@@ -226,6 +274,69 @@ def test_numpy_model_of_descriptors(ak, bk, bm, bn, shape, origin):
     np.testing.assert_allclose(acc, ref, atol=1e-9)
 
 
+def _sw128_offset(box_rows, row, col):
+    """templates/matmul_sm90.cu.j2 sw128: physical byte offset of (row, col) in 64-column boxes."""
+    return (col >> 6) * (box_rows * 128) + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2
+
+
+@pytest.mark.parametrize("ak, bk, bm, bn", [(True, False, 128, 256), (False, True, 128, 128), (True, True, 128, 64),
+                                            (False, False, 128, 256)])
+def test_numpy_model_of_sync_fragments(ak, bk, bm, bn):
+    """TMA boxes -> the ldmatrix row addresses of SyncConsumer (SwFrag): every lane of every warp
+    points at the 8 elements its matrix row needs, for each fragment and k16 step of a stage."""
+    rng = np.random.default_rng(bm + bn)
+    A, B = rng.standard_normal((bm, 64)), rng.standard_normal((64, bn))   # one stage's tiles
+    a_stage, b_stage = bm * 128, bn * 128
+    smem = _Smem(2 * (a_stage + b_stage))
+    st = 1   # stage 1: non-zero stage offsets
+    a_dst, b_dst = st * a_stage, 2 * a_stage + st * b_stage
+    if ak:
+        smem.tma_load(a_dst, A, 0, 0, bm)
+    else:
+        for i in range(bm // 64):
+            smem.tma_load(a_dst + i * 8192, A.T, 0, 64 * i, 64)
+    if bk:
+        smem.tma_load(b_dst, B.T, 0, 0, bn)
+    else:
+        for j in range(bn // 64):
+            smem.tma_load(b_dst + j * 8192, B, 0, 64 * j, 64)
+
+    def row8(addr):   # the 16 bytes ldmatrix reads for one matrix row
+        assert addr % 16 == 0
+        return np.array([smem.v[(addr + 2 * e) // 2] for e in range(8)])
+
+    def frag_addr(kmajor, outer, o, kb, f, s):   # SwFrag<KMAJOR, OUTER, .>::init(o, kb) then at(stage, f, s)
+        if kmajor:
+            return _sw128_offset(outer, o, kb + 16 * s) + f * 16 * 128
+        return _sw128_offset(64, kb, o + 16 * f) + s * 16 * 128
+
+    wm, wn = bm // 2, bn // 4
+    for cw in range(2):
+        for warp in range(4):
+            wm0, wn0 = cw * wm, warp * wn
+            for lane in range(32):
+                j8, l8 = lane >> 3, lane & 7
+                for s in range(4):
+                    for i in range(wm // 16):          # A matrix j8: (m +8 (j8 & 1), k +8 (j8 >> 1))
+                        m, k = wm0 + 16 * i + (j8 & 1) * 8, 16 * s + (j8 >> 1) * 8
+                        if ak:
+                            got = row8(a_dst + frag_addr(True, bm, wm0 + (j8 & 1) * 8 + l8, (j8 >> 1) * 8, i, s))
+                            want = A[m + l8, k:k + 8]
+                        else:   # .trans: the address row is a k row holding 8 m
+                            got = row8(a_dst + frag_addr(False, bm, wm0 + (j8 & 1) * 8, (j8 >> 1) * 8 + l8, i, s))
+                            want = A[m:m + 8, k + l8]
+                        np.testing.assert_array_equal(got, want)
+                    for f in range(wn // 16):          # B matrix j8: (n +8 (j8 >> 1), k +8 (j8 & 1))
+                        n, k = wn0 + 16 * f + (j8 >> 1) * 8, 16 * s + (j8 & 1) * 8
+                        if bk:
+                            got = row8(b_dst + frag_addr(True, bn, wn0 + (j8 >> 1) * 8 + l8, (j8 & 1) * 8, f, s))
+                            want = B[k:k + 8, n + l8]
+                        else:
+                            got = row8(b_dst + frag_addr(False, bn, wn0 + (j8 >> 1) * 8, (j8 & 1) * 8 + l8, f, s))
+                            want = B[k + l8, n:n + 8]
+                        np.testing.assert_array_equal(got, want)
+
+
 def test_numpy_model_of_epilogue():
     """Accumulator fragments -> stmatrix at the kernel's swizzled addresses -> the boxes a TMA
     store reads back: every C element of a 64 x EPI_N pass lands where the store expects it."""
@@ -286,7 +397,15 @@ def _sm90_gpu():
 
 
 def _ran_sm90(m, n, k, batch=1):
-    return any(key[1:5] == (m, n, k, batch) for key in mm._plans90)
+    """The Hopper kernel ran (m, n, k, batch), with the consumers mm.SM90_MMA selects."""
+    return any(key[1:5] == (m, n, k, batch) and key[10] == mm.SM90_MMA for key in mm._plans90)
+
+
+@pytest.fixture(params=m90.MMA_KINDS)
+def mma(request, monkeypatch):
+    """Runs a test with wgmma consumers and again with mma.sync ones (matmul.SM90_MMA)."""
+    monkeypatch.setattr(mm, "SM90_MMA", request.param)
+    return request.param
 
 
 def _empty(shape, dtype):
@@ -347,7 +466,7 @@ FALLBACK = {(17, 33, 9), (127, 129, 65)}
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gpu_shapes(dtype, shape):
+def test_gpu_shapes(dtype, shape, mma):
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
@@ -365,7 +484,7 @@ def test_gpu_shapes(dtype, shape):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
-def test_gpu_epilogue_and_layouts(dtype, activation, trans_a, trans_b):
+def test_gpu_epilogue_and_layouts(dtype, activation, trans_a, trans_b, mma):
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
@@ -386,7 +505,7 @@ def test_gpu_epilogue_and_layouts(dtype, activation, trans_a, trans_b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("N, pad", [(264, 1), (129, 0)])
-def test_gpu_direct_store_epilogue(dtype, N, pad):
+def test_gpu_direct_store_epilogue(dtype, N, pad, mma):
     """C rows TMA cannot address (odd row stride: a column slice, or odd N) take the direct stores."""
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
@@ -412,7 +531,7 @@ def test_gpu_direct_store_epilogue(dtype, N, pad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_k_tail_zero_fill(dtype):
+def test_gpu_k_tail_zero_fill(dtype, mma):
     """K = 65 with 16-byte aligned rows (a column slice): the last K box is mostly out of bounds and
     must arrive as zeros, not as the neighbouring columns."""
     from gpu_util import random_array, to_f64
@@ -432,7 +551,7 @@ def test_gpu_k_tail_zero_fill(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", [(3, 130, 192, 72), (5, 128, 256, 64), (2, 9, 64, 16), (4, 1000, 304, 520)])
-def test_gpu_batched_and_views(dtype, shape):
+def test_gpu_batched_and_views(dtype, shape, mma):
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
@@ -459,7 +578,8 @@ def test_gpu_batched_and_views(dtype, shape):
 
 @pytest.mark.gpu
 def test_gpu_every_tile_config():
-    """Each heuristic/tuning tile on one ragged problem, launched directly (not via the heuristic)."""
+    """Each heuristic/tuning tile (wgmma and mma.sync consumers) on one ragged problem, launched
+    directly (not via the heuristic)."""
     import cupy as cp
     from gpu_util import poison, random_array, to_f64
     _sm90_gpu()
@@ -469,12 +589,12 @@ def test_gpu_every_tile_config():
     b, bh = random_array(rng, (K, N), "bfloat16")
     ref = ah @ bh
     peer = _cublas(a, b, "bfloat16")
-    for t in m90.TILES + m90.TUNE_ONLY:
-        for tma_store in (True, False):
-            cfg = m90._config(t, "bfloat16", tma_store=tma_store)
-            out = poison(cp.empty((M, N), cp.uint16))
-            _launch(cfg, a, b, out, M, N, K)
-            _check(to_f64(out, "bfloat16"), ref, peer, cfg.key())
+    cfgs = [m90._config(t, "bfloat16", tma_store=ts) for t in m90.TILES + m90.TUNE_ONLY for ts in (True, False)]
+    cfgs += [m90._config(t, "bfloat16", tma_store=False, mma="sync") for t in m90.TILES + m90.TUNE_ONLY]
+    for cfg in cfgs:
+        out = poison(cp.empty((M, N), cp.uint16))
+        _launch(cfg, a, b, out, M, N, K)
+        _check(to_f64(out, "bfloat16"), ref, peer, cfg.key())
 
 
 @pytest.mark.gpu

@@ -8,14 +8,16 @@ Run on a GPU host:  PYTHONPATH=. python tools/bench_matmul.py [--quick] [--dtype
   or cupy.matmul (float16); ``rtk`` = what rtk.matmul runs (on sm_90 the TMA + wgmma kernel of
   ops/matmul_sm90.py, elsewhere the mma.sync kernel); on sm_90 also ``mma_sync`` = rtk.matmul with
   the Hopper path turned off (ops.matmul.USE_SM90), i.e. the mma.sync kernel with its heuristic
-  config, as sm_80-89 run it; ``triton`` = a plain tiled Triton matmul (128x256x64 tiles, grouped
+  config, as sm_80-89 run it, and ``mma_sync_tma`` = the Hopper kernel with mma.sync consumers
+  (ops.matmul.SM90_MMA = "sync": the same TMA producer feeding ldmatrix + HMMA); ``triton`` = a plain tiled Triton matmul (128x256x64 tiles, grouped
   order, 3 stages, 8 warps: the kernel a user would otherwise write), where triton imports, and on
   sm_90 ``triton_mma_sync`` = the same kernel compiled with DISABLE_MMA_V3=1 (Triton's mma.sync
   code generation: the peer of the mma.sync kernel);
 * with --tune (not in --quick), rtk with the autotuner (RTKERNELS_AUTOTUNE=1, tuning file in a
   temporary folder so an old winner cannot leak in);
 * fused bias + GELU at 4096^3 vs cuBLAS (bias fused by cuBLAS in addmm) + a separate GELU pass
-  (on sm_90 for both kernels);
+  (on sm_90 for both kernels), and vs eager torch's ``gelu(a @ b + bias)`` (GEMM, then bias add and
+  GELU as two passes) and vs cuBLAS + bias and GELU in one pass that torch.compile generates;
 * inputs rotate among enough copies to exceed twice the L2; CUDA events, warm-up, median; every
   timed call is queued behind a spin kernel (benchutil.time_queued), so the columns are kernel
   time and the host's per-call cost of rtk.matmul (Python checks, tensor maps, launch) is reported
@@ -158,15 +160,26 @@ def main() -> None:
     with_mma = on_sm90 and not args.no_mma_sync
     tri_mma = triton_matmul(mma_sync=True) if with_mma else None
 
-    def mma_sync(fn):
-        """``fn`` through rtk.matmul with the Hopper path off: the mma.sync kernel, as sm_80-89 run it."""
+    def patched(fn, **attrs):
+        """``fn`` with ops.matmul's module switches set to ``attrs`` for the call."""
         def run(*a, **kw):
-            old, mm.USE_SM90 = mm.USE_SM90, False
+            old = {k_: getattr(mm, k_) for k_ in attrs}
+            for k_, v in attrs.items():
+                setattr(mm, k_, v)
             try:
                 return fn(*a, **kw)
             finally:
-                mm.USE_SM90 = old
+                for k_, v in old.items():
+                    setattr(mm, k_, v)
         return run
+
+    def mma_sync(fn):
+        """``fn`` through rtk.matmul with the Hopper path off: the mma.sync kernel, as sm_80-89 run it."""
+        return patched(fn, USE_SM90=False)
+
+    def mma_sync_tma(fn):
+        """``fn`` through rtk.matmul's Hopper kernel with mma.sync consumers (TMA-fed mma.sync)."""
+        return patched(fn, SM90_MMA="sync")
 
     def sets_for(n, k, m, extra=()):
         per = 2 * (n * k + k * m + n * m)
@@ -222,6 +235,11 @@ def main() -> None:
             row["mma_sync_tflops"] = flops / timed(run_mma, sets) / 1e9
             row["mma_sync_tile"] = f"{cfg_mma.block_m}x{cfg_mma.block_n}x{cfg_mma.block_k}/{cfg_mma.num_stages}"
             row["mma_sync_err"] = rel_err(mma_sync(rtk.matmul)(*sets[0][:2], out=outs[1]), ref_t)
+            if n % 8 == 0:   # TMA-addressable rows
+                run_tma = mma_sync_tma(lambda a, b: rtk.matmul(a, b, out=outs[0]))
+                row["mma_sync_tma_tflops"] = flops / timed(run_tma, sets) / 1e9
+                row["mma_sync_tma_vs_cublas"] = row["mma_sync_tma_tflops"] / row["cublas_tflops"]
+                row["mma_sync_tma_err"] = rel_err(mma_sync_tma(rtk.matmul)(*sets[0][:2], out=outs[1]), ref_t)
         if tri is not None:
             ms_tri = timed(lambda a, b: tri(a, b, outs[0]), sets)
             row["triton_tflops"] = flops / ms_tri / 1e9
@@ -266,17 +284,31 @@ def main() -> None:
     ms_fused = timed(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out), sets)
     ms_plain = timed(lambda a, b, bias: rtk.matmul(a, b, out=out), sets)
     ms_sep = timed(lambda a, b, bias: torch.nn.functional.gelu(torch.addmm(bias, a, b)), sets)
+    # the same in eager torch as written without addmm: GEMM, then bias add and GELU as two passes
+    ms_eager = timed(lambda a, b, bias: torch.nn.functional.gelu(torch.matmul(a, b) + bias), sets)
+    # and with bias + GELU fused into one pass by torch.compile (Inductor writes it as one Triton kernel)
+    try:
+        bias_gelu = torch.compile(lambda c, bias: torch.nn.functional.gelu(c + bias))
+        bias_gelu(torch.matmul(*sets[0][:2]), sets[0][2])   # compiles
+        ms_one = timed(lambda a, b, bias: bias_gelu(torch.matmul(a, b), bias), sets)
+    except Exception as e:   # no compiler on this host: the column stays empty
+        print(f"torch.compile bias + GELU unavailable: {type(e).__name__}: {e}"[:200])
+        ms_one = None
     a, b, bias = sets[0]
     ref = torch.nn.functional.gelu(torch.addmm(bias, a, b))
     got = rtk.matmul(a, b, bias=bias, activation="gelu")
     fused = {"n": n, "rtk_fused_ms": ms_fused, "rtk_plain_ms": ms_plain, "cublas_plus_gelu_ms": ms_sep,
-             "speedup": ms_sep / ms_fused, "fused_tflops": 2.0 * n ** 3 / ms_fused / 1e9,
+             "speedup": ms_sep / ms_fused, "cublas_add_gelu_ms": ms_eager, "speedup_vs_add_gelu": ms_eager / ms_fused,
+             "cublas_one_pass_ms": ms_one, "speedup_vs_one_pass": ms_one / ms_fused if ms_one else None, "fused_tflops": 2.0 * n ** 3 / ms_fused / 1e9,
              "max_rel_err": rel_err(got, ref)}
     if with_mma:
         ms_mf = timed(mma_sync(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out)), sets)
         fused.update(mma_sync_fused_ms=ms_mf, mma_sync_plain_ms=timed(mma_sync(lambda a, b, bias: rtk.matmul(
             a, b, out=out)), sets), mma_sync_speedup=ms_sep / ms_mf,
             mma_sync_err=rel_err(mma_sync(rtk.matmul)(a, b, bias=bias, activation="gelu"), ref))
+        ms_tf = timed(mma_sync_tma(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out)), sets)
+        fused.update(mma_sync_tma_fused_ms=ms_tf, mma_sync_tma_speedup=ms_sep / ms_tf,
+                     mma_sync_tma_err=rel_err(mma_sync_tma(rtk.matmul)(a, b, bias=bias, activation="gelu"), ref))
 
     env = benchutil.environment()
     env["triton"] = __import__("triton").__version__ if tri is not None else None
@@ -284,7 +316,7 @@ def main() -> None:
     benchutil.save(args.out, "matmul", payload)
     _plot(args.out, rows, args.dtype, payload["environment"])
     cols = ["n", "cublas_tflops", "rtk_tflops", "vs_cublas", "rtk_host_us"]
-    cols += ["mma_sync_tflops", "mma_sync_tile"] if with_mma else []
+    cols += ["mma_sync_tflops", "mma_sync_tile", "mma_sync_tma_tflops", "mma_sync_tma_vs_cublas"] if with_mma else []
     cols += ["triton_tflops"] if tri is not None else []
     cols += ["triton_mma_sync_tflops"] if tri_mma is not None else []
     cols += ["tuned_tflops", "tuned_tile", "tuned_vs_heuristic"] if tune else []
@@ -292,8 +324,11 @@ def main() -> None:
           "  (kernel time; rtk_host_us = host cost per rtk.matmul call)")
     print(benchutil.table(rows, cols + ["tile", "waves", "tail", "max_rel_err"]))
     print(benchutil.table([fused], ["n", "rtk_fused_ms", "rtk_plain_ms", "cublas_plus_gelu_ms", "speedup",
+                                    "cublas_add_gelu_ms", "speedup_vs_add_gelu", "cublas_one_pass_ms",
+                                    "speedup_vs_one_pass",
                                     "fused_tflops", "max_rel_err"] +
-                          (["mma_sync_fused_ms", "mma_sync_plain_ms", "mma_sync_speedup"] if with_mma else [])))
+                          (["mma_sync_fused_ms", "mma_sync_plain_ms", "mma_sync_speedup", "mma_sync_tma_fused_ms",
+                            "mma_sync_tma_speedup"] if with_mma else [])))
 
 
 def argparse_suppress():
@@ -314,6 +349,13 @@ SWEEP_SM90 = [
     ("128x192/5", dict(block_m=128, block_n=192, num_stages=5)),
     ("128x128/6", dict(block_m=128, block_n=128, num_stages=6)),
     ("128x64/8", dict(block_m=128, block_n=64, num_stages=8)),
+    # mma.sync consumers (ldmatrix + HMMA m16n8k16 from the same TMA ring), direct C stores
+    ("sync 128x256/4", dict(block_m=128, block_n=256, num_stages=4, tma_store=False, mma="sync")),
+    ("sync 128x256/3", dict(block_m=128, block_n=256, num_stages=3, tma_store=False, mma="sync")),
+    ("sync 128x256/4 g16", dict(block_m=128, block_n=256, num_stages=4, group_m=16, tma_store=False, mma="sync")),
+    ("sync 128x256/4 g4", dict(block_m=128, block_n=256, num_stages=4, group_m=4, tma_store=False, mma="sync")),
+    ("sync 128x192/4", dict(block_m=128, block_n=192, num_stages=4, tma_store=False, mma="sync")),
+    ("sync 128x128/6", dict(block_m=128, block_n=128, num_stages=6, tma_store=False, mma="sync")),
 ]
 
 
@@ -340,6 +382,7 @@ def sweep_sm90(args) -> None:
 
     tdt = getattr(torch, args.dtype)
     sms = device.sm_count()
+    only = set(args.sweep_only.split(",")) if args.sweep_only else None
     rows = []
     fused = {}
     for n in (4096, 8192):
@@ -352,6 +395,8 @@ def sweep_sm90(args) -> None:
                                          inputs=sets_t, repeat=10)
             fused = {"cuBLAS addmm+gelu": f"{ms_sep:.3f}ms"}
         for label, fields in SWEEP_SM90:
+            if only and label not in only:
+                continue
             for act in ("none", "gelu") if n == 4096 else ("none",):
                 try:
                     cfg = m90.MatmulSm90Config(dtype=args.dtype, has_bias=act != "none", activation=act, **fields)
@@ -383,7 +428,7 @@ def sweep_sm90(args) -> None:
     print(f"{env['gpu']}  {args.dtype} sm_90 sweep  ({sms} SMs); cell = TFLOP/s (x cuBLAS)")
     print("heuristic picks: " + ", ".join(f"{r['n']}: {r['heuristic']}" for r in rows))
     flat = [{"config": lbl, **{f"n={r['n']}": r.get(lbl, "") for r in rows}, "fused 4096 (x sep)": fused.get(lbl, "")}
-            for lbl, _ in SWEEP_SM90]
+            for lbl, _ in SWEEP_SM90 if not only or lbl in only]
     flat.append({"config": "cuBLAS", **{f"n={r['n']}": r["cuBLAS"] for r in rows},
                  "fused 4096 (x sep)": fused.get("cuBLAS addmm+gelu", "")})
     print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["fused 4096 (x sep)"]))

@@ -39,6 +39,10 @@ _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin
 # RTKERNELS_MATMUL_SM90=0 at import) sends them to the mma.sync kernel there too, so that its
 # aligned, even-K paths are tested and benchmarked on the Hopper machines we have.
 USE_SM90 = os.environ.get("RTKERNELS_MATMUL_SM90", "1") != "0"
+# What the Hopper kernel's consumers multiply with: "wgmma" (the product's path, ~1.0x cuBLAS), or
+# "sync" (RTKERNELS_MATMUL_SM90_MMA=sync): ldmatrix + mma.sync m16n8k16 fed by the same TMA
+# producer, to measure the sm_80 instruction on Hopper without cp.async's issue cost.
+SM90_MMA = os.environ.get("RTKERNELS_MATMUL_SM90_MMA", "wgmma")
 
 
 @register_family
@@ -383,7 +387,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
+                                             SM90_MMA, autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
@@ -581,13 +585,14 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
     if a_map is None or b_map is None:
         return None
     c_map = m90.operand_maps(cv.data.ptr, m, n, ldc, batch if batch_c else 1, batch_c)
-    tma_store = c_map is not None
+    tma_store = c_map is not None and SM90_MMA == "wgmma"
     dev = device.current_device()
-    key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, dev, autotune.enabled())
+    key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, SM90_MMA, dev,
+           autotune.enabled())
     plan = _plans90.get(key)
     if plan is None:
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
-                      tma_store=tma_store)
+                      tma_store=tma_store, mma=SM90_MMA)
         sms = device.sm_count()
         cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int

@@ -3,7 +3,8 @@
 :func:`rtkernels.matmul` calls :func:`launch` on sm_90 devices when :func:`eligible` says the
 tensor memory accelerator can address the operands (16-byte aligned bases and strides, K >= 1);
 everything else (sm_80/86/89, K = 9 bfloat16 rows, float32) runs the mma.sync kernel of
-``matmul.py``.  The op's argument checks live there; this module has the config, the heuristic
+``matmul.py``.  ``mma="sync"`` swaps the wgmma consumers for ldmatrix + mma.sync ones behind the
+same TMA producer (a measurement of the sm_80 instruction on Hopper; see docs/RESULTS.md).  The op's argument checks live there; this module has the config, the heuristic
 and the launch.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..errors import ConfigError
 # Epilogue activations, indexed the same way by both matmul kernels (rtk::activate in rtk/gemm.cuh).
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 _DTYPES = ("float16", "bfloat16")
+MMA_KINDS = ("wgmma", "sync")
 _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin   # 227 KiB opt-in per block
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
 
@@ -34,6 +36,9 @@ class MatmulSm90Config(KernelConfig):
     ``tma_store``: stage C through shared memory and store it with TMA (the output's base and
     row/batch strides 16-byte aligned); False writes C with direct 4-byte stores.
     ``epilogue_n``: columns staged per epilogue pass (0: the widest that fits beside the ring).
+    ``mma``: "wgmma", or "sync": the consumers multiply with ldmatrix + mma.sync m16n8k16 (the
+    sm_80 instruction, fed by the same TMA producer; see ``SM90_MMA`` in matmul.py) and store C
+    directly (``tma_store`` False).
     """
 
     family: ClassVar[str] = "matmul_sm90"
@@ -54,12 +59,14 @@ class MatmulSm90Config(KernelConfig):
     activation: str = "none"
     tma_store: bool = True
     epilogue_n: int = 0
+    mma: str = "wgmma"
 
     def __post_init__(self):
         if self.activation is None:
             object.__setattr__(self, "activation", "none")
         self._check_dtype("dtype", _DTYPES)
         self._check_choice("activation", ACTIVATIONS)
+        self._check_choice("mma", MMA_KINDS)
         for f in ("a_kmajor", "b_kmajor", "has_bias", "tma_store"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
@@ -71,6 +78,8 @@ class MatmulSm90Config(KernelConfig):
         if (self.block_m // 2) * self.block_n // 128 > 128:
             self._fail("block_n", f"at most {128 * 128 // (self.block_m // 2)} for block_m={self.block_m} "
                                   "(128 accumulators per consumer thread; more would spill)")
+        if self.mma == "sync" and self.tma_store:
+            self._fail("tma_store", "False with mma='sync' (its warps store C directly)")
         if self.epilogue_n:
             self._check_int("epilogue_n", 64, self.block_n, multiple_of=64)
             if self.block_n % self.epilogue_n:
@@ -162,8 +171,11 @@ def _config(tile: _Tile, dtype: str, **layout) -> MatmulSm90Config:
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
                      **layout) -> MatmulSm90Config:
-    """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store."""
-    tile = min(TILES, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
+    """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma."""
+    # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
+    # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
+    tiles = TILES if layout.get("mma", "wgmma") == "wgmma" else [t for t in TILES if t.block_m == 128]
+    tile = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
     return _config(tile, dtype, **layout)
 
 

@@ -67,6 +67,32 @@ __device__ __forceinline__ void ldsm_x4_s(unsigned (&r)[4], unsigned smem) {
     }
 }
 
+// One k16 step of a warp's fragments, for the mma.sync main loops of both matmul kernels.
+// ldmatrix x4 per A fragment i from a_addr(i): matrices (m +0, k +0), (m +8, k +0), (m +0, k +8),
+// (m +8, k +8); per B fragment pair f from b_addr(f): b0, b1 of n-fragment 2f, then of 2f + 1.
+// TRANS_A / TRANS_B: the operand is stored M / N-contiguous (ldmatrix .trans).
+template <bool TRANS_A, bool TRANS_B, int MI, int NI, typename AddrA, typename AddrB>
+__device__ __forceinline__ void ldsm_k16(unsigned (&af)[MI][4], unsigned (&bf)[NI][2], AddrA a_addr, AddrB b_addr) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i) ldsm_x4_s<TRANS_A>(af[i], a_addr(i));
+#pragma unroll
+    for (int j = 0; j < NI; j += 2) {
+        unsigned r[4];
+        ldsm_x4_s<TRANS_B>(r, b_addr(j / 2));
+        bf[j][0] = r[0]; bf[j][1] = r[1]; bf[j + 1][0] = r[2]; bf[j + 1][1] = r[3];
+    }
+}
+
+// acc[i][j] += A fragment i x B fragment j (m16n8k16, float32 accumulators) over the warp's tile.
+template <typename U, int MI, int NI>
+__device__ __forceinline__ void mma_k16(float (&acc)[MI][NI][4], const unsigned (&af)[MI][4],
+                                        const unsigned (&bf)[NI][2]) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j) mma_m16n8k16<U>(acc[i][j], af[i], bf[j][0], bf[j][1]);
+}
+
 __device__ __forceinline__ void st_shared_b32(unsigned smem, unsigned v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(smem), "r"(v) : "memory");
 }
