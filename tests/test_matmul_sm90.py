@@ -577,6 +577,59 @@ def test_gpu_batched_and_views(dtype, shape, mma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape, trans_a, trans_b", [
+    ((1793, 1793, 1793), False, False),     # every row stride odd: A and B staged, C direct
+    ((1000, 1001, 1003), True, False),      # A^T rows (M = 1000) aligned, B rows (N odd) staged
+    ((515, 777, 999), False, True),         # A rows (K odd) and B^T rows (K odd) staged
+])
+def test_gpu_staged_operands(dtype, shape, trans_a, trans_b, mma):
+    """Big problems whose rows TMA cannot address run the Hopper kernel on 16-byte aligned copies
+    (the pad is never written: TMA zero-fills past the true extent); a second call with new data
+    must not replay anything of the first."""
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, N, K = shape
+    assert M * N * K >= mm.STAGE_MIN_WORK
+    rng = np.random.default_rng(M + K)
+    for _ in range(2):
+        a, ah = random_array(rng, (K, M) if trans_a else (M, K), dtype)
+        b, bh = random_array(rng, (N, K) if trans_b else (K, N), dtype)
+        bias, biash = random_array(rng, (N,), dtype)
+        out = poison(_empty((M, N), dtype))
+        rtk.matmul(a, b, bias=bias, activation="gelu", out=out, trans_a=trans_a, trans_b=trans_b,
+                   dtype=dtype if dtype == "bfloat16" else None)
+        assert _ran_sm90(M, N, K)
+        ref = mm.matmul_reference(ah, bh, bias=biash, activation="gelu", trans_a=trans_a, trans_b=trans_b)
+        peer = mm._act_np(_cublas(a, b, dtype, trans_a, trans_b) + biash, "gelu")
+        _check(to_f64(out, dtype), ref, peer, f"staged {dtype} {shape}")
+
+
+@pytest.mark.gpu
+def test_gpu_staged_batched_views_on_a_stream(mma):
+    """Batched operands that start one element into aligned rows (base not 16-byte aligned), with a
+    2-D B broadcast over the batch, staged and multiplied on a non-default stream."""
+    import cupy as cp
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    B, M, N, K = 3, 300, 264, 336
+    rng = np.random.default_rng(11)
+    abuf, abh = random_array(rng, (B, M, K + 8), "bfloat16")
+    a, ah = abuf[:, :, 1:K + 1], abh[:, :, 1:K + 1]
+    bbuf, bbh = random_array(rng, (K, N + 8), "bfloat16")
+    b, bh = bbuf[:, 1:N + 1], bbh[:, 1:N + 1]
+    assert B * M * N * K >= mm.STAGE_MIN_WORK
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = poison(_empty((B, M, N), "bfloat16"))
+    rtk.matmul(a, b, out=out, dtype="bfloat16", stream=stream)
+    stream.synchronize()
+    assert _ran_sm90(M, N, K, B)
+    _check(to_f64(out, "bfloat16"), ah @ bh, _cublas(a, b[None].repeat(B, 0), "bfloat16"), "staged batched")
+
+
+@pytest.mark.gpu
 def test_gpu_every_tile_config():
     """Each heuristic/tuning tile (wgmma and mma.sync consumers) on one ragged problem, launched
     directly (not via the heuristic)."""

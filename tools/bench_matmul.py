@@ -214,7 +214,7 @@ def main() -> None:
         vec = next(v for v in (8, 4, 2, 1) if n % v == 0)   # as rtk.matmul picks for n-element rows
         cfg_mma = mm.heuristic_config(args.dtype, n, n, n, sm_count=sms, a_kmajor=True, b_kmajor=False, vec_a=vec,
                                       vec_b=vec)
-        if on_sm90 and n % 8 == 0:
+        if on_sm90 and (n % 8 == 0 or n ** 3 >= mm.STAGE_MIN_WORK):   # TMA rows, or staged copies
             cfg = m90.heuristic_config(args.dtype, n, n, n, sm_count=sms)
             tiles = arch.matmul_tiles(n, n, cfg.block_m, cfg.block_n)
             w = arch.waves(tiles, sms, 1)

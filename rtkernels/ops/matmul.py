@@ -524,6 +524,13 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
         done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
                           batch_c, act, stream)
+        if done is None and m * n * k * batch >= STAGE_MIN_WORK:
+            # copies never match the caller's arrays, so such calls keep no plan (see _launch)
+            av, lda, batch_a = _tma_operand(av, a_kmajor, lda, batch_a, stream)
+            bt, ldb, batch_b = _tma_operand(bv.swapaxes(-1, -2), b_kmajor, ldb, batch_b, stream)
+            bv = bt.swapaxes(-1, -2)
+            done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a,
+                              batch_b, batch_c, act, stream)
         if done is not None:
             _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream)
             return out
@@ -563,6 +570,67 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     _launch(plan_key, Launch(kern, grid, block, smem, (m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec)),
             None, (av, bv, biv, cv), (a, b, bias, out), stream)
     return out
+
+
+# Operands TMA cannot address (a row stride or base that is not 16-byte aligned: K = 1793, a view
+# starting one column in) are copied into buffers with 16-byte aligned rows when the problem is at
+# least this big (M N K batch), so the Hopper kernel runs instead of the mma.sync kernel's narrow
+# loads.  bf16 1793^3 on an H200: 51 TFLOP/s through the narrow loads (cuBLAS 103), see
+# docs/RESULTS.md for the staged path.  Below it, the copies' launches cost more than they save.
+STAGE_MIN_WORK = 1 << 24
+
+
+class _RawStream:
+    """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(stream):
+    """``stream`` (None: CuPy's current; a CuPy stream, torch stream or raw handle) as a CuPy stream."""
+    import cupy
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    ptr = getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", None) or stream
+    return cupy.cuda.Stream.from_external(_RawStream(int(ptr)))
+
+
+def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, stream):
+    """Operand ``v`` ((.., outer, K) as the kernel sees it: A, or B transposed) as (array, ld,
+    batch stride) the TMA kernel can address: ``v`` itself when it can, else a copy whose rows
+    (along the contiguous dim) start 16 bytes apart, made by cudaMemcpy2DAsync on ``stream``.  The
+    copy's pad columns stay unwritten: the tensor map declares the true extent, and TMA fills
+    what lies past it with zeros."""
+    stored = v if kmajor else v.swapaxes(-1, -2)          # (.., rows, cols), cols contiguous
+    nb = stored.shape[0] if stored.ndim == 3 and batch_stride else 1
+    rows, cols = stored.shape[-2:]
+    src = int(v.data.ptr)
+    if m90.operand_maps(src, rows, cols, ld, nb, batch_stride) is not None:
+        return v, ld, batch_stride
+    import cupy
+    ldp = -(-cols // 8) * 8
+    item = v.dtype.itemsize
+    cs = _cupy_stream(stream)
+    sp = cs.ptr
+    with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: ordered after our reads
+        buf = cupy.empty((nb, rows, ldp), dtype=v.dtype)
+    d2d = cupy.cuda.runtime.memcpyDeviceToDevice
+    spitch = max(ld, cols) * item   # a single row (rows == 1) has no stride of its own
+    if nb == 1 or batch_stride == rows * ld:   # one pitched copy over all batches' rows
+        cupy.cuda.runtime.memcpy2DAsync(buf.data.ptr, ldp * item, src, spitch, cols * item, nb * rows, d2d, sp)
+    else:
+        for z in range(nb):
+            cupy.cuda.runtime.memcpy2DAsync(buf.data.ptr + z * rows * ldp * item, ldp * item,
+                                            src + z * batch_stride * item, spitch, cols * item, rows, d2d, sp)
+    view = buf[:, :, :cols] if nb > 1 else buf[0, :, :cols]
+    return (view if kmajor else view.swapaxes(-1, -2)), ldp, (rows * ldp if nb > 1 else 0)
 
 
 _plans90: dict = {}
