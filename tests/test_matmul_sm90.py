@@ -131,6 +131,25 @@ def test_sync_main_loop_is_hmma_and_ldmatrix():
     assert len(other) <= 12, other
 
 
+@pytest.mark.parametrize("bad, field", [(dict(block_size=96), "block_size"), (dict(chunks_per_thread=0),
+                                                                               "chunks_per_thread")])
+def test_pad_rows_config_errors(bad, field):
+    with pytest.raises(ConfigError) as e:
+        mm.PadRowsConfig(**bad)
+    assert e.value.field == field
+
+
+def test_pad_rows_compiles_to_16_byte_loads_and_stores():
+    """The staging copy reads aligned 16-byte words (LDG.128) and writes 16-byte chunks (STG.128),
+    with no local memory (the word select is not a runtime-indexed array)."""
+    import rtkernels as rtk
+    from rtkernels.inspect import sass_stats
+    k = rtk.get_kernel(mm.PadRowsConfig(), arch="sm_90")
+    s = sass_stats(k.sass)
+    assert s["ldg_128"] >= 4 and s["stg_128"] == 4 and s["ldl"] == 0 and s["stl"] == 0, s
+    assert s["ldg_16"] == s["ldg_32"] == s["ldg_64"] == 0, s
+
+
 def test_main_loop_is_wgmma_only():
     """Between the full-barrier wait and the release of the previous stage, the 128x256 consumer
     issues its 4 HGMMA 64x256x16 and little else (uniform-datapath descriptor arithmetic)."""
@@ -604,6 +623,42 @@ def test_gpu_staged_operands(dtype, shape, trans_a, trans_b, mma):
         ref = mm.matmul_reference(ah, bh, bias=biash, activation="gelu", trans_a=trans_a, trans_b=trans_b)
         peer = mm._act_np(_cublas(a, b, dtype, trans_a, trans_b) + biash, "gelu")
         _check(to_f64(out, dtype), ref, peer, f"staged {dtype} {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, cols, ld, offset, nb", [
+    (5, 1, 3, 1, 1), (7, 7, 7, 3, 1), (9, 8, 11, 5, 2), (3, 9, 9, 0, 1), (33, 1793, 1795, 7, 3),
+    (2, 3000, 3000, 0, 1), (4, 1027, 1031, 2, 2),
+])
+def test_gpu_pad_rows_copies_exactly(rows, cols, ld, offset, nb):
+    """Every element lands at its place in the 128-byte rows, for every source alignment (base
+    offset, odd row and batch strides), the source ending where its array does."""
+    import cupy as cp
+    _sm90_gpu()
+    bs = rows * ld + 5 if nb > 1 else 0
+    n = offset + (nb - 1) * bs + (rows - 1) * ld + cols
+    flat = cp.asarray(np.random.default_rng(cols).integers(0, 2 ** 16, n, dtype=np.uint16))
+    src = cp.lib.stride_tricks.as_strided(flat[offset:], (nb, rows, cols), (2 * bs, 2 * ld, 2))
+    buf, ldp = mm._pad_rows(src, nb, ld, bs, None)
+    assert ldp % 64 == 0 and ldp >= cols and buf.data.ptr % 256 == 0
+    np.testing.assert_array_equal(buf[:, :, :cols].get(), src.get())
+
+
+@pytest.mark.gpu
+def test_gpu_realigned_rows(mma):
+    """TMA-addressable rows that are not 32-byte aligned (K = 2600: 5200-byte rows) of a problem past
+    REALIGN_MIN_WORK run on 128-byte aligned copies, with the right result."""
+    from gpu_util import random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M = N = K = 2600
+    assert M * N * K >= mm.REALIGN_MIN_WORK and (K * 2) % 32
+    rng = np.random.default_rng(26)
+    a, ah = random_array(rng, (M, K), "bfloat16")
+    b, bh = random_array(rng, (K, N), "bfloat16")
+    out = rtk.matmul(a, b, dtype="bfloat16")
+    assert _ran_sm90(M, N, K)
+    _check(to_f64(out, "bfloat16"), ah @ bh, _cublas(a, b, "bfloat16"), "realigned")
 
 
 @pytest.mark.gpu

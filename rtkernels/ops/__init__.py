@@ -9,7 +9,7 @@ from . import attention, attention_bwd, attention_bwd_sm90, attention_sm90, elem
 PUBLIC = {
     "vector_add": ("vector_add", "VectorAddConfig"),
     "elementwise": ("elementwise", "ElementwiseConfig", "ElementwiseFunction"),
-    "matmul": ("matmul", "MatmulConfig", "matmul_reference"),
+    "matmul": ("matmul", "MatmulConfig", "matmul_reference", "PadRowsConfig"),
     "attention": ("attention", "AttentionConfig", "attention_reference"),
     "attention_sm90": ("AttentionSm90Config",),
     "matmul_sm90": ("MatmulSm90Config",),

@@ -522,15 +522,15 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
+        work = m * n * k * batch
+        if work >= min(STAGE_MIN_WORK, REALIGN_MIN_WORK):
+            # copies never match the caller's arrays, so such calls keep no plan (see _launch)
+            bt = bv.swapaxes(-1, -2)
+            av, lda, batch_a = _tma_operand(av, a_kmajor, lda, batch_a, work, stream)
+            bt2, ldb, batch_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, stream)
+            bv = bv if bt2 is bt else bt2.swapaxes(-1, -2)
         done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
                           batch_c, act, stream)
-        if done is None and m * n * k * batch >= STAGE_MIN_WORK:
-            # copies never match the caller's arrays, so such calls keep no plan (see _launch)
-            av, lda, batch_a = _tma_operand(av, a_kmajor, lda, batch_a, stream)
-            bt, ldb, batch_b = _tma_operand(bv.swapaxes(-1, -2), b_kmajor, ldb, batch_b, stream)
-            bv = bt.swapaxes(-1, -2)
-            done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a,
-                              batch_b, batch_c, act, stream)
         if done is not None:
             _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream)
             return out
@@ -573,11 +573,57 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
 
 
 # Operands TMA cannot address (a row stride or base that is not 16-byte aligned: K = 1793, a view
-# starting one column in) are copied into buffers with 16-byte aligned rows when the problem is at
+# starting one column in) are copied into buffers with 128-byte aligned rows when the problem is at
 # least this big (M N K batch), so the Hopper kernel runs instead of the mma.sync kernel's narrow
 # loads.  bf16 1793^3 on an H200: 51 TFLOP/s through the narrow loads (cuBLAS 103), see
 # docs/RESULTS.md for the staged path.  Below it, the copies' launches cost more than they save.
 STAGE_MIN_WORK = 1 << 24
+# Operands TMA can address but whose rows are not 32-byte aligned (one 32-byte sector) load slowly:
+# fp16 3000^3 runs at 335 TFLOP/s on such rows and 584 on the same values in 128-byte rows (H200,
+# 2026-11-22).  Their copy pays off from here on (at 2040^3 the copies cost more than they save).
+REALIGN_MIN_WORK = 1 << 34
+
+
+@register_family
+@dataclass(frozen=True)
+class PadRowsConfig(KernelConfig):
+    """The staging copy of a 16-bit (batch, rows, cols) operand with any even-byte base and strides
+    into 128-byte aligned rows (templates/pad_rows.cu.j2): one 16-byte chunk per thread."""
+
+    family: ClassVar[str] = "pad_rows"
+    template: ClassVar[str] = "pad_rows.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("pad_rows",)
+    expected_global_width: ClassVar[int | None] = 128
+    block_size: int = 128
+    chunks_per_thread: int = 4
+
+    def __post_init__(self):
+        self._check_int("block_size", 32, 1024, power_of_two=True)
+        self._check_int("chunks_per_thread", 1, 16)
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.block_size
+
+
+# block 128, 4 chunks per thread: 3.9 TB/s (read + write) for 8191 x 8191 bf16 rows on an H200
+# (2026-11-22); cudaMemcpy2DAsync: 1.6 TB/s
+_PAD = PadRowsConfig()
+
+
+def _pad_rows(stored, nb: int, ld: int, batch_stride: int, stream):
+    """A copy of the 16-bit ``stored`` (.., rows, cols) (row stride ``ld``, batch stride
+    ``batch_stride``, ``nb`` batches) with rows 128 bytes apart: (buffer (nb, rows, ldp), ldp)."""
+    import cupy
+    rows, cols = stored.shape[-2:]
+    ldp = -(-cols // 64) * 64
+    cs = _cupy_stream(stream)
+    with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: after our reads
+        buf = cupy.empty((nb, rows, ldp), dtype=stored.dtype)
+    per_row = -(-cols // (8 * _PAD.block_size * _PAD.chunks_per_thread))
+    get_kernel(_PAD).launch((nb * rows * per_row,), (_PAD.block_size,), stored, buf, rows, cols, ld, batch_stride,
+                            ldp // 8, per_row, stream=cs)
+    return buf, ldp
 
 
 class _RawStream:
@@ -602,33 +648,23 @@ def _cupy_stream(stream):
     return cupy.cuda.Stream.from_external(_RawStream(int(ptr)))
 
 
-def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, stream):
+def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream):
     """Operand ``v`` ((.., outer, K) as the kernel sees it: A, or B transposed) as (array, ld,
-    batch stride) the TMA kernel can address: ``v`` itself when it can, else a copy whose rows
-    (along the contiguous dim) start 16 bytes apart, made by cudaMemcpy2DAsync on ``stream``.  The
-    copy's pad columns stay unwritten: the tensor map declares the true extent, and TMA fills
-    what lies past it with zeros."""
+    batch stride) for the TMA kernel: ``v`` itself, or a copy with 128-byte aligned rows
+    (:func:`_pad_rows`) when TMA cannot address ``v`` and ``work`` >= STAGE_MIN_WORK, or when its
+    rows are not 32-byte aligned and ``work`` >= REALIGN_MIN_WORK."""
     stored = v if kmajor else v.swapaxes(-1, -2)          # (.., rows, cols), cols contiguous
     nb = stored.shape[0] if stored.ndim == 3 and batch_stride else 1
     rows, cols = stored.shape[-2:]
-    src = int(v.data.ptr)
-    if m90.operand_maps(src, rows, cols, ld, nb, batch_stride) is not None:
+    ptr = int(v.data.ptr)
+    if m90.operand_maps(ptr, rows, cols, ld, nb, batch_stride) is not None:
+        sector = ptr % 32 == 0 and (rows == 1 or ld % 16 == 0) and (nb == 1 or batch_stride % 16 == 0)
+        if sector or work < REALIGN_MIN_WORK:
+            return v, ld, batch_stride
+    elif work < STAGE_MIN_WORK:
         return v, ld, batch_stride
-    import cupy
-    ldp = -(-cols // 8) * 8
-    item = v.dtype.itemsize
-    cs = _cupy_stream(stream)
-    sp = cs.ptr
-    with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: ordered after our reads
-        buf = cupy.empty((nb, rows, ldp), dtype=v.dtype)
-    d2d = cupy.cuda.runtime.memcpyDeviceToDevice
-    spitch = max(ld, cols) * item   # a single row (rows == 1) has no stride of its own
-    if nb == 1 or batch_stride == rows * ld:   # one pitched copy over all batches' rows
-        cupy.cuda.runtime.memcpy2DAsync(buf.data.ptr, ldp * item, src, spitch, cols * item, nb * rows, d2d, sp)
-    else:
-        for z in range(nb):
-            cupy.cuda.runtime.memcpy2DAsync(buf.data.ptr + z * rows * ldp * item, ldp * item,
-                                            src + z * batch_stride * item, spitch, cols * item, rows, d2d, sp)
+    buf, ldp = _pad_rows(stored if stored.ndim == 3 else stored[None], nb, ld if rows > 1 else 0, batch_stride,
+                         stream)
     view = buf[:, :, :cols] if nb > 1 else buf[0, :, :cols]
     return (view if kmajor else view.swapaxes(-1, -2)), ldp, (rows * ldp if nb > 1 else 0)
 
