@@ -86,6 +86,14 @@ def test_compiles_clean_for_sm90a(cfg):
         assert s["utmastg"] == 0
 
 
+def _main_loop(sass, mnemonic):
+    """The SASS opcodes from the first to the last instruction starting with ``mnemonic``."""
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    first = next(i for i, o in enumerate(ops) if o.startswith(mnemonic))
+    last = max(i for i, o in enumerate(ops) if o.startswith(mnemonic))
+    return ops[first:last + 1]
+
+
 def _sync_configs():
     out = []
     for t in m90.TILES:
@@ -121,11 +129,7 @@ def test_sync_main_loop_is_hmma_and_ldmatrix():
     32 ldmatrix of the next steps and the stage bookkeeping, nothing per copy (the cp.async kernel
     spends ~11% of its main loop there)."""
     import rtkernels as rtk
-    sass = rtk.get_kernel(MatmulSm90Config(mma="sync", tma_store=False), arch="sm_90").sass
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
-    first = next(i for i, o in enumerate(ops) if o.startswith("HMMA"))
-    last = max(i for i, o in enumerate(ops) if o.startswith("HMMA"))
-    body = ops[first:last + 1]
+    body = _main_loop(rtk.get_kernel(MatmulSm90Config(mma="sync", tma_store=False), arch="sm_90").sass, "HMMA")
     assert sum(o.startswith("HMMA") for o in body) == 128 and sum(o.startswith("LDSM") for o in body) == 32
     other = [o for o in body if not o.startswith(("HMMA", "LDSM", "U"))]
     assert len(other) <= 12, other
@@ -154,11 +158,7 @@ def test_main_loop_is_wgmma_only():
     """Between the full-barrier wait and the release of the previous stage, the 128x256 consumer
     issues its 4 HGMMA 64x256x16 and little else (uniform-datapath descriptor arithmetic)."""
     import rtkernels as rtk
-    sass = rtk.get_kernel(MatmulSm90Config(), arch="sm_90").sass
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
-    first = next(i for i, o in enumerate(ops) if o.startswith("HGMMA"))
-    last = max(i for i, o in enumerate(ops) if o.startswith("HGMMA"))
-    body = ops[first:last + 1]
+    body = _main_loop(rtk.get_kernel(MatmulSm90Config(), arch="sm_90").sass, "HGMMA")
     assert sum(o.startswith("HGMMA.64x256x16") for o in body) == 4
     assert sum(not o.startswith("U") and not o.startswith("HGMMA") for o in body) <= 8, body
 
@@ -642,6 +642,24 @@ def test_gpu_pad_rows_copies_exactly(rows, cols, ld, offset, nb):
     buf, ldp = mm._pad_rows(src, nb, ld, bs, None)
     assert ldp % 64 == 0 and ldp >= cols and buf.data.ptr % 256 == 0
     np.testing.assert_array_equal(buf[:, :, :cols].get(), src.get())
+
+
+@pytest.mark.gpu
+def test_gpu_staged_torch_on_a_default_stream_object():
+    """Staged torch operands with ``stream=`` torch's default-stream object, whose handle is 0."""
+    import rtkernels as rtk
+    torch = pytest.importorskip("torch")
+    _sm90_gpu()
+    M, N, K = 300, 264, 333
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    assert M * N * K >= mm.STAGE_MIN_WORK
+    out = rtk.matmul(a, b, stream=torch.cuda.default_stream())
+    torch.cuda.synchronize()
+    assert _ran_sm90(M, N, K)
+    ref = a.double() @ b.double()
+    peer = (a @ b).double()
+    assert ((out.double() - ref).abs().max() <= 2 * (peer - ref).abs().max() + 1e-6).item()
 
 
 @pytest.mark.gpu

@@ -9,8 +9,9 @@ Run on a GPU host:  PYTHONPATH=. python tools/bench_matmul.py [--quick] [--dtype
   ops/matmul_sm90.py, elsewhere the mma.sync kernel); on sm_90 also ``mma_sync`` = rtk.matmul with
   the Hopper path turned off (ops.matmul.USE_SM90), i.e. the mma.sync kernel with its heuristic
   config, as sm_80-89 run it, and ``mma_sync_tma`` = the Hopper kernel with mma.sync consumers
-  (ops.matmul.SM90_MMA = "sync": the same TMA producer feeding ldmatrix + HMMA); ``triton`` = a plain tiled Triton matmul (128x256x64 tiles, grouped
-  order, 3 stages, 8 warps: the kernel a user would otherwise write), where triton imports, and on
+  (ops.matmul.SM90_MMA = "sync": the same TMA producer feeding ldmatrix + HMMA); ``triton`` = a
+  plain tiled Triton matmul (128x256x64 tiles, grouped order, 3 stages, 8 warps: the kernel a user
+  would otherwise write), where triton imports, and on
   sm_90 ``triton_mma_sync`` = the same kernel compiled with DISABLE_MMA_V3=1 (Triton's mma.sync
   code generation: the peer of the mma.sync kernel);
 * with --tune (not in --quick), rtk with the autotuner (RTKERNELS_AUTOTUNE=1, tuning file in a
@@ -299,16 +300,14 @@ def main() -> None:
     got = rtk.matmul(a, b, bias=bias, activation="gelu")
     fused = {"n": n, "rtk_fused_ms": ms_fused, "rtk_plain_ms": ms_plain, "cublas_plus_gelu_ms": ms_sep,
              "speedup": ms_sep / ms_fused, "cublas_add_gelu_ms": ms_eager, "speedup_vs_add_gelu": ms_eager / ms_fused,
-             "cublas_one_pass_ms": ms_one, "speedup_vs_one_pass": ms_one / ms_fused if ms_one else None, "fused_tflops": 2.0 * n ** 3 / ms_fused / 1e9,
-             "max_rel_err": rel_err(got, ref)}
+             "cublas_one_pass_ms": ms_one, "speedup_vs_one_pass": ms_one / ms_fused if ms_one else None,
+             "fused_tflops": 2.0 * n ** 3 / ms_fused / 1e9, "max_rel_err": rel_err(got, ref)}
     if with_mma:
-        ms_mf = timed(mma_sync(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out)), sets)
-        fused.update(mma_sync_fused_ms=ms_mf, mma_sync_plain_ms=timed(mma_sync(lambda a, b, bias: rtk.matmul(
-            a, b, out=out)), sets), mma_sync_speedup=ms_sep / ms_mf,
-            mma_sync_err=rel_err(mma_sync(rtk.matmul)(a, b, bias=bias, activation="gelu"), ref))
-        ms_tf = timed(mma_sync_tma(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out)), sets)
-        fused.update(mma_sync_tma_fused_ms=ms_tf, mma_sync_tma_speedup=ms_sep / ms_tf,
-                     mma_sync_tma_err=rel_err(mma_sync_tma(rtk.matmul)(a, b, bias=bias, activation="gelu"), ref))
+        for name, via in (("mma_sync", mma_sync), ("mma_sync_tma", mma_sync_tma)):
+            ms_ = timed(via(lambda a, b, bias: rtk.matmul(a, b, bias=bias, activation="gelu", out=out)), sets)
+            fused.update({f"{name}_fused_ms": ms_, f"{name}_speedup": ms_sep / ms_,
+                          f"{name}_err": rel_err(via(rtk.matmul)(a, b, bias=bias, activation="gelu"), ref)})
+        fused["mma_sync_plain_ms"] = timed(mma_sync(lambda a, b, bias: rtk.matmul(a, b, out=out)), sets)
 
     env = benchutil.environment()
     env["triton"] = __import__("triton").__version__ if tri is not None else None
@@ -316,7 +315,8 @@ def main() -> None:
     benchutil.save(args.out, "matmul", payload)
     _plot(args.out, rows, args.dtype, payload["environment"])
     cols = ["n", "cublas_tflops", "rtk_tflops", "vs_cublas", "rtk_host_us"]
-    cols += ["mma_sync_tflops", "mma_sync_tile", "mma_sync_tma_tflops", "mma_sync_tma_vs_cublas"] if with_mma else []
+    cols += (["mma_sync_tflops", "mma_sync_tile", "mma_sync_tma_tflops", "mma_sync_tma_vs_cublas"]
+             if with_mma else [])
     cols += ["triton_tflops"] if tri is not None else []
     cols += ["triton_mma_sync_tflops"] if tri_mma is not None else []
     cols += ["tuned_tflops", "tuned_tile", "tuned_vs_heuristic"] if tune else []
@@ -383,6 +383,7 @@ def sweep_sm90(args) -> None:
     tdt = getattr(torch, args.dtype)
     sms = device.sm_count()
     only = set(args.sweep_only.split(",")) if args.sweep_only else None
+    configs = [(lbl, f) for lbl, f in SWEEP_SM90 if not only or lbl in only]
     rows = []
     fused = {}
     for n in (4096, 8192):
@@ -394,9 +395,7 @@ def sweep_sm90(args) -> None:
             ms_sep = benchutil.time_cuda(lambda a, b, bias: torch.nn.functional.gelu(torch.addmm(bias, a, b)),
                                          inputs=sets_t, repeat=10)
             fused = {"cuBLAS addmm+gelu": f"{ms_sep:.3f}ms"}
-        for label, fields in SWEEP_SM90:
-            if only and label not in only:
-                continue
+        for label, fields in configs:
             for act in ("none", "gelu") if n == 4096 else ("none",):
                 try:
                     cfg = m90.MatmulSm90Config(dtype=args.dtype, has_bias=act != "none", activation=act, **fields)
@@ -428,7 +427,7 @@ def sweep_sm90(args) -> None:
     print(f"{env['gpu']}  {args.dtype} sm_90 sweep  ({sms} SMs); cell = TFLOP/s (x cuBLAS)")
     print("heuristic picks: " + ", ".join(f"{r['n']}: {r['heuristic']}" for r in rows))
     flat = [{"config": lbl, **{f"n={r['n']}": r.get(lbl, "") for r in rows}, "fused 4096 (x sep)": fused.get(lbl, "")}
-            for lbl, _ in SWEEP_SM90 if not only or lbl in only]
+            for lbl, _ in configs]
     flat.append({"config": "cuBLAS", **{f"n={r['n']}": r["cuBLAS"] for r in rows},
                  "fused 4096 (x sep)": fused.get("cuBLAS addmm+gelu", "")})
     print(benchutil.table(flat, ["config"] + [f"n={r['n']}" for r in rows] + ["fused 4096 (x sep)"]))

@@ -112,6 +112,31 @@ def torch_stream_ptr(torch, dev: int) -> int:
     return int(raw(dev)) if raw is not None else int(torch.cuda.current_stream(dev).cuda_stream)
 
 
+class _RawStream:
+    """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def cupy_stream(stream):
+    """``stream`` as a CuPy stream, for CuPy work (allocations from its pool, copies) that must be
+    ordered with an op's launches: None is CuPy's current stream; a torch stream or raw handle is
+    read the way Kernel.launch reads it."""
+    import cupy
+    from ..kernel import _StreamPtr
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    ptr = stream.ptr if hasattr(stream, "ptr") else _StreamPtr(stream).ptr
+    return cupy.cuda.Stream.from_external(_RawStream(int(ptr)))
+
+
 def default_stream(x, stream):
     """``stream``, or for a torch tensor ``x`` with none given, torch's current stream: where
     the tensor's producers and consumers are queued, so the launch is ordered with them."""

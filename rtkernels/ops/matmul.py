@@ -28,7 +28,7 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
-from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, default_stream,
+from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
                       device_pointer, dtype_name, new_like, same_memory)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
@@ -588,7 +588,8 @@ REALIGN_MIN_WORK = 1 << 34
 @dataclass(frozen=True)
 class PadRowsConfig(KernelConfig):
     """The staging copy of a 16-bit (batch, rows, cols) operand with any even-byte base and strides
-    into 128-byte aligned rows (templates/pad_rows.cu.j2): one 16-byte chunk per thread."""
+    into 128-byte aligned rows (templates/pad_rows.cu.j2): ``chunks_per_thread`` 16-byte chunks of
+    a row per thread, ``block_size`` threads per block."""
 
     family: ClassVar[str] = "pad_rows"
     template: ClassVar[str] = "pad_rows.cu.j2"
@@ -617,35 +618,13 @@ def _pad_rows(stored, nb: int, ld: int, batch_stride: int, stream):
     import cupy
     rows, cols = stored.shape[-2:]
     ldp = -(-cols // 64) * 64
-    cs = _cupy_stream(stream)
+    cs = cupy_stream(stream)
     with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: after our reads
         buf = cupy.empty((nb, rows, ldp), dtype=stored.dtype)
     per_row = -(-cols // (8 * _PAD.block_size * _PAD.chunks_per_thread))
     get_kernel(_PAD).launch((nb * rows * per_row,), (_PAD.block_size,), stored, buf, rows, cols, ld, batch_stride,
                             ldp // 8, per_row, stream=cs)
     return buf, ldp
-
-
-class _RawStream:
-    """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def _cupy_stream(stream):
-    """``stream`` (None: CuPy's current; a CuPy stream, torch stream or raw handle) as a CuPy stream."""
-    import cupy
-    if stream is None:
-        return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.Stream):
-        return stream
-    ptr = getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", None) or stream
-    return cupy.cuda.Stream.from_external(_RawStream(int(ptr)))
 
 
 def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream):

@@ -3,9 +3,9 @@
 :func:`rtkernels.matmul` calls :func:`launch` on sm_90 devices when :func:`eligible` says the
 tensor memory accelerator can address the operands (16-byte aligned bases and strides, K >= 1);
 everything else (sm_80/86/89, K = 9 bfloat16 rows, float32) runs the mma.sync kernel of
-``matmul.py``.  ``mma="sync"`` swaps the wgmma consumers for ldmatrix + mma.sync ones behind the
-same TMA producer (a measurement of the sm_80 instruction on Hopper; see docs/RESULTS.md).  The op's argument checks live there; this module has the config, the heuristic
-and the launch.
+``matmul.py``.  The op's argument checks live there; this module has the config, the heuristic
+and the launch.  ``mma="sync"`` swaps the wgmma consumers for ldmatrix + mma.sync ones behind the
+same TMA producer (a measurement of the sm_80 instruction on Hopper; see docs/RESULTS.md).
 """
 from __future__ import annotations
 
