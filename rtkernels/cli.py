@@ -294,6 +294,10 @@ def cmd_cache(ns: argparse.Namespace) -> int:
             print(json.dumps(info, indent=2, default=str))
         else:
             for k, v in info.items():
+                if k == "why" or (k == "resolved" and v == info["root"]):
+                    continue
+                if k == "trusted":   # the verdict and its reason on one line
+                    v = f"{'yes' if v else 'NO'}: {info['why']}"
                 print(f"{k:16} {v}")
     elif ns.action == "list":
         entries = cache.list_entries()
@@ -359,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks-per-sm", type=int, default=1, help="resident blocks per SM (from occupancy)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("cache", help="show, list or clear the disk cache")
+    p = sub.add_parser("cache", help="show (root, owner, mode, trusted or not and why), list or clear the disk cache")
     p.add_argument("action", choices=("info", "list", "clear"))
     p.add_argument("--json", action="store_true")
     return ap

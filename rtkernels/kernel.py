@@ -22,7 +22,7 @@ import numpy as np
 from . import cache, device
 from ._version import __version__
 from .compiler import CompileOptions, Resources, compile_source, nvrtc_version, parse_arch
-from .errors import ConfigError, DeviceError, LaunchError
+from .errors import CompileError, ConfigError, DeviceError, LaunchError
 from .render import Rendered, Template, render
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
@@ -33,6 +33,9 @@ _memo_lock = threading.Lock()
 def _clear_memo() -> None:
     with _memo_lock:
         _memo.clear()
+
+
+cache.on_clear_memory(_clear_memo)   # cache.clear_memory() forgets this layer's memo too
 
 
 # ---- kernel signatures -----------------------------------------------------------------
@@ -112,15 +115,78 @@ def kernel_names(source: str) -> list[str]:
 
 
 # ---- modules ---------------------------------------------------------------------------
+# What the driver reports for each entry function of a loaded CUBIN, beside the ptxas figure the
+# module carries: launches decide on the shared-memory opt-in from shared_static, and occupancy
+# (resident blocks of persistent grids, the tuner's pruning) comes from registers.  These two
+# are what the CUBIN itself records, so a true entry matches them exactly; a stack frame is not
+# compared (the driver's local size also counts callees' frames).
+_LOAD_CHECKED = (("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"), ("shared_static", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"))
+
+
+def resource_mismatch(resources: dict, reported: dict) -> str | None:
+    """Why figures read from a cache entry disagree with its loaded code, or None.
+
+    ``resources``: function name -> :class:`Resources` from the entry's meta.json;
+    ``reported``: function name -> {field: value} the driver reports for the loaded module.
+    """
+    for name, attrs in reported.items():
+        r = resources.get(name)
+        if r is None:
+            return f"meta.json has no resources for the function {name}"
+        for field, value in attrs.items():
+            if getattr(r, field) != value:
+                return f"meta.json says {name} has {field}={getattr(r, field)}, the loaded code {value}"
+    return None
+
+
+def _entry_functions(mod) -> list[str] | None:
+    """Names of every entry function of a loaded module (driver >= 12.4), else None."""
+    try:
+        from cuda.bindings import driver as drv
+        handle = drv.CUmodule(mod.ptr)
+        err, count = drv.cuModuleGetFunctionCount(handle)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return None
+        err, funcs = drv.cuModuleEnumerateFunctions(count, handle)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return None
+        names = []
+        for f in funcs:
+            err, name = drv.cuFuncGetName(f)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                return None
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+    except Exception:  # noqa: BLE001  (an older driver or binding: fall back to the names we hold)
+        return None
+
+
+def _reported_resources(mod, names) -> dict:
+    from cupy_backends.cuda.api import driver as cdrv
+    out = {}
+    for name in names:
+        fn = mod.get_function(name)
+        out[name] = {field: int(cdrv.funcGetAttribute(getattr(cdrv, attr), fn.ptr)) for field, attr in _LOAD_CHECKED}
+    return out
+
+
 class Module:
-    """One compiled program: code (CUBIN or PTX), rendered source, ptxas report."""
+    """One compiled program: code (CUBIN or PTX), rendered source, ptxas report.
+
+    A module read from the disk cache carries figures (resources, lowered names) from its
+    meta.json; the first load checks them against what the driver reports for the code, and a
+    mismatch discards the entry and compiles afresh (``generation`` then counts up, so kernels
+    built on the module refresh what they derived from it).
+    """
 
     def __init__(self, *, label: str, config_repr: str, arch: str, options: CompileOptions, output: str,
-                 code: bytes, source: str, resources: dict, log: str, key: str, lowered: dict,
-                 rendered: Rendered | None, template, params: dict):
+                 key: str, parts: dict, rendered: Rendered, template, params: dict, exprs: tuple = ()):
         self.label, self.config_repr, self.arch, self.options = label, config_repr, arch, options
-        self.output, self.code, self.source, self.resources = output, code, source, resources
-        self.log, self.key, self.lowered = log, key, lowered
+        self.output, self.key, self.source = output, key, rendered.source
+        self.code, self.resources, self.log, self.lowered = b"", {}, "", {}
+        self.from_disk = False      # figures not yet checked against the loaded code
+        self.generation = 0
+        self._parts, self._rendered, self._exprs = parts, rendered, exprs
         self._template, self._params = template, params
         self._loaded: dict[int, Any] = {}
         self._load_lock = threading.Lock()
@@ -132,6 +198,46 @@ class Module:
             raise ConfigError(f"{self.label}: SASS needs a CUBIN; this module holds {self.output}")
         return disassemble(self.code)
 
+    # -- filling
+    def _from_entry(self, code: bytes, meta: dict) -> str | None:
+        """Take code and figures from a disk entry; returns why the entry is unusable, or None."""
+        try:
+            resources = {str(n): Resources(**{f: int(v) for f, v in r.items()})
+                         for n, r in meta.get("resources", {}).items()}
+            lowered = {str(e): str(n) for e, n in meta.get("lowered", {}).items()}
+            log = str(meta.get("log", ""))
+        except (AttributeError, TypeError, ValueError) as exc:
+            return f"malformed meta.json ({exc})"
+        if set(lowered) != set(self._exprs) or not all(re.fullmatch(r"[\w$]+", n) for n in lowered.values()):
+            return "meta.json's lowered names do not match the requested name expressions"
+        self.code, self.resources, self.log, self.lowered = code, resources, log, lowered
+        self.from_disk = True
+        return None
+
+    def _compile(self) -> None:
+        """NVRTC, then write the entry (the caller has the memory level)."""
+        name = re.sub(r"\W", "_", self.label) or "kernel"
+        try:
+            res = compile_source(self._rendered, name=name, arch=self.arch, options=self.options, output=self.output,
+                                 name_expressions=self._exprs, context=f"{self.label} [{self.config_repr}]")
+        except CompileError as exc:
+            if exc.source and exc.source_path is None:
+                path = cache.save_failed_source(name, exc.source)
+                if path:
+                    exc.note_source_path(path)
+            raise
+        self.code, self.resources, self.log, self.lowered = res.code, res.resources, res.log, res.lowered_names
+        self.from_disk = False
+        self.__dict__.pop("sass", None)
+        meta = {"family": self.label, "config": self.config_repr, "arch": self.arch, "output": self.output,
+                "nvrtc_version": ".".join(map(str, nvrtc_version())), "package_version": __version__,
+                "key_parts": {k: v for k, v in self._parts.items() if k != "source"},
+                "resources": {n: r.as_dict() for n, r in res.resources.items()}, "log": res.log,
+                "lowered": res.lowered_names}
+        cache.disk_put(self.key, res.code, "kernel.cubin" if self.output == "cubin" else "kernel.ptx", meta,
+                       self.source)
+
+    # -- loading
     def load(self, dev: int):
         """The CuPy module for device ``dev`` (loaded once per device context)."""
         mod = self._loaded.get(dev)
@@ -140,7 +246,6 @@ class Module:
         with self._load_lock:
             if dev in self._loaded:
                 return self._loaded[dev]
-            import cupy
             if self.output == "ptx":
                 drv = device.driver_version()
                 if nvrtc_version() > (drv // 1000, (drv % 1000) // 10):
@@ -149,15 +254,41 @@ class Module:
                         f"this driver (CUDA {drv // 1000}.{(drv % 1000) // 10}): the driver rejects newer PTX "
                         "(CUDA_ERROR_UNSUPPORTED_PTX_VERSION). Load the CUBIN instead (the default output), or "
                         "install an NVRTC no newer than the driver.")
-            with cupy.cuda.Device(dev):
-                mod = cupy.cuda.function.Module()
-                try:
-                    mod.load(self.code)
-                except cupy.cuda.driver.CUDADriverError as exc:
-                    raise LaunchError(f"{self.label}: loading the {self.output} for {self.arch} on device {dev} "
-                                      f"({device.device_name(dev)}, {device.device_arch(dev)}) failed: {exc}") from None
+            mod = self._load_code(dev)
+            if self.from_disk and self.output == "cubin":
+                why = self._check_loaded(mod, dev)
+                if why is not None:
+                    cache.discard(self.key, why)
+                    self._compile()   # if this raises, the next load checks again
+                    self.generation += 1
+                    mod = self._load_code(dev)
+                self.from_disk = False
             self._loaded[dev] = mod
             return mod
+
+    def _load_code(self, dev: int):
+        import cupy
+        with cupy.cuda.Device(dev):
+            mod = cupy.cuda.function.Module()
+            try:
+                mod.load(self.code)
+            except cupy.cuda.driver.CUDADriverError as exc:
+                raise LaunchError(f"{self.label}: loading the {self.output} for {self.arch} on device {dev} "
+                                  f"({device.device_name(dev)}, {device.device_arch(dev)}) failed: {exc}") from None
+        return mod
+
+    def _check_loaded(self, mod, dev: int) -> str | None:
+        """Compare the entry's figures with what the driver reports for its code (once per module)."""
+        import cupy
+        with cupy.cuda.Device(dev):
+            names = _entry_functions(mod)
+            if names is None:   # no enumeration: every function the figures name that has registers
+                names = [n for n, r in self.resources.items() if r.registers] + list(self.lowered.values())
+            try:
+                reported = _reported_resources(mod, dict.fromkeys(names))
+            except cupy.cuda.driver.CUDADriverError as exc:
+                return f"the loaded code lacks a function meta.json names ({exc})"
+        return resource_mismatch(self.resources, reported)
 
 
 def disassemble(cubin: bytes) -> str:
@@ -199,26 +330,17 @@ def build_module(template: str | Template, params: dict, *, label: str, config_r
     hit = cache.memory_get(key)
     if hit is not None:
         return hit
+    module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, key=key,
+                    parts=parts, rendered=rendered, template=template, params=params, exprs=exprs)
     found = cache.disk_get(key)
     if found is not None:
-        code, meta, _ = found
-        resources = {n: Resources(**r) for n, r in meta.get("resources", {}).items()}
-        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, code=code,
-                        source=rendered.source, resources=resources, log=meta.get("log", ""), key=key,
-                        lowered=meta.get("lowered", {}), rendered=rendered, template=template, params=params)
-    else:
+        why = module._from_entry(found[0], found[1])
+        if why is not None:
+            cache.discard(key, why)
+            found = None
+    if found is None:
         cache._count("misses")
-        res = compile_source(rendered, name=re.sub(r"\W", "_", label) or "kernel", arch=arch, options=options,
-                             output=output, name_expressions=exprs, context=f"{label} [{config_repr}]")
-        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output,
-                        code=res.code, source=rendered.source, resources=res.resources, log=res.log, key=key,
-                        lowered=res.lowered_names, rendered=rendered, template=template, params=params)
-        meta = {"family": label, "config": config_repr, "arch": arch, "output": output,
-                "nvrtc_version": ".".join(map(str, nvrtc_version())), "package_version": __version__,
-                "key_parts": {k: v for k, v in parts.items() if k != "source"},
-                "resources": {n: r.as_dict() for n, r in res.resources.items()}, "log": res.log,
-                "lowered": res.lowered_names}
-        cache.disk_put(key, res.code, "kernel.cubin" if output == "cubin" else "kernel.ptx", meta, rendered.source)
+        module._compile()
     cache.memory_put(key, module)
     return module
 
@@ -237,6 +359,7 @@ class Kernel:
     def __init__(self, module: Module, name: str, config=None):
         self.module, self.name, self.config = module, name, config
         self.arch = module.arch
+        self._generation = module.generation
         self.lowered_name = module.lowered.get(name, name)
         self.signature = parse_signature(module.source, name) if name == self.lowered_name else None
         self._functions: dict[int, Any] = {}
@@ -282,7 +405,7 @@ class Kernel:
             return self.module.code.decode()
         m = build_module(self.module._template, self.module._params, label=self.module.label,
                          config_repr=self.module.config_repr, arch=self.arch, options=self.module.options,
-                         output="ptx", name_expressions=tuple(self.module.lowered))
+                         output="ptx", name_expressions=self.module._exprs)
         return m.code.decode()
 
     def report(self, **kw) -> dict:
@@ -296,8 +419,21 @@ class Kernel:
         dev = device.current_device() if device_id is None else device_id
         fn = self._functions.get(dev)
         if fn is None:
-            fn = self._functions[dev] = self.module.load(dev).get_function(self.lowered_name)
+            mod = self.module.load(dev)
+            if self._generation != self.module.generation:
+                self._rebind()
+            fn = self._functions[dev] = mod.get_function(self.lowered_name)
         return fn
+
+    def _rebind(self) -> None:
+        """The module was compiled afresh at load (its cache entry disagreed with its code):
+        refresh what this kernel derived from the old figures, the launcher's smem limit included."""
+        self._generation = self.module.generation
+        self.lowered_name = self.module.lowered.get(self.name, self.name)
+        self._functions.clear()
+        self._smem_set.clear()
+        if self._converters is not None:
+            self.launch = self._make_launcher()
 
     def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
         """Launch on CuPy's current stream (or ``stream``: a CuPy stream or anything with ``.ptr``).
@@ -372,17 +508,23 @@ class Kernel:
         # Parameters are named after the kernel's own, so a wrong count reads e.g.
         # "launch() missing 1 required positional argument: 'n'".
         lines = [f"def launch(grid, block, {''.join(a + ', ' for a in names)}*, shared_mem=0, stream=None):"]
+        # The first load may replace the module (a cache entry its code contradicts) and with it
+        # this launcher: the first call then hands over to the new one.
+        handover = (f"        if _kernel.launch is not launch: return _kernel.launch(grid, block, "
+                    f"{''.join(a + ', ' for a in names)}shared_mem=shared_mem, stream=stream)")
         if multi:
             lines += ["    dev = _getdev()",
                       "    fn = _fns.get(dev)",
                       "    if fn is None:",
-                      "        fn = _kernel.function(dev)"]
+                      "        fn = _kernel.function(dev)",
+                      handover]
         else:   # one device: the loaded function sits in a one-slot list, filled on first launch
             g["_fn"] = [None]
             lines += ["    dev = 0",
                       "    fn = _fn[0]",
                       "    if fn is None:",
-                      "        fn = _fn[0] = _kernel.function(0)"]
+                      "        fn = _fn[0] = _kernel.function(0)",
+                      handover]
         for i, (p, conv) in enumerate(zip(self.signature, self._converters)):
             g[f"_c{i}"] = conv
             a = names[i]
