@@ -197,9 +197,10 @@ class TorchComm(Comm):
         _check_contiguous(recv, "recv")
         self.stream.wait_event(_record(after))
         dist = self._dist
-        ops = [dist.P2POp(dist.isend, self._bytes(a), self._next, self.group) for a in send]
-        ops += [dist.P2POp(dist.irecv, self._bytes(a), self._prev, self.group) for a in recv]
         with self._torch.cuda.stream(self._torch_stream):
+            # byte views made here: DLPack orders them on torch's current stream, this one
+            ops = [dist.P2POp(dist.isend, self._bytes(a), self._next, self.group) for a in send]
+            ops += [dist.P2POp(dist.irecv, self._bytes(a), self._prev, self.group) for a in recv]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()   # the communication stream waits for the transfer (no host wait)
         return Pending(_record(self.stream))
@@ -232,6 +233,7 @@ class SimulatedComm:
         self._posts: list = [None] * world_size
         self._done = None
         self._wire = None
+        self._streams: list = []
         self.rounds = 0
 
     def ranks(self) -> list["_SimulatedRank"]:
@@ -251,6 +253,10 @@ class SimulatedComm:
             caller = cupy.cuda.get_current_stream()
             start = _record(caller)
             self._wire = cupy.cuda.Stream(non_blocking=True)
+            # one compute stream per rank, kept while this object lives: the pools (CuPy's and
+            # torch's) file what a rank freed under its stream
+            while len(self._streams) < n:
+                self._streams.append(cupy.cuda.Stream(non_blocking=True))
         ends = [None] * n
 
         def body(rank: int) -> None:
@@ -259,9 +265,9 @@ class SimulatedComm:
                 if gpu:
                     import cupy
                     with cupy.cuda.Device(dev):
-                        stream = cupy.cuda.Stream(non_blocking=True)
+                        stream = self._streams[rank]
                         stream.wait_event(start)   # the shards were made on the caller's stream
-                        with stream:
+                        with stream, _torch_stream(stream, dev):
                             results[rank] = fn(comm)
                         ends[rank] = _record(stream)
                 else:
@@ -317,6 +323,17 @@ class SimulatedComm:
             self._done = None
         self._posts = [None] * n
         self.rounds += 1
+
+
+def _torch_stream(stream, dev: int):
+    """torch's current stream set to ``stream`` in this thread when torch is loaded (torch tensors
+    launch on torch's current stream), else nothing."""
+    import contextlib
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=dev))
 
 
 class _SimulatedRank(Comm):
