@@ -295,3 +295,12 @@ def test_env_defaults_to_one_rank(monkeypatch):
         rcomm.read_env()
     with pytest.raises(TypeError, match="comm must be"):
         rcomm.resolve("nccl")
+
+
+def test_launcher_leaves_the_command_arguments_alone():
+    from rtkernels.dist.run import _split
+    assert _split(["-n", "2", "s.py", "-q", "--help"]) == (["-n", "2"], ["s.py", "-q", "--help"])
+    assert _split(["-n2", "--timeout=5", "-m", "pytest", "-x", "-n", "4"]) == \
+        (["-n2", "--timeout=5"], ["-m", "pytest", "-x", "-n", "4"])
+    assert _split(["--nproc", "2", "--master-port", "1234", "b.py"]) == (["--nproc", "2", "--master-port", "1234"],
+                                                                         ["b.py"])

@@ -379,7 +379,8 @@ _LOCK = threading.Lock()
 def default_comm() -> Comm:
     """The process's communicator, built once: torch's default process group when
     ``torch.distributed`` is initialized (its store already holds MASTER_PORT); else
-    :class:`SingleComm` when WORLD_SIZE is unset or 1; else :class:`NcclComm` from the environment."""
+    :class:`SingleComm` when WORLD_SIZE is unset or 1; else :class:`NcclComm` from the environment,
+    or, where CuPy has no NCCL library, torch's NCCL process group initialized from it."""
     global _DEFAULT
     import sys
     tdist = sys.modules.get("torch.distributed")
@@ -388,8 +389,37 @@ def default_comm() -> Comm:
     with _LOCK:
         if _DEFAULT is None:
             env = read_env()
-            _DEFAULT = SingleComm() if env["world_size"] == 1 else NcclComm.from_env()
+            if env["world_size"] == 1:
+                _DEFAULT = SingleComm()
+            elif _cupy_nccl_available():
+                _DEFAULT = NcclComm.from_env()
+            else:
+                _DEFAULT = _torch_from_env(env)
         return _DEFAULT
+
+
+def _cupy_nccl_available() -> bool:
+    try:
+        from cupy.cuda import nccl
+    except ImportError:
+        return False
+    return bool(nccl.available)
+
+
+def _torch_from_env(env: dict) -> "TorchComm":
+    """Without CuPy's NCCL: torch's NCCL process group from the same environment (env://)."""
+    try:
+        import torch
+        import torch.distributed as tdist
+    except ImportError:
+        raise RuntimeError("ring_attention: WORLD_SIZE > 1 needs NCCL: CuPy's binding (pip install "
+                           "nvidia-nccl-cu13) or torch.distributed") from None
+    torch.cuda.set_device(env["local_rank"])
+    import cupy
+    cupy.cuda.Device(env["local_rank"]).use()
+    tdist.init_process_group("nccl", device_id=torch.device("cuda", env["local_rank"]))
+    comm = _TORCH_COMMS[id(tdist.group.WORLD)] = TorchComm(tdist.group.WORLD)   # the caller holds _LOCK
+    return comm
 
 
 def resolve(comm) -> Comm:

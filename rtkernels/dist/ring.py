@@ -355,8 +355,8 @@ def ring_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None
     c = _comm.resolve(comm)
     qv, kv, vv = (call.views[n] for n in ("q", "k", "v"))
     steps = plan(layout, bool(causal), c.rank, c.world_size, qv.shape[1])
-    out, out_v = _new(call, qv.shape)
     with _active(call):
+        out, out_v = _new(call, qv.shape)
         if qv.shape[1] == 0 or qv.size == 0:
             lse = _empty_lse(call, qv)
         else:
@@ -387,10 +387,10 @@ def ring_attention_backward(do, q, k, v, o, lse, *, causal: bool = False, softma
     batch, seqlen, heads, _ = qv.shape
     lse_v = _lse_view(call, lse, (batch, heads, seqlen))
     steps = plan(layout, bool(causal), c.rank, c.world_size, seqlen)
-    dq, dq_v = _new(call, qv.shape)
-    dkv, dkv_v = _new(call, (2,) + tuple(kv.shape))
-    if qv.size and seqlen:
-        with _active(call):
+    with _active(call):
+        dq, dq_v = _new(call, qv.shape)
+        dkv, dkv_v = _new(call, (2,) + tuple(kv.shape))
+        if qv.size and seqlen:
             backward_steps(call.kern, c, dov, qv, kv, vv, ov, lse_v, steps, call.scale, dq_v, dkv_v)
     return dq, dkv[0], dkv[1]
 

@@ -77,20 +77,42 @@ def launch(nproc: int, command: list[str], *, addr: str = "127.0.0.1", port: int
         return 130
 
 
+_VALUED = {"-n", "--nproc", "--master-addr", "--master-port", "--timeout"}
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher options, command): everything from the script (or after ``-m module``) on is
+    the command's, untouched - its own ``-q`` or ``--help`` included."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            return argv[:i], argv[i:]
+        if a in _VALUED:
+            i += 2
+        elif a.startswith("-") and (a.split("=")[0] in _VALUED or a in ("-h", "--help")):
+            i += 1
+        elif a.startswith("-n") and a[2:].isdigit():   # -n2
+            i += 1
+        else:
+            return argv[:i], argv[i:]
+    return argv, []
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rtkernels.dist.run", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m rtkernels.dist.run", description=__doc__.split("\n\n")[0],
+                                usage="python -m rtkernels.dist.run -n N [options] (script.py | -m module) [args ...]")
     p.add_argument("-n", "--nproc", type=int, required=True, help="processes (one per GPU)")
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=None, help="default: a free port")
     p.add_argument("--timeout", type=float, default=None, help="seconds before every process is stopped")
-    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m) instead of a script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="script.py [args ...] (or the module's args with -m)")
-    a = p.parse_args(argv)
+    ours, command = _split(argv)
+    a = p.parse_args(ours)
     if a.nproc < 1:
         p.error(f"-n must be at least 1, got {a.nproc}")
-    if a.module is None and not a.args:
+    if not command or command == ["-m"]:
         p.error("give a script to run (or -m module)")
-    command = (["-m", a.module] if a.module else []) + a.args
     return launch(a.nproc, command, addr=a.master_addr, port=a.master_port, timeout=a.timeout)
 
 
