@@ -262,7 +262,7 @@ def test_launcher_sets_the_environment(tmp_path):
         import os
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NCCL_NVLS_ENABLE",
                 "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-        os.write(1, (" ".join(f"{k}={os.environ[k]}" for k in keys) + "\n").encode())   # one write per rank
+        os.write(1, (" ".join(f"{k}={os.environ[k]}" for k in keys) + "\\n").encode())   # one write per rank
     """)
     assert r.returncode == 0, r.stderr
     lines = sorted(line for line in r.stdout.split("\n") if line)
