@@ -190,8 +190,11 @@ def candidates(head_dim: int) -> tuple[Tile, ...]:
 
 
 def max_rows(head_dim: int) -> int:
-    """The most query rows one CTA takes at this head dim (rows x head_dim <= 4096, at most 64)."""
-    return max(16, min(64, 4096 // head_dim // 16 * 16))
+    """The most query rows one CTA takes at this head dim: each warp holds O (rows x head_dim / 32
+    registers per thread) and S (rows x 16 / 32 at 16-key tiles), and rows x (head_dim + 16) <= 4608
+    keeps the two at d128's 32 rows (231-246 registers, no spill); d64 at 64 rows reached 255 on
+    sm_80 (NVRTC 13.5), so it gets 48.  At most 64 rows."""
+    return max(16, min(64, 4608 // (head_dim + 16) // 16 * 16))
 
 
 def rows_for(rows_total: int, head_dim: int) -> int:
