@@ -439,7 +439,8 @@ class Kernel:
         """Launch on CuPy's current stream (or ``stream``: a CuPy stream or anything with ``.ptr``).
 
         Pointer parameters take CuPy arrays, ``__cuda_array_interface__`` or DLPack objects on the
-        current device (or None for a null pointer); scalars are converted to the declared C type,
+        current device (or None for a null pointer, or a :class:`DevicePtr`: a raw address the
+        caller vouches for); scalars are converted to the declared C type,
         and a wrong count or type is a TypeError before anything is launched.  A grid with a zero
         dimension launches nothing.  ``RTKERNELS_SYNC_LAUNCH=1`` synchronizes after each launch
         and reports asynchronous kernel faults at the launch that caused them.
@@ -593,6 +594,14 @@ _SYNC_CHECK = os.environ.get("RTKERNELS_SYNC_LAUNCH", "0") == "1"
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+class DevicePtr(int):
+    """A raw device address for a pointer parameter of :meth:`Kernel.launch`; the caller vouches
+    that it points at live memory on the launch's device (plain ints stay a TypeError: a wrong
+    one would fault the context).  Ops pass torch tensors' ``data_ptr()`` this way on their
+    replay paths: a CuPy view or MemoryPointer per tensor costs 2-10 us of host time."""
+    __slots__ = ()
+
+
 class _StreamPtr:
     __slots__ = ("ptr",)
 
@@ -646,6 +655,8 @@ def _converter(kernel: Kernel, index: int, p: Param):
         def conv(a, dev):
             if a is None:
                 return None
+            if type(a) is DevicePtr:
+                return int(a)
             dev_of = getattr(getattr(a, "data", None), "device_id", None)  # CuPy ndarray fast path
             if dev_of is None:
                 return _foreign_pointer(a, dev, where)

@@ -250,33 +250,34 @@ def _kernel_for(dtype: str, head_dim: int, causal: bool, arch: str):
 _KERNELS: dict = {}
 
 
-def _bad(field: str, value: Any, message: str) -> ConfigError:
-    return ConfigError(f"attention: {message}", family=FAMILY, field=field, value=value, allowed=message)
+def _bad(field: str, value: Any, message: str, op: str = FAMILY) -> ConfigError:
+    return ConfigError(f"{op}: {message}", family=op, field=field, value=value, allowed=message)
 
 
-def _elem_strides(view, name: str) -> tuple[int, ...]:
-    """Strides in elements; the last must be 1 and the others whole 16-byte chunks (cp.async)."""
+def _elem_strides(view, name: str, op: str = FAMILY) -> tuple[int, ...]:
+    """Strides in elements; the last must be 1 and the others whole 16-byte chunks (cp.async).
+    ``op``: the op named in errors."""
     item = view.itemsize
     shape, strides = view.shape, view.strides
     out = []
     for dim, (n, s) in enumerate(zip(shape, strides)):
         if s % item:
-            raise _bad(name, strides, f"{name} has stride {s} bytes in dim {dim}, not a whole number of elements")
+            raise _bad(name, strides, f"{name} has stride {s} bytes in dim {dim}, not a whole number of elements", op)
         out.append(0 if n == 1 else s // item)   # a size-1 dim's stride is never used
     if shape[-1] > 1 and out[-1] != 1:
         raise _bad(name, strides, f"{name} must have a contiguous last dimension (stride 1), got strides "
                                   f"{tuple(s // item for s in strides)} elements; pass {name}.copy() or a "
-                                  "contiguous view")
+                                  "contiguous view", op)
     if any(s % 8 for s in out[:-1]):
         raise _bad(name, strides, f"{name} strides {tuple(out)} (elements) must be multiples of 8 (16-byte rows "
-                                  f"for cp.async) in every dimension but the last; pass a contiguous copy")
+                                  f"for cp.async) in every dimension but the last; pass a contiguous copy", op)
     if view.data.ptr % 16:
         raise _bad(name, view.data.ptr, f"{name} must start at a 16-byte aligned address (got {view.data.ptr:#x}); "
-                                        "pass a contiguous copy")
+                                        "pass a contiguous copy", op)
     return tuple(out)
 
 
-def _dtype_of(x, name: str, dtype: str | None) -> str:
+def _dtype_of(x, name: str, dtype: str | None, op: str = FAMILY) -> str:
     from ._arrays import dtype_name
     actual = dtype_name(x)
     if dtype is not None:
@@ -285,13 +286,13 @@ def _dtype_of(x, name: str, dtype: str | None) -> str:
             return "bfloat16"
         if actual != want:
             raise _bad(name, actual, f"{name} has dtype {actual}, but dtype={want!r} was given "
-                                     "(uint16 arrays are read as bfloat16 bits only with dtype='bfloat16')")
+                                     "(uint16 arrays are read as bfloat16 bits only with dtype='bfloat16')", op)
         return want
     if actual == "uint16":
         raise _bad(name, actual, f"{name} has dtype uint16; to pass bfloat16 bits in a uint16 CuPy array, "
-                                 "call attention(..., dtype='bfloat16')")
+                                 f"call {op}(..., dtype='bfloat16')", op)
     if actual not in _FLOATS:
-        raise _bad(name, actual, f"{name} has dtype {actual}; allowed: float16, bfloat16")
+        raise _bad(name, actual, f"{name} has dtype {actual}; allowed: float16, bfloat16", op)
     return actual
 
 
