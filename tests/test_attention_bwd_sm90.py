@@ -47,9 +47,10 @@ def test_config_derived_values():
 
 def test_dispatch_rules():
     class V:
-        def __init__(self, strides):
-            self.strides = strides
+        def __init__(self, strides, shape=(4, 512, 16, 64)):
+            self.strides, self.shape = strides, shape
     views = (V((1 << 20, 2048, 128, 2)),)
+    assert not B90.runnable("sm_90", (V((0, 2048, 128, 2)),), 100)   # a batch broadcast: tensor maps have no stride 0
     assert B90.eligible("sm_90", views, 100, 128)
     assert not B90.eligible("sm_90", views, 100, 136)     # head dims > 128: the mma.sync kernel
     assert not B90.eligible("sm_80", views, 100, 64)

@@ -441,8 +441,12 @@ def test_layout_rules():
     assert mm._layout("a", "M", (5, 7), (1, 5)) == (False, 5)
     assert mm._layout("a", "M", (1, 7), (123, 1)) == (True, 0)
     assert mm._layout("a", "M", (5, 1), (1, 99)) == (False, 0)
-    with pytest.raises(ConfigError, match="unit stride"):
-        mm._layout("a", "M", (5, 7), (14, 2))
+    # broadcasts (issue 26): a stride 0 over an extent > 1 is never the unit stride
+    assert mm._layout("a", "M", (5, 7), (0, 1)) == (True, 0)      # one row for every m
+    assert mm._layout("a", "M", (5, 7), (1, 0)) == (False, 0)     # one column for every k
+    for strides in ((0, 0), (7, 0), (0, 7), (14, 2)):             # no unit stride: the op stages these
+        with pytest.raises(ConfigError, match="unit stride"):
+            mm._layout("a", "M", (5, 7), strides)
     assert mm._vec(256, 64, 0) == 8 and mm._vec(256, 36) == 4 and mm._vec(258, 64) == 1 and mm._vec(0, 9) == 1
     assert mm._bucket(1792) == 1792 and mm._bucket(1793) == 2048 and mm._bucket(4095) == 4096
     assert mm._bucket(17) == 32 and mm._bucket(1) == 1
@@ -661,8 +665,8 @@ def test_gpu_errors():
         rtk.matmul(a, cp.ones((4, 3), cp.float16))
     with pytest.raises(ConfigError, match="same dtype"):
         rtk.matmul(a, cp.ones((5, 3), cp.float32))
-    with pytest.raises(ConfigError, match="unit stride"):
-        rtk.matmul(cp.ones((8, 10), cp.float16)[::2, ::2], cp.ones((5, 3), cp.float16))
+    with pytest.raises(ConfigError, match="out .* broadcast"):      # (a[::2, ::2] is copied and runs)
+        rtk.matmul(a, cp.ones((5, 3), cp.float16), out=cp.broadcast_to(cp.empty((1, 3), cp.float16), (4, 3)))
     with pytest.raises(ConfigError, match="activation"):
         rtk.matmul(a, cp.ones((5, 3), cp.float16), activation="tanh")
     with pytest.raises(ConfigError, match="bias"):

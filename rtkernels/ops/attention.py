@@ -18,6 +18,7 @@ from .. import arch as _arch
 from .. import autotune as _autotune
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
+from . import views as _views
 from ._arrays import LaunchPlans, OutputPlan, address, default_stream, device_pointer, empty_as
 
 FAMILY = "attention"
@@ -277,6 +278,49 @@ def _elem_strides(view, name: str, op: str = FAMILY) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _direct(info) -> bool:
+    """Whether the mma.sync kernels read a q/k/v/o/do view as it is: a 16-byte aligned base, a
+    unit-stride last dim and every other stride a multiple of 16 bytes (cp.async moves 16-byte
+    chunks of rows).  Their addressing is ``sum(index * stride)`` in 64-bit integers, so stride 0
+    (broadcast), overlapping and negative strides (a reversed view, tests/test_attention_sm90.py)
+    read exactly; the Hopper kernels' tensor maps need :attr:`ViewInfo.tma` on top."""
+    return info.kind in (_views.CONTIGUOUS, _views.UNIT, _views.NEGATIVE) and info.unit(-1) and \
+        info.address % 16 == 0 and all(n == 1 or s % 16 == 0 for n, s in zip(info.shape[:-1], info.strides[:-1]))
+
+
+def read_inputs(family: str, named, stream, tma: bool):
+    """(views, staged): the input views the kernels read, each as given when :func:`_direct` (and
+    with ``tma``, the Hopper kernel's case, when a tensor map can encode it), else a compact copy
+    made on ``stream``; ``staged``: whether any is a copy (then the call keeps no launch plan, which
+    would replay on the caller's arrays).  Misaligned elements are rejected, naming the argument."""
+    ok = (lambda i: i.tma and _direct(i)) if tma else _direct
+    out, staged = [], False
+    for name, view in named:
+        view, copied = _views.read_view(family, name, view, stream, ok)
+        out.append(view)
+        staged |= copied
+    return out, staged
+
+
+def check_output(family: str, name: str, view) -> None:
+    """An output the kernels write: no two indices on one element (broadcast or overlapping views
+    would race), then the input rules (:func:`_elem_strides`)."""
+    _views.check_output(family, name, _views.of(view),
+                        "pass an array whose elements are distinct, with a contiguous last dimension, other "
+                        "strides multiples of 8 elements and a 16-byte aligned start")
+
+
+def collapse_broadcast_heads(k_, v_):
+    """K and V broadcast over their heads (head stride 0, e.g. ``k[:, :, :1].expand(b, s, h, d)``)
+    are multi-query attention: every query head reads one K/V head.  Their first head alone is the
+    same problem with nheads_kv = 1 (GQA), read in place by both kernels, which a tensor map can
+    encode (stride 0 it cannot).  Only for the forward: the backward's dk / dv have k's shape, one
+    gradient per broadcast head, which a collapsed K would sum."""
+    if k_.ndim == 4 and k_.shape[2] > 1 and k_.strides[2] == 0 and v_.strides[2] == 0:
+        return k_[:, :, :1], v_[:, :, :1]
+    return k_, v_
+
+
 def _dtype_of(x, name: str, dtype: str | None, op: str = FAMILY) -> str:
     from ._arrays import dtype_name
     actual = dtype_name(x)
@@ -380,15 +424,22 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         Accepted arrays: CuPy arrays, torch CUDA tensors, and any ``__cuda_array_interface__`` or
         DLPack device array.  float16 or bfloat16, all three the same.  bfloat16 comes as torch
         tensors, or as uint16 CuPy arrays of bfloat16 bits together with ``dtype="bfloat16"``.
-        Strides are free except: last dimension contiguous, other strides multiples of 8 elements
-        and a 16-byte aligned start (true for contiguous arrays and for slices of a packed
-        (batch, seqlen, 3, nheads, head_dim) qkv array) - no copy is made.
+        Views read in place (no copy): last dimension contiguous, other strides non-negative
+        multiples of 8 elements and a 16-byte aligned start - contiguous arrays, slices of a packed
+        (batch, seqlen, 3, nheads, head_dim) qkv array.  K and V broadcast over their heads
+        (``k[:, :, :1].expand(...)``, head stride 0) run as nheads_kv = 1, in place.  Other stride-0
+        (broadcast), overlapping or negative strides are read in place by the mma.sync kernel; on
+        sm_90 the Hopper kernel's tensor maps cannot encode them, so such inputs are copied.
+        Everything else (a strided last dimension, odd strides or offsets) is copied to a
+        compact array on the call's stream first; a call that copies keeps no launch plan.
+        Elements not aligned to their size raise ConfigError.
     causal : mask aligned to the bottom-right corner: query i sees key j iff
         ``j <= i + seqlen_k - seqlen_q``.  A query that sees no key gets o = 0 and lse = -inf.
     softmax_scale : positive finite float; default ``1 / sqrt(head_dim)``.
     return_lse : also return the log-sum-exp (natural log) per (batch, head, query row).
-    out : optional output array for o: shape of q, same dtype and device, last dimension contiguous
-        (other strides as for q).
+    out : optional output array for o: shape of q, same dtype and device, last dimension contiguous,
+        other strides multiples of 8 elements, 16-byte aligned.  A broadcast (stride 0) or
+        overlapping out is rejected: its writes would race.
     dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits (else taken from the arrays).
     stream : CuPy stream, torch stream or raw handle; default the current CuPy stream, or torch's
         current stream when the inputs are torch tensors.
@@ -412,17 +463,23 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     if plan is not None:
         return _replay_forward(plan, q, k, v, out, return_lse, stream)
     p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY)
-    q_, k_, v_ = p.views["q"], p.views["k"], p.views["v"]
     dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
+    q_ = p.views["q"]
+    k_, v_ = collapse_broadcast_heads(p.views["k"], p.views["v"])
     batch, seqlen_q, nheads, head_dim = q_.shape
-    seqlen_k, nheads_kv = p.seqlen_k, p.nheads_kv
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     causal = bool(causal)
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
-    if not empty:
-        sq_, sk_, sv_ = (_elem_strides(view, n) for view, n in ((q_, "q"), (k_, "k"), (v_, "v")))
-
     with cupy.cuda.Device(dev):
+        arch = _device_arch(dev)
+        stream = default_stream(q, stream)
+        staged = False
+        if not empty:
+            # the Hopper kernel (whenever it may run) reads through tensor maps: stage what they cannot encode
+            tma = _sm90.ENABLED and _sm90.is_sm90(arch) and seqlen_k >= 1
+            (q_, k_, v_), staged = read_inputs(FAMILY, (("q", q_), ("k", k_), ("v", v_)), stream, tma)
+            sq_, sk_, sv_ = (_elem_strides(view, n) for view, n in ((q_, "q"), (k_, "k"), (v_, "v")))
         if out is None:
             o = new_like(q, (batch, seqlen_q, nheads, head_dim), dt)
         else:
@@ -434,14 +491,14 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             if tuple(o_.shape) != tuple(q_.shape) or odt != dt or _device_of(o_) != dev:
                 raise _bad("out", o_.shape, f"out must be a {dt} array of shape {tuple(q_.shape)} on device {dev}, "
                                             f"got {odt} {tuple(o_.shape)} on device {_device_of(o_)}")
+            if not empty:
+                check_output(FAMILY, "out", o_)
         so_ = None if empty else _elem_strides(o_, "out")
         lse = new_like(q, (batch, nheads, seqlen_q), "float32") if return_lse else None
         if empty:
             return (o, lse) if return_lse else o
         lse_ = as_device_array(lse, FAMILY, "lse") if return_lse else None
 
-        arch = _device_arch(dev)
-        stream = default_stream(q, stream)
         # sm_90: the TMA/wgmma kernel (rtkernels.ops.attention_sm90) whenever TMA can address
         # the arrays; everything else, and other archs, the mma.sync kernel below.
         hopper = _sm90.eligible(arch, (q_, k_, v_, o_), seqlen_k)
@@ -449,7 +506,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch)
             if not _autotune.enabled():
                 _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream)
-                if plan_key is not None:
+                if plan_key is not None and not staged:
                     _remember_forward(plan_key, kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale)
                 return (o, lse) if return_lse else o
         else:
