@@ -215,9 +215,10 @@ class Tally:
         ref)`` -> None or a message.  ``expect``: "ok" or "reject"; ``names``: the arguments a
         rejection may name."""
         self.cases += 1
+        import cupy
         try:
             got = call()
-            self.lib.cp.cuda.Device().synchronize()
+            cupy.cuda.Device().synchronize()   # torch and CuPy launch on streams of this device
         except ConfigError as e:
             msg = str(e)
             if not any(f" {n} (shape " in msg or msg.startswith(f"{n} (shape ") for n in names) or \
