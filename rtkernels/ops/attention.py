@@ -18,7 +18,7 @@ from .. import arch as _arch
 from .. import autotune as _autotune
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
-from ._arrays import LaunchPlans, OutputPlan, address, default_stream, device_pointer, empty_as
+from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as
 
 FAMILY = "attention"
 
@@ -510,8 +510,7 @@ def _replay_forward(plan: OutputPlan, q, k, v, out, return_lse, stream):
     o = plan.output(q, out)
     lse = empty_as(q, *lse_spec) if return_lse else None
     maps = _sm90.tensor_maps(cfg, *(address(a) for a in (q, k, v, o)), specs=specs)
-    lse_arg = device_pointer(lse, q.get_device()) if plan.torch else lse
-    plan.launch.run((*maps, lse_arg), default_stream(q, stream))
+    plan.launch.run((*maps, lse), default_stream(q, stream))   # a torch lse passes as it is
     return (o, lse) if return_lse else o
 
 

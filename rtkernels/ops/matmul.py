@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
 from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
-                      device_pointer, dtype_name, new_like, same_memory)
+                      dtype_name, new_like, same_memory)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -412,11 +412,8 @@ def _args(maps, abc):
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
-    args = _args(plan.extra, (a, b, bias, out))
-    if plan.torch:
-        dev = a.get_device()
-        args = [device_pointer(x, dev) for x in args]   # maps and None pass through
-    plan.launch.run(args, default_stream(a, stream))
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run(_args(plan.extra, (a, b, bias, out)), default_stream(a, stream) if plan.torch else stream)
     return out
 
 
