@@ -155,3 +155,13 @@ def test_plan_keys_of_torch_tensors():
     torch = pytest.importorskip("torch")
     plans = _arrays.LaunchPlans()
     assert plans.key((torch.ones(3),), ()) is None   # CPU tensors take the full path (which refuses them)
+
+
+def test_fast_getenv_follows_os_environ(monkeypatch):
+    from rtkernels._env import getenv
+    monkeypatch.delenv("RTKERNELS_TEST_KNOB", raising=False)
+    assert getenv("RTKERNELS_TEST_KNOB") is None and getenv("RTKERNELS_TEST_KNOB", "d") == "d"
+    monkeypatch.setenv("RTKERNELS_TEST_KNOB", "x1")
+    assert getenv("RTKERNELS_TEST_KNOB") == "x1"
+    monkeypatch.setenv("RTKERNELS_TEST_KNOB", "")
+    assert getenv("RTKERNELS_TEST_KNOB", "d") == ""

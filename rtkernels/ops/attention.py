@@ -16,6 +16,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from .. import arch as _arch
 from .. import autotune as _autotune
+from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as
@@ -490,11 +491,10 @@ _FORWARD_PLANS = LaunchPlans(1024)
 
 
 def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype):
-    import os
     if not _sm90.ENABLED or _autotune.enabled():
         return None
     return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype,
-                                                  os.environ.get("RTKERNELS_ARCH")))
+                                                  getenv("RTKERNELS_ARCH")))
 
 
 def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import arch as arch_mod
 from .. import autotune, device
+from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
@@ -387,7 +388,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             SM90_MMA, autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
+                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH")))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
