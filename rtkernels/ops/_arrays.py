@@ -14,7 +14,9 @@ from ..errors import ConfigError
 
 
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    """Whether ``x`` is a torch tensor (a set lookup once its type has been seen)."""
+    t = type(x)
+    return t in _TORCH_TYPES or _torch_type(t)
 
 
 def dtype_name(x) -> str:
@@ -145,7 +147,7 @@ def cupy_stream(stream):
 def default_stream(x, stream):
     """``stream``, or for a torch tensor ``x`` with none given, torch's current stream: where
     the tensor's producers and consumers are queued, so the launch is ordered with them."""
-    if stream is None and type(x) is not _NDARRAY and _is_torch(x):
+    if stream is None and _is_torch(x):
         return torch_stream_ptr(sys.modules["torch"], x.get_device())
     return stream
 
@@ -203,13 +205,20 @@ def _bind_cupy() -> None:
     _NDARRAY, _CUPY_EMPTY = cupy.ndarray, cupy.empty
 
 
+_OTHER_TYPES: set = set()          # types seen that are not torch tensors (CuPy arrays, ...)
+
+
 def _torch_type(t: type) -> bool:
     if t in _TORCH_TYPES:
         return True
+    if t in _OTHER_TYPES:
+        return False
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(t, torch.Tensor):
         _TORCH_TYPES.add(t)
         return True
+    if torch is not None or t is _NDARRAY:   # (before torch is imported no type is a tensor's)
+        _OTHER_TYPES.add(t)
     return False
 
 
