@@ -493,8 +493,10 @@ def _stream_arg(stream):
 
 
 def _linear_size(grid: tuple, block: tuple) -> int:
-    """grid[0] * block[0] for a 1-D grid of 1-D blocks (Function.linear_launch's size), else 0."""
-    if any(x != 1 for x in grid[1:]) or any(x != 1 for x in block[1:]):
+    """grid[0] * block[0] for a 1-D grid of 1-D blocks (Function.linear_launch's size), else 0.
+    A grid beyond CUDA's 2^31 - 1 blocks is left to Function.__call__, whose launch reports it
+    (linear_launch would clamp it)."""
+    if any(x != 1 for x in grid[1:]) or any(x != 1 for x in block[1:]) or grid[0] > 0x7FFFFFFF:
         return 0
     return grid[0] * block[0] if LINEAR_LAUNCH else 0
 
