@@ -175,7 +175,7 @@ def attention_breakdown(rows: Rows):
     plan = att._FORWARD_PLANS.get(key)
     if plan is None:
         return
-    cfg, specs, lse_spec = plan.extra
+    cfg, specs, lse_spec = plan.extra[:3]
     o = plan.output(q, None)
     lse = torch.empty(lse_spec[0], dtype=lse_spec[1], device="cuda")
     maps = sm90.tensor_maps(cfg, *(address(t) for t in (q, q, q, o)), specs=specs)

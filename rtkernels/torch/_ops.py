@@ -82,14 +82,10 @@ def _attention_backward(ctx, do, _dlse):
     return dq, dk, dv, None, None
 
 
-def _attention_impl(q, k, v, causal, softmax_scale):
-    return _rtk.attention(q, k, v, causal, softmax_scale)
-
-
 attention_op = op("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None) "
                   "-> (Tensor, Tensor)",
-                  _attention_impl, fake=_attention_fake, backward=_attention_backward,
-                  setup_context=_attention_save)
+                  _rtk.attention,   # its first five parameters are the schema's: no wrapper frame
+                  fake=_attention_fake, backward=_attention_backward, setup_context=_attention_save)
 
 
 def _attention_backward_fake(do, q, k, v, o, lse, causal, softmax_scale, deterministic):
