@@ -28,18 +28,10 @@ def build(dtype: str, arch: str | None = None):
     return [(p, rtk.compile(TEMPLATE, kernel="bias_gelu", arch=arch, dtype=dtype, **p)) for p in CANDIDATES]
 
 
-def time_ms(fn, repeat: int = 20) -> float:
-    import cupy as cp
-    fn()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return sorted(times)[len(times) // 2]
+def time_ms(fn) -> float:
+    """Median GPU milliseconds of ``fn`` (CUDA events around each call, after a warmup)."""
+    from cupyx.profiler import benchmark
+    return float(np.median(benchmark(fn, n_repeat=20, n_warmup=3).gpu_times)) * 1e3
 
 
 def launcher(kernel, params, x, bias, y):
