@@ -165,3 +165,38 @@ def test_fast_getenv_follows_os_environ(monkeypatch):
     assert getenv("RTKERNELS_TEST_KNOB") == "x1"
     monkeypatch.setenv("RTKERNELS_TEST_KNOB", "")
     assert getenv("RTKERNELS_TEST_KNOB", "d") == ""
+
+
+ADD = ('extern "C" __global__ void add3(const float* a, const float* b, float* c, int n) {\n'
+       '    int i = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x * blockDim.x + blockIdx.x * blockDim.x\n'
+       '            + threadIdx.x;\n'
+       '    if (i < n) c[i] = a[i] + b[i];\n}\n')
+
+
+@pytest.mark.gpu
+def test_gpu_launch_paths_agree():
+    """1-D (linear_launch) and 3-D (Function.__call__) launches, CuPy arrays and torch tensors,
+    raw stream handles: the same sums, with outputs poisoned first."""
+    import cupy as cp
+    k = rtk.compile(rtk.Template(ADD))
+    n = 1000
+    a, b = cp.arange(n, dtype=cp.float32), cp.full(n, 0.5, cp.float32)
+    for grid in ((4,), (2, 2, 1)):
+        c = cp.full(n, cp.nan, cp.float32)
+        k.launch(grid, (256,), a, b, c, n)
+        cp.testing.assert_array_equal(c, a + b)
+    s = cp.cuda.Stream(non_blocking=True)
+    c = cp.full(n, cp.nan, cp.float32)
+    cp.cuda.get_current_stream().synchronize()
+    k.launch((4,), (256,), a, b, c, n, stream=s.ptr)
+    s.synchronize()
+    cp.testing.assert_array_equal(c, a + b)
+    torch = pytest.importorskip("torch")
+    ta, tb = torch.arange(n, dtype=torch.float32, device="cuda"), torch.full((n,), 0.5, device="cuda")
+    tc = torch.full((n,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    k.launch((4,), (256,), ta, tb, tc, n)
+    cp.cuda.Device().synchronize()
+    assert torch.equal(tc, ta + tb)
+    with pytest.raises(LaunchError, match="cpu"):
+        k.launch((4,), (256,), ta.cpu(), tb, tc, n)
