@@ -24,13 +24,14 @@ import numpy as np
 
 from .. import arch as arch_mod
 from .. import autotune, device
+from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
-                      device_pointer, dtype_name, new_like, same_memory)
+                      dtype_name, new_like, same_memory)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -403,7 +404,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             SM90_MMA, autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
+                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH")))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
@@ -428,11 +429,8 @@ def _args(maps, abc):
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
-    args = _args(plan.extra, (a, b, bias, out))
-    if plan.torch:
-        dev = a.get_device()
-        args = [device_pointer(x, dev) for x in args]   # maps and None pass through
-    plan.launch.run(args, default_stream(a, stream))
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run(_args(plan.extra, (a, b, bias, out)), default_stream(a, stream) if plan.torch else stream)
     return out
 
 

@@ -56,7 +56,7 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import views
-from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer, dtype_name,
+from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, dtype_name,
                       new_like, same_memory)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -682,11 +682,8 @@ def _launch(key, launch: Launch, views, arrays, stream) -> None:
 def _replay(plan: OutputPlan, inputs: tuple, out, stream):
     x = inputs[0]
     out = plan.output(x, out)
-    if plan.torch:
-        dev = x.get_device()
-        plan.launch.run([device_pointer(a, dev) for a in (*inputs, out)], default_stream(x, stream))
-    else:
-        plan.launch.run((*inputs, out), stream)
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run((*inputs, out), default_stream(x, stream) if plan.torch else stream)
     return out
 
 
