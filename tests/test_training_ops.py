@@ -7,8 +7,6 @@ GPU (-m gpu): every op against float64 references over awkward widths / vocabula
 random inputs and NaN-poisoned outputs; torch autograd / F.cross_entropy / torch.optim.AdamW where
 torch is importable.
 """
-import math
-
 import numpy as np
 import pytest
 
@@ -279,7 +277,6 @@ def test_norm_backward_gpu(dtype, n):
     rng = np.random.default_rng(n)
     rows = _rows_for(n)
     x, x64 = random_array(rng, (rows, n), dtype, scale=2.0)
-    x += 0   # noqa: B018  (fresh array)
     dy, dy64 = random_array(rng, (rows, n), dtype)
     w, w64 = random_array(rng, (n,), dtype)
     b, _ = random_array(rng, (n,), dtype)
@@ -334,7 +331,7 @@ def test_norm_backward_float16_and_float32_weights_gpu():
 NORM_CLASS_CONFIGS = [   # every row class at widths the heuristics would not give it
     (4096, dict(threads_per_row=128, block_size=128, vecs_per_thread=2, two_pass=True)),    # 4 chunks
     (33000, dict(threads_per_row=256, block_size=256, vecs_per_thread=2, two_pass=True)),   # ragged chunks
-    (1000, dict(threads_per_row=8, block_size=64, vecs_per_thread=16)),                     # narrow groups
+    (200, dict(threads_per_row=8, block_size=64, vecs_per_thread=4)),                       # narrow groups
     (5000, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2)),   # barrier cluster
     (20000, dict(threads_per_row=256, block_size=256, vecs_per_thread=2, cluster_size=8, cluster_push=True)),
 ]

@@ -211,7 +211,8 @@ def _hyper(op, lr, step, beta1, beta2, eps, weight_decay, maximize) -> tuple:
     decay = 1.0 - lr_h * wd
     step_size = lr_h / (1.0 - b1 ** step_h)
     bc2_sqrt = (1.0 - b2 ** step_h) ** 0.5
-    return (lr_h, step_h, b1, b2, wd, 1.0 - b1, b2, 1.0 - b2, float(eps), decay, step_size, bc2_sqrt, int(bool(maximize)))
+    inv_bc2 = float(np.float32(1.0) / np.float32(bc2_sqrt))   # torch: tensor / scalar = tensor * (1 / float(scalar))
+    return (lr_h, step_h, b1, b2, wd, 1.0 - b1, b2, 1.0 - b2, float(eps), decay, step_size, inv_bc2, int(bool(maximize)))
 
 
 def _device_scalar(op, name, v, g: _Group):

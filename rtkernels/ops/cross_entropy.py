@@ -31,12 +31,12 @@ from typing import ClassVar
 import numpy as np
 
 from .. import dtypes
-from ..config import KernelConfig, register_family
+from ..config import register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import rowwise as rw
 from ._arrays import Launch, as_device_array, default_stream, dtype_name, empty_as
-from .rowwise import FLOAT_DTYPES, _RowConfig
+from .rowwise import _RowConfig
 
 REDUCTIONS = ("none", "sum", "mean")
 TARGET_DTYPES = ("int64", "int32")

@@ -22,7 +22,6 @@ RMSNorm half), e.g. 264 workers x 4096 columns = 8.6 MB.  There is no atomics mo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
@@ -34,7 +33,7 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import rowwise as rw
-from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, default_stream, device_pointer,
+from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer,
                       dtype_name, empty_as, new_like, same_memory)
 from .rowwise import FLOAT_DTYPES, _RowConfig
 
