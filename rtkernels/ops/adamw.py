@@ -278,49 +278,65 @@ def _build(op, lists, config) -> _Plan:
     return _Plan(lists, tuple(len(x) if x is not None else -1 for x in lists), out)
 
 
+@dataclass(frozen=True)
+class _Info:
+    ptr: int
+    numel: int
+    dtype: str
+    device: int
+
+
+def _info(op: str, name: str, a) -> _Info:
+    """Address, size, dtype and device of a contiguous CUDA array.  torch tensors are read
+    directly (no CuPy view: parameters that require grad cannot go through DLPack)."""
+    if _is_torch(a):
+        if not a.is_cuda:
+            raise ConfigError(f"{op}: {name} is on {a.device}; it must be on a CUDA device", family=op, field=name)
+        if not a.is_contiguous():
+            raise ConfigError(f"{op}: {name} is not contiguous (strides {tuple(a.stride())}); the step needs "
+                              "contiguous tensors", family=op, field=name)
+        return _Info(a.data_ptr(), a.numel(), dtype_name(a), a.get_device())
+    av = as_device_array(a, op, name)
+    if not av.flags.c_contiguous:
+        raise ConfigError(f"{op}: {name} is not contiguous (strides {av.strides}); the step needs contiguous "
+                          "tensors", family=op, field=name)
+    return _Info(int(av.data.ptr), int(av.size), dtype_name(a), av.data.device_id)
+
+
 def _tensor_row(op, i, p, g, m, v, master):
     """((5 pointers, numel, aligned), group key) of tensor i, checked; (None, None) when empty."""
-    views = []
-    for name, a in (("params", p), ("grads", g), ("exp_avgs", m), ("exp_avg_sqs", v), ("master_params", master)):
-        if a is None:
-            views.append((None, None))
-            continue
-        av = as_device_array(a, op, f"{name}[{i}]")
-        if not av.flags.c_contiguous:
-            raise ConfigError(f"{op}: {name}[{i}] is not contiguous (strides {av.strides}); the step needs "
-                              "contiguous tensors", family=op, field=name)
-        views.append((av, dtype_name(a)))
-    (pv, pdt), (gv, gdt), (mv, mdt), (vv, vdt), (ms, msdt) = views
-    if pdt == "uint16":
-        pdt = "bfloat16"   # CuPy holds bfloat16 as uint16 bits
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "master_params")
+    infos = [None if a is None else _info(op, f"{name}[{i}]", a) for name, a in zip(names, (p, g, m, v, master))]
+    pi, gi, mi, vi, mai = infos
+    pdt = "bfloat16" if pi.dtype == "uint16" else pi.dtype   # CuPy holds bfloat16 as uint16 bits
     if pdt not in FLOAT_DTYPES:
         raise ConfigError(f"{op}: params[{i}] has dtype {pdt}; allowed: {', '.join(FLOAT_DTYPES)}", family=op,
                           field="params", value=pdt)
     fix = (lambda d: pdt if d == "uint16" and pdt == "bfloat16" else d)
-    gdt, mdt, vdt = fix(gdt), fix(mdt), fix(vdt)
+    gdt, mdt, vdt = fix(gi.dtype), fix(mi.dtype), fix(vi.dtype)
     if gdt not in (pdt, "float32"):
         raise ConfigError(f"{op}: grads[{i}] is {gdt}; with {pdt} params it must be {pdt} or float32", family=op,
                           field="grads", value=gdt)
     if mdt != vdt or mdt not in (pdt, "float32"):
         raise ConfigError(f"{op}: exp_avgs[{i}] / exp_avg_sqs[{i}] are {mdt} / {vdt}; both must be float32 or "
                           f"{pdt}", family=op, field="exp_avgs", value=(mdt, vdt))
-    if ms is not None and msdt != "float32":
-        raise ConfigError(f"{op}: master_params[{i}] is {msdt}; master weights are float32", family=op,
-                          field="master_params", value=msdt)
-    numel = int(pv.size)
-    for name, av in (("grads", gv), ("exp_avgs", mv), ("exp_avg_sqs", vv), ("master_params", ms)):
-        if av is not None and int(av.size) != numel:
-            raise ConfigError(f"{op}: {name}[{i}] has {av.size} elements, params[{i}] has {numel}", family=op,
-                              field=name, value=int(av.size), allowed=str(numel))
-    devs = {av.data.device_id for av in (pv, gv, mv, vv, ms) if av is not None}
+    if mai is not None and mai.dtype != "float32":
+        raise ConfigError(f"{op}: master_params[{i}] is {mai.dtype}; master weights are float32", family=op,
+                          field="master_params", value=mai.dtype)
+    numel = pi.numel
+    for name, info in zip(names[1:], infos[1:]):
+        if info is not None and info.numel != numel:
+            raise ConfigError(f"{op}: {name}[{i}] has {info.numel} elements, params[{i}] has {numel}", family=op,
+                              field=name, value=info.numel, allowed=str(numel))
+    devs = {info.device for info in infos if info is not None}
     if len(devs) != 1:
         raise ConfigError(f"{op}: the tensors of params[{i}] are on devices {sorted(devs)}; one device each",
                           family=op, field="params")
     if numel == 0:
         return None, None
-    ptrs = [int(av.data.ptr) if av is not None else 0 for av in (pv, gv, mv, vv, ms)]
+    ptrs = [info.ptr if info is not None else 0 for info in infos]
     aligned = int(all(q % 16 == 0 for q in ptrs))
-    return (ptrs, numel, aligned), (devs.pop(), pdt, gdt, mdt, ms is not None)
+    return (ptrs, numel, aligned), (devs.pop(), pdt, gdt, mdt, mai is not None)
 
 
 def _upload(like, table: np.ndarray, dev: int):
