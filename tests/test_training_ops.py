@@ -40,7 +40,7 @@ def test_config_errors_name_the_field(cls, params, field):
 
 
 @pytest.mark.parametrize("family, n, dtype, arch, row_class", [
-    ("norm_bwd", 200, "bfloat16", "sm_90", "group"), ("norm_bwd", 1000, "float32", "sm_90", "block"), ("norm_bwd", 4096, "bfloat16", "sm_90", "block"),
+    ("norm_bwd", 1000, "bfloat16", "sm_90", "group"), ("norm_bwd", 2048, "float32", "sm_90", "block"), ("norm_bwd", 4096, "bfloat16", "sm_90", "block"),
     ("norm_bwd", 16384, "bfloat16", "sm_90", "cluster"), ("norm_bwd", 65536, "bfloat16", "sm_90", "cluster"),
     ("norm_bwd", 65536, "float32", "sm_90", "two_pass"), ("norm_bwd", 16384, "bfloat16", "sm_80", "two_pass"),
     ("softmax_bwd", 4096, "float32", "sm_90", "block"), ("softmax_bwd", 65536, "bfloat16", "sm_90", "cluster"),

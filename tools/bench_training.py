@@ -105,7 +105,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 y, rstd = rtk.rmsnorm(x, w, eps=1e-6, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.rmsnorm_backward(dy, x, w, eps=1e-6, out=dx, **kw)
-                nbytes = 3 * rows * n * 2 + 2 * n * 2 + rows * 4
+                nbytes = 3 * rows * n * 2 + 2 * n * 2 + rows * 4       # + weight read, dweight written, rstd
                 if torch is not None and hasattr(F, "rms_norm"):
                     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
                     yt = F.rms_norm(xr, (n,), wr, 1e-6)
@@ -115,7 +115,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 y, mean, rstd = rtk.layernorm(x, w, b, eps=1e-5, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.layernorm_backward(dy, x, w, b, eps=1e-5, out=dx, **kw)
-                nbytes = 3 * rows * n * 2 + 4 * n * 2 + 2 * rows * 4
+                nbytes = 3 * rows * n * 2 + 3 * n * 2 + 2 * rows * 4   # + weight read, dweight + dbias written
                 if torch is not None:
                     xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
                     yt = F.layer_norm(xr, (n,), wr, br, 1e-5)

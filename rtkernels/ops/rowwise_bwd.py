@@ -97,9 +97,15 @@ class SoftmaxBwdConfig(_RowConfig):
 # loads per thread in flight still keeps ~32 KiB per SM in flight (the bandwidth-latency product
 # is ~25 KiB per SM on H100/H200, rowwise.py).
 _BWD_ELEMS_PER_THREAD = {"softmax_bwd": {2: 32, 4: 16}, "norm_bwd": {2: 16, 4: 8}}
+# norm_bwd writes one float32 partial row (two for LayerNorm) per resident worker, P * n * 8 bytes
+# against rows * n * 6 of dy, x and dx: with a block per row of 1k elements (64 threads) P would be
+# ~1300 (10 MB, ~11% of a 64 MiB case).  Short rows therefore go to lane groups holding 32 16-bit
+# elements of each input (110-160 registers: 3 blocks of 128 threads per SM, P ~ 400, 3 MB at 1k;
+# 256-thread blocks would halve P but leave one block, 32 KiB of loads in flight, per SM).
+_BWD_GROUP_ELEMS = {"softmax_bwd": {2: 32, 4: 16}, "norm_bwd": {2: 32, 4: 16}}
+_BWD_GROUP_BLOCK = {"softmax_bwd": 128, "norm_bwd": 128}
 _BWD_BLOCK_PREFERRED = 256     # as the forward: 4 blocks per SM overlap one block's barrier
 _BWD_BLOCK_MAX = {"softmax_bwd": 1024, "norm_bwd": 512}   # norm_bwd: 128 registers at 512 threads
-_BWD_GROUP_BLOCK = 128
 _BWD_TWO_PASS_BLOCK = 256
 
 
@@ -118,13 +124,15 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
         common["weight_dtype"] = weight_dtype or dtype
 
     def make(block, **fields):
-        # norm_bwd: a 128-register cap at 512-thread blocks (ptxas may otherwise take more and
-        # leave no second block); the smaller blocks keep the default cap.
-        mb = max(1, 512 // block) if family == "norm_bwd" and block >= 512 else 1
-        return cls(**common, block_size=block, min_blocks=mb, **fields)
+        # min_blocks=1: the register cap is what one block of `block` threads allows (128 at 512
+        # threads: norm_bwd's 16-bit LayerNorm takes 95-135 registers and needs no more).
+        return cls(**common, block_size=block, **fields)
 
-    if need <= 32:                                          # a lane group per row
-        return make(_BWD_GROUP_BLOCK, threads_per_row=need, vecs_per_thread=rw._pow2_ceil(-(-nvec // need)))
+    gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
+    group = rw._pow2_ceil(-(-nvec // gmax))
+    if group <= 32:                                         # a lane group per row
+        return make(_BWD_GROUP_BLOCK[family], threads_per_row=group,
+                    vecs_per_thread=rw._pow2_ceil(-(-nvec // group)))
     if need <= _BWD_BLOCK_PREFERRED:                        # a block per row
         return make(need, threads_per_row=need, vecs_per_thread=rw._pow2_ceil(-(-nvec // need)))
     block_max = _BWD_BLOCK_MAX[family]
