@@ -674,7 +674,7 @@ def test_adamw_bf16_master_weights_and_device_scalars_gpu():
         graph.replay()
         lr_t = 3e-3 if t < 6 else 1e-3
         for i in range(len(ref)):
-            p, a, b = (torch.from_numpy(z).cuda().float() for z in aw.adamw_reference(
+            p, a, b = (torch.from_numpy(z).cuda() for z in aw.adamw_reference(   # float64 chain
                 ref[i].double().cpu().numpy(), grads[i].double().cpu().numpy(), rm[i].double().cpu().numpy(),
                 rv[i].double().cpu().numpy(), lr=lr_t, step=t, **kw))
             ref[i], rm[i], rv[i] = p, a, b
