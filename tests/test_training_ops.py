@@ -40,7 +40,8 @@ def test_config_errors_name_the_field(cls, params, field):
 
 
 @pytest.mark.parametrize("family, n, dtype, arch, row_class", [
-    ("norm_bwd", 1000, "bfloat16", "sm_90", "group"), ("norm_bwd", 2048, "float32", "sm_90", "block"), ("norm_bwd", 4096, "bfloat16", "sm_90", "block"),
+    ("norm_bwd", 1000, "bfloat16", "sm_90", "group"), ("norm_bwd", 2048, "float32", "sm_90", "block"),
+    ("norm_bwd", 4096, "bfloat16", "sm_90", "block"),
     ("norm_bwd", 16384, "bfloat16", "sm_90", "cluster"), ("norm_bwd", 65536, "bfloat16", "sm_90", "cluster"),
     ("norm_bwd", 65536, "float32", "sm_90", "two_pass"), ("norm_bwd", 16384, "bfloat16", "sm_80", "two_pass"),
     ("softmax_bwd", 4096, "float32", "sm_90", "block"), ("softmax_bwd", 65536, "bfloat16", "sm_90", "cluster"),
@@ -537,6 +538,46 @@ def test_cross_entropy_strided_and_unaligned_rows_gpu(v):
         ref_l, ref_g = ce.cross_entropy_reference(x64, t, reduction="sum", label_smoothing=0.05)
         np.testing.assert_allclose(float(loss), ref_l, rtol=2e-5)
         _close(to_f64(g, "bfloat16"), ref_g, "bfloat16", f"grad V={v}", atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_torch_side_stream_and_replayed_plans_gpu():
+    """torch tensors launch on torch's current stream: inputs written on a side stream right before
+    each call and outputs changed right after it, no synchronize in between; the second and third
+    calls of a signature replay the first call's plan."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    s = torch.cuda.Stream()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    got = []
+    with torch.cuda.stream(s):
+        w = torch.randn(3000, device="cuda", dtype=torch.bfloat16, generator=g)
+        b = torch.randn(3000, device="cuda", dtype=torch.bfloat16, generator=g)
+        for trial in range(3):
+            x = torch.randn(512, 3000, device="cuda", dtype=torch.bfloat16, generator=g)
+            dy = torch.randn(512, 3000, device="cuda", dtype=torch.bfloat16, generator=g)
+            t = torch.randint(0, 3000, (512,), device="cuda", generator=g)
+            x.mul_(2.0)                    # queued on s right before the ops read x
+            dx, dw, db = rtk.layernorm_backward(dy, x, w, b)
+            loss, dlogits = rtk.cross_entropy(x, t, return_grad=True)
+            sdx = rtk.softmax_backward(dy, x)
+            dlogits.mul_(1.0)              # queued on s right after the op writes it
+            got.append((x, dy, t, dx, dw, db, loss, dlogits.clone(), sdx))
+    s.synchronize()
+    for x, dy, t, dx, dw, db, loss, dlogits, sdx in got:
+        xf, wf, bf = (a.float().requires_grad_() for a in (x, w, b))
+        F.layer_norm(xf, (3000,), wf, bf, 1e-5).backward(dy.float())
+        torch.testing.assert_close(dx.float(), xf.grad, atol=2e-2, rtol=2 ** -6)
+        torch.testing.assert_close(dw.float(), wf.grad, atol=2e-1, rtol=2 ** -6)
+        torch.testing.assert_close(db.float(), bf.grad, atol=2e-1, rtol=2 ** -6)
+        lf = x.float().requires_grad_()
+        ref = F.cross_entropy(lf, t)
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(dlogits.float(), lf.grad, rtol=2 ** -7, atol=1e-7)
+        yf = x.float()
+        ref_s = yf * (dy.float() - (dy.float() * yf).sum(-1, keepdim=True))
+        torch.testing.assert_close(sdx.float(), ref_s, rtol=2 ** -7, atol=2 ** -7 * ref_s.abs().max().item())
 
 
 CE_CLASS_CONFIGS = [   # row classes at vocabularies the heuristics would not give them

@@ -212,7 +212,8 @@ def _hyper(op, lr, step, beta1, beta2, eps, weight_decay, maximize) -> tuple:
     step_size = lr_h / (1.0 - b1 ** step_h)
     bc2_sqrt = (1.0 - b2 ** step_h) ** 0.5
     inv_bc2 = float(np.float32(1.0) / np.float32(bc2_sqrt))   # torch: tensor / scalar = tensor * (1 / float(scalar))
-    return (lr_h, step_h, b1, b2, wd, 1.0 - b1, b2, 1.0 - b2, float(eps), decay, step_size, inv_bc2, int(bool(maximize)))
+    return (lr_h, step_h, b1, b2, wd, 1.0 - b1, b2, 1.0 - b2, float(eps), decay, step_size, inv_bc2,
+            int(bool(maximize)))
 
 
 def _device_scalar(op, name, v, g: _Group):
@@ -273,8 +274,8 @@ def _build(op, lists, config) -> _Plan:
             dtab = _upload(like, table, dev)
             grid = (max(1, min(first, _resident_blocks(k, cfg))),)
         # the launch argument: a MemoryPointer for torch (no per-call pointer query), kept alive here
-        out.append(_Group(k, grid, (cfg.block_size,), device_pointer(dtab, dev) if _is_torch(like) else dtab, len(rows), first, dev,
-                          _is_torch(like)))
+        arg = device_pointer(dtab, dev) if _is_torch(like) else dtab
+        out.append(_Group(k, grid, (cfg.block_size,), arg, len(rows), first, dev, _is_torch(like)))
     return _Plan(lists, tuple(len(x) if x is not None else -1 for x in lists), out)
 
 

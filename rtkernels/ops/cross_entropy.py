@@ -35,7 +35,8 @@ from ..config import register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import rowwise as rw
-from ._arrays import Launch, as_device_array, default_stream, dtype_name, empty_as
+from ._arrays import (Launch, LaunchPlans, as_device_array, default_stream, device_pointer, dtype_name, empty_as,
+                      same_memory)
 from .rowwise import _RowConfig
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -179,10 +180,16 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     ``loss``, or ``(loss, dlogits)`` with ``return_grad``.
     """
     op = "cross_entropy"
+    options = (ignore_index, label_smoothing, reduction, bool(return_grad), dtype, config)
+    key = _PLANS.key((logits, target, grad_out), options) \
+        if type(ignore_index) is int and type(label_smoothing) is float else None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan.run(logits, target, grad_out, stream)
     # check
     if reduction not in REDUCTIONS:
-        raise ConfigError(f"{op}: reduction={reduction!r} is not allowed; use one of {', '.join(map(repr, REDUCTIONS))}",
-                          family=op, field="reduction", value=reduction, allowed=", ".join(REDUCTIONS))
+        raise ConfigError(f"{op}: reduction={reduction!r} is not allowed; use one of "
+                          f"{', '.join(map(repr, REDUCTIONS))}", family=op, field="reduction", value=reduction, allowed=", ".join(REDUCTIONS))
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float, np.floating)) \
             or not 0.0 <= float(label_smoothing) <= 1.0:
         raise ConfigError(f"{op}: label_smoothing={label_smoothing!r} is not allowed; it must be a float in [0, 1]",
@@ -207,12 +214,13 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     if not tv.flags.c_contiguous:
         import cupy
         tv = cupy.ascontiguousarray(tv)
-    gv = None
+    gv, gs = None, 0
+    grad_given = grad_out is not None
     if return_grad:
         grad_out, gv, (_, _, gs) = rw._out_rows(grad_out, logits, lv.shape, dt, op)
-    loss_tok = empty_as(logits, lead, rw._float32_of(logits))
-    result = loss_tok if reduction == "none" else empty_as(logits, (), rw._float32_of(logits))
+    f32 = rw._float32_of(logits)
     if rows == 0:
+        result = empty_as(logits, lead if reduction == "none" else (), f32)
         if reduction != "none":   # torch: a sum over nothing is 0, a mean over nothing NaN
             (result.fill_ if hasattr(result, "fill_") else result.fill)(0.0 if reduction == "sum" else float("nan"))
         return (result, grad_out) if return_grad else result
@@ -223,26 +231,67 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     vec, ragged = _vector_access(size, n, rows, ptrs, strides)
     smoothing = float(label_smoothing)
     cfg = _config_for(config, n, dt, vec, ragged, tdt, bool(return_grad), smoothing > 0.0)
-    mean_grad = return_grad and reduction == "mean"
+    # 1/N of the mean (with the gradient) from per-block counts of non-ignored targets: 4096 targets
+    # per counting block, at most 32 partials (each thread of the main kernel sums them)
+    ncounts = min(32, -(-rows // 4096)) if return_grad and reduction == "mean" else 0
+    ig = int(ignore_index)
+    plan = _CePlan(
+        count=Launch(get_kernel(cfg, "cross_entropy_count"), (ncounts,), (256,), 0, (rows, ig)) if ncounts else None,
+        rows=Launch(get_kernel(cfg, "cross_entropy_rows"), (cfg.grid(rows),), (cfg.block_size,), cfg.shared_mem_bytes,
+                    (rows, n, ls, gs, ncounts, ig, smoothing)),
+        reduce=Launch(get_kernel(cfg, "cross_entropy_reduce"), (1,), (1024,), 0, (rows, ig, int(reduction == "mean")))
+        if reduction != "none" else None,
+        lead=lead, ncounts=ncounts, grad_shape=tuple(lv.shape) if return_grad else None,
+        grad_dtype=grad_out.dtype if return_grad else None, return_grad=bool(return_grad),
+        torch=type(logits).__module__.startswith("torch"))
     # launch
-    s = default_stream(logits, stream)
-    lossv = as_device_array(loss_tok, op, "loss")
-    counts, ncounts = None, 0
-    if mean_grad:
-        # 4096 targets per counting block, at most 32 partials (each main-kernel thread sums them)
-        ncounts = min(32, -(-rows // 4096))
-        counts = as_device_array(empty_as(logits, (ncounts,), _lib_dtype(logits, "int32")), op, "counts")
-        Launch(get_kernel(cfg, "cross_entropy_count"), (ncounts,), (256,), 0, (rows, int(ignore_index))).run(
-            (tv, counts), s)
-    k = get_kernel(cfg, "cross_entropy_rows")
-    Launch(k, (cfg.grid(rows),), (cfg.block_size,), cfg.shared_mem_bytes,
-           (rows, n, ls, gs if return_grad else 0, ncounts, int(ignore_index), smoothing)).run(
-        (lv, tv, gv, lossv, counts), s)
-    if reduction != "none":
-        Launch(get_kernel(cfg, "cross_entropy_reduce"), (1,), (1024,), 0,
-               (rows, int(ignore_index), int(reduction == "mean"))).run(
-            (lossv, tv, as_device_array(result, op, "loss")), s)
-    return (result, grad_out) if return_grad else result
+    result = plan.launch(logits, lv, tv, gv, grad_out, stream)
+    if key is not None and same_memory((lv, tv, gv if grad_given else None), (logits, target, grad_out if grad_given
+                                                                                else None)):
+        _PLANS.put(key, plan)
+    return result
+
+
+@dataclass(frozen=True)
+class _CePlan:
+    """What a cross_entropy call launches (count, rows, reduce) and allocates, per signature."""
+    count: Launch | None      # arrays: target, counts
+    rows: Launch              # arrays: logits, target, grad, loss, counts
+    reduce: Launch | None     # arrays: loss, target, out
+    lead: tuple
+    ncounts: int
+    grad_shape: tuple | None
+    grad_dtype: object
+    return_grad: bool
+    torch: bool
+
+    def launch(self, like, lv, tv, gv, grad_out, stream):
+        """Allocate the per-call arrays (as like's kind) and launch on (CuPy views or) arrays."""
+        f32 = rw._float32_of(like)
+        loss_tok = empty_as(like, self.lead, f32)
+        result = loss_tok if self.reduce is None else empty_as(like, (), f32)
+        counts = empty_as(like, (self.ncounts,), _lib_dtype(like, "int32")) if self.ncounts else None
+        s = default_stream(like, stream)
+        if self.torch:
+            dev = like.get_device()
+            ptr = lambda a: device_pointer(a, dev)  # noqa: E731
+        else:
+            ptr = lambda a: a  # noqa: E731
+        if self.count is not None:
+            self.count.run((ptr(tv), ptr(counts)), s)
+        self.rows.run((ptr(lv), ptr(tv), ptr(gv), ptr(loss_tok), ptr(counts)), s)
+        if self.reduce is not None:
+            self.reduce.run((ptr(loss_tok), ptr(tv), ptr(result)), s)
+        return (result, grad_out) if self.return_grad else result
+
+    def run(self, logits, target, grad_out, stream):
+        """A replay on the caller's arrays (the signature's checks passed at its first call)."""
+        if self.return_grad and grad_out is None:
+            grad_out = empty_as(logits, self.grad_shape, self.grad_dtype)
+        return self.launch(logits, logits, target, grad_out if self.return_grad else None, grad_out, stream)
+
+
+_PLANS = LaunchPlans()
 
 
 def _lib_dtype(like, name: str):

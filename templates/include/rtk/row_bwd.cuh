@@ -48,7 +48,8 @@ template <int kN>
 __device__ __forceinline__ void store_floats(float* p, const float (&f)[kN]) {
     if constexpr (kN % 4 == 0) {
 #pragma unroll
-        for (int k = 0; k < kN; k += 4) *reinterpret_cast<float4*>(p + k) = make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]);
+        for (int k = 0; k < kN; k += 4)
+            *reinterpret_cast<float4*>(p + k) = make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]);
     } else if constexpr (kN % 2 == 0) {
 #pragma unroll
         for (int k = 0; k < kN; k += 2) *reinterpret_cast<float2*>(p + k) = make_float2(f[k], f[k + 1]);
