@@ -139,3 +139,73 @@ def test_parse_log_attributes_reports_to_families():
 def test_table_is_aligned():
     t = S.table([["a", "1"], ["longer", "22"]], ["family", "memcheck"]).splitlines()
     assert len({len(line) for line in t}) == 1 and t[0].startswith("| family ")
+
+
+INITCHECK_LOG = """\
+========= COMPUTE-SANITIZER
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at attention_bwd_dot+0x1d0
+=========     by thread (3,0,0) in block (0,1,0)
+=========     Address 0x7f0000001010
+=========
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at attention_bwd_dot+0x1d0
+=========     by thread (4,0,0) in block (0,1,0)
+=========     Address 0x7f0000001020
+=========
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at 0x88 in softmax_rows
+=========     by thread (0,0,0) in block (0,0,0)
+=========     Address 0x7f0000003004
+=========
+========= Host API memory access error at host access to 0x7f0000002000 of size 64 bytes
+=========     Uninitialized access at 0x7f0000002010 on access by cudaMemcpy source
+=========
+========= ERROR SUMMARY: 4 errors
+"""
+
+
+def test_findings_group_reports_and_name_the_allocation():
+    allocs = [[0x7f0000001000, 64, "attention_bwd_mma", "bf16 b1", "rtkernels/ops/attention.py:500 attention"],
+              [0x7f0000002000, 128, "attention_bwd_mma", "bf16 b1", "rtkernels/ops/attention_bwd.py:476 x"],
+              [0x7f0000003000, 4, "softmax", "f16 5x1", "tools/sanitize.py:10 _rows"]]
+    fams = S.kernel_families()
+    got = S.findings(INITCHECK_LOG, fams, allocs)
+    assert [f["n"] for f in got] == [2, 1, 1]
+    top = got[0]
+    assert (top["kernel"], top["pc"], top["family"], top["bytes"], top["offsets"], top["outside"]) == \
+        ("attention_bwd_dot", "0x1d0", "attention_backward", 64, [16, 32], False)
+    assert top["site"].startswith("rtkernels/ops/attention.py:500")
+    assert top["variants"] == ["attention_bwd_mma: bf16 b1"]
+    assert "thread (3,0,0) block (0,1,0)" in top["example"]
+    host = next(f for f in got if f["kernel"] is None)
+    assert host["offsets"] == [16, 16] and "0x.." in host["what"]          # the copy's first uninitialized byte
+    past = next(f for f in got if f["kernel"] == "softmax_rows")
+    assert past["pc"] == "0x88" and past["outside"] and past["offsets"] == [4, 4]   # one byte past a 4-byte array
+    line = S.finding_line("initcheck", top)
+    assert "attention_bwd_dot+0x1d0" in line and "bytes 16..32 of 64" in line and "attention.py:500" in line
+    # without an allocation log, and racecheck's hazards
+    assert S.findings(INITCHECK_LOG, fams)[0]["example"].endswith("at 0x7f0000001010")
+    race = S.findings(LOG, fams)
+    assert race[0]["n"] == 4096 and race[0]["kernel"] == "attention_bwd_sm90" and race[0]["pc"] == "0x6f00"
+    assert S.locate(0x10, allocs) is None
+
+
+def test_logs_are_packed_into_one_tarball(tmp_path):
+    import tarfile
+    out = tmp_path / "san"
+    (out / "refs").mkdir(parents=True)
+    (out / "refs" / "x.npz").write_bytes(b"0" * 10)
+    (out / "initcheck-default.0.log").write_text(INITCHECK_LOG)
+    (out / "sanitize.json").write_text("{}")
+    msg = S.pack_logs(out, tmp_path / "sanitize_logs.tgz")
+    assert "sanitize_logs.tgz" in msg
+    with tarfile.open(tmp_path / "sanitize_logs.tgz") as tar:
+        assert sorted(tar.getnames()) == ["san/initcheck-default.0.log", "san/sanitize.json"]
+
+
+def test_allocation_site_names_the_calling_lines():
+    assert S._allocation_site() == "?"                 # frames outside rtkernels and the gate are skipped
+    ns = dict(vars(S))
+    exec(compile("\n\ndef gate_case():\n    return _allocation_site()\n", S.__file__, "exec"), ns)
+    assert ns["gate_case"]() == "tools/sanitize.py:4 gate_case"

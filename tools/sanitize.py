@@ -21,7 +21,16 @@ the cases' ``quick`` subset (it is the slow tool); ``--full`` runs everything un
 Errors are attributed to kernel families by the kernel name in each report (the families'
 ``kernels`` entry points); the table's "total" row is the tool's own summary count.  The gate
 exits 1 on any sanitizer error, failed check, crash or timeout (2: usage, or no usable
-compute-sanitizer), and writes ``sanitize.json`` and each tool's raw log under ``--out``.
+compute-sanitizer), and writes ``sanitize.json`` and each tool's raw log under ``--out``, and all
+of them (not the references) into one tarball, ``sanitize_logs.tgz`` beside ``--out``
+(``--tarball``): on the device machine, ``--out /tmp/san --tarball $OUT/sanitize_logs.tgz``.
+
+Findings.  Every tool's reports are grouped into distinct findings - (what, kernel, program
+counter, allocation) with a count - written to ``<tool>.findings.jsonl``, attached to the records
+of the cases concerned and, the most frequent, printed above the table.  The initcheck workers
+log every allocation (address, size, case, variant and the lines that asked for it) and free
+none, so an address is never reused and each report names the buffer it read: "bytes 512..1023
+of 66560 from rtkernels/ops/attention_bwd.py:476 attention_backward".
 
 Adding a family: one function decorated with ``@case(name, families=..., ops=...)``; an op that
 is not in ``rtkernels`` yet is listed in ``requires=`` and the case is skipped with a note until it
@@ -62,6 +71,9 @@ TOOL_FLAGS = {
     "initcheck": [],
 }
 QUICK_TOOLS = ("racecheck",)
+# Tools whose workers log every allocation and free none, so that each report's address names the
+# array it fell in (initcheck: which buffer was read before anything wrote it).
+ALLOCATION_LOG_TOOLS = ("initcheck",)
 ERROR_EXIT = 86                   # compute-sanitizer's exit code when it found errors
 DEAD_EXIT = 3                     # a worker whose CUDA context died (the driver restarts the rest)
 
@@ -88,6 +100,10 @@ EXCLUDED_OPS = {
     "matmul_reference": "float64 NumPy reference (host)",
     "attention_reference": "CuPy reference (CuPy/cuBLAS kernels, not rtkernels'); computes the gate's references",
     "attention_backward_reference": "CuPy reference, as attention_reference",
+    "attention_merge_reference": "float64 NumPy reference (host)",
+    "attention_kvcache_reference": "float64 NumPy reference (host)",
+    "check_kvcache_inputs": "host-side check of cache_seqlens / block_table contents (copies them to the host, "
+                            "launches nothing)",
 }
 # Registered families with no case of their own: none today.
 EXCLUDED_FAMILIES: dict[str, str] = {}
@@ -196,6 +212,8 @@ class Ctx:
         if self.quick and not quick:
             return False
         self.label = label
+        if _ALLOCS is not None:
+            _ALLOCS.where = (self.case, label)
         self.rng = np.random.default_rng(zlib.crc32(f"{self.case}/{label}".encode()))
         return True
 
@@ -531,7 +549,13 @@ def _attention_backward(ctx: Ctx, variants, config_for):
             continue
         q, k, v = _attn_inputs(ctx, batch, sq, sk, h, hkv, d, dt)
         do = ctx.randn((batch, sq, h, d), dt)[0]
-        o, lse = rtk.attention(q, k, v, causal=causal, **_bf(dt))
+        # o into a memset buffer.  The Hopper forward writes o with TMA stores (cp.async.bulk.tensor),
+        # which initcheck apparently does not count as initializing: on an H100 (2026-11-25) each of
+        # the six Hopper backward variants reported 256 uninitialized reads (and the mma.sync ones
+        # more), and the backward's pre-pass reading o is the only place where a kernel reads a
+        # TMA-stored buffer in this gate.  o's every element is checked in the forward cases, and an
+        # unwritten o (poison) would turn delta and every gradient here into NaN.
+        o, lse = rtk.attention(q, k, v, causal=causal, out=ctx.poisoned((batch, sq, h, d), dt), **_bf(dt))
         dq, dk, dv = ctx.poisoned(q.shape, dt), ctx.poisoned(k.shape, dt), ctx.poisoned(v.shape, dt)
         rtk.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det, dq=dq, dk=dk, dv=dv,
                                config=config_for(dt, d, causal, det), **_bf(dt))
@@ -740,6 +764,283 @@ def _rows_cluster(ctx: Ctx):
         _norm_variants(ctx, x, x64, "bfloat16", "bfloat16")
 
 
+# ---- cases: attention merge and KV-cache decoding ----------------------------------------------
+def _merge_array(ctx: Ctx, shape, dt, wide, nan_rows):
+    """(o, parent, float64 copy of o): random rows, NaN in ``nan_rows`` (empty rows: the op never
+    reads their o); ``wide`` > 0: o is a head-dim slice of rows ``wide`` elements wider."""
+    h = ctx.rng.standard_normal(shape[:-1] + (shape[-1] + wide,))
+    h[:, nan_rows] = np.nan
+    parent, h64 = ctx.upload(h, dt)
+    d = shape[-1]
+    return (parent[..., :d] if wide else parent), parent, h64[..., :d].copy()
+
+
+def _merge_lse(ctx: Ctx, shape, empty_rows):
+    h = ctx.rng.standard_normal(shape) * 3
+    h[:, :, empty_rows] = -np.inf
+    h = h.astype(np.float32)
+    return ctx.cp.asarray(h), h.astype(np.float64)
+
+
+# (label, batch, seqlen, nheads, head_dim, (lo, hi) or None, dtype of a (None: no a), of b, of out
+# (None: in place into a), wide, quick)
+MERGE_VARIANTS = (
+    ("f32 += bf16 in place d40 strided rows 3..33", 2, 37, 3, 40, (3, 33), "float32", "bfloat16", None, 8, True),
+    ("f32, f16 -> f16 d5 all rows", 1, 19, 2, 5, None, "float32", "float16", "float16", 0, False),
+    ("no a, bf16 -> f32 d128", 2, 20, 2, 128, None, None, "bfloat16", "float32", 0, True),
+    ("bf16, bf16 -> bf16 d24 strided rows 1..16", 1, 17, 3, 24, (1, 16), "bfloat16", "bfloat16", "bfloat16", 8, False),
+)
+
+
+@case("attention_merge", families=("attention_merge",), ops=("attention_merge",),
+      note="in place, into another dtype, without a, strided rows, empty (-inf) rows holding NaN")
+def _attention_merge(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops.attention_merge import attention_merge_reference
+    for label, b, s, h, d, rows, dt_a, dt_b, dt_o, wide, quick in MERGE_VARIANTS:
+        if not ctx.variant(label, quick=quick):
+            continue
+        lo, hi = rows or (0, s)
+        n = hi - lo
+        # empty rows inside the block: one in a, one in b, one in both
+        ea, eb, e2 = lo + n // 4, lo + n // 2, lo + 3 * n // 4
+        a = a_parent = a64 = la = la64 = None
+        if dt_a is not None:
+            a, a_parent, a64 = _merge_array(ctx, (b, s, h, d), dt_a, wide, [ea, e2])
+            la, la64 = _merge_lse(ctx, (b, h, s), [ea, e2])
+        bb, _, b64 = _merge_array(ctx, (b, n, h, d), dt_b, wide, [eb - lo, e2 - lo])
+        lb, lb64 = _merge_lse(ctx, (b, h, n), [eb - lo, e2 - lo])
+        bf = {"dtype": "bfloat16"} if "bfloat16" in (dt_a, dt_b, dt_o) else {}
+        ref_o, ref_lse = attention_merge_reference(a64, la64, b64, lb64, rows=rows)
+        if dt_o is None:                   # in place: rows outside the block are left as they were
+            rtk.attention_merge(a, la, bb, lb, rows=rows, **bf)
+            got = a_parent.get()[..., :d]  # (the contiguous parent: a view's download is a CuPy kernel)
+            ctx.check("o", got[:, lo:hi], dt_a, ref_o[:, lo:hi], 2 * TOL[dt_a], exact_rerun=True)
+            rest = np.r_[0:lo, hi:s]
+            ctx.check("o outside the block", got[:, rest], dt_a, a64[:, rest], 0, "exact")
+            ctx.check("lse", la, "float32", ref_lse, 1e-5, exact_rerun=True)
+            continue
+        out, lse_out = ctx.poisoned((b, s, h, d), dt_o), ctx.poisoned((b, h, s), "float32")
+        got, got_lse = rtk.attention_merge(a, la, bb, lb, rows=rows, out=out, lse_out=lse_out, **bf)
+        assert got is out and got_lse is lse_out
+        ctx.check("o", out, dt_o, ref_o, 2 * TOL[dt_o], exact_rerun=True)
+        ctx.check("lse", lse_out, "float32", ref_lse, 1e-5, exact_rerun=True)
+
+
+# (label, batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size (None: contiguous), lens,
+# seqlen_new, capacity, causal, num_splits, quick).  Paged caches get shuffled pages, spare pages
+# and table entries far out of range past each sequence's pages (never to be read).
+KVCACHE_VARIANTS = (
+    ("bf16 decode contiguous GQA2 d64", 3, 1, 4, 2, 64, "bfloat16", None, (0, 1, 40), 0, 45, True, None, True),
+    ("f16 paged16 append 3 across pages d40", 2, 3, 4, 1, 40, "float16", 16, (13, 30), 3, 50, True, None, True),
+    ("bf16 paged32 splits=3 d128", 2, 2, 2, 2, 128, "bfloat16", 32, (290, 5), 0, 300, True, 3, False),
+    ("f16 contiguous splits=2 append 2 non-causal d96", 2, 4, 6, 3, 96, "float16", None, (7, 60), 2, 70, False, 2,
+     False),
+)
+
+
+@case("attention_kvcache", families=("attention_decode",), ops=("attention_kvcache",),
+      note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine)")
+def _attention_kvcache(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import attention_kvcache as kv
+    for label, batch, sq, h, hkv, d, dt, page, lens, new, cap, causal, splits, quick in KVCACHE_VARIANTS:
+        if not ctx.variant(label, quick=quick):
+            continue
+        lens_h = np.asarray(lens, np.int32)
+        q, q64 = ctx.randn((batch, sq, h, d), dt)
+        table = table_h = None
+        if page is None:
+            kc, kc64 = ctx.randn((batch, cap, hkv, d), dt)
+            vc, vc64 = ctx.randn((batch, cap, hkv, d), dt)
+        else:
+            per_seq = -(-cap // page)
+            nblk = batch * per_seq + 3
+            kc, kc64 = ctx.randn((nblk, page, hkv, d), dt)
+            vc, vc64 = ctx.randn((nblk, page, hkv, d), dt)
+            table_h = np.full((batch, per_seq + 2), 1 << 30, np.int32)
+            ids = ctx.rng.permutation(nblk)[: batch * per_seq].reshape(batch, per_seq)
+            for bi in range(batch):
+                used = -(-(int(lens_h[bi]) + new) // page)
+                table_h[bi, :used] = ids[bi, :used]
+            table = ctx.cp.asarray(table_h)
+        kn = vn = kn64 = vn64 = None
+        if new:
+            kn, kn64 = ctx.randn((batch, new, hkv, d), dt)
+            vn, vn64 = ctx.randn((batch, new, hkv, d), dt)
+        out = ctx.poisoned((batch, sq, h, d), dt)
+        o, lse = rtk.attention_kvcache(q, kc, vc, ctx.cp.asarray(lens_h), k_new=kn, v_new=vn, block_table=table,
+                                       causal=causal, return_lse=True, num_splits=splits, out=out, **_bf(dt))
+        assert o is out
+        ref = {}
+
+        def reference(i):
+            if not ref:
+                ref["v"] = kv.attention_kvcache_reference(q64, kc64, vc64, lens_h, k_new=kn64, v_new=vn64,
+                                                          block_table=table_h, causal=causal)
+            return ref["v"][i]
+        ctx.check("o", o, dt, lambda: reference(0), ATT_TOL[dt], "norm", exact_rerun=True)
+        ctx.check("lse", lse, "float32", lambda: reference(1), 1e-3, exact_rerun=True)
+        if new:   # k_new / v_new written into the cache at cache_seqlens, nothing else touched
+            want_k, want_v = kv.append_kvcache_reference(kc64, vc64, lens_h, kn64, vn64, table_h)
+            ctx.check("k_cache", kc, dt, want_k, 0, "exact")
+            ctx.check("v_cache", vc, dt, want_v, 0, "exact")
+
+
+# ---- cases: training ops -----------------------------------------------------------------------
+# (dtype, rows, width, weight dtype, saved statistics, quick): widths from one element to a ragged
+# 4097; rows of odd widths are slices of wider rows; float32 weights with 16-bit rows.
+NORM_BWD_VARIANTS = (
+    ("bfloat16", 37, 1, "bfloat16", False, False),
+    ("float16", 9, 7, "float32", True, False),
+    ("bfloat16", 67, 33, "bfloat16", True, True),
+    ("float32", 9, 1000, "float32", False, False),
+    ("bfloat16", 5, 4097, "float32", False, True),
+    ("float32", 3, 8191, "float32", True, False),
+)
+
+
+@case("norm_backward", families=("norm_bwd",), ops=("rmsnorm_backward", "layernorm_backward"),
+      note="dx and the two-stage (rows, then column sums) dweight / dbias; with and without saved statistics")
+def _norm_backward(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import rowwise_bwd as rb
+    for dt, rows, n, wdt, stats, quick in NORM_BWD_VARIANTS:
+        if not ctx.variant(f"{dt} {rows}x{n} w={wdt}{' stats' if stats else ''}", quick=quick):
+            continue
+        x, x64 = _rows(ctx, dt, rows, n, n % 2 == 1)
+        dy, dy64 = ctx.randn((rows, n), dt)
+        w, w64 = ctx.randn((n,), wdt)
+        b, _ = ctx.randn((n,), wdt)
+        rstd = mean = None
+        if stats:   # the forward's float32 statistics, computed here (no forward kernel)
+            rstd = ctx.cp.asarray((1 / np.sqrt(np.mean(x64 ** 2, -1) + 1e-6)).astype(np.float32))
+        dx = ctx.poisoned((rows, n), dt)
+        got_dx, got_dw = rtk.rmsnorm_backward(dy, x, w, rstd, eps=1e-6, out=dx, **_bf(dt))
+        assert got_dx is dx
+        ref = rb.rmsnorm_backward_reference(dy64, x64, w64, 1e-6)
+        ctx.check("rms dx", dx, dt, ref[0], 4 * TOL[dt], exact_rerun=True)
+        ctx.check("rms dweight", got_dw, wdt, ref[1], 4 * TOL[wdt], exact_rerun=True)
+        if stats:
+            m64 = np.mean(x64, -1)
+            mean = ctx.cp.asarray(m64.astype(np.float32))
+            rstd = ctx.cp.asarray((1 / np.sqrt(np.mean((x64 - m64[:, None]) ** 2, -1) + 1e-5)).astype(np.float32))
+        dx = ctx.poisoned((rows, n), dt)
+        got_dx, got_dw, got_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, eps=1e-5, out=dx, **_bf(dt))
+        ref = rb.layernorm_backward_reference(dy64, x64, w64, 1e-5)
+        ctx.check("ln dx", dx, dt, ref[0], 4 * TOL[dt], exact_rerun=True)
+        ctx.check("ln dweight", got_dw, wdt, ref[1], 4 * TOL[wdt], exact_rerun=True)
+        ctx.check("ln dbias", got_db, wdt, ref[2], 4 * TOL[wdt], exact_rerun=True)
+
+
+@case("softmax_backward", families=("softmax_bwd",), ops=("softmax_backward",))
+def _softmax_backward(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import rowwise as rw, rowwise_bwd as rb
+    for dt in ("float16", "bfloat16", "float32"):
+        for rows, n in ((7, 1), (5, 33), (9, 1000), (3, 4097), (2, 16385)):
+            if not ctx.variant(f"{dt} {rows}x{n}", quick=n in (33, 4097) and dt == "bfloat16"):
+                continue
+            _, x64 = ctx.randn((rows, n), dt, scale=3.0)
+            dy, dy64 = _rows(ctx, dt, rows, n, n % 2 == 1)
+            metric = "norm" if n > 1 else "max"      # (one column: dx is 0)
+            for log in (False, True):
+                y, y64 = ctx.upload(rw.softmax_reference(x64, log_softmax=log), dt)   # as a forward stores it
+                dx = ctx.poisoned((rows, n), dt)
+                assert rtk.softmax_backward(dy, y, log=log, out=dx, **_bf(dt)) is dx
+                ctx.check("log_softmax dx" if log else "softmax dx", dx, dt,
+                          lambda log=log, y64=y64: rb.softmax_backward_reference(dy64, y64, log=log),
+                          4 * TOL[dt], metric, exact_rerun=True)
+
+
+# (dtype, rows, vocab, target dtype, ignore_index, label_smoothing, reduction, quick)
+CE_VARIANTS = (
+    ("bfloat16", 9, 1001, "int64", -100, 0.0, "mean", True),
+    ("float32", 5, 1, "int64", -100, 0.0, "sum", False),
+    ("bfloat16", 6, 33, "int32", -1, 0.1, "none", False),
+    ("float16", 3, 32771, "int64", -100, 0.2, "mean", True),
+    ("float32", 4, 4099, "int64", -100, 0.0, "mean", False),    # every target ignored: mean = NaN
+)
+
+
+@case("cross_entropy", families=("cross_entropy",), ops=("cross_entropy",),
+      note="loss and gradient in one pass: odd vocabularies, ignored targets, smoothing, every reduction")
+def _cross_entropy(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import cross_entropy as ce
+    for dt, rows, v, tdt, ignore, smoothing, reduction, quick in CE_VARIANTS:
+        label = f"{dt} {rows}x{v} {tdt} ignore={ignore} eps={smoothing} {reduction}"
+        if not ctx.variant(label, quick=quick):
+            continue
+        x, x64 = ctx.randn((rows, v), dt, scale=3.0)
+        t = ctx.rng.integers(0, v, rows)
+        t[ctx.rng.random(rows) < 0.3] = ignore
+        t[0] = v - 1                                      # the last class (in a ragged tail when v is odd)
+        if v == 4099:
+            t[:] = ignore
+        g = ctx.poisoned((rows, v), dt)
+        loss, got_g = rtk.cross_entropy(x, ctx.cp.asarray(t.astype(tdt)), ignore_index=ignore,
+                                        label_smoothing=smoothing, reduction=reduction, return_grad=True, grad_out=g,
+                                        **_bf(dt))
+        assert got_g is g
+        ref_l, ref_g = ce.cross_entropy_reference(x64, t, ignore_index=ignore, label_smoothing=smoothing,
+                                                  reduction=reduction)
+        ctx.check("loss", loss, "float32", np.asarray(ref_l), 1e-5 if dt == "float32" else 1e-4, exact_rerun=True)
+        ctx.check("dlogits", g, dt, ref_g, 4 * TOL[dt], "norm" if np.any(ref_g) else "max", exact_rerun=True)
+        if quick:   # the loss-only kernel
+            alone = rtk.cross_entropy(x, ctx.cp.asarray(t.astype(tdt)), ignore_index=ignore,
+                                      label_smoothing=smoothing, reduction=reduction, **_bf(dt))
+            ctx.check("loss without the gradient", alone, "float32", np.asarray(ref_l),
+                      1e-5 if dt == "float32" else 1e-4, exact_rerun=True)
+
+
+ADAMW_SHAPES = ((1,), (7,), (33, 5), (3, 7, 11), (1000,), (129, 65))
+# (label, param dtype, grad dtype, state dtype, master weights, maximize, an unaligned view, quick)
+ADAMW_VARIANTS = (
+    ("f32", "float32", "float32", "float32", False, False, True, True),
+    ("bf16 params, fp32 masters and states", "bfloat16", "bfloat16", "float32", True, False, False, True),
+    ("f16 params, f16 states, maximize", "float16", "float16", "float16", False, True, True, False),
+)
+
+
+@case("adamw", families=("adamw",), ops=("adamw_step",),
+      note="one multi-tensor launch per dtype group: mixed shapes, fp32 masters, an unaligned view (scalar path)")
+def _adamw(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import adamw as aw
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    for label, pdt, gdt, sdt, master, maximize, unaligned, quick in ADAMW_VARIANTS:
+        if not ctx.variant(label, quick=quick):
+            continue
+        ps, gs, ms, vs, mas, start = [], [], [], [], [], []
+        for shape in ADAMW_SHAPES + (((1001,),) if unaligned else ()):
+            numel = int(np.prod(shape))
+            p64 = ctx.rng.standard_normal(shape)
+            if unaligned and shape == (1001,):      # one element into its allocation: 4- or 2-byte aligned
+                parent, parent64 = ctx.upload(np.concatenate([[0.0], p64]), pdt)
+                p, p64 = parent[1:], parent64[1:]
+            else:
+                p, p64 = ctx.upload(p64, pdt)
+            g, g64 = ctx.randn(shape, gdt)
+            m, m64 = ctx.upload(ctx.rng.standard_normal(shape) * 0.1, sdt)
+            v, v64 = ctx.upload(ctx.rng.random(shape) * 0.01, sdt)
+            if master:
+                ma, p64 = ctx.upload(ctx.rng.standard_normal(shape), "float32")
+                p = ctx.upload(p64, pdt)[0]
+                mas.append(ma)
+            assert p.size == numel
+            for lst, x in ((ps, p), (gs, g), (ms, m), (vs, v), (start, (p64, g64, m64, v64))):
+                lst.append(x)
+        rtk.adamw_step(ps, gs, ms, vs, step=3, maximize=maximize, master_params=mas if master else None, **hyper)
+        for i, (p, m, v, (p64, g64, m64, v64)) in enumerate(zip(ps, ms, vs, start)):
+            rp, rm, rv = aw.adamw_reference(p64, g64, m64, v64, step=3, maximize=maximize, **hyper)
+            if master:
+                ctx.check(f"master[{i}]", mas[i], "float32", rp, TOL["float32"], exact_rerun=True)
+            ctx.check(f"param[{i}]", p, pdt, rp, 2 * TOL[pdt], exact_rerun=True)
+            ctx.check(f"exp_avg[{i}]", m, sdt, rm, 2 * TOL[sdt], exact_rerun=True)
+            ctx.check(f"exp_avg_sq[{i}]", v, sdt, rv, 2 * TOL[sdt], exact_rerun=True)
+
+
 # ---- worker ------------------------------------------------------------------------------------
 def _context_alive(cupy) -> bool:
     try:
@@ -749,10 +1050,56 @@ def _context_alive(cupy) -> bool:
         return False
 
 
-def worker(cases: list[str], phase: str, refs_dir: Path, results: Path, quick: bool) -> int:
-    """Run ``cases`` in this process; one JSON line per case into ``results``."""
+class AllocationLog:
+    """CuPy allocator for the initcheck worker: every allocation is its own cudaMalloc (as without
+    a pool) and is kept until the process ends, so no address is ever handed out twice, and each
+    one is logged - address, size, case, variant, and the allocating lines (the innermost rtkernels
+    frame and the innermost frame of this file) - one JSON line each.  The driver maps the
+    addresses in compute-sanitizer's reports back to these (:func:`findings`)."""
+
+    def __init__(self, path: Path):
+        import cupy
+        self.cupy = cupy
+        self.file = open(path, "a")
+        self.keep: list = []
+        self.where = ("", "")
+
+    def __call__(self, size: int):
+        mem = self.cupy.cuda.memory.Memory(size)
+        if size:
+            self.keep.append(mem)
+            self.file.write(json.dumps([int(mem.ptr), int(size), *self.where, _allocation_site()]) + "\n")
+            self.file.flush()
+        return self.cupy.cuda.memory.MemoryPointer(mem, 0)
+
+
+def _allocation_site() -> str:
+    """'rtkernels/ops/x.py:123 fn < sanitize.py:456 case_fn': who asked for the memory."""
+    frames = traceback.extract_stack(limit=48)[:-1]
+    lib = next((f for f in reversed(frames) if f"{os.sep}rtkernels{os.sep}" in f.filename), None)
+    gate = next((f for f in reversed(frames) if f.filename == __file__ and f.name not in ("__call__",
+                                                                                          "_allocation_site")), None)
+    parts = []
+    for f in (lib, gate):
+        if f is not None:
+            name = os.path.relpath(f.filename, REPO) if f.filename.startswith(str(REPO)) else Path(f.filename).name
+            parts.append(f"{name}:{f.lineno} {f.name}")
+    return " < ".join(parts) or "?"
+
+
+_ALLOCS: AllocationLog | None = None
+
+
+def worker(cases: list[str], phase: str, refs_dir: Path, results: Path, quick: bool, allocs: str = "") -> int:
+    """Run ``cases`` in this process; one JSON line per case into ``results``.  ``allocs``: log
+    every allocation there, and free none (initcheck: see :class:`AllocationLog`)."""
+    global _ALLOCS
     import cupy
-    cupy.cuda.set_allocator(None)          # no pool: every array is its own allocation (see the docstring)
+    if allocs:
+        _ALLOCS = AllocationLog(Path(allocs))
+        cupy.cuda.set_allocator(_ALLOCS)
+    else:
+        cupy.cuda.set_allocator(None)      # no pool: every array is its own allocation (see the docstring)
     failed = False
     with open(results, "a") as out:
         for name in cases:
@@ -763,6 +1110,8 @@ def worker(cases: list[str], phase: str, refs_dir: Path, results: Path, quick: b
             ctx = None
             dead = False
             try:
+                if _ALLOCS is not None:
+                    _ALLOCS.where = (name, "")
                 ctx = Ctx(name, phase, refs_dir, quick)
                 CASES[name].fn(ctx)
                 cupy.cuda.runtime.deviceSynchronize()
@@ -825,16 +1174,9 @@ _UNUSABLE = re.compile(r"device not supported|no supported (cuda )?devices?|unab
                        r"internal sanitizer error", re.I)
 
 
-def parse_log(text: str, families: dict[str, str]) -> dict:
-    """A compute-sanitizer log -> {"by_family": {family: errors}, "warnings": n, "summary": n or None,
-    "reports": n, "unusable": line or None}.  A report (a line "========= X" and its indented
-    continuation lines) is attributed to the family of the first known kernel name it mentions
-    ("cupy" for CuPy's kernels, else "unattributed"); a racecheck analysis report counts its
-    "[N hazards]"."""
-    by_family: dict[str, int] = {}
-    warnings = reports = 0
+def _blocks(text: str) -> list[list[str]]:
+    """A log's reports: a line "========= X" and its indented continuation lines, stripped."""
     blocks: list[list[str]] = []
-    summary = unusable = None
     for line in text.splitlines():
         if not line.startswith("========="):
             continue
@@ -843,7 +1185,19 @@ def parse_log(text: str, families: dict[str, str]) -> dict:
             blocks[-1].append(body.strip())
         elif body.strip():
             blocks.append([body.strip()])
-    for block in blocks:
+    return blocks
+
+
+def parse_log(text: str, families: dict[str, str]) -> dict:
+    """A compute-sanitizer log -> {"by_family": {family: errors}, "warnings": n, "summary": n or None,
+    "reports": n, "unusable": line or None}.  A report (a line "========= X" and its indented
+    continuation lines) is attributed to the family of the first known kernel name it mentions
+    ("cupy" for CuPy's kernels, else "unattributed"); a racecheck analysis report counts its
+    "[N hazards]"."""
+    by_family: dict[str, int] = {}
+    warnings = reports = 0
+    summary = unusable = None
+    for block in _blocks(text):
         head = block[0]
         m = _SUMMARY.search(head)
         if m:
@@ -871,6 +1225,97 @@ def parse_log(text: str, families: dict[str, str]) -> dict:
         m = _HAZARDS.search(text_)
         by_family[fam] = by_family.get(fam, 0) + (int(m.group(1)) if m else 1)
     return dict(by_family=by_family, warnings=warnings, summary=summary, reports=reports, unusable=unusable)
+
+
+_ADDRESS = (re.compile(r"Uninitialized access at (0x[0-9a-fA-F]+)"), re.compile(r"Address (0x[0-9a-fA-F]+)"),
+            re.compile(r"access to (0x[0-9a-fA-F]+)"))
+_KERNEL_PC = re.compile(r"([A-Za-z_]\w*)(?:\([^)]*\))?\+(0x[0-9a-fA-F]+)")
+_PC_IN = re.compile(r"\bat (0x[0-9a-fA-F]+) in (?:\S*:\d+:)?([A-Za-z_]\w*)")
+_WHO = re.compile(r"by thread \(([^)]*)\) in block \(([^)]*)\)")
+_LONG_HEX = re.compile(r"0x[0-9a-fA-F]{9,}")    # addresses (program counters are shorter)
+
+
+def load_allocations(path: str | Path) -> list[list]:
+    """An initcheck worker's allocation log: [address, bytes, case, variant, site] rows, by address."""
+    rows = []
+    p = Path(path)
+    if p.exists():
+        for line in p.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return sorted(rows, key=lambda r: r[0])
+
+
+def locate(address: int, allocations: list[list]) -> dict | None:
+    """The allocation ``address`` falls in (or, past every one, the nearest below it): its site,
+    size, case and variant, and the offset of the address in it."""
+    import bisect
+    i = bisect.bisect_right([a[0] for a in allocations], address) - 1
+    if i < 0:
+        return None
+    ptr, size, case_name, label, site = allocations[i][:5]
+    return dict(site=site, bytes=size, offset=address - ptr, inside=address < ptr + size, case=case_name,
+                variant=label)
+
+
+def findings(text: str, families: dict[str, str], allocations: list[list] | None = None) -> list[dict]:
+    """compute-sanitizer's reports grouped into distinct findings: (what, kernel, program counter,
+    allocating site) with their count (racecheck: hazards), the byte offsets seen in the allocation,
+    its size, the variants whose memory it was and one example thread; most frequent first."""
+    groups: dict[tuple, dict] = {}
+    for block in _blocks(text):
+        head = block[0]
+        if _NOT_ERRORS.match(head) or head.lower().startswith("warning") or _SUMMARY.search(head):
+            continue
+        body = " ".join(block)
+        m = _KERNEL_PC.search(body)
+        kernel, pc = (m.group(1), m.group(2)) if m else (None, None)
+        if m is None:
+            m = _PC_IN.search(body)
+            if m:
+                pc, kernel = m.group(1), m.group(2)
+        where = None
+        for rx in _ADDRESS:
+            a = rx.search(body)
+            if a:
+                where = locate(int(a.group(1), 16), allocations) if allocations else dict(address=a.group(1))
+                break
+        what = _LONG_HEX.sub("0x..", head)
+        site = (where or {}).get("site")
+        key = (what, kernel, pc, site)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = dict(n=0, what=what, kernel=kernel, family=families.get(kernel or "", None), pc=pc,
+                                   site=site, bytes=None, offsets=None, outside=False, variants=[], example=None)
+        h = _HAZARDS.search(body)
+        g["n"] += int(h.group(1)) if h else 1
+        if where and "offset" in where:
+            off = where["offset"]
+            lo_hi = g["offsets"] or [off, off]
+            g["offsets"] = [min(lo_hi[0], off), max(lo_hi[1], off)]
+            g["bytes"] = where["bytes"]
+            g["outside"] |= not where["inside"]
+            v = f"{where['case']}: {where['variant']}"
+            if v not in g["variants"] and len(g["variants"]) < 4:
+                g["variants"].append(v)
+        if g["example"] is None:
+            who = _WHO.search(body)
+            g["example"] = (f"thread ({who.group(1)}) block ({who.group(2)})" if who else "") + \
+                (f" at {where['address']}" if where and "address" in where else "")
+    return sorted(groups.values(), key=lambda g: -g["n"])
+
+
+def finding_line(tool: str, f: dict) -> str:
+    """One line per finding for the summary printed at the end."""
+    at = f"{f['kernel']}+{f['pc']}" if f["kernel"] else "(host)"
+    what = f["what"].replace("Uninitialized __global__ memory read", "uninit read").replace(
+        "Host API memory access error at host access to", "host access to")[:64]
+    mem = ""
+    if f["site"]:
+        span = f"{f['offsets'][0]}..{f['offsets'][1]}" if f["offsets"] else "?"
+        mem = f" | {'PAST ' if f['outside'] else ''}bytes {span} of {f['bytes']} from {f['site']}"
+    var = f" | {f['variants'][0]}" if f["variants"] else ""
+    return f"{tool:9s} {f['n']:6d}x {at} {what}{mem}{var}"[:300]
 
 
 def _group_name(env: tuple) -> str:
@@ -905,7 +1350,7 @@ def run_worker(cases: list[str], env: tuple, phase: str, out: Path, tag: str, ti
     each has a result: a process that dies (or times out) records its running case as crashed and
     the rest start again in a fresh process.  Returns {"results", "logs", "returncodes", "seconds"}."""
     results: dict[str, dict] = {}
-    logs, codes = [], []
+    logs, codes, allocs = [], [], []
     todo = list(cases)
     t0 = time.time()
     attempt = 0
@@ -920,6 +1365,11 @@ def run_worker(cases: list[str], env: tuple, phase: str, out: Path, tag: str, ti
             logs.append(str(log_path))
         cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--phase", phase, "--cases", ",".join(todo),
                 "--refs", str(out / "refs"), "--results", str(res_path)] + (["--quick"] if quick else [])
+        if phase in ALLOCATION_LOG_TOOLS:
+            alloc_path = out / f"{tag}.{attempt}.allocs.jsonl"
+            alloc_path.unlink(missing_ok=True)
+            allocs.append(str(alloc_path))
+            cmd += ["--allocs", str(alloc_path)]
         left = timeout - (time.time() - t0)
         with open(stdout_path, "w") as so:
             try:
@@ -956,7 +1406,7 @@ def run_worker(cases: list[str], env: tuple, phase: str, out: Path, tag: str, ti
                                       error="not run: the time limit ran out")
                 todo = []
         attempt += 1
-    return dict(results=results, logs=logs, returncodes=codes, seconds=round(time.time() - t0, 1))
+    return dict(results=results, logs=logs, allocs=allocs, returncodes=codes, seconds=round(time.time() - t0, 1))
 
 
 def environment(sanitizer: str | None) -> dict:
@@ -1054,6 +1504,11 @@ def run_gate(args) -> int:
         r = run_worker(names, env, tool, out, f"{tool}-{_group_name(env).replace('=', '-').replace(',', '_')}",
                        args.timeout, quick, prefix)
         r["parsed"] = [parse_log(Path(p).read_text(errors="replace"), fams) for p in r["logs"] if Path(p).exists()]
+        r["findings"] = []
+        for i, p in enumerate(r["logs"]):
+            if Path(p).exists():
+                allocs = load_allocations(r["allocs"][i]) if i < len(r["allocs"]) else None
+                r["findings"] += findings(Path(p).read_text(errors="replace"), fams, allocs)
         return r
 
     # tool x environment group: one sanitizer process each (--tool-jobs of them at once)
@@ -1061,7 +1516,8 @@ def run_gate(args) -> int:
     with ThreadPoolExecutor(max(1, args.tool_jobs)) as pool:
         done = list(pool.map(run_tool, tasks))
     for tool in args.tools:
-        phase = dict(groups=[], results={}, by_family={}, summary=0, warnings=0, unusable=None, seconds=0.0)
+        phase = dict(groups=[], results={}, by_family={}, summary=0, warnings=0, unusable=None, seconds=0.0,
+                     findings=[])
         for (t, env, names), r in zip(tasks, done):
             if t != tool:
                 continue
@@ -1074,9 +1530,21 @@ def run_gate(args) -> int:
             if not r["parsed"]:
                 phase["unusable"] = phase["unusable"] or "no sanitizer log was written"
             phase["results"].update(r["results"])
+            phase["findings"] += r["findings"]
             phase["seconds"] = round(phase["seconds"] + r["seconds"], 1)
             phase["groups"].append(dict(env=dict(env), cases=names, logs=r["logs"], returncodes=r["returncodes"],
                                         seconds=r["seconds"], parsed=r["parsed"]))
+        phase["findings"].sort(key=lambda f: -f["n"])
+        # each case's record gets the findings in its own memory (initcheck: the allocation's case)
+        for f in phase["findings"]:
+            for v in f["variants"]:
+                rec = phase["results"].get(v.split(":")[0])
+                if rec is not None:
+                    rec.setdefault("findings", []).append({k: f[k] for k in ("n", "what", "kernel", "pc", "site",
+                                                                             "bytes", "offsets", "outside")})
+        with open(out / f"{tool}.findings.jsonl", "w") as fh:
+            for f in phase["findings"]:
+                fh.write(json.dumps(f) + "\n")
         log["phases"][tool] = phase
 
     # verdict, failures, table
@@ -1124,11 +1592,34 @@ def run_gate(args) -> int:
         print("\nFAILURES:")
         for b in bad:
             print("  " + b)
+    top = [(t, f) for t in args.tools for f in log["phases"][t]["findings"][:args.top]]
+    if top:
+        print(f"\nTOP FINDINGS (distinct reports, at most {args.top} per tool; all in <tool>.findings.jsonl): "
+              f"tool, count, kernel+pc, what | bytes read of the allocation and who allocated it | first variant")
+        for t, f in top:
+            print("  " + finding_line(t, f))
     print(f"\n{log['environment'].get('gpu')}, {log['environment'].get('sanitizer')}, {log['environment']['date']}; "
           f"{log['seconds']} s; cells: errors attributed by kernel name, +Nf = cases failed (check, crash, "
           f"timeout); racecheck on the quick variants{' (off: --full)' if args.full else ''}; log {out / 'sanitize.json'}")
     print(table(rows, header))
+    tarball = Path(args.tarball) if args.tarball else out.parent / "sanitize_logs.tgz"
+    print(f"logs: {pack_logs(out, tarball)}")
     return 1 if bad else 0
+
+
+def pack_logs(out: Path, tarball: Path) -> str:
+    """Every log, result and findings file under ``out`` (not the saved references) in one gzipped
+    tarball: the device tool brings back a few files only."""
+    import tarfile
+    try:
+        tarball.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tarball, "w:gz") as tar:
+            for p in sorted(out.rglob("*")):
+                if p.is_file() and "refs" not in p.relative_to(out).parts and p.resolve() != tarball.resolve():
+                    tar.add(p, arcname=str(Path(out.name) / p.relative_to(out)))
+        return f"{tarball} ({tarball.stat().st_size // 1024} KiB)"
+    except OSError as e:
+        return f"no tarball ({e})"
 
 
 def parse_args(argv=None):
@@ -1145,7 +1636,10 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=int, default=0, help="parallel processes of the plain run (default: cores / 2, <= 8)")
     p.add_argument("--tool-jobs", type=int, default=1,
                    help="sanitizer processes (tool x environment group) run at once on the GPU (default 1)")
-    p.add_argument("--print-limit", type=int, default=2000, help="reports compute-sanitizer prints per process")
+    p.add_argument("--print-limit", type=int, default=20000, help="reports compute-sanitizer prints per process")
+    p.add_argument("--top", type=int, default=8, help="distinct findings printed per tool at the end")
+    p.add_argument("--tarball", default="",
+                   help="gzipped tarball of every log (default: sanitize_logs.tgz beside the --out folder)")
     # worker mode (started by the driver)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--phase", default="plain", help=argparse.SUPPRESS)
@@ -1153,6 +1647,7 @@ def parse_args(argv=None):
     p.add_argument("--refs", default="", help=argparse.SUPPRESS)
     p.add_argument("--results", default="", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--allocs", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.tools = [t for t in args.tools.split(",") if t]
     for t in args.tools:
@@ -1166,7 +1661,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         names = [c for c in args.cases.split(",") if c]
-        return worker(names, args.phase, Path(args.refs), Path(args.results), args.quick)
+        return worker(names, args.phase, Path(args.refs), Path(args.results), args.quick, args.allocs)
     if args.list:
         rows = [[c.name, ",".join(c.families), ",".join(c.ops), _group_name(c.env),
                  ("needs " + ",".join(missing_requirements(c)) + "; " if missing_requirements(c) else "") + c.note]
