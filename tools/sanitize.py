@@ -555,7 +555,9 @@ def _attention_backward(ctx: Ctx, variants, config_for):
         # more), and the backward's pre-pass reading o is the only place where a kernel reads a
         # TMA-stored buffer in this gate.  o's every element is checked in the forward cases, and an
         # unwritten o (poison) would turn delta and every gradient here into NaN.
-        o, lse = rtk.attention(q, k, v, causal=causal, out=ctx.poisoned((batch, sq, h, d), dt), **_bf(dt))
+        # RTKERNELS_SANITIZE_RAW_O=1: o as the forward allocates it (to see what initcheck makes of it).
+        out = None if os.environ.get("RTKERNELS_SANITIZE_RAW_O") == "1" else ctx.poisoned((batch, sq, h, d), dt)
+        o, lse = rtk.attention(q, k, v, causal=causal, out=out, **_bf(dt))
         dq, dk, dv = ctx.poisoned(q.shape, dt), ctx.poisoned(k.shape, dt), ctx.poisoned(v.shape, dt)
         rtk.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det, dq=dq, dk=dk, dv=dv,
                                config=config_for(dt, d, causal, det), **_bf(dt))
