@@ -416,9 +416,10 @@ def _arr(rng, shape, dtype, scale=1.0):
 
 
 def _make(seed, batch, sq, h, hkv, d, dtype, page_size=None, capacity=600, seqlen_new=0, lens=None,
-          q_from_qkv=False):
+          q_from_qkv=False, hnd=False):
     """Inputs on the device and their float64 host copies.  Paged caches get shuffled pages and
-    unused block-table entries that are out of range (they must never be read)."""
+    unused block-table entries that are out of range (they must never be read).  ``hnd``: a
+    contiguous cache stored (batch, nheads_kv, capacity, head_dim), passed as its transposed view."""
     import cupy as cp
     rng = np.random.default_rng(seed)
     if lens is None:
@@ -430,7 +431,11 @@ def _make(seed, batch, sq, h, hkv, d, dtype, page_size=None, capacity=600, seqle
         q, q_h = qkv[:, :, 1], qkv_h[:, :, 1]
     else:
         q, q_h = _arr(rng, (batch, sq, h, d), dtype)
-    if page_size is None:
+    if page_size is None and hnd:
+        kc, kc_h = (x.transpose(0, 2, 1, 3) for x in _arr(rng, (batch, hkv, capacity, d), dtype))
+        vc, vc_h = (x.transpose(0, 2, 1, 3) for x in _arr(rng, (batch, hkv, capacity, d), dtype))
+        table = table_h = None
+    elif page_size is None:
         kc, kc_h = _arr(rng, (batch, capacity, hkv, d), dtype)
         vc, vc_h = _arr(rng, (batch, capacity, hkv, d), dtype)
         table = table_h = None
@@ -498,7 +503,7 @@ def _run(seed, batch, sq, h, hkv, d, dtype, page_size=None, causal=True, seqlen_
     import cupy as cp
     from gpu_util import poison
     x = _make(seed, batch, sq, h, hkv, d, dtype, page_size, capacity, seqlen_new, lens,
-              kw.pop("q_from_qkv", False))
+              kw.pop("q_from_qkv", False), kw.pop("hnd", False))
     out = poison(cp.empty((batch, sq, h, d), x.q.dtype))
     o, lse = _call(x, out=out, causal=causal, return_lse=True, **kw)
     assert o is out
@@ -554,7 +559,69 @@ def test_gpu_forced_splits_agree(num_splits):
 def test_gpu_long_sequence_uses_the_combine_path():
     x = _run(_seed(), 1, 1, 32, 8, 128, "bfloat16", None, True, 0, 20000, lens=[19999])
     plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, None, None, None, None), True, None, False, None, "bfloat16")
-    assert plan.num_splits > 1 and plan.combine is not None, plan
+    assert plan.num_splits > 1 and (plan.fused or plan.combine is not None), plan
+
+
+# Variants of the kernel (kv_mod.set_variant: what tools/bench_decode.py --variants times): each
+# must agree with the reference wherever the heuristics might pick it.
+VARIANTS = [
+    dict(warp_split="keys", order="splits", combine="kernel"),
+    dict(warp_split="keys", order="heads", combine="fused"),
+    dict(warp_split="rows", combine="fused"),
+    dict(warp_split="rows", order="splits", combine="kernel"),
+    dict(warp_split="rows", kv_heads=2, block_n=32),
+    dict(warp_split="rows", kv_heads=1, num_stages=2),
+]
+# (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, num_splits)
+VARIANT_CASES = [
+    (4, 1, 32, 8, 128, "bfloat16", None, 0, 900, 5),     # decode GQA 4, 8 kv heads
+    (3, 1, 16, 16, 64, "float16", 16, 1, 500, 3),        # MHA d64, paged, append
+    (2, 4, 24, 4, 80, "bfloat16", 32, 4, 700, 7),        # speculative 4 rows x group 6, padded head dim
+    (2, 1, 8, 2, 256, "float16", 64, 0, 600, None),      # d256: Q in shared memory in rows mode
+    (3, 16, 16, 4, 128, "bfloat16", None, 0, 800, 2),    # 64 rows: rows mode's home; keys mode: 2 row tiles
+]
+
+
+@pytest.fixture
+def variant():
+    yield kv_mod.set_variant
+    kv_mod.set_variant(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", VARIANT_CASES)
+def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d, dtype, page, new, cap, splits):
+    variant(v)
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
+    plan, _ = kv_mod._plan(arrays, True, None, True, splits, "bfloat16" if dtype == "bfloat16" else None)
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.warp_split == v["warp_split"] and (splits is None or plan.num_splits == splits)
+    if splits and splits > 1 and v.get("combine") == "kernel":
+        assert plan.combine is not None and not plan.fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,hkv", [(16, 4), (64, 4), (300, 8), (33, 2)])
+def test_gpu_rows_mode_many_rows(sq, hkv):
+    """Many query rows per kv head (speculative verification, chunked prefill): the rows mode,
+    one or several row tiles of up to 128 rows, causal bottom-right, with and without splits."""
+    for splits in (None, 3):
+        x = _run(_seed(), 2, sq, 16, hkv, 128, "bfloat16", 16 if sq > 50 else None, True, min(sq, 8), 900,
+                 num_splits=splits)
+        plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None), True, None, True, splits,
+                               "bfloat16")
+        assert plan.config.warp_split == "rows", plan.config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [dict(warp_split="keys"), dict(warp_split="rows")], ids=("keys", "rows"))
+def test_gpu_transposed_cache_layout(variant, v):
+    """A (batch, nheads_kv, seqlen, head_dim) cache passed as its transposed view: any strides."""
+    variant(v)
+    _run(_seed(), 3, 2, 16, 4, 128, "float16", None, True, 2, 700, hnd=True, num_splits=3)
+    _run(_seed(), 3, 1, 16, 4, 64, "bfloat16", None, True, 0, 500, hnd=True)
 
 
 @pytest.mark.gpu
@@ -723,6 +790,49 @@ def test_gpu_torch_error_rule_against_sdpa_in_bfloat16():
     err = (o.double() - ref).abs().max().item()
     err_peer = (sdpa(torch.bfloat16).double() - ref).abs().max().item()
     assert err <= 2 * err_peer + 1e-3, f"max err {err:.3e} vs SDPA bf16 {err_peer:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["fused", "kernel"])
+@pytest.mark.parametrize("warm_capture_stream", [True, False], ids=("warm", "cold"))
+def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_stream):
+    """CuPy stream capture of a split call (partials, fused-merge counters in the workspace):
+    replays with new lengths match eager calls and the reference, three times in a row (the
+    counters are back at zero after every launch).  'cold': the capture stream never ran the op,
+    so its workspace is made (and zeroed) inside the capture."""
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(combine=combine))
+    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", 16, 2000, lens=[1999, 700, 3])
+    out = cp.empty(x.q.shape, x.q.dtype)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        if warm_capture_stream:
+            _call(x, out=out, num_splits=6)
+        else:
+            with cp.cuda.Stream(non_blocking=True) as other:   # plan and module made on another stream
+                _call(x, out=out, num_splits=6)
+                other.synchronize()
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, num_splits=6, return_lse=True)
+        graph = s.end_capture()
+    plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, None, None, out), True, None, True, 6, "bfloat16")
+    assert plan.num_splits == 6 and plan.fused == (combine == "fused"), plan
+    rng = np.random.default_rng(_seed())
+    for step in range(3):
+        x.lens_h = rng.integers(0, 2000, size=3).astype(np.int32)
+        x.lens_h[step] = 0
+        x.lens.set(x.lens_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"cupy graph {combine} replay {step}")
+        eager, lse_eager = _call(x, num_splits=6, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
+        assert np.array_equal(lse_eager.get(), lse.get())
 
 
 @pytest.mark.gpu
