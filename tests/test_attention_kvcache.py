@@ -116,6 +116,9 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
                     warp_rows = 16 if cfg.warp_split == "rows" else cfg.rows
                     assert warp_rows * cfg.block_n <= 1024 or cfg.block_n == 16   # S in <= 32 registers
                     assert cfg.warp_split == kw.get("warp_split", "rows" if rows_total > 16 else "keys")
+                    if cfg.warp_split == "rows":   # the no-spill budget of the CTA-wide copy (see MAX_LOAD_ITERS)
+                        iters = -(-cfg.kv_heads * cfg.block_n * (d // 8) // cfg.threads_per_block)
+                        assert cfg.num_warps >= kv_mod.ROWS_MODE_MIN_WARPS and iters <= kv_mod.MAX_LOAD_ITERS, cfg
     # rows mode: 16 rows per warp, up to 8 warps; decoding packs up to 8 kv heads (dividing nheads_kv)
     assert choose_config("bfloat16", 128, 64, False, True, "sm_90").num_warps == 4
     assert choose_config("bfloat16", 128, 300, False, True, "sm_90").rows == 128
@@ -803,7 +806,9 @@ def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_strea
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(combine=combine))
-    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", 16, 2000, lens=[1999, 700, 3])
+    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", 16, 2000, lens=[2000, 2000, 2000])   # every page mapped
+    x.lens_h = np.array([1999, 700, 3], np.int32)
+    x.lens.set(x.lens_h)
     out = cp.empty(x.q.shape, x.q.dtype)
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()

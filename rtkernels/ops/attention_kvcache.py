@@ -274,31 +274,52 @@ def _kv_heads_for(nheads_kv: int, want: int | None) -> int:
     return 1
 
 
+# rows mode: at least this many warps per CTA (extra warps take padding rows: their MMAs are idle
+# issue slots in a memory-bound loop), and at most this many 16-byte K (and V) chunks per thread
+# and tile.  Measured with NVRTC 13.5 (sm_80, sm_90; paged, causal): 16-32 chunks per thread (1-2
+# warps copying 64-key tiles, or d256 tiles of 8 kv heads) spilled 4-740 bytes at 255 registers,
+# each chunk's page id and address held for the next tile; 8 chunks at 4-8 warps: 145-240 registers.
+ROWS_MODE_MIN_WARPS = 4
+MAX_LOAD_ITERS = 8
+
+
 def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads=None, block_n=None,
                  num_stages=None) -> AttentionDecodeConfig:
     """warp_split="rows": 16 rows per warp, up to 128 rows per head (8 warps) for many rows; for
-    decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA.  Tiles: ~128 (d <= 64:
-    256, d > 128: 64) key rows of K+V per stage over the CTA's heads (64 KB of K+V at d128, as the
-    keys mode's 4 warps x 16 keys x 2 stages), 3 stages where the shared memory allows, else 2,
-    else fewer kv heads.  Reasoned, to be measured (bench --variants)."""
+    decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA; at least
+    ROWS_MODE_MIN_WARPS warps.  Tiles: ~128 (d <= 64: 256, d > 128: 64) key rows of K+V per stage
+    over the CTA's heads (64 KB of K+V at d128, as the keys mode's 4 warps x 16 keys x 2 stages)
+    and at most MAX_LOAD_ITERS chunks per thread; 3 stages where the shared memory allows, else 2;
+    else 16-key tiles; else fewer kv heads, else fewer rows per CTA.  Reasoned, to be measured
+    (tools/bench_decode.py --variants)."""
     hd_pad = -(-head_dim // 16) * 16
+    chunks = head_dim // 8
     limit = _smem_limit(arch)
     target = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
-    row_warps = min(8, max(1, -(-rows_total // 16)))
-    while row_warps >= 1:   # fallbacks where shared memory is short: fewer kv heads, 16-key tiles, fewer rows
-        kv = _kv_heads_for(nheads_kv, kv_heads if kv_heads else (8 // row_warps if rows_total <= 16 else 1))
-        kv = min(kv, max(1, 8 // row_warps))
+    need_rw = min(8, max(1, -(-rows_total // 16)))
+    kv0 = _kv_heads_for(nheads_kv, kv_heads if kv_heads else (8 if rows_total <= 16 else 1))
+    while need_rw >= 1:
+        kv = kv0
         while kv >= 1:
-            bn0 = block_n or min(64 if hd_pad <= 128 else 32, max(16, target // kv))
-            for bn in dict.fromkeys((bn0, 16)):
-                for stages in ((num_stages,) if num_stages else (3, 2)):
-                    cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * row_warps,
-                                                block_n=bn, num_warps=kv * row_warps, num_stages=stages, paged=paged,
-                                                q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv)
-                    if cfg.shared_mem_bytes <= limit:
-                        return cfg
+            rw = max(need_rw, -(-ROWS_MODE_MIN_WARPS // kv))
+            threads = 32 * kv * rw
+            if kv * rw <= 8:
+                for bn in ((block_n,) if block_n else (64, 32, 16)):
+                    iters = -(-kv * bn * chunks // threads)
+                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d > 128's O
+                    too_big = bn > max(16, target // kv) or (hd_pad > 128 and bn > 32)
+                    if not block_n and (too_big or (bn > 16 and iters > MAX_LOAD_ITERS)):
+                        continue
+                    if not block_n and iters > MAX_LOAD_ITERS and kv > 1:
+                        break   # even 16-key tiles are too many chunks per thread: fewer kv heads
+                    for stages in ((num_stages,) if num_stages else (3, 2)):
+                        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * rw,
+                                                    block_n=bn, num_warps=kv * rw, num_stages=stages, paged=paged,
+                                                    q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv)
+                        if cfg.shared_mem_bytes <= limit:
+                            return cfg
             kv //= 2
-        row_warps //= 2
+        need_rw //= 2
     raise ConfigError(f"{OP}: no rows-mode tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
                       "block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
