@@ -106,6 +106,8 @@ class Set:
         if "hnd" in layouts:   # rtk on a (B, Hkv, S, D) cache: the transposed view of such an array
             if self.sdpa is not None:
                 self.hnd = (self.sdpa[1].transpose(1, 2), self.sdpa[2].transpose(1, 2))
+            elif torch is not None:
+                self.hnd = tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (self.k, self.v))
             else:
                 self.hnd = tuple(cp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
                                  for x in (self.k, self.v))
