@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import cache
+from ._env import getenv
+
 
 SCHEMA = 1
 # Interleaved timing passes per candidate, and how much faster than the heuristic's default a
@@ -57,7 +59,7 @@ class AutotuneWarning(UserWarning):
 
 def enabled() -> bool:
     """``RTKERNELS_AUTOTUNE=1`` turns tuning on; anything else (default ``0``) leaves it to the heuristics."""
-    return os.environ.get("RTKERNELS_AUTOTUNE", "0") == "1"
+    return getenv("RTKERNELS_AUTOTUNE", "0") == "1"   # read per call: launch-plan keys include it
 
 
 def path() -> Path:

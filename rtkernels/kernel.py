@@ -505,7 +505,7 @@ class Kernel:
         names = _param_names(self.signature)
         multi = device.gpu_count() > 1
         g = {"_ndarray": cupy.ndarray, "_getdev": cupy.cuda.runtime.getDevice, "_fns": self._functions,
-             "_kernel": self, "_dim3": _dim3, "_StreamPtr": _StreamPtr}
+             "_kernel": self, "_dim3": _dim3, "_Stream": cupy.cuda.Stream, "_stream_arg": _stream_arg}
         # Parameters are named after the kernel's own, so a wrong count reads e.g.
         # "launch() missing 1 required positional argument: 'n'".
         lines = [f"def launch(grid, block, {''.join(a + ', ' for a in names)}*, shared_mem=0, stream=None):"]
@@ -559,18 +559,29 @@ class Kernel:
         # dimension must be caught here: zero launches nothing, negative is an error.
         # The last validated (grid, block) pair is remembered by identity: tuples are immutable, and a
         # launch loop usually passes the same objects, so the checks run once.
-        g["_seen"] = [None, None]
-        lines += ["    if grid is not _seen[0] or block is not _seen[1]:",
+        # One slot holds (grid, block, linear size, block size), replaced as a whole so threads never
+        # see a mixed pair.  A 1-D grid of 1-D blocks launches through Function.linear_launch with
+        # size = grid * block and block_max_size = block (the same dimensions): it skips the tuple
+        # padding and six clamps Function.__call__ does on Python objects every call.
+        g["_seen"] = [(None, None, 0, 0)]
+        g["_linear"] = _linear_size
+        lines += ["    s = _seen[0]",
+                  "    if grid is not s[0] or block is not s[1]:",
                   "        if type(grid) is not tuple or len(grid) > 3: grid = _dim3(grid, 'grid')",
                   "        if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
                   "        if min(grid) <= 0 or min(block) <= 0: return _kernel._empty_grid(grid, block)",
-                  "        _seen[0] = grid; _seen[1] = block",
+                  "        s = _seen[0] = (grid, block, _linear(grid, block), block[0])",
                   # The 48 KiB default covers static plus dynamic shared memory together.
                   f"    if shared_mem > {_SMEM_DEFAULT_LIMIT - self.resources.shared_static}: "
                   "_kernel._smem_check(fn, dev, shared_mem)",
-                  "    if stream is not None and not hasattr(stream, 'ptr'): stream = _StreamPtr(stream)",
+                  # CuPy's Function reads stream.ptr: a CuPy stream passes as it is; raw handles
+                  # (the ops' torch path) map to cached holders instead of a new object per call
+                  "    if stream is not None and type(stream) is not _Stream: stream = _stream_arg(stream)",
                   "    try:",
-                  f"        fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",
+                  "        if s[2]:",
+                  f"            fn.linear_launch(s[2], ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, s[3], stream)",
+                  "        else:",
+                  f"            fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",
                   "    except Exception as exc:",
                   "        _kernel._launch_failed(exc, grid, block, shared_mem)"]
         if _SYNC_CHECK:
@@ -616,10 +627,38 @@ class _StreamPtr:
         self.ptr = int(ptr)
 
 
+_STREAM_ARGS: dict = {}
+
+
+def _stream_arg(stream):
+    """What CuPy's Function takes as a stream (anything with ``.ptr``): objects with ``.ptr`` as
+    they are, raw handles through a small cache of holders, torch streams by their handle."""
+    if type(stream) is int:
+        held = _STREAM_ARGS.get(stream)
+        if held is None:
+            if len(_STREAM_ARGS) > 256:
+                _STREAM_ARGS.clear()
+            held = _STREAM_ARGS[stream] = _StreamPtr(stream)
+        return held
+    return stream if hasattr(stream, "ptr") else _StreamPtr(stream)
+
+
+def _linear_size(grid: tuple, block: tuple) -> int:
+    """grid[0] * block[0] for a 1-D grid of 1-D blocks (Function.linear_launch's size), else 0.
+    A grid beyond CUDA's 2^31 - 1 blocks is left to Function.__call__, whose launch reports it
+    (linear_launch would clamp it)."""
+    if any(x != 1 for x in grid[1:]) or any(x != 1 for x in block[1:]) or grid[0] > 0x7FFFFFFF:
+        return 0
+    return grid[0] * block[0] if LINEAR_LAUNCH else 0
+
+
+LINEAR_LAUNCH = True   # False: every launch through Function.__call__ (tools/bench_host.py compares)
+
+
 def _param_names(signature: list[Param]) -> list[str]:
     """Python-safe launcher parameter names taken from the C declarations."""
     import keyword
-    taken = {"grid", "block", "shared_mem", "stream", "dev", "fn", "exc"}
+    taken = {"grid", "block", "shared_mem", "stream", "dev", "fn", "exc", "s"}
     out = []
     for i, p in enumerate(signature):
         m = re.search(r"(\w+)\s*(?:\[\s*\])?$", p.decl)
@@ -649,25 +688,48 @@ def _bf16_bits(x: float) -> np.uint16:
     return np.uint16((b >> 16) & 0xFFFF)
 
 
+def _pointer_arg():
+    """CuPy's by-value pointer holder: CuPy passes a ``CPointer`` to the driver as it is, which is
+    the cheapest argument it takes (an int becomes a NumPy scalar first, a MemoryPointer a new
+    holder).  Older CuPy without ``CIntptr``: a uint64 NumPy scalar (8 bytes, the same value)."""
+    from cupy.cuda import function
+    return getattr(function, "CIntptr", np.uint64)
+
+
 def _converter(kernel: Kernel, index: int, p: Param):
     where = f"{kernel.name}() argument {index} ({p.decl})"
     if p.kind == "pointer":
+        holder = _pointer_arg()
+
         def conv(a, dev):
             if a is None:
                 return None
             if type(a) is DevicePtr:
                 return int(a)
-            dev_of = getattr(getattr(a, "data", None), "device_id", None)  # CuPy ndarray fast path
-            if dev_of is None:
-                return _foreign_pointer(a, dev, where)
-            if dev_of != dev:
-                raise LaunchError(f"{where}: array is on device {dev_of}, but the launch is on device {dev}")
-            return a
+            if getattr(a, "is_cuda", None) is True and hasattr(a, "data_ptr"):
+                # a CUDA torch tensor: its address, checked against the launch's device (the ops'
+                # launch plans pass tensors as they are; building a CuPy view or MemoryPointer per
+                # call cost 2-4 us of host time per tensor)
+                owner = a.get_device()
+                if owner != dev:
+                    raise LaunchError(f"{where}: tensor is on device {owner}, but the launch is on device {dev}")
+                return holder(a.data_ptr())
+            dev_of = getattr(getattr(a, "data", None), "device_id", None)  # CuPy ndarray (subclasses)
+            if dev_of is not None:
+                if dev_of != dev:
+                    raise LaunchError(f"{where}: array is on device {dev_of}, but the launch is on device {dev}")
+                return a
+            return _foreign_pointer(a, dev, where)
         return conv
     if p.kind == "struct":
         want = 128 if p.ctype.split("::")[-1] in ("TensorMap", "CUtensorMap") else None
+        from .tma import LAUNCH_ARGS as maps
 
         def conv(a, dev):
+            if want is not None:
+                hit = maps.get(id(a))
+                if hit is not None and hit[0] is a:
+                    return hit[1]   # a memoized tensor map: its bytes behind a CuPy CPointer
             if isinstance(a, (np.generic, np.ndarray)) and a.dtype.itemsize > 0:
                 if want is not None and a.nbytes != want:
                     raise TypeError(f"{where}: a tensor map is {want} bytes (rtkernels.tma.tensor_map builds "

@@ -5,16 +5,19 @@ named like its submodule (``rtkernels.ops.matmul``) must stay the module, so tha
 ``import rtkernels.ops.matmul as m`` gives the module and not the function.
 """
 from . import (  # noqa: F401  (one module per line: parallel work merges cleanly)
+    adamw,
     attention,
     attention_bwd,
     attention_bwd_sm90,
     attention_kvcache,
     attention_merge,
     attention_sm90,
+    cross_entropy,
     elementwise,
     matmul,
     matmul_sm90,
     rowwise,
+    rowwise_bwd,
     vector_add,
 )
 
@@ -31,4 +34,7 @@ PUBLIC = {
     "attention_kvcache": ("attention_kvcache", "check_kvcache_inputs", "AttentionDecodeConfig",
                           "attention_kvcache_reference"),
     "rowwise": ("softmax", "rmsnorm", "layernorm", "reduce", "SoftmaxConfig", "NormConfig", "ReduceConfig"),
+    "rowwise_bwd": ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "NormBwdConfig", "SoftmaxBwdConfig"),
+    "cross_entropy": ("cross_entropy", "CrossEntropyConfig"),
+    "adamw": ("adamw_step", "AdamWConfig"),
 }

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
 from ._arrays import LaunchPlans, _is_torch, default_stream, empty_as, torch_view_as
@@ -535,7 +536,7 @@ def _backward_plan_key(arrays, outs, causal, softmax_scale, deterministic, dtype
     if not _sm90.ENABLED:
         return None
     return _BACKWARD_PLANS.key(tuple(arrays) + tuple(outs), (bool(causal), softmax_scale, bool(deterministic),
-                                                               dtype, config, os.environ.get("RTKERNELS_ARCH")))
+                                                               dtype, config, getenv("RTKERNELS_ARCH")))
 
 
 def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, dot_grid) -> None:

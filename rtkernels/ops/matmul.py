@@ -24,13 +24,14 @@ import numpy as np
 
 from .. import arch as arch_mod
 from .. import autotune, device
+from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
-                      device_pointer, dtype_name, new_like, same_memory)
+                      dtype_name, new_like, same_memory)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -55,6 +56,9 @@ class MatmulConfig(KernelConfig):
     ``b_kmajor``: B's K dimension is contiguous (``trans_b`` of a row-major (N, K)); else N is.
     ``vec_a`` / ``vec_b``: elements per global load (8 = 16 bytes), lowered by the host when a
     stride or base pointer is not aligned for wider ones.
+    ``edge_a`` / ``edge_b``: the operand's contiguous extent (K if K-major, else M / N) is not a
+    multiple of ``vec_a`` / ``vec_b`` (a padded row stride, a single row), so a row's last chunk
+    may be partial: it is loaded element by element, never read whole past the row.
     ``even_k``: K is a multiple of ``block_k``, so the kernel drops all K bounds checks (the
     host sets it per call; False is always correct).
     ``ldsm_first``: the double-buffered main loop issues the next k step's ldmatrix before the
@@ -82,6 +86,8 @@ class MatmulConfig(KernelConfig):
     b_kmajor: bool = False
     vec_a: int = 8
     vec_b: int = 8
+    edge_a: bool = False
+    edge_b: bool = False
     has_bias: bool = False
     activation: str = "none"
     even_k: bool = False
@@ -98,9 +104,12 @@ class MatmulConfig(KernelConfig):
             object.__setattr__(self, "activation", "none")
         self._check_dtype("dtype", _DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("a_kmajor", "b_kmajor", "has_bias", "even_k", "ldsm_first"):
+        for f in ("a_kmajor", "b_kmajor", "edge_a", "edge_b", "has_bias", "even_k", "ldsm_first"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
+        for edge, vec in (("edge_a", "vec_a"), ("edge_b", "vec_b")):
+            if getattr(self, edge) and getattr(self, vec) == 1:
+                self._fail(edge, f"False with {vec}=1 (a one-element chunk is never partial)")
         self._check_int("block_m", 16, 256, multiple_of=16)
         self._check_int("block_n", 16, 256, multiple_of=16)
         self._check_int("num_warps", 1, 16, power_of_two=True)
@@ -403,7 +412,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             SM90_MMA, autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
+                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH")))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
@@ -428,11 +437,8 @@ def _args(maps, abc):
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
-    args = _args(plan.extra, (a, b, bias, out))
-    if plan.torch:
-        dev = a.get_device()
-        args = [device_pointer(x, dev) for x in args]   # maps and None pass through
-    plan.launch.run(args, default_stream(a, stream))
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run(_args(plan.extra, (a, b, bias, out)), default_stream(a, stream) if plan.torch else stream)
     return out
 
 
@@ -578,8 +584,13 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     c_vec = 8 if (da != "float32" and cv.data.ptr % 16 == 0 and ldc % 8 == 0 and batch_c % 8 == 0) else 1
     layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, vec_a=vec_a, vec_b=vec_b, has_bias=biv is not None,
                   activation=act)
+    # A row that ends inside a vec chunk (its extent not a multiple of vec: a padded stride, a single
+    # row) has that chunk loaded element by element; named only when set, so that other calls keep
+    # their autotuning keys.
+    layout.update({e: True for e, vec, extent in (("edge_a", vec_a, k if a_kmajor else m),
+                                                  ("edge_b", vec_b, k if b_kmajor else n)) if extent % vec})
     dev = device.current_device()
-    memo_key = (da, m, n, k, batch, tuple(layout.values()), dev, autotune.enabled())
+    memo_key = (da, m, n, k, batch, tuple(layout.items()), dev, autotune.enabled())
     plan = _plans.get(memo_key)
     if plan is None:
         cfg = heuristic_config(da, m, n, k, batch, sm_count=device.sm_count(), **layout)

@@ -57,7 +57,7 @@ from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer, dtype_name,
-                      new_like, same_memory)
+                      empty_as, new_like, same_memory)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
@@ -256,9 +256,10 @@ class NormConfig(_RowConfig):
     bulk_stages: int = 0      # > 0 (sm_90): row stages per block filled by cp.async.bulk
     param_slots: int = 4      # weight (+ bias) vectors loaded at once in the write phase
     streaming: bool = True    # evict-first (.cs) loads and stores of x and y
+    stats: bool = False       # also write float32 rstd (and LayerNorm's mean) per row, for the backward
 
     def __post_init__(self):
-        for name in ("two_pass", "prefetch", "streaming"):
+        for name in ("two_pass", "prefetch", "streaming", "stats"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
@@ -682,11 +683,8 @@ def _launch(key, launch: Launch, views, arrays, stream) -> None:
 def _replay(plan: OutputPlan, inputs: tuple, out, stream):
     x = inputs[0]
     out = plan.output(x, out)
-    if plan.torch:
-        dev = x.get_device()
-        plan.launch.run([device_pointer(a, dev) for a in (*inputs, out)], default_stream(x, stream))
-    else:
-        plan.launch.run((*inputs, out), stream)
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run((*inputs, out), default_stream(x, stream) if plan.torch else stream)
     return out
 
 
@@ -740,7 +738,7 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
 
 
 def rmsnorm(x, weight, eps: float = 1e-6, out=None, *, dtype: str | None = None, stream=None,
-            config: NormConfig | None = None):
+            config: NormConfig | None = None, return_stats: bool = False):
     """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last axis.
 
     Parameters
@@ -749,12 +747,19 @@ def rmsnorm(x, weight, eps: float = 1e-6, out=None, *, dtype: str | None = None,
     weight : ``n`` elements, float16 / bfloat16 / float32 (may differ from x's dtype); a view that is
         not n consecutive elements (``expand``-ed, strided) is copied first.
     eps, out, dtype, stream, config : as in :func:`softmax` (config: a :class:`NormConfig`).
+    return_stats : also return ``rstd`` = ``rsqrt(mean(x**2) + eps)``, float32 of shape
+        ``x.shape[:-1]`` (what :func:`rmsnorm_backward` takes).  Written by the same kernel (its
+        ``stats=True`` variant); without it the kernel is the one that writes y alone.
+
+    Returns
+    -------
+    ``y``, or ``(y, rstd)`` with ``return_stats``.
     """
-    return _norm("rmsnorm", x, weight, None, eps, out, dtype, stream, config)
+    return _norm("rmsnorm", x, weight, None, eps, out, dtype, stream, config, return_stats)
 
 
 def layernorm(x, weight, bias, eps: float = 1e-5, out=None, *, dtype: str | None = None, stream=None,
-              config: NormConfig | None = None):
+              config: NormConfig | None = None, return_stats: bool = False):
     """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last axis (biased variance).
 
     Parameters
@@ -762,16 +767,77 @@ def layernorm(x, weight, bias, eps: float = 1e-5, out=None, *, dtype: str | None
     x : float16 / bfloat16 / float32 array, any leading shape (see :func:`softmax`).
     weight, bias : ``n`` elements each, one dtype (may differ from x's); other views copied first.
     eps, out, dtype, stream, config : as in :func:`softmax` (config: a :class:`NormConfig`).
+    return_stats : also return ``mean`` and ``rstd`` = ``rsqrt(var + eps)``, float32 of shape
+        ``x.shape[:-1]`` each (what :func:`layernorm_backward` takes).
+
+    Returns
+    -------
+    ``y``, or ``(y, mean, rstd)`` with ``return_stats``.
     """
-    return _norm("layernorm", x, weight, bias, eps, out, dtype, stream, config)
+    return _norm("layernorm", x, weight, bias, eps, out, dtype, stream, config, return_stats)
 
 
-def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
+def _norm(op, x, weight, bias, eps, out, dtype, stream, config, return_stats=False):
     inputs = (x, weight) if bias is None else (x, weight, bias)
+    if return_stats:
+        return _norm_with_stats(op, inputs, eps, out, dtype, stream, config)
     key = _PLANS.key(inputs + (out,), (op, eps, dtype, config)) if type(eps) is float else None
     plan = _PLANS.get(key)
     if plan is not None:
         return _replay(plan, inputs, out, stream)
+    launch, views, out = _norm_launch(op, inputs, eps, out, dtype, config, stats=False, stream=stream)
+    if launch is not None:
+        _launch(key, launch, views, (*inputs, out), stream)
+    return out
+
+
+def _norm_with_stats(op, inputs, eps, out, dtype, stream, config):
+    """The forward that also writes float32 (mean,) rstd per row; a plan per signature like
+    :func:`_norm`'s (its record keeps the statistics' shape and array kind)."""
+    x = inputs[0]
+    nstats = 2 if op == "layernorm" else 1
+    key = _PLANS.key(inputs + (out,), (op + "+stats", eps, dtype, config)) if type(eps) is float else None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        out = plan.output(x, out)
+        stats = [empty_as(x, plan.extra, _float32_of(x)) for _ in range(nstats)]
+        if plan.torch:
+            dev = x.get_device()
+            plan.launch.run([device_pointer(a, dev) for a in (*inputs, out, *stats)], default_stream(x, stream))
+        else:
+            plan.launch.run((*inputs, out, *stats), stream)
+        return (out, *stats)
+    launch, views, out = _norm_launch(op, inputs, eps, out, dtype, config, stats=True, stream=stream)
+    shape = tuple(views[0].shape[:-1]) if launch is not None else tuple(_shape_of(x)[:-1])
+    stats = [empty_as(x, shape, _float32_of(x)) for _ in range(nstats)]
+    if launch is None:
+        return (out, *stats)
+    svs = [as_device_array(s, op, "stats") for s in stats]
+    views = (*views, *svs)
+    launch.run(views, default_stream(x, stream))
+    if key is not None and same_memory(views, (*inputs, out, *stats)):
+        _PLANS.put(key, OutputPlan.of(launch, out, extra=shape))
+    return (out, *stats)
+
+
+def _float32_of(x):
+    """float32 as the dtype object of x's array library (torch or CuPy)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+        return torch.float32
+    return np.float32
+
+
+def _shape_of(x):
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else tuple(as_device_array(x, "rtkernels", "x").shape)
+
+
+def _norm_launch(op, inputs, eps, out, dtype, config, stats: bool, stream=None):
+    """Checks, output and the Launch of a norm forward: (launch or None when empty, views
+    (x, weight[, bias], out), out).  ``stats``: the kernel variant that writes the statistics."""
+    x, weight = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
     dt = _dtype_of(x, dtype, op)
     xv, (rows, n, xs) = _rows_of(x, op, stream)
     _check_width(n, op)
@@ -805,17 +871,19 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
         raise ConfigError(f"{op}: eps={eps!r} is not allowed; eps must be a float >= 0", family=op, field="eps")
     out, ov, (_, _, ys) = _out_rows(out, x, xv.shape, dt, op)
     if rows == 0 or n == 0:
-        return out
+        return None, (xv, *params, ov), out
     size = dtypes.itemsize(dt)
     vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
     wsize = dtypes.itemsize(wdt)
     while vec > 1 and any(_ptr(p) % min(16, vec * wsize) for p in params):
         vec //= 2   # weights load in pieces of at most 16 bytes
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
+    if stats:
+        cfg = cfg.replace(stats=True)
     k = get_kernel(cfg, op + "_rows")
-    _launch(key, Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
-                        (rows, n, xs, ys, float(eps))), (xv, *params, ov), (*inputs, out), stream)
-    return out
+    launch = Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
+                    (rows, n, xs, ys, float(eps)))
+    return launch, (xv, *params, ov), out
 
 
 def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = None, stream=None,
