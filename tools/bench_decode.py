@@ -287,15 +287,14 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
         dt = None if t is not None else ("bfloat16" if dtype == "bfloat16" else None)
         extra = {"dtype": dt} if dt else {}
         arrays = (s.q, s.k, s.v, s.lens, None, None, None, s.out)
-        opts = (True, None, False, None, dt, os.environ.get("RTKERNELS_ARCH"), None)
+        opts = (True, None, False, None, dt, os.environ.get("RTKERNELS_ARCH"), None)   # the op's plan options
         rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra)
         key = kv._PLANS.key(arrays, opts)
         plan = kv._PLANS.get(key)
         if plan is None:   # the key above must be the op's own
             out[f"{lib}_error"] = "plan key mismatch"
             continue
-        stream = default_stream(s.q, None)
-        st = kv._stream_arg(stream)
+        st = default_stream(s.q, None)
         addr = [s.q.data_ptr() if t is not None else s.q.data.ptr] * len(kv.DECODE_PTRS)
         ptrs = np.frombuffer(kv._PACK_PTRS(*addr), kv.PTRS_DTYPE)[0]
         pieces = {

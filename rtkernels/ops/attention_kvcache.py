@@ -34,6 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
 from ._arrays import Launch, LaunchPlans, _is_torch, as_device_array, default_stream, dtype_name, empty_as
@@ -725,28 +726,6 @@ def _workspace(plan: Plan, like, stream) -> tuple[int, int]:
     return ws.parts, ws.counters
 
 
-class _StreamArg:
-    """A raw stream handle in the form Kernel.launch takes without converting it per call."""
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-
-_STREAM_ARGS: dict = {}
-
-
-def _stream_arg(stream):
-    if type(stream) is not int:
-        return stream
-    s = _STREAM_ARGS.get(stream)
-    if s is None:
-        if len(_STREAM_ARGS) > 1024:
-            _STREAM_ARGS.clear()
-        s = _STREAM_ARGS[stream] = _StreamArg(stream)
-    return s
-
-
 def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, stream):
     """Allocate the outputs, pack the arrays' addresses and run the plan's launches on
     ``stream``.  The arrays are the caller's torch tensors (plan.torch) or CuPy arrays."""
@@ -770,13 +749,12 @@ def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
         parts, counters = _workspace(plan, q, stream)
         lse_part = parts + plan.lse_part_offset
     ptrs = np.frombuffer(_PACK_PTRS(*addr, parts, lse_part, counters, *tail), PTRS_DTYPE)[0]
-    st = _stream_arg(stream)
     if plan.append is not None:
-        plan.append.run((ptrs,), st)
+        plan.append.run((ptrs,), stream)
     if plan.split is not None:
-        plan.split.run((ptrs,), st)
+        plan.split.run((ptrs,), stream)
     if plan.combine is not None:
-        plan.combine.run((ptrs,), st)
+        plan.combine.run((ptrs,), stream)
     return (o, lse) if plan.lse_shape is not None else o
 
 
@@ -860,7 +838,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     """
     arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
     key = _PLANS.key(arrays, (bool(causal), softmax_scale, bool(return_lse), num_splits, dtype,
-                              os.environ.get("RTKERNELS_ARCH"), _VARIANT_KEY))
+                              getenv("RTKERNELS_ARCH"), _VARIANT_KEY))
     plan = _PLANS.get(key)
     if plan is None:
         plan, views = _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype)
