@@ -20,9 +20,10 @@ import pytest
 import rtkernels as rtk
 from rtkernels import inspect as rtk_inspect
 from rtkernels.errors import ConfigError
-from rtkernels.ops.attention_kvcache import (ARGS_DTYPE, DECODE_ARGS, HEURISTICS, MAX_SPLITS, MIN_KEYS_PER_SPLIT,
-                                             AttentionDecodeConfig, attention_kvcache, attention_kvcache_reference,
-                                             check, check_kvcache_inputs, choose_config, choose_num_splits,
+from rtkernels.ops.attention_kvcache import (ARGS_DTYPE, DECODE_ARGS, DECODE_PTRS, HEURISTICS, MAX_SPLITS,
+                                             MIN_KEYS_PER_SPLIT, NO_SPLIT_FILL, PTRS_DTYPE, AttentionDecodeConfig,
+                                             attention_kvcache, attention_kvcache_reference, check,
+                                             check_kvcache_inputs, choose_config, choose_num_splits,
                                              combine_reference, max_rows, rows_for)
 
 kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
@@ -32,7 +33,9 @@ kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
 @pytest.mark.parametrize("bad", [
     dict(head_dim=7), dict(head_dim=264), dict(dtype="float32"), dict(rows=8), dict(rows=128),
     dict(rows=32, head_dim=256), dict(block_n=24), dict(block_n=128), dict(num_warps=3), dict(num_stages=1),
-    dict(num_stages=7), dict(paged="yes"), dict(q_in_regs="no"),
+    dict(num_stages=7), dict(paged="yes"), dict(q_in_regs="no"), dict(warp_split="heads"), dict(kv_heads=2),
+    dict(kv_heads=3, warp_split="rows"), dict(num_warps=4, warp_split="rows", kv_heads=8, rows=16),
+    dict(rows=16, warp_split="rows", num_warps=4, kv_heads=2), dict(num_warps=9, warp_split="rows", rows=144),
 ])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
@@ -48,6 +51,13 @@ def test_config_smem_matches_the_template_layout():
     # the merge (4 warps x 64 rows x 72 floats + statistics) is larger than the ring here
     assert c.shared_mem_bytes == 4 * (4 * 64 * 72 + 2 * 4 * 64 + 2 * 64)
     assert c.bytes_in_flight == 4 * 2 * 16 * 2 * 64 * 2
+    # rows mode: no Q tile with q_in_regs; 3 stages x 8 kv heads x 16 keys x (K 136 + V 136)
+    c = AttentionDecodeConfig(head_dim=128, warp_split="rows", kv_heads=8, num_warps=8, rows=16, block_n=16)
+    assert c.shared_mem_bytes == 2 * 3 * 8 * 16 * 272 and c.bytes_in_flight == 8 * 2 * 16 * 2 * 128 * 2
+    # ... and with Q in shared memory: kv_heads x rows rows of Q (d256: 264 elements per row)
+    c = AttentionDecodeConfig(head_dim=256, warp_split="rows", kv_heads=2, num_warps=8, rows=64, block_n=32,
+                              num_stages=2, q_in_regs=False)
+    assert c.shared_mem_bytes == 2 * (2 * 64 * 264 + 2 * 2 * 32 * (264 + 264))
     assert rtk.families()["attention_decode"] is AttentionDecodeConfig
 
 
@@ -59,18 +69,21 @@ def _c_struct_fields(source: str, name: str):
         decl = " ".join(decl.split())
         if not decl:
             continue
-        m = re.match(r"(long long|int|float)\s+(.*)", decl)
+        m = re.match(r"(?:const\s+)?(long long|int\*|int|float\*|float|T\*)\s+(.*)", decl)
         ctype, names = m.group(1), [n.strip() for n in m.group(2).split(",")]
-        fields += [(n, {"long long": "i8", "int": "i4", "float": "f4"}[ctype]) for n in names]
+        fields += [(n, {"long long": "i8", "int": "i4", "float": "f4"}.get(ctype, "u8")) for n in names]
     return fields
 
 
 def test_args_struct_matches_the_template():
-    """DecodeArgs in the template and DECODE_ARGS on the host: same names, order and types,
-    and NumPy's packed size equals C's (8-byte fields first, an even number of 4-byte ones)."""
+    """DecodeArgs / DecodePtrs in the template and DECODE_ARGS / DECODE_PTRS on the host: same
+    names, order and types, and NumPy's packed size equals C's (8-byte fields first, an even
+    number of 4-byte ones)."""
     from rtkernels.render import template_dir
     src = (template_dir() / "attention_decode.cu.j2").read_text()
     assert _c_struct_fields(src, "DecodeArgs") == list(DECODE_ARGS)
+    assert [n for n, _ in _c_struct_fields(src, "DecodePtrs")] == list(DECODE_PTRS)
+    assert PTRS_DTYPE.itemsize == 8 * len(DECODE_PTRS)
     c_size = sum(int(t[1]) for _, t in DECODE_ARGS)
     assert ARGS_DTYPE.itemsize == c_size and c_size % 8 == 0
     assert sum(t == "i4" or t == "f4" for _, t in DECODE_ARGS) % 2 == 0
@@ -82,6 +95,7 @@ def test_template_renders_constexpr_block():
     src = render(cfg.template, cfg.template_params(), family="attention_decode").source
     for line in ("using T = __nv_bfloat16;", "constexpr int HEAD_DIM = 80;", "constexpr int ROWS = 48;",
                  "constexpr bool PAGED = true;", "constexpr bool IS_CAUSAL = true;",
+                 "constexpr bool ROWS_MODE = false;", "constexpr int KV_HEADS = 1;",
                  f"constexpr int SMEM_BYTES = {cfg.shared_mem_bytes};",
                  f"constexpr int ARGS_BYTES = {ARGS_DTYPE.itemsize};"):
         assert line in src
@@ -96,9 +110,20 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
         assert rows_for(1, d) == 16 and rows_for(8, d) == 16 and rows_for(10_000, d) == max_rows(d)
         for a in ("sm_80", "sm_86", "sm_89", "sm_90"):
             for rows_total in (1, 8, 32, 128):
-                cfg = choose_config("float16", d, rows_total, True, True, a)
-                assert cfg.shared_mem_bytes <= arch.limits(a).max_smem_per_block_optin
-                assert cfg.rows * cfg.block_n <= 1024 or cfg.block_n == 16   # S in <= 32 registers
+                for kw in (dict(), dict(warp_split="keys"), dict(warp_split="rows", nheads_kv=8)):
+                    cfg = choose_config("float16", d, rows_total, True, True, a, **kw)
+                    assert cfg.shared_mem_bytes <= arch.limits(a).max_smem_per_block_optin
+                    warp_rows = 16 if cfg.warp_split == "rows" else cfg.rows
+                    assert warp_rows * cfg.block_n <= 1024 or cfg.block_n == 16   # S in <= 32 registers
+                    assert cfg.warp_split == kw.get("warp_split", "rows" if rows_total > 16 else "keys")
+                    if cfg.warp_split == "rows":   # the no-spill budget of the CTA-wide copy (see MAX_LOAD_ITERS)
+                        iters = -(-cfg.kv_heads * cfg.block_n * (d // 8) // cfg.threads_per_block)
+                        assert cfg.num_warps >= kv_mod.ROWS_MODE_MIN_WARPS and iters <= kv_mod.MAX_LOAD_ITERS, cfg
+    # rows mode: 16 rows per warp, up to 8 warps; decoding packs up to 8 kv heads (dividing nheads_kv)
+    assert choose_config("bfloat16", 128, 64, False, True, "sm_90").num_warps == 4
+    assert choose_config("bfloat16", 128, 300, False, True, "sm_90").rows == 128
+    for nkv, kv in ((8, 8), (12, 4), (6, 2), (5, 1), (32, 8)):
+        assert choose_config("bfloat16", 128, 4, False, False, "sm_90", nheads_kv=nkv, warp_split="rows").kv_heads == kv
     assert rows_for(4 * 8, 128) == 32 and rows_for(16 * 8, 128) == 32 and rows_for(3 * 16, 64) == 48
     for lo, hi, tiles in HEURISTICS:
         assert lo % 8 == 0 and hi % 8 == 0 and tiles and all(t.why for t in tiles)
@@ -108,22 +133,21 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
 
 def test_num_splits_heuristic():
     sms = 132
-    # a CTA on every SM already: no split
-    assert choose_num_splits(132, 1 << 20, sms, 2) == 1
-    assert choose_num_splits(1024, 1024, sms, 2) == 1
-    # B=1, 8 kv heads, 32k keys: fill the 264 resident slots once
-    assert choose_num_splits(8, 32768, sms, 2) == 33
-    # B=8 x 8 kv heads at 8k: 264 // 64 = 4
-    assert choose_num_splits(64, 8192, sms, 2) == 4
+    # enough CTAs for ~half the SMs already: no split (measured: B8 S8k, 64 CTAs, 1 split fastest)
+    assert choose_num_splits(132, 1 << 20, sms) == 1
+    assert choose_num_splits(64, 8192, sms) == 1 and NO_SPLIT_FILL * sms <= 64
+    assert choose_num_splits(1024, 1024, sms) == 1
+    # B=1, 8 kv heads, 32k keys: one CTA per SM (16 x 8 = 128 CTAs), never a second one
+    assert choose_num_splits(8, 32768, sms) == 16
+    assert choose_num_splits(32, 32768, sms) == 4
     # short caches: no split shorter than MIN_KEYS_PER_SPLIT keys
-    assert choose_num_splits(8, 1024, sms, 2) == 1024 // MIN_KEYS_PER_SPLIT
-    assert choose_num_splits(1, 100, sms, 2) == 1
-    # at most MAX_SPLITS, and never more CTAs than resident slots
-    assert choose_num_splits(1, 1 << 24, sms, 4) == MAX_SPLITS
+    assert choose_num_splits(8, 1024, sms) == 1024 // MIN_KEYS_PER_SPLIT
+    assert choose_num_splits(1, 100, sms) == 1
+    # at most MAX_SPLITS, and never more CTAs than SMs
+    assert choose_num_splits(1, 1 << 24, sms) == MAX_SPLITS
     for ctas in range(1, 140):
-        for per_sm in (1, 2, 3):
-            s = choose_num_splits(ctas, 1 << 20, sms, per_sm)
-            assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= sms * per_sm)
+        s = choose_num_splits(ctas, 1 << 20, sms)
+        assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= sms)
 
 
 # ---- references -----------------------------------------------------------------------------------
@@ -324,13 +348,14 @@ def test_uint16_without_dtype_is_rejected():
 
 
 # ---- compile: a handful of heuristic configs (the sweep is the slow test below) ----------------
-COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal)
-    ("sm_90", "bfloat16", 128, 8, False, False),
-    ("sm_90", "float16", 128, 32, True, True),
-    ("sm_90", "bfloat16", 64, 16, True, False),
-    ("sm_90", "float16", 256, 16, True, False),
-    ("sm_80", "bfloat16", 128, 8, True, False),
-    ("sm_80", "float16", 256, 16, False, True),
+COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal, choose_config keywords)
+    ("sm_90", "bfloat16", 128, 4, False, False, {}),                               # decode: keys
+    ("sm_90", "float16", 128, 64, True, True, {}),                                 # rows: 4 warps, 64-key tiles
+    ("sm_90", "bfloat16", 64, 16, True, False, dict(warp_split="rows", nheads_kv=8)),  # decode: 8 kv heads per CTA
+    ("sm_90", "bfloat16", 80, 4, False, True, dict(warp_split="rows", nheads_kv=4)),   # padded head dim
+    ("sm_90", "float16", 256, 128, True, True, {}),                                # rows: Q in shared memory
+    ("sm_80", "bfloat16", 128, 8, True, False, {}),
+    ("sm_80", "float16", 256, 16, False, True, {}),
 ]
 
 
@@ -338,15 +363,19 @@ def _opcodes(sass):
     return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
 
 
-@pytest.mark.parametrize("arch,dtype,d,rows_total,paged,causal", COMPILE_CASES)
-def test_heuristic_configs_compile_clean(arch, dtype, d, rows_total, paged, causal):
-    cfg = choose_config(dtype, d, rows_total, paged, causal, arch)
+@pytest.mark.parametrize("arch,dtype,d,rows_total,paged,causal,kw", COMPILE_CASES)
+def test_heuristic_configs_compile_clean(arch, dtype, d, rows_total, paged, causal, kw):
+    cfg = choose_config(dtype, d, rows_total, paged, causal, arch, **kw)
     main = rtk.get_kernel(cfg, "attention_decode", arch=arch)
     ops = _opcodes(main.sass)
     assert any(o.startswith("HMMA.16816.F32") for o in ops), "mma.sync m16n8k16"
     assert any(o.startswith("LDGSTS.E.BYPASS.128") for o in ops), "16-byte cp.async.cg"
     assert any(o == "LDSM.16.M88.4" for o in ops) and any(o.startswith("LDSM.16.MT88") for o in ops)
-    assert any(o == "STG.E.128" for o in ops), "16-byte output stores"
+    if cfg.warp_split == "keys":
+        assert any(o == "STG.E.128" for o in ops), "16-byte output stores"
+    else:
+        assert any(o.startswith("BAR.SYNC") for o in ops), "rows mode: one CTA barrier per tile"
+    assert any(o.startswith("ATOMG") or o.startswith("RED") for o in ops), "the fused merge's counter"
     for name in cfg.kernels:
         k = rtk.get_kernel(cfg, name, arch=arch)
         r = k.resources
@@ -363,7 +392,9 @@ def test_every_heuristic_config_compiles_without_spills(arch):
     """Every config the heuristics can choose (head dims 8..256, rows, paged, causal; bfloat16).
     Spot-checked 2026-11-25 with NVRTC 13.5 (head dims 8..256 in 15 steps on sm_90, 8 on sm_80,
     rows 16 and the largest, paged and not, causal and not): no spills; the tightest are d128 at
-    32 rows and d56 at 64 rows, 231-246 registers."""
+    32 rows and d56 at 64 rows, 231-246 registers.  Rows mode, paged + causal (the most
+    registers), 2026-11-25: 23 head dims on sm_90 and 2 on sm_80, 128 configs, no spill; the
+    tightest d248 at 64 rows (244 registers)."""
     from concurrent.futures import ThreadPoolExecutor
     cfgs = kv_mod.heuristic_configs(arch, dtypes=("bfloat16",))
 
@@ -390,9 +421,10 @@ def _arr(rng, shape, dtype, scale=1.0):
 
 
 def _make(seed, batch, sq, h, hkv, d, dtype, page_size=None, capacity=600, seqlen_new=0, lens=None,
-          q_from_qkv=False):
+          q_from_qkv=False, hnd=False):
     """Inputs on the device and their float64 host copies.  Paged caches get shuffled pages and
-    unused block-table entries that are out of range (they must never be read)."""
+    unused block-table entries that are out of range (they must never be read).  ``hnd``: a
+    contiguous cache stored (batch, nheads_kv, capacity, head_dim), passed as its transposed view."""
     import cupy as cp
     rng = np.random.default_rng(seed)
     if lens is None:
@@ -404,7 +436,11 @@ def _make(seed, batch, sq, h, hkv, d, dtype, page_size=None, capacity=600, seqle
         q, q_h = qkv[:, :, 1], qkv_h[:, :, 1]
     else:
         q, q_h = _arr(rng, (batch, sq, h, d), dtype)
-    if page_size is None:
+    if page_size is None and hnd:
+        kc, kc_h = (x.transpose(0, 2, 1, 3) for x in _arr(rng, (batch, hkv, capacity, d), dtype))
+        vc, vc_h = (x.transpose(0, 2, 1, 3) for x in _arr(rng, (batch, hkv, capacity, d), dtype))
+        table = table_h = None
+    elif page_size is None:
         kc, kc_h = _arr(rng, (batch, capacity, hkv, d), dtype)
         vc, vc_h = _arr(rng, (batch, capacity, hkv, d), dtype)
         table = table_h = None
@@ -472,7 +508,7 @@ def _run(seed, batch, sq, h, hkv, d, dtype, page_size=None, causal=True, seqlen_
     import cupy as cp
     from gpu_util import poison
     x = _make(seed, batch, sq, h, hkv, d, dtype, page_size, capacity, seqlen_new, lens,
-              kw.pop("q_from_qkv", False))
+              kw.pop("q_from_qkv", False), kw.pop("hnd", False))
     out = poison(cp.empty((batch, sq, h, d), x.q.dtype))
     o, lse = _call(x, out=out, causal=causal, return_lse=True, **kw)
     assert o is out
@@ -528,7 +564,69 @@ def test_gpu_forced_splits_agree(num_splits):
 def test_gpu_long_sequence_uses_the_combine_path():
     x = _run(_seed(), 1, 1, 32, 8, 128, "bfloat16", None, True, 0, 20000, lens=[19999])
     plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, None, None, None, None), True, None, False, None, "bfloat16")
-    assert plan.num_splits > 1 and plan.combine is not None, plan
+    assert plan.num_splits > 1 and (plan.fused or plan.combine is not None), plan
+
+
+# Variants of the kernel (kv_mod.set_variant: what tools/bench_decode.py --variants times): each
+# must agree with the reference wherever the heuristics might pick it.
+VARIANTS = [
+    dict(warp_split="keys", order="splits", combine="kernel"),
+    dict(warp_split="keys", order="heads", combine="fused"),
+    dict(warp_split="rows", combine="fused"),
+    dict(warp_split="rows", order="splits", combine="kernel"),
+    dict(warp_split="rows", kv_heads=2, block_n=32),
+    dict(warp_split="rows", kv_heads=1, num_stages=2),
+]
+# (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, num_splits)
+VARIANT_CASES = [
+    (4, 1, 32, 8, 128, "bfloat16", None, 0, 900, 5),     # decode GQA 4, 8 kv heads
+    (3, 1, 16, 16, 64, "float16", 16, 1, 500, 3),        # MHA d64, paged, append
+    (2, 4, 24, 4, 80, "bfloat16", 32, 4, 700, 7),        # speculative 4 rows x group 6, padded head dim
+    (2, 1, 8, 2, 256, "float16", 64, 0, 600, None),      # d256: Q in shared memory in rows mode
+    (3, 16, 16, 4, 128, "bfloat16", None, 0, 800, 2),    # 64 rows: rows mode's home; keys mode: 2 row tiles
+]
+
+
+@pytest.fixture
+def variant():
+    yield kv_mod.set_variant
+    kv_mod.set_variant(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", VARIANT_CASES)
+def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d, dtype, page, new, cap, splits):
+    variant(v)
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
+    plan, _ = kv_mod._plan(arrays, True, None, True, splits, "bfloat16" if dtype == "bfloat16" else None)
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.warp_split == v["warp_split"] and (splits is None or plan.num_splits == splits)
+    if splits and splits > 1 and v.get("combine") == "kernel":
+        assert plan.combine is not None and not plan.fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,hkv", [(16, 4), (64, 4), (300, 8), (33, 2)])
+def test_gpu_rows_mode_many_rows(sq, hkv):
+    """Many query rows per kv head (speculative verification, chunked prefill): the rows mode,
+    one or several row tiles of up to 128 rows, causal bottom-right, with and without splits."""
+    for splits in (None, 3):
+        x = _run(_seed(), 2, sq, 16, hkv, 128, "bfloat16", 16 if sq > 50 else None, True, min(sq, 8), 900,
+                 num_splits=splits)
+        plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None), True, None, True, splits,
+                               "bfloat16")
+        assert plan.config.warp_split == "rows", plan.config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [dict(warp_split="keys"), dict(warp_split="rows")], ids=("keys", "rows"))
+def test_gpu_transposed_cache_layout(variant, v):
+    """A (batch, nheads_kv, seqlen, head_dim) cache passed as its transposed view: any strides."""
+    variant(v)
+    _run(_seed(), 3, 2, 16, 4, 128, "float16", None, True, 2, 700, hnd=True, num_splits=3)
+    _run(_seed(), 3, 1, 16, 4, 64, "bfloat16", None, True, 0, 500, hnd=True)
 
 
 @pytest.mark.gpu
@@ -697,6 +795,51 @@ def test_gpu_torch_error_rule_against_sdpa_in_bfloat16():
     err = (o.double() - ref).abs().max().item()
     err_peer = (sdpa(torch.bfloat16).double() - ref).abs().max().item()
     assert err <= 2 * err_peer + 1e-3, f"max err {err:.3e} vs SDPA bf16 {err_peer:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["fused", "kernel"])
+@pytest.mark.parametrize("warm_capture_stream", [True, False], ids=("warm", "cold"))
+def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_stream):
+    """CuPy stream capture of a split call (partials, fused-merge counters in the workspace):
+    replays with new lengths match eager calls and the reference, three times in a row (the
+    counters are back at zero after every launch).  'cold': the capture stream never ran the op,
+    so its workspace is made (and zeroed) inside the capture."""
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(combine=combine))
+    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", 16, 2000, lens=[2000, 2000, 2000])   # every page mapped
+    x.lens_h = np.array([1999, 700, 3], np.int32)
+    x.lens.set(x.lens_h)
+    out = cp.empty(x.q.shape, x.q.dtype)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        if warm_capture_stream:
+            _call(x, out=out, num_splits=6)
+        else:
+            with cp.cuda.Stream(non_blocking=True) as other:   # plan and module made on another stream
+                _call(x, out=out, num_splits=6)
+                other.synchronize()
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, num_splits=6, return_lse=True)
+        graph = s.end_capture()
+    plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, None, None, out), True, None, True, 6, "bfloat16")
+    assert plan.num_splits == 6 and plan.fused == (combine == "fused"), plan
+    rng = np.random.default_rng(_seed())
+    for step in range(3):
+        x.lens_h = rng.integers(0, 2000, size=3).astype(np.int32)
+        x.lens_h[step] = 0
+        x.lens.set(x.lens_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"cupy graph {combine} replay {step}")
+        eager, lse_eager = _call(x, num_splits=6, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
+        assert np.array_equal(lse_eager.get(), lse.get())
 
 
 @pytest.mark.gpu

@@ -4,40 +4,49 @@
 causal=True, softmax_scale=None, return_lse=False, num_splits=None, out=None, stream=None)``
 has the semantics of FlashAttention's ``flash_attn_with_kvcache``.  One kernel family,
 ``attention_decode`` (templates/attention_decode.cu.j2), with three entry points: the split-KV
-attention kernel, the combine kernel that merges its per-split partial results, and the append
-kernel that writes k_new / v_new into the cache first.
+attention kernel (which also merges the splits' partial results, "fused"), the combine kernel
+that merges them as a launch of its own when they are many, and the append kernel that writes
+k_new / v_new into the cache first.
 
 The call reads top-down: check (shapes, dtypes, strides, devices; cheap, no device reads) ->
-plan (config from :func:`choose_config`, splits from :func:`choose_num_splits`, grids, the
+plan (config from :func:`choose_config`, splits from :func:`choose_num_splits`, grid, the
 by-value argument struct) -> launch.  Plans are kept per call signature (:class:`LaunchPlans`),
-so a decoding loop pays for the checks once.  Nothing on the per-call path reads device data:
-the grid is sized from shapes (the cache's capacity), each CTA reads its sequence's length
-itself, and out-of-range cache contents (lengths, page ids) are caught on the device, where they
-turn that sequence's output into NaN.  :func:`check_kvcache_inputs` (or ``validate=True``)
-checks them on the host instead, with a synchronization.
+so a decoding loop pays for the checks once; a replay packs the arrays' addresses into one
+by-value struct and launches.  Nothing on the per-call path reads device data: the grid is
+sized from shapes (the cache's capacity), each CTA reads its sequence's length itself, and
+out-of-range cache contents (lengths, page ids) are caught on the device, where they turn that
+sequence's output into NaN.  :func:`check_kvcache_inputs` (or ``validate=True``) checks them on
+the host instead, with a synchronization.
+
+Split-KV partial results and the fused merge's counters live in a workspace per (device,
+stream), allocated on first use and kept (never freed, so a CUDA graph that captured a call can
+replay it): calls on one stream share it in stream order, calls on different streams get their
+own.  A graph replays its captured workspace: do not replay it concurrently with eager calls on
+the stream it was captured on.
 """
 from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .. import arch as _arch
+from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
-from ..kernel import DevicePtr
 from ._arrays import Launch, LaunchPlans, _is_torch, as_device_array, default_stream, dtype_name, empty_as
 from .attention import AttentionShape, _device_arch, _device_of, _dtype_of, _elem_strides, _smem_limit
 
 FAMILY = "attention_decode"
 OP = "attention_kvcache"
 MAX_SPLITS = 128          # the combine kernel keeps one weight per split in shared memory
-COMBINE_WARPS = 4         # output rows per combine CTA (one warp each)
+COMBINE_THREADS = 256     # one output row per combine CTA
 APPEND_THREADS = 256
-_GRID_Y_MAX = 65535
+_GRID_X_MAX = 2 ** 31 - 1
+WARP_SPLITS = ("keys", "rows")
 
 
 @register_family
@@ -50,13 +59,20 @@ class AttentionDecodeConfig(AttentionShape):
     dtype : "float16" or "bfloat16" (q, caches and o; float32 accumulation and partials).
     head_dim : multiple of 8 in [8, 256].
     causal : bottom-right causal mask compiled in (only matters for seqlen_q > 1).
-    rows : query rows per CTA (seqlen_q x heads of one GQA group, padded to 16): 16, 32, 48 or
-        64, with rows x head_dim <= 4096 (each warp keeps O for all rows in registers).
-    block_n : keys per warp tile (16, 32 or 64); each warp streams its own tiles.
-    num_warps : 1, 2, 4 or 8 warps, splitting the CTA's keys between them.
-    num_stages : depth of each warp's cp.async ring (2..6): num_stages - 1 tiles in flight.
+    warp_split : how the CTA's warps share its work.  "keys": every warp holds all ``rows`` rows
+        of one kv head and streams its own key tiles through its own cp.async ring (no CTA
+        barrier; the warps' results merged at the end).  "rows": one CTA-wide ring of key tiles
+        of ``kv_heads`` kv heads, and each warp computes 16 rows of one of those heads.
+    rows : query rows per kv head per CTA (seqlen_q x heads of one GQA group, padded to 16).
+        keys: 16, 32, 48 or 64 with rows x head_dim <= 4096 (every warp keeps O for all rows in
+        registers); rows: 16 x (num_warps / kv_heads).
+    kv_heads : kv heads per CTA (rows mode; 1 in keys mode): 1, 2, 4 or 8.
+    block_n : keys per tile (16, 32 or 64).
+    num_warps : 1 to 8 (keys mode: 1, 2, 4 or 8).
+    num_stages : depth of the cp.async ring (2..6): num_stages - 1 tiles in flight.
     paged : K/V addressed through a block table (page sizes: multiples of 16).
-    q_in_regs : keep Q's A fragments in registers instead of re-reading shared memory per tile.
+    q_in_regs : keep Q's A fragments in registers (keys mode: read from shared memory once; rows
+        mode: loaded from global memory straight into registers, no Q tile in shared memory).
     """
 
     family: ClassVar[str] = FAMILY
@@ -65,7 +81,7 @@ class AttentionDecodeConfig(AttentionShape):
     # The combine and append entry points have no MMA, so the family-wide flag stays off; the
     # tests check HMMA in the attention kernel's SASS.
     expects_tensor_cores: ClassVar[bool] = False
-    expected_global_width: ClassVar[int | None] = None   # K/V and Q arrive by cp.async; only lengths and page ids are LDG
+    expected_global_width: ClassVar[int | None] = None   # K/V arrive by cp.async; lengths, page ids, Q fragments are LDG
 
     rows: int = 16
     block_n: int = 16
@@ -73,27 +89,46 @@ class AttentionDecodeConfig(AttentionShape):
     num_stages: int = 3
     paged: bool = False
     q_in_regs: bool = True
+    warp_split: str = "keys"
+    kv_heads: int = 1
 
     def __post_init__(self):
         self._check_shape()
-        self._check_choice("rows", (16, 32, 48, 64))
+        self._check_choice("warp_split", WARP_SPLITS)
         self._check_choice("block_n", (16, 32, 64))
-        self._check_choice("num_warps", (1, 2, 4, 8))
         self._check_int("num_stages", 2, 6)
         self._check_choice("paged", (False, True))
         self._check_choice("q_in_regs", (False, True))
-        if self.rows * self.head_dim > 4096:
-            self._fail("rows", f"at most {4096 // self.head_dim // 16 * 16} at head_dim={self.head_dim} (every warp "
-                               "holds O for all rows in registers: rows x head_dim <= 4096)")
+        self._check_choice("kv_heads", (1, 2, 4, 8))
+        if self.warp_split == "keys":
+            self._check_choice("rows", (16, 32, 48, 64))
+            self._check_choice("num_warps", (1, 2, 4, 8))
+            if self.kv_heads != 1:
+                self._fail("kv_heads", "1 with warp_split='keys' (one kv head per CTA)")
+            if self.rows * self.head_dim > 4096:
+                self._fail("rows", f"at most {4096 // self.head_dim // 16 * 16} at head_dim={self.head_dim} (every "
+                                   "warp holds O for all rows in registers: rows x head_dim <= 4096)")
+        else:
+            self._check_int("num_warps", 1, 8)
+            if self.num_warps % self.kv_heads:
+                self._fail("num_warps", f"a multiple of kv_heads={self.kv_heads} (warp_split='rows': every kv head "
+                                        "gets the same warps)")
+            want = 16 * (self.num_warps // self.kv_heads)
+            if self.rows != want:
+                self._fail("rows", f"{want} = 16 x num_warps / kv_heads (warp_split='rows': 16 rows per warp)")
 
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
     def shared_mem_bytes(self) -> int:
-        """The larger of the main loop's buffers (Q tile + each warp's ring of K and V tiles,
-        rows padded to odd 16-byte chunks) and the end's merge of the warps (float32 O per warp
-        and row, strides of 8 or 24 words mod 32, plus row statistics) laid over them."""
+        """keys: the larger of the main loop's buffers (Q tile + each warp's ring of K and V
+        tiles, rows padded to odd 16-byte chunks) and the end's merge of the warps (float32 O per
+        warp and row, strides of 8 or 24 words mod 32, plus row statistics) laid over them.
+        rows: the Q tiles of the CTA's kv heads (none with q_in_regs) + the CTA's ring."""
         qk = ((self.head_dim_padded // 8) | 1) * 8
         vs = ((self.head_dim // 8) | 1) * 8
+        if self.warp_split == "rows":
+            q_tile = 0 if self.q_in_regs else self.kv_heads * self.rows * qk
+            return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
         pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
         red_stride = self.head_dim + 8 if self.head_dim % 16 == 0 else self.head_dim
         merge = 4 * (self.num_warps * self.rows * red_stride + 2 * self.num_warps * self.rows + 2 * self.rows)
@@ -101,20 +136,22 @@ class AttentionDecodeConfig(AttentionShape):
 
     @property
     def bytes_in_flight(self) -> int:
-        """K/V bytes one CTA keeps requested while it computes: num_stages - 1 tiles per warp."""
-        return self.num_warps * (self.num_stages - 1) * self.block_n * 2 * self.head_dim * 2
+        """K/V bytes one CTA keeps requested while it computes: num_stages - 1 tiles (per warp in
+        keys mode, per CTA of kv_heads heads in rows mode)."""
+        tiles = self.num_warps if self.warp_split == "keys" else self.kv_heads
+        return tiles * (self.num_stages - 1) * self.block_n * 2 * self.head_dim * 2
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
-        p.update(smem_bytes=self.shared_mem_bytes, args_bytes=ARGS_DTYPE.itemsize, combine_warps=COMBINE_WARPS,
-                 max_splits=MAX_SPLITS, append_threads=APPEND_THREADS)
+        p.update(smem_bytes=self.shared_mem_bytes, ptrs_bytes=PTRS_DTYPE.itemsize, args_bytes=ARGS_DTYPE.itemsize,
+                 combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS)
         return p
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
         """Tile fields not given come from :func:`choose_config` for one decode step of a GQA group
-        of ``rows`` (default 16) query rows."""
-        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs")
+        of ``rows`` (default 16) query rows of one kv head."""
+        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads")
         if all(f in params for f in tile):
             return {}
         from .. import device
@@ -122,19 +159,24 @@ class AttentionDecodeConfig(AttentionShape):
         try:
             probe = cls(**base)
             cfg = choose_config(probe.dtype, probe.head_dim, params.get("rows", 16), probe.paged, probe.causal,
-                                arch or device.current_arch())
+                                arch or device.current_arch(), nheads_kv=params.get("kv_heads", 1),
+                                warp_split=params.get("warp_split"))
         except (ConfigError, TypeError):
             return {}   # the constructor then reports the bad field itself
         return {f: getattr(cfg, f) for f in tile}
 
 
-# ---- the by-value argument struct (DecodeArgs in the template, same order and types) --------
+# ---- the by-value argument structs (DecodePtrs / DecodeArgs in the template, same order and types)
+DECODE_PTRS: tuple[str, ...] = ("q", "k", "v", "o", "lse", "o_part", "lse_part", "counters", "cache_seqlens",
+                                "block_table", "k_new", "v_new")
+PTRS_DTYPE = np.dtype([(name, "<u8") for name in DECODE_PTRS])
+_PACK_PTRS = struct.Struct("<%dQ" % len(DECODE_PTRS)).pack
 DECODE_ARGS: tuple[tuple[str, str], ...] = (
     *((f"{a}_{s}", "i8") for a in ("q", "k", "v", "o", "kn", "vn") for s in ("batch", "seq", "head")),
     ("bt_batch", "i8"), ("cs_stride", "i8"),
     ("batch", "i4"), ("seqlen_q", "i4"), ("nheads_kv", "i4"), ("group", "i4"),
     ("seqlen_new", "i4"), ("capacity", "i4"), ("num_splits", "i4"), ("row_tiles", "i4"),
-    ("page_size", "i4"), ("num_blocks", "i4"),
+    ("page_size", "i4"), ("num_blocks", "i4"), ("order", "i4"), ("fused", "i4"),
     ("softmax_scale", "f4"), ("scale_log2", "f4"),
 )
 # 8-byte fields first, then an even number of 4-byte ones: NumPy's packed layout equals C's.
@@ -149,12 +191,13 @@ class Tile(NamedTuple):
     why: str
 
 
-# (lowest head_dim, highest head_dim) -> tiles in order of preference; the first that fits the
-# target's shared memory per block is used.  REASONED, not yet measured (first version): a CTA
-# keeps num_warps x (num_stages - 1) tiles in flight, and Little's law asks ~25 KB (H100, 3.35
-# TB/s x ~1 us / 132 SMs) to ~36 KB (H200) per SM; the tiles below keep 48-128 KB per CTA in
-# flight so one CTA per SM is enough, and stay under ~113 KB of shared memory (two CTAs per
-# SM on sm_90) where the head dim allows.
+# keys mode: (lowest head_dim, highest head_dim) -> tiles in order of preference; the first that
+# fits the target's shared memory per block is used.  Measured on an H100 (2026-11-25, bf16,
+# tools/bench_decode.py --tiles): 16:4:3, 16:4:5, 16:8:3, 32:4:3 within +-3% of each other at
+# every decode shape - the tile is not the limiter; the defaults stay.  A CTA keeps num_warps x
+# (num_stages - 1) tiles in flight, and Little's law asks ~25 KB (H100, 3.35 TB/s x ~1 us / 132
+# SMs) to ~36 KB (H200) per SM; these keep 48-128 KB per CTA in flight so one CTA per SM is
+# enough, and stay under ~113 KB of shared memory (two CTAs per sm_90 SM) where the head dim allows.
 HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
     (8, 64, (
         Tile(32, 4, 3, "d64: 32-key tiles (8 KB of K+V per warp tile, as d128's 16-key tiles); 4 warps x 2 tiles "
@@ -176,10 +219,31 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
     )),
 ]
 
-# Splits: fill the GPU with CTAs, but not with splits shorter than this many keys (each split
-# writes rows x head_dim float32 partials and the combine reads them back: at 256 keys that
-# traffic is 1/32 of the split's K/V bytes per query row).  Reasoned, to be measured.
+# Which warp split serves which row count (rows = seqlen_q x GQA group per kv head).
+# Above 16 rows: "rows".  Measured (H100, 2026-11-25): keys mode at 64 rows (seqlen_q 16 x group
+# 4) split them into two 32-row tiles that each read K/V: 67% of copy against 86% at 4 rows; and
+# at 32 rows every keys-mode warp holds two m-tiles (231-246 registers at d128).  The rows mode
+# reads K/V once for up to 128 rows per head with 16 rows (one m-tile) per warp.
+ROWS_MODE_ABOVE = 16
+# Decoding (<= 16 rows): "keys" until the rows mode's several-kv-heads-per-CTA variant (each CTA
+# reads a key's kv_heads x head_dim run contiguously, the DRAM-locality hypothesis of issue #15)
+# is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
+# tools/bench_decode.py --variants times both in one run; RTKERNELS_DECODE_WARP_SPLIT overrides.
+DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # read at import
+
+# Splits: no split shorter than this many keys (each split writes rows x head_dim float32
+# partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
+# bytes per query row).  Reasoned.
 MIN_KEYS_PER_SPLIT = 256
+# No split at all once the grid has this fraction of a CTA per SM.  Measured (H100, bf16,
+# 2026-11-25, .gpu/splits_sweep.json): B8 S8k 32/8 (64 CTAs on 132 SMs) 93.0% of copy at 1
+# split, 86.5 / 84.4 / 82.1% at 4 / 8 / 16 splits; B64 S2k (512 CTAs) 94.8% at 1 split, 88.3% at 8.
+# 64 CTAs with 64 KB in flight each already pull the HBM's bandwidth.
+NO_SPLIT_FILL = 0.45
+# The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
+# launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.
+# Reasoned: a CTA keeps ~32 KB of loads in flight, ~1 us each round trip.
+FUSED_COMBINE_MAX_BYTES = 32 * 1024
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
@@ -190,30 +254,105 @@ def candidates(head_dim: int) -> tuple[Tile, ...]:
 
 
 def max_rows(head_dim: int) -> int:
-    """The most query rows one CTA takes at this head dim: each warp holds O (rows x head_dim / 32
-    registers per thread) and S (rows x 16 / 32 at 16-key tiles), and rows x (head_dim + 16) <= 4608
-    keeps the two at d128's 32 rows (231-246 registers, no spill); d64 at 64 rows reached 255 on
-    sm_80 (NVRTC 13.5), so it gets 48.  At most 64 rows."""
+    """keys mode: the most query rows one CTA takes at this head dim: each warp holds O (rows x
+    head_dim / 32 registers per thread) and S (rows x 16 / 32 at 16-key tiles), and rows x
+    (head_dim + 16) <= 4608 keeps the two at d128's 32 rows (231-246 registers, no spill); d64 at
+    64 rows reached 255 on sm_80 (NVRTC 13.5), so it gets 48.  At most 64 rows."""
     return max(16, min(64, 4608 // (head_dim + 16) // 16 * 16))
 
 
 def rows_for(rows_total: int, head_dim: int) -> int:
-    """Query rows per CTA for seqlen_q x group rows: all of them (rounded up to 16) when they fit."""
+    """keys mode: query rows per CTA for seqlen_q x group rows: all of them (rounded up to 16) when
+    they fit."""
     return min(max_rows(head_dim), max(16, -(-rows_total // 16) * 16))
 
 
-def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool,
-                  arch: str) -> AttentionDecodeConfig:
-    """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query rows."""
+def _kv_heads_for(nheads_kv: int, want: int | None) -> int:
+    """kv heads per CTA: the largest of 8, 4, 2, 1 (at most ``want``) dividing nheads_kv."""
+    for kv in (8, 4, 2, 1):
+        if kv <= (want or 8) and nheads_kv % kv == 0:
+            return kv
+    return 1
+
+
+# rows mode: at least this many warps per CTA (extra warps take padding rows: their MMAs are idle
+# issue slots in a memory-bound loop), and at most this many 16-byte K (and V) chunks per thread
+# and tile.  Measured with NVRTC 13.5 (sm_80, sm_90; paged, causal): 16-32 chunks per thread (1-2
+# warps copying 64-key tiles, or d256 tiles of 8 kv heads) spilled 4-740 bytes at 255 registers,
+# each chunk's page id and address held for the next tile; 8 chunks at 4-8 warps: 145-240 registers.
+ROWS_MODE_MIN_WARPS = 4
+MAX_LOAD_ITERS = 8
+
+
+def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads=None, block_n=None,
+                 num_stages=None) -> AttentionDecodeConfig:
+    """warp_split="rows": 16 rows per warp, up to 128 rows per head (8 warps) for many rows; for
+    decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA; at least
+    ROWS_MODE_MIN_WARPS warps.  Tiles: ~128 (d <= 64: 256, d > 128: 64) key rows of K+V per stage
+    over the CTA's heads (64 KB of K+V at d128, as the keys mode's 4 warps x 16 keys x 2 stages)
+    and at most MAX_LOAD_ITERS chunks per thread; 3 stages where the shared memory allows, else 2;
+    else 16-key tiles; else fewer kv heads, else fewer rows per CTA.  Reasoned, to be measured
+    (tools/bench_decode.py --variants)."""
+    hd_pad = -(-head_dim // 16) * 16
+    chunks = head_dim // 8
+    limit = _smem_limit(arch)
+    target = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    need_rw = min(8, max(1, -(-rows_total // 16)))
+    kv0 = _kv_heads_for(nheads_kv, kv_heads if kv_heads else (8 if rows_total <= 16 else 1))
+    while need_rw >= 1:
+        kv = kv0
+        while kv >= 1:
+            rw = max(need_rw, -(-ROWS_MODE_MIN_WARPS // kv))
+            threads = 32 * kv * rw
+            if kv * rw <= 8:
+                for bn in ((block_n,) if block_n else (64, 32, 16)):
+                    iters = -(-kv * bn * chunks // threads)
+                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d > 128's O
+                    too_big = bn > max(16, target // kv) or (hd_pad > 128 and bn > 32)
+                    if not block_n and (too_big or (bn > 16 and iters > MAX_LOAD_ITERS)):
+                        continue
+                    if not block_n and iters > MAX_LOAD_ITERS and kv > 1:
+                        break   # even 16-key tiles are too many chunks per thread: fewer kv heads
+                    for stages in ((num_stages,) if num_stages else (3, 2)):
+                        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * rw,
+                                                    block_n=bn, num_warps=kv * rw, num_stages=stages, paged=paged,
+                                                    q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv)
+                        if cfg.shared_mem_bytes <= limit:
+                            return cfg
+            kv //= 2
+        need_rw //= 2
+    raise ConfigError(f"{OP}: no rows-mode tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
+                      "block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
+
+
+def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
+                  nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
+                  block_n: int | None = None, num_stages: int | None = None,
+                  num_warps: int | None = None) -> AttentionDecodeConfig:
+    """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
+    rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
+    (tuning: tools/bench_decode.py --variants)."""
+    if warp_split is None:
+        warp_split = "rows" if rows_total > ROWS_MODE_ABOVE else DECODE_WARP_SPLIT
+    if warp_split not in WARP_SPLITS:
+        raise ConfigError.bad_value(FAMILY, "warp_split", warp_split, "'keys' or 'rows'")
+    if warp_split == "rows":
+        return _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads, block_n,
+                            num_stages)
     rows = rows_for(rows_total, head_dim)
     limit = _smem_limit(arch)
-    for t in candidates(head_dim):
+    tiles = candidates(head_dim)
+    if block_n or num_stages or num_warps:
+        base = tiles[0]
+        tiles = (Tile(block_n or base.block_n, num_warps or base.num_warps, num_stages or base.num_stages,
+                      "override"),) + tiles
+    for t in tiles:
         # S for the tile lives in rows / 16 x block_n / 8 x 4 registers: at most 32.
-        block_n = t.block_n
-        while rows * block_n > 1024 and block_n > 16:
-            block_n //= 2
+        bn = t.block_n
+        while rows * bn > 1024 and bn > 16:
+            bn //= 2
         hd_pad = -(-head_dim // 16) * 16
-        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=rows, block_n=block_n,
+        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=rows, block_n=bn,
                                     num_warps=t.num_warps, num_stages=t.num_stages, paged=paged,
                                     q_in_regs=rows * hd_pad <= 2048)   # Q fragments: <= 32 registers
         if cfg.shared_mem_bytes <= limit:
@@ -222,34 +361,43 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
                       family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
-def choose_num_splits(ctas: int, capacity: int, sms: int, ctas_per_sm: int) -> int:
-    """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv heads x row
-    tiles) over a cache of ``capacity`` keys per sequence.
+def choose_num_splits(ctas: int, capacity: int, sms: int) -> int:
+    """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
+    x row tiles) over a cache of ``capacity`` keys per sequence.
 
-    Reasoned, to be measured: one CTA keeps >= 48 KB in flight (the tiles above), about twice
-    what one SM needs to pull its share of HBM bandwidth, so a grid with a CTA on every SM runs
-    at the roof and more splits only add partial-result traffic: none when ``ctas >= sms``.
-    Fewer CTAs than SMs leave SMs idle, so each sequence is cut into as many splits as fill the
-    resident slots once (``sms x ctas_per_sm``; never a second wave), but no split shorter than
-    MIN_KEYS_PER_SPLIT keys, and at most MAX_SPLITS.  Shapes only (never the actual lengths):
-    the plan must not read device data.
+    Measured (H100, bf16, 2026-11-25, .gpu/splits_sweep.json; the combine of that version cost
+    ~0.33 us per split, a serial loop, since replaced):
+      - a grid of >= NO_SPLIT_FILL x sms CTAs runs at the roof unsplit (B8 S8k: 93.0% of copy at 1
+        split, 86.5% at 4); more splits only add partial-result traffic and the merge.
+      - below that, fill each SM with ONE CTA: B1 S32k (8 CTAs) 77.1% at 16 splits (128 CTAs) vs
+        70.6% at 33 (264 CTAs, two per SM), 75.0% at 8; B1 S128k 94.2% at 8, 91.6% at 16, 88.9% at
+        33 - less the old merge's ~0.33 us per split, 8 and 16 splits run the same, 33 no faster.
+        So sms // ctas splits: never a second CTA on an SM (its SM's slower share would finish last).
+    No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
+    actual lengths): the plan must not read device data.
     """
-    if ctas <= 0 or ctas >= sms:
+    if ctas <= 0 or ctas >= NO_SPLIT_FILL * sms:
         return 1
-    return max(1, min((sms * max(ctas_per_sm, 1)) // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_dims=None) -> list[AttentionDecodeConfig]:
     """Every config the heuristics can pick on ``arch`` (head_dim 8..256 step 8 x dtype x paged x
-    causal x rows 16..max): what `rtk report attention_decode` and the slow no-spill test compile."""
+    causal x rows per kv head 1..128 (keys and rows mode) x kv heads 1..8 for decoding): what
+    `rtk report attention_decode` and the slow no-spill test compile."""
     head_dims = head_dims or range(8, 257, 8)
     out = []
     for d in head_dims:
-        for rows in range(16, max_rows(d) + 1, 16):
-            for dt in dtypes:
-                for paged in (False, True):
-                    for causal in (False, True):
-                        out.append(choose_config(dt, d, rows, paged, causal, arch))
+        for dt in dtypes:
+            for paged in (False, True):
+                for causal in (False, True):
+                    for rows_total in (1, 16):
+                        out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys"))
+                        for nkv in (1, 2, 4, 8):
+                            out.append(choose_config(dt, d, rows_total, paged, causal, arch, nheads_kv=nkv,
+                                                     warp_split="rows"))
+                    for rows_total in (32, 48, 64, 128):
+                        out.append(choose_config(dt, d, rows_total, paged, causal, arch))
     return list(dict.fromkeys(out))
 
 
@@ -382,9 +530,6 @@ def check(views: dict, dtype: str | None, softmax_scale, num_splits, arrays: dic
                                    or not 0 <= num_splits <= MAX_SPLITS):
         raise _bad("num_splits", num_splits, f"num_splits must be None or 0 (heuristic) or an int in [1, {MAX_SPLITS}], "
                                              f"got {num_splits!r}")
-    if batch * nheads_kv > _GRID_Y_MAX:
-        raise _bad("q", tuple(q_.shape), f"batch x nheads_kv must be at most {_GRID_Y_MAX} (a grid dimension), got "
-                                         f"{batch} x {nheads_kv}")
     return Problem(dt, devs["q"], batch, seqlen_q, nheads, nheads_kv, head_dim, paged, capacity, page_size, num_blocks,
                    seqlen_new, float(softmax_scale), strides)
 
@@ -392,25 +537,28 @@ def check(views: dict, dtype: str | None, softmax_scale, num_splits, arrays: dic
 # ---- plan -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    """What one call signature launches: the three launches (append and combine may be None;
-    split None when there is no query row), the outputs' and workspace's shapes, and dtypes in
-    the library the outputs are made with."""
+    """What one call signature launches: the launches (append, combine may be None; split None
+    when there is no query row) with their by-value DecodeArgs, the outputs' shapes and dtypes (in
+    the library the outputs are made with) and the workspace the splits need."""
     split: Launch | None
     combine: Launch | None
     append: Launch | None
     config: AttentionDecodeConfig | None
     num_splits: int
+    fused: bool           # the last CTA of a group merges the splits (else the combine launch)
     out_shape: tuple
     out_dtype: object
     lse_shape: tuple | None
     f32: object
-    workspace: int        # float32 elements: o_part then lse_part (0: no splits)
+    part_bytes: int       # workspace: o_part (float32) then lse_part (float32); 0 without splits
     lse_part_offset: int  # bytes from the workspace start to lse_part
+    counter_bytes: int    # int32 counters of the fused merge (zero between launches)
     torch: bool
     device: int
 
 
-def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_tiles: int) -> np.void:
+def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_tiles: int, order: int = 1,
+          fused: bool = False) -> np.void:
     """The by-value DecodeArgs for these sizes and strides."""
     a = np.zeros((), ARGS_DTYPE)
     h, d = p.nheads, p.head_dim
@@ -424,84 +572,189 @@ def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_ti
     a["cs_stride"] = p.strides["cache_seqlens"][0]
     a["batch"], a["seqlen_q"], a["nheads_kv"], a["group"] = p.batch, p.seqlen_q, p.nheads_kv, p.nheads // p.nheads_kv
     a["seqlen_new"], a["capacity"], a["num_splits"], a["row_tiles"] = p.seqlen_new, p.capacity, num_splits, row_tiles
-    a["page_size"], a["num_blocks"] = p.page_size, p.num_blocks
+    a["page_size"], a["num_blocks"], a["order"], a["fused"] = p.page_size, p.num_blocks, order, int(fused)
     a["softmax_scale"], a["scale_log2"] = p.softmax_scale, p.softmax_scale * math.log2(math.e)
     return a[()]
 
 
-def _ctas_per_sm(kern, cfg: AttentionDecodeConfig, arch: str) -> int:
-    try:
-        occ = _arch.occupancy(arch, cfg.threads_per_block, kern.resources.registers or 128,
-                              kern.resources.shared_static, cfg.shared_mem_bytes)
-        return max(1, occ.blocks_per_sm)
-    except ConfigError:
-        return 1
+# CTA order: kv-head groups fastest (1) puts the CTAs of one (sequence, split) - which read the
+# same keys' rows, one kv head each - next to each other in launch order, so they run at the
+# same time and their reads of one key's contiguous nheads_kv x head_dim run meet in DRAM and
+# L2 (issue #15's locality hypothesis; splits fastest (0) was the first version's order).
+# Reasoned; tools/bench_decode.py --variants times both.
+ORDER = {"splits": 0, "heads": 1}
+DEFAULT_ORDER = "heads"
+
+# Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
+# num_stages, num_warps), order ("splits"/"heads"), combine ("fused"/"kernel") and num_splits
+# overriding the heuristics; part of every plan's key.  None in normal use.
+_VARIANT: dict | None = None
+_VARIANT_KEY: tuple | None = None
+
+
+def set_variant(variant: dict | None) -> None:
+    """Override the heuristics for later calls (a tuning aid for benchmarks, not an API):
+    ``{"warp_split": "rows", "kv_heads": 8, "order": "splits", "combine": "kernel", ...}``."""
+    global _VARIANT, _VARIANT_KEY
+    _VARIANT = dict(variant) if variant else None
+    _VARIANT_KEY = tuple(sorted(_VARIANT.items())) if _VARIANT else None
 
 
 def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: bool, out_dtype, f32,
-              arch: str, sms: int) -> Plan:
-    """Config, kernels, splits, grids and arguments for a checked problem."""
+              arch: str, sms: int, variant: dict | None = None) -> Plan:
+    """Config, kernels, splits, grid and arguments for a checked problem."""
     from ..kernel import get_kernel
+    v = variant or {}
     group = p.nheads // p.nheads_kv
     causal = bool(causal) and p.seqlen_q > 1   # one query row sees every key either way
     out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim)
     lse_shape = (p.batch, p.nheads, p.seqlen_q) if return_lse else None
     empty = p.batch == 0 or p.nheads == 0
     if empty or (p.seqlen_q == 0 and p.seqlen_new == 0):
-        return Plan(None, None, None, None, 1, out_shape, out_dtype, lse_shape, f32, 0, 0, torch, p.device)
+        return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
     rows_total = p.seqlen_q * group
-    cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch)
-    kern = get_kernel(cfg, "attention_decode", arch=arch)
-    row_tiles = -(-rows_total // cfg.rows)
-    ctas = row_tiles * p.batch * p.nheads_kv
-    if not num_splits:
-        num_splits = choose_num_splits(ctas, p.capacity, sms, _ctas_per_sm(kern, cfg, arch))
-    num_splits = int(num_splits)
-    args = _args(p, cfg, num_splits, max(row_tiles, 1))
-    append = None
+    cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
+                        **{f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps") if f in v})
+    head_groups = p.nheads_kv // cfg.kv_heads
+    row_tiles = max(1, -(-rows_total // cfg.rows))
+    ctas = row_tiles * p.batch * head_groups
+    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms))
+    if ctas * num_splits > _GRID_X_MAX:
+        raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
+                                   f"exceeds a grid's {_GRID_X_MAX}")
+    rows_all = p.batch * p.seqlen_q * p.nheads
+    cta_rows = cfg.kv_heads * min(cfg.rows, max(rows_total, 1))
+    fused = False
+    if num_splits > 1:
+        fits = 16 + 4 * cta_rows * num_splits <= cfg.shared_mem_bytes   # the merge's weights
+        want = v.get("combine")
+        fused = fits and (want == "fused" or (want is None and
+                                              num_splits * cta_rows * p.head_dim * 4 <= FUSED_COMBINE_MAX_BYTES))
+    order = ORDER[v.get("order", DEFAULT_ORDER)]
+    args = _args(p, cfg, num_splits, row_tiles, order, fused)
+    append = split = combine = None
     if p.seqlen_new > 0:
         n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
         append = Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
                         (APPEND_THREADS,), 0, (args,))
-    split = combine = None
-    workspace = lse_off = 0
+    part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
-        split = Launch(kern, (row_tiles * num_splits, p.batch * p.nheads_kv), (cfg.threads_per_block,),
+        split = Launch(get_kernel(cfg, "attention_decode", arch=arch), (ctas * num_splits,), (cfg.threads_per_block,),
                        cfg.shared_mem_bytes, (args,))
         if num_splits > 1:
-            rows = p.batch * p.seqlen_q * p.nheads
-            o_part = num_splits * rows * p.head_dim
-            workspace, lse_off = o_part + num_splits * rows, 4 * o_part
-            combine = Launch(get_kernel(cfg, "attention_decode_combine", arch=arch), (-(-rows // COMBINE_WARPS),),
-                             (COMBINE_WARPS * 32,), 0, (args,))
-    return Plan(split, combine, append, cfg, num_splits, out_shape, out_dtype, lse_shape, f32, workspace, lse_off,
-                torch, p.device)
+            lse_off = 4 * num_splits * rows_all * p.head_dim
+            part_bytes = lse_off + 4 * num_splits * rows_all
+            if fused:
+                counter_bytes = 4 * ctas
+            else:
+                combine = Launch(get_kernel(cfg, "attention_decode_combine", arch=arch), (rows_all,),
+                                 (COMBINE_THREADS,), 0, (args,))
+    return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
+                lse_off, counter_bytes, torch, p.device)
+
+
+# ---- workspace (split-KV partials, fused-merge counters) per (device, stream) -------------------
+class _Workspace:
+    """One stream's buffers: partials (any contents) and counters (zero between launches)."""
+    __slots__ = ("parts", "part_bytes", "counters", "counter_bytes")
+
+    def __init__(self):
+        self.parts = self.counters = 0
+        self.part_bytes = self.counter_bytes = 0
+
+
+_WORKSPACES: dict = {}   # (device, stream handle) -> _Workspace
+_KEEP: list = []         # every buffer ever made: graphs may hold their addresses, so none is freed
+
+
+def _stream_handle(stream) -> int:
+    if stream is None:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    if type(stream) is int:
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    return int(stream.cuda_stream if ptr is None else ptr)
+
+
+def _capturing(handle: int) -> bool:
+    import cupy
+    try:
+        return cupy.cuda.ExternalStream(handle).is_capturing()
+    except Exception:   # noqa: BLE001 - e.g. the legacy stream while another captures: treat as capturing
+        return True
+
+
+def _buffer(like, nbytes: int, handle: int, zero: bool) -> int:
+    """A new device buffer of ``nbytes`` (the inputs' library allocates it, so a torch graph
+    capture takes it from the graph's pool), zeroed on the launch stream when asked."""
+    import cupy
+    if _is_torch(like):
+        buf = __import__("torch").empty(nbytes, dtype=__import__("torch").uint8, device=like.device)
+        ptr = buf.data_ptr()
+    else:
+        buf = cupy.empty(nbytes, cupy.uint8)
+        ptr = buf.data.ptr
+    if zero:
+        cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, handle)
+    _KEEP.append(buf)
+    return ptr
+
+
+def _workspace(plan: Plan, like, stream) -> tuple[int, int]:
+    """(partials address, counters address) for a launch on ``stream``.  Kept per (device,
+    stream), grown by doubling (the old buffers kept); one made while the stream is being
+    captured into a CUDA graph serves only the call being captured (its zeroing is captured
+    with it, so every replay starts from zero counters) and is not reused by eager calls."""
+    handle = _stream_handle(stream)
+    key = (plan.device, handle)
+    ws = _WORKSPACES.get(key)
+    if ws is not None and ws.part_bytes >= plan.part_bytes and ws.counter_bytes >= plan.counter_bytes:
+        return ws.parts, ws.counters
+    if _capturing(handle):
+        parts = _buffer(like, plan.part_bytes, handle, zero=False) if plan.part_bytes else 0
+        counters = _buffer(like, plan.counter_bytes, handle, zero=True) if plan.counter_bytes else 0
+        return parts, counters
+    ws = ws or _Workspace()
+    if ws.part_bytes < plan.part_bytes:
+        ws.part_bytes = max(plan.part_bytes, 2 * ws.part_bytes)
+        ws.parts = _buffer(like, ws.part_bytes, handle, zero=False)
+    if ws.counter_bytes < plan.counter_bytes:
+        ws.counter_bytes = max(plan.counter_bytes, 2 * ws.counter_bytes, 4096)
+        ws.counters = _buffer(like, ws.counter_bytes, handle, zero=True)
+    _WORKSPACES[key] = ws
+    return ws.parts, ws.counters
 
 
 def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, stream):
-    """Allocate the outputs and workspace and run the plan's launches on ``stream``.  The arrays
-    are the caller's torch tensors (plan.torch) or CuPy arrays."""
+    """Allocate the outputs, pack the arrays' addresses and run the plan's launches on
+    ``stream``.  The arrays are the caller's torch tensors (plan.torch) or CuPy arrays."""
     o = out if out is not None else empty_as(q, plan.out_shape, plan.out_dtype)
     lse = empty_as(q, plan.lse_shape, plan.f32) if plan.lse_shape is not None else None
-    ws = empty_as(q, (plan.workspace,), plan.f32) if plan.workspace else None
     stream = default_stream(q, stream)
-    o_arg, lse_arg, o_part, lse_part = o, lse, ws, None
+    if plan.split is None and plan.append is None:
+        return (o, lse) if plan.lse_shape is not None else o
+    # The addresses travel in one by-value struct: a CuPy MemoryPointer per torch tensor cost
+    # 2-10 us of host time each, a DevicePtr argument per array ~0.6 us; a data_ptr() well
+    # under one.  The arrays stay owned by the caller (and o, lse by this frame) and live on the
+    # stream the kernels run on.
     if plan.torch:
-        # torch tensors travel as raw addresses: a CuPy MemoryPointer per tensor cost 2-10 us of
-        # host time each (ten per call), a data_ptr() well under one.  The tensors stay owned by
-        # the caller (and ws, lse, o by this frame) and live on the stream the kernels run on.
-        ptr = lambda a: None if a is None else DevicePtr(a.data_ptr())   # noqa: E731
-        q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new = map(
-            ptr, (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new))
-        o_arg, lse_arg, o_part = ptr(o), ptr(lse), ptr(ws)
-    if ws is not None:   # one allocation: o_part, then lse_part
-        lse_part = DevicePtr((ws.data_ptr() if plan.torch else ws.data.ptr) + plan.lse_part_offset)
+        addr = [0 if x is None else x.data_ptr() for x in (q, k_cache, v_cache, o, lse)]
+        tail = [0 if x is None else x.data_ptr() for x in (cache_seqlens, block_table, k_new, v_new)]
+    else:
+        addr = [0 if x is None else x.data.ptr for x in (q, k_cache, v_cache, o, lse)]
+        tail = [0 if x is None else x.data.ptr for x in (cache_seqlens, block_table, k_new, v_new)]
+    parts = counters = lse_part = 0
+    if plan.part_bytes:
+        parts, counters = _workspace(plan, q, stream)
+        lse_part = parts + plan.lse_part_offset
+    ptrs = np.frombuffer(_PACK_PTRS(*addr, parts, lse_part, counters, *tail), PTRS_DTYPE)[0]
     if plan.append is not None:
-        plan.append.run((k_new, v_new, k_cache, v_cache, cache_seqlens, block_table), stream)
+        plan.append.run((ptrs,), stream)
     if plan.split is not None:
-        plan.split.run((q, k_cache, v_cache, o_arg, lse_arg, o_part, lse_part, cache_seqlens, block_table), stream)
+        plan.split.run((ptrs,), stream)
     if plan.combine is not None:
-        plan.combine.run((o_part, lse_part, o_arg, lse_arg), stream)
+        plan.combine.run((ptrs,), stream)
     return (o, lse) if plan.lse_shape is not None else o
 
 
@@ -585,7 +838,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     """
     arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
     key = _PLANS.key(arrays, (bool(causal), softmax_scale, bool(return_lse), num_splits, dtype,
-                              os.environ.get("RTKERNELS_ARCH")))
+                              getenv("RTKERNELS_ARCH"), _VARIANT_KEY))
     plan = _PLANS.get(key)
     if plan is None:
         plan, views = _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype)
@@ -619,7 +872,7 @@ def _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype):
     with cupy.cuda.Device(p.device):
         arch = _device_arch(p.device)
         plan = make_plan(p, causal=causal, return_lse=return_lse, num_splits=num_splits, torch=torch,
-                         out_dtype=out_dtype, f32=f32, arch=arch, sms=_sm_count(p.device))
+                         out_dtype=out_dtype, f32=f32, arch=arch, sms=_sm_count(p.device), variant=_VARIANT)
     return plan, views
 
 
