@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from rtkernels.torch._library import op  # noqa: E402
 
-OPS = ("attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise")
+OPS = ("attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+       "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy", "cross_entropy_with_grad")
 
 
 # ---- registration and fake kernels (CPU) -------------------------------------------------------
@@ -121,15 +122,22 @@ def test_matmul_gradient_shapes(ta, tb, a_shape, b_shape):
     assert a.grad.shape == a.shape and b.grad.shape == b.shape
 
 
-def test_row_op_backward_raises_until_kernels_exist():
-    import rtkernels
-    x, w = _meta((4, 64)), _meta((64,))
-    for name, y in (("softmax_backward", rtt.softmax(x)), ("rmsnorm_backward", rtt.rmsnorm(x, w)),
-                    ("layernorm_backward", rtt.layernorm(x, w, w))):
-        if hasattr(rtkernels, name):
-            continue   # the backward kernel landed: its op is used (GPU tests check the numbers)
-        with pytest.raises(NotImplementedError, match=name):
-            y.float().sum().backward()
+def test_row_op_and_cross_entropy_gradients_on_meta():
+    """softmax / rmsnorm / layernorm / cross_entropy differentiate through their rtk backward ops
+    (shapes and dtypes on meta tensors); elementwise and reduce(max) still refuse."""
+    x, w, b = _meta((4, 3, 64), torch.float16), _meta((64,), torch.float32), _meta((64,), torch.float32)
+    for log in (False, True):
+        rtt.softmax(x, log).float().sum().backward()
+    rtt.rmsnorm(x, w).float().sum().backward()
+    rtt.layernorm(x, w, b).float().sum().backward()
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+    assert w.grad.shape == w.shape and w.grad.dtype == torch.float32 and b.grad.shape == b.shape
+    logits = _meta((3, 5, 1000))
+    for reduction in ("none", "sum", "mean"):
+        loss = rtt.cross_entropy(logits, torch.zeros(3, 5, dtype=torch.int64, device="meta"), reduction=reduction)
+        assert loss.dtype == torch.float32 and loss.shape == ((3, 5) if reduction == "none" else ())
+        loss.sum().backward()
+    assert logits.grad.shape == logits.shape and logits.grad.dtype == torch.bfloat16
     with pytest.raises(NotImplementedError, match="no backward"):
         rtt.elementwise("y = 2*x", x).float().sum().backward()
     with pytest.raises(NotImplementedError, match="op='sum'"):
@@ -137,6 +145,178 @@ def test_row_op_backward_raises_until_kernels_exist():
     x2 = _meta((4, 64))
     rtt.reduce(x2, "sum").float().sum().backward()
     assert x2.grad.shape == x2.shape
+
+
+def test_training_backward_graph_calls_rtk_ops():
+    """The backward of the row ops is their rtk backward op; cross_entropy's gradient comes from
+    the one fused forward kernel (cross_entropy_with_grad), not a second pass."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b, logits, target):
+        h = rtt.rmsnorm(x, w).float().sum() + rtt.layernorm(x, w, b).float().sum() + rtt.softmax(x).float().sum()
+        return torch.autograd.grad(h + rtt.cross_entropy(logits, target, label_smoothing=0.1), (x, w, b, logits))
+
+    args = (_meta((6, 128)), _meta((128,)), _meta((128,)), _meta((6, 777)),
+            torch.zeros(6, dtype=torch.int64, device="meta"))
+    names = [str(n.target) for n in make_fx(f)(*args).graph.nodes if n.op == "call_function" and "rtk" in str(n.target)]
+    for name in ("rmsnorm", "layernorm", "softmax", "rmsnorm_backward", "layernorm_backward", "softmax_backward",
+                 "cross_entropy_with_grad"):
+        assert names.count(f"rtk.{name}.default") == 1, (name, names)
+    assert "rtk.cross_entropy.default" not in names
+
+
+def test_fake_training_ops_check_their_arguments():
+    from rtkernels.errors import ConfigError
+    with FakeTensorMode():
+        x, w = _fake((2, 7, 96), torch.float16), _fake((96,), torch.float32)
+        dx, dw = rtt.rmsnorm_backward(x, x, w)
+        assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == (96,) and dw.dtype == torch.float32
+        dx, dw, db = rtt.layernorm_backward(x, x, w, w, eps=1e-5)
+        assert dx.is_contiguous() and dw.dtype == db.dtype == torch.float32
+        assert rtt.softmax_backward(x, x, log=True).shape == x.shape
+        with pytest.raises(ConfigError, match="dy must be a torch.float16 tensor of shape"):
+            rtt.rmsnorm_backward(_fake((2, 7, 96)), x, w)
+        logits = _fake((2, 7, 50257))
+        loss, g = torch.ops.rtk.cross_entropy_with_grad.default(logits, _fake((2, 7), torch.int32), -100, 0.0, "none")
+        assert loss.shape == (2, 7) and loss.dtype == torch.float32 and g.shape == logits.shape
+        assert g.dtype == torch.bfloat16 and g.is_contiguous()
+        assert rtt.cross_entropy(logits, _fake((2, 7), torch.int64)).shape == ()
+        with pytest.raises(ConfigError, match="target must be int64 or int32 of shape"):
+            rtt.cross_entropy(logits, _fake((14,), torch.int64))
+        with pytest.raises(ConfigError, match="reduction='avg'"):
+            rtt.cross_entropy(logits, _fake((2, 7), torch.int64), reduction="avg")
+
+
+# The autograd wiring of the training ops on the CPU: CPU kernels for the rtk ops from the float64
+# references (rtkernels' own, the ones the GPU kernels are tested against), registered for this
+# module only; gradients through torch.ops.rtk.* must then equal torch's autograd of the same
+# functions written in torch.
+@pytest.fixture(scope="module")
+def rtk_cpu_kernels():
+    import numpy as np
+
+    from rtkernels.ops import cross_entropy as ce
+    from rtkernels.ops import rowwise as rw
+    from rtkernels.ops import rowwise_bwd as rb
+    from rtkernels.torch._library import _defaults, _filled
+
+    def n64(t):
+        return None if t is None else t.detach().double().numpy()
+
+    def back(a, like):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(like.dtype)
+
+    def ce_impl(grad):
+        def impl(logits, target, ignore_index, label_smoothing, reduction):
+            loss, g = ce.cross_entropy_reference(n64(logits), target.numpy(), ignore_index=ignore_index,
+                                                 label_smoothing=label_smoothing, reduction=reduction)
+            loss = torch.tensor(np.asarray(loss), dtype=torch.float32)
+            return (loss, back(g, logits)) if grad else loss
+        return impl
+
+    kernels = {
+        "softmax": lambda x, log: back(rw.softmax_reference(n64(x), log_softmax=log), x),
+        "rmsnorm": lambda x, w, eps: back(rw.rmsnorm_reference(n64(x), n64(w), eps), x),
+        "layernorm": lambda x, w, b, eps: back(rw.layernorm_reference(n64(x), n64(w), n64(b), eps), x),
+        "softmax_backward": lambda dy, y, log: back(rb.softmax_backward_reference(n64(dy), n64(y), log=log), y),
+        "rmsnorm_backward": lambda dy, x, w, rstd, eps: tuple(
+            back(a, t) for a, t in zip(rb.rmsnorm_backward_reference(n64(dy), n64(x), n64(w), eps), (x, w))),
+        "layernorm_backward": lambda dy, x, w, b, mean, rstd, eps: tuple(
+            back(a, t) for a, t in zip(rb.layernorm_backward_reference(n64(dy), n64(x), n64(w), eps), (x, w, w))),
+        "cross_entropy": ce_impl(False),
+        "cross_entropy_with_grad": ce_impl(True),
+    }
+    lib = torch.library.Library("rtk", "IMPL")   # noqa: TOR901 - CPU kernels for this module's tests
+    for name, fn in kernels.items():
+        lib.impl(name, _filled(fn, _defaults(getattr(torch.ops.rtk, name).default)), "CPU")
+    yield
+    lib._destroy()
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_op_gradients_wired_cpu(rtk_cpu_kernels, dtype):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 5, 33, dtype=dtype) * 2, torch.randn(33, dtype=dtype), torch.randn(33, dtype=dtype)
+    dy = torch.randn(3, 5, 33, dtype=dtype)
+    F = torch.nn.functional
+    cases = [
+        ("softmax", lambda x_, w_, b_: rtt.softmax(x_), lambda x_, w_, b_: torch.softmax(x_, -1)),
+        ("log_softmax", lambda x_, w_, b_: rtt.softmax(x_, log_softmax=True),
+         lambda x_, w_, b_: torch.log_softmax(x_, -1)),
+        ("rmsnorm", lambda x_, w_, b_: rtt.rmsnorm(x_, w_, 1e-5),
+         lambda x_, w_, b_: x_ * torch.rsqrt(x_.pow(2).mean(-1, keepdim=True) + 1e-5) * w_),
+        ("layernorm", lambda x_, w_, b_: rtt.layernorm(x_, w_, b_, 1e-4),
+         lambda x_, w_, b_: F.layer_norm(x_, (33,), w_, b_, 1e-4)),
+    ]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    for name, ours, ref in cases:
+        got_in, ref_in = [_leaf(t) for t in (x, w, b)], [_leaf(t) for t in (x, w, b)]
+        ours(*got_in).backward(dy.transpose(0, 1).contiguous().transpose(0, 1))   # a non-contiguous dy
+        ref(*ref_in).backward(dy)
+        for arg, g, r in zip("xwb", got_in, ref_in):
+            if r.grad is None:
+                assert g.grad is None, (name, arg)
+                continue
+            torch.testing.assert_close(g.grad, r.grad, **tol, msg=lambda m: f"{name} d{arg}: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_cross_entropy_gradients_wired_cpu(rtk_cpu_kernels, reduction, smoothing):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 6, 37, dtype=torch.float64) * 3
+    target = torch.randint(0, 37, (4, 6))
+    target[::3, 1] = -1
+    F = torch.nn.functional
+    ref_in = _leaf(logits)
+    ref = F.cross_entropy(ref_in.transpose(1, 2).transpose(0, 1).reshape(37, -1).t(), target.reshape(-1),
+                          ignore_index=-1, label_smoothing=smoothing, reduction=reduction)
+    ref = ref.reshape(4, 6) if reduction == "none" else ref
+    dloss = torch.rand(ref.shape, dtype=torch.float64) + 0.5   # a non-unit incoming gradient
+    ref.backward(dloss)
+    for fused in (True, False):
+        got_in = _leaf(logits)
+        if fused:   # what rtt.cross_entropy calls when the logits require grad
+            loss = rtt.cross_entropy(got_in, target, ignore_index=-1, label_smoothing=smoothing, reduction=reduction)
+        else:       # the loss-only op: its backward runs the fused kernel again
+            loss = torch.ops.rtk.cross_entropy.default(got_in, target, -1, smoothing, reduction)
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+        loss.backward(dloss.float())
+        torch.testing.assert_close(got_in.grad, ref_in.grad, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"fused={fused}: {m}")
+    with torch.no_grad():   # no gradient to record: the loss-only op
+        assert rtt.cross_entropy(_leaf(logits), target, ignore_index=-1).grad_fn is None
+
+
+def test_training_ops_pass_opcheck_cpu(rtk_cpu_kernels):
+    """The schemas, fakes and autograd registrations, checked by opcheck against the CPU kernels."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    y = torch.softmax(x.detach(), -1)
+    logits, target = torch.randn(5, 50, requires_grad=True), torch.tensor([1, -100, 49, 0, 7])
+    cases = [
+        (torch.ops.rtk.softmax.default, (x, True)),
+        (torch.ops.rtk.rmsnorm.default, (x, w, 1e-6)),
+        (torch.ops.rtk.layernorm.default, (x, w, w, 1e-5)),
+        (torch.ops.rtk.softmax_backward.default, (torch.randn(3, 40), y, False)),
+        (torch.ops.rtk.rmsnorm_backward.default, (torch.randn(3, 40), x.detach(), w.detach(), None, 1e-6)),
+        (torch.ops.rtk.layernorm_backward.default, (torch.randn(3, 40), x.detach(), w.detach(), w.detach(), None,
+                                                    None, 1e-5)),
+        (torch.ops.rtk.cross_entropy.default, (logits, target, -100, 0.1, "mean")),
+        (torch.ops.rtk.cross_entropy_with_grad.default, (logits, target, -100, 0.0, "none")),
+    ]
+    failures = []
+    for opov, args in cases:
+        res = torch.library.opcheck(opov, args, raise_exception=False)
+        bad = {k_: str(v_) for k_, v_ in res.items() if v_ != "SUCCESS"}
+        if bad:
+            failures.append(f"{opov}: {bad}")
+    assert not failures, "\n".join(failures)
 
 
 def test_sdpa_helper_refuses_what_it_cannot_do():
@@ -192,6 +372,25 @@ def test_transformers_attention_function_layout():
         rtk_attention_forward(mod, q, kv, kv, None, sliding_window=4)
     with pytest.raises(NotImplementedError, match="mask tensor"):
         rtk_attention_forward(mod, q, kv, kv, torch.empty(2, 1, 5, 5, device="meta"))
+
+
+def test_training_step_compiles_fullgraph_cpu(rtk_cpu_kernels):
+    """rmsnorm + cross_entropy with gradients under torch.compile(fullgraph=True) (AOTAutograd
+    traces the rtk backward ops): no graph breaks, the same gradients as eager."""
+    def step(x, w, target):
+        return rtt.cross_entropy(rtt.rmsnorm(x, w), target, label_smoothing=0.1)
+
+    torch.manual_seed(3)
+    x, w = torch.randn(6, 40, requires_grad=True), torch.randn(40, requires_grad=True)
+    target = torch.tensor([0, 3, -100, 39, 7, 7])
+    explain = torch._dynamo.explain(step)(x, w, target)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, target).backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    step(x, w, target).backward()
+    for g, r in zip(got, (x.grad, w.grad)):
+        torch.testing.assert_close(g, r)
 
 
 # ---- the registration helper on a CPU test op --------------------------------------------------
@@ -484,6 +683,108 @@ def test_gpu_reduce_overhead_training_step():
         for name, g, t in zip(("dq", "dk", "dv", "dw"), got, args[:4]):
             torch.testing.assert_close(g.float(), t.grad.float(), atol=1e-2, rtol=1e-2,
                                        msg=lambda m: f"iter {i} {name}: {m}")
+
+
+# ---- training ops: gradients through torch.ops.rtk against torch eager ------------------------------
+# Shapes and dtypes as tests/test_training_ops.py's (n = 1000; vocabularies 1000 / 32000 / 50257): the
+# same kernel configs, compiled once per process.
+def _floor(ref, dtype, rel32=1e-5, rel_low=1e-2):
+    return (rel32 if dtype == torch.float32 else rel_low) * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_row_op_gradients_match_torch(dtype):
+    """dx (and dweight, dbias) of softmax / log_softmax / rmsnorm / layernorm through the rtk backward
+    ops against float64 autograd, within twice the error of torch eager in the same dtype."""
+    _cuda()
+    torch.manual_seed(4)
+    n = 1000
+    x = _rand((3, 37, n), dtype, scale=2.0)
+    w, b, dy = _rand((n,), dtype), _rand((n,), dtype), _rand(x.shape, dtype)
+    F = torch.nn.functional
+    cases = {
+        "softmax": (lambda x_, w_, b_: rtt.softmax(x_), lambda x_, w_, b_: torch.softmax(x_, -1)),
+        "log_softmax": (lambda x_, w_, b_: rtt.softmax(x_, log_softmax=True),
+                        lambda x_, w_, b_: torch.log_softmax(x_, -1)),
+        "rmsnorm": (lambda x_, w_, b_: rtt.rmsnorm(x_, w_, 1e-6),
+                    lambda x_, w_, b_: x_ * torch.rsqrt(x_.pow(2).mean(-1, keepdim=True) + 1e-6) * w_),
+        "layernorm": (lambda x_, w_, b_: rtt.layernorm(x_, w_, b_, 1e-5),
+                      lambda x_, w_, b_: F.layer_norm(x_, (n,), w_, b_, 1e-5)),
+    }
+    for name, (ours, torch_fn) in cases.items():
+        got_in = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
+        low_in = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        y = ours(*got_in)
+        y.backward(dy)
+        torch_fn(*ref_in).backward(dy.double())
+        torch_fn(*low_in).backward(dy)
+        for arg, g, r, lw in zip("xwb", got_in, ref_in, low_in):
+            if r.grad is None:
+                assert g.grad is None, f"{name}: d{arg} should be None"
+                continue
+            assert g.grad.dtype == dtype and g.grad.shape == r.grad.shape, (name, arg, g.grad.dtype, g.grad.shape)
+            # float32 floor 1e-4: log_softmax's dx carries the forward's y rounding times sum(dy)
+            _two_x(f"{name} d{arg} ({dtype}, shape {tuple(r.grad.shape)})", g.grad, lw.grad, r.grad,
+                   _floor(r.grad, dtype, rel32=1e-4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v, dtype", [(1000, torch.float32), (32000, torch.bfloat16), (50257, torch.float16)])
+def test_gpu_cross_entropy_gradients_match_torch(v, dtype):
+    """rtt.cross_entropy's loss and dlogits (from the fused forward, scaled by a non-unit incoming
+    gradient) against F.cross_entropy in float64, within twice torch's error in the same dtype."""
+    _cuda()
+    torch.manual_seed(v)
+    x = _rand((2, 37, v), dtype, scale=2.0)
+    t = torch.randint(0, v, (2, 37), device="cuda")
+    t[:, ::5] = -100
+    F = torch.nn.functional
+
+    def torch_fn(x_, reduction, smoothing):
+        out = F.cross_entropy(x_.reshape(-1, v), t.reshape(-1), label_smoothing=smoothing, reduction=reduction)
+        return out.reshape(t.shape) if reduction == "none" else out
+
+    for reduction, smoothing in (("mean", 0.0), ("sum", 0.1), ("none", 0.0)):
+        what = f"cross_entropy v={v} {dtype} reduction={reduction} smoothing={smoothing}"
+        dloss = torch.rand(t.shape if reduction == "none" else (), device="cuda") + 0.5
+        got_in, ref_in, low_in = _leaf(x), x.detach().double().requires_grad_(), _leaf(x)
+        loss = rtt.cross_entropy(got_in, t, label_smoothing=smoothing, reduction=reduction)
+        assert loss.dtype == torch.float32 and loss.shape == dloss.shape, what
+        loss.backward(dloss)
+        ref = torch_fn(ref_in, reduction, smoothing)
+        ref.backward(dloss.double())
+        low = torch_fn(low_in, reduction, smoothing)
+        low.backward(dloss.to(low.dtype))
+        assert got_in.grad.dtype == dtype, what
+        _two_x(what + " loss", loss, low, ref, _floor(ref, torch.float32, rel32=2e-5))
+        _two_x(what + " dlogits", got_in.grad, low_in.grad, ref_in.grad, _floor(ref_in.grad, dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_training_ops():
+    _cuda()
+    torch.manual_seed(5)
+    x, w = _rand((6, 96), torch.float16, requires_grad=True), _rand((96,), torch.float32, requires_grad=True)
+    dy = _rand((6, 96), torch.float16)
+    y = torch.softmax(x.detach().float(), -1).half()
+    logits = _rand((5, 1000), torch.float32, requires_grad=True)
+    target = torch.tensor([1, -100, 999, 0, 7], device="cuda")
+    cases = [
+        (torch.ops.rtk.softmax_backward.default, (dy, y, False)),
+        (torch.ops.rtk.rmsnorm_backward.default, (dy, x.detach(), w.detach(), None, 1e-6)),
+        (torch.ops.rtk.layernorm_backward.default, (dy, x.detach(), w.detach(), w.detach(), None, None, 1e-5)),
+        (torch.ops.rtk.cross_entropy.default, (logits, target, -100, 0.1, "mean")),
+        (torch.ops.rtk.cross_entropy_with_grad.default, (logits, target, -100, 0.0, "none")),
+    ]
+    failures = []
+    for opov, args in cases:
+        res = torch.library.opcheck(opov, args, raise_exception=False)
+        bad = {k_: str(v_) for k_, v_ in res.items() if v_ != "SUCCESS"}
+        if bad:
+            failures.append(f"{opov}: {bad}")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.gpu

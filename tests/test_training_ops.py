@@ -189,6 +189,44 @@ def test_norm_backward_references_match_finite_differences():
     np.testing.assert_allclose(db, dy.sum(axis=0))
 
 
+def _rmsnorm_dx_float32(dy, x, w, eps, rstd_ulps=0, bug=None):
+    """norm_bwd.cu.j2's RMSNorm dx in float32 arithmetic (rstd = rsqrtf(mean(x^2) + eps) moved by
+    rstd_ulps ulp: rsqrtf's error), or with a bug: "drop" (no xhat * ct term), "no_eps"."""
+    f = np.float32
+    x, dy, w = x.astype(f), dy.astype(f), w.astype(f)
+    n = x.shape[-1]
+    g = dy * w
+    ss, s = np.sum(x * x, -1, keepdims=True, dtype=f), np.sum(g * x, -1, keepdims=True, dtype=f)
+    rstd = (1 / np.sqrt(ss.astype(np.float64) / n + (0.0 if bug == "no_eps" else eps))).astype(f)
+    for _ in range(abs(rstd_ulps)):
+        rstd = np.nextafter(rstd, f(np.inf) if rstd_ulps > 0 else f(0))
+    ct = rstd * s * f(1 / n)
+    v = g if bug == "drop" else g - (x * rstd) * ct
+    return (rstd * v).astype(np.float64)
+
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_rmsnorm_dx_tolerance_separates_rounding_from_bugs(n):
+    """The GPU test's dx bound (_rmsnorm_dx_scale) accepts float32 arithmetic with rsqrtf's 2 ulp
+    (at n = 1 the two terms cancel to ~1e-7 of their size) and still rejects a dropped term or a
+    missing eps - on the GPU test's own inputs."""
+    rng = np.random.default_rng(n)
+    rows = _rows_for(n)
+    x = (rng.standard_normal((rows, n)) * 2).astype(np.float32).astype(np.float64)
+    dy = rng.standard_normal((rows, n)).astype(np.float32).astype(np.float64)
+    w = rng.standard_normal(n).astype(np.float32).astype(np.float64)
+    ref, _ = rb.rmsnorm_backward_reference(dy, x, w, 1e-6)
+    scale = _rmsnorm_dx_scale(dy, x, w, ref)
+    for ulps in (-2, 0, 2):
+        _close(_rmsnorm_dx_float32(dy, x, w, 1e-6, ulps), ref, "float32", f"float32 dx ({ulps} ulp rstd)",
+               row_scale=scale, atol=1e-6)
+    for bug in ("drop", "no_eps"):
+        if n > 1 and bug == "no_eps":
+            continue   # eps = 1e-6 against mean(x^2) ~ 4: below float32 resolution there
+        with pytest.raises(AssertionError):
+            _close(_rmsnorm_dx_float32(dy, x, w, 1e-6, bug=bug), ref, "float32", bug, row_scale=scale, atol=1e-6)
+
+
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax_backward_reference_matches_finite_differences(log):
     rng = np.random.default_rng(1)
@@ -273,6 +311,15 @@ def _row_rms(a):
     return np.sqrt(np.mean(a * a, axis=-1, keepdims=True)) + 1e-30
 
 
+def _rmsnorm_dx_scale(dy64, x64, w64, ref_dx, eps=1e-6):
+    """Per-row error scale of RMSNorm's dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w: the
+    magnitude of the two terms that cancel (rms(g) * rstd) besides rms(dx).  Where they cancel -
+    n = 1, where dx = rstd * g * eps * rstd^2 is ~1e-7 of either term - float32 rounding of the
+    terms (a few ulp of ~rstd * |g|) is the error, not rms(dx)."""
+    rstd = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return _row_rms(ref_dx) + _row_rms(dy64 * w64) * rstd
+
+
 NORM_WIDTHS = (1, 7, 33, 1000, 4097, 65536)
 
 
@@ -300,7 +347,7 @@ def test_norm_backward_gpu(dtype, n):
         got_dx, got_dw = rtk.rmsnorm_backward(dy, x, w, stats, eps=1e-6, out=dx, dtype=dtype)
         assert got_dx is dx
         _close(to_f64(dx, dtype), ref_dx, dtype, f"rmsnorm dx (stats {'given' if stats is not None else 'recomputed'})",
-               row_scale=_row_rms(ref_dx), atol=1e-6)
+               row_scale=_rmsnorm_dx_scale(dy64, x64, w64, ref_dx), atol=1e-6)
         _close(to_f64(got_dw, dtype), ref_dw, dtype, "rmsnorm dweight",
                atol=1e-5 * np.abs(dy64 * x64).sum(0) * 2)
     ref_dx, ref_dw, ref_db = rb.layernorm_backward_reference(dy64, x64, w64, 1e-5)
@@ -619,7 +666,9 @@ def test_cross_entropy_matches_torch_gpu():
         t = torch.randint(0, v, (64,), device="cuda", generator=gen)
         t[::5] = -100
         for smoothing in (0.0, 0.1):
-            xr = x.float().requires_grad_()
+            # a fresh leaf each time: x.float() of float32 x is x itself, whose .grad would
+            # accumulate across iterations (smoothing 0.1's gradient compared with the sum of two)
+            xr = x.detach().float().clone().requires_grad_()
             ref = F.cross_entropy(xr, t, label_smoothing=smoothing)
             ref.backward()
             loss, g = rtk.cross_entropy(x, t, label_smoothing=smoothing, return_grad=True)

@@ -6,6 +6,7 @@ transformers attention backend.
 >>> o, lse = rtt.attention(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
 >>> y = rtt.scaled_dot_product_attention(q, k, v, is_causal=True)   # SDPA's (batch, heads, seqlen, head_dim)
 >>> c = rtt.matmul(a, b, bias=bias, activation="gelu")    # differentiable
+>>> loss = rtt.cross_entropy(logits, target)             # dlogits written in the loss's own pass
 >>> rtt.register_transformers(); model.set_attn_implementation("rtk")
 
 This is the only rtkernels module that imports torch; ``pip install rtkernels[torch]`` installs it.
@@ -29,6 +30,7 @@ from .hf import register_transformers
 from .sdpa import scaled_dot_product_attention
 
 __all__ = ["attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+           "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
            "scaled_dot_product_attention", "register_transformers", "op", "LIB", "REGISTERED"]
 
 _rtk_ops = torch.ops.rtk
@@ -84,6 +86,42 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
 def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last axis (``torch.ops.rtk.layernorm``)."""
     return _rtk_ops.layernorm.default(x, weight, bias, float(eps))
+
+
+def softmax_backward(dy: torch.Tensor, y: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """dx of :func:`softmax` from its output ``y`` (``log=True``: y is log_softmax's output);
+    ``torch.ops.rtk.softmax_backward``, what softmax's autograd calls."""
+    return _rtk_ops.softmax_backward.default(dy, y, log)
+
+
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of :func:`rmsnorm` (``torch.ops.rtk.rmsnorm_backward``); rstd: the float32
+    per-row statistic of ``rtkernels.rmsnorm(..., return_stats=True)``, or None to recompute it."""
+    return _rtk_ops.rmsnorm_backward.default(dy, x, weight, rstd, float(eps))
+
+
+def layernorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                       eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)`` of :func:`layernorm` (``torch.ops.rtk.layernorm_backward``); mean,
+    rstd: the forward's float32 statistics (both or neither; None recomputes them)."""
+    return _rtk_ops.layernorm_backward.default(dy, x, weight, bias, mean, rstd, float(eps))
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the last axis of ``logits`` (..., V) against class indices ``target`` (...),
+    with ``F.cross_entropy``'s semantics (ignore_index, label_smoothing, reduction "none" / "sum" /
+    "mean"); the loss is float32.  Differentiable in logits: when they require grad,
+    ``torch.ops.rtk.cross_entropy_with_grad`` writes dlogits in the same pass over the logits as the
+    loss and the backward only scales them by the incoming gradient (in the logits' dtype).  The
+    class axis is the last one (``F.cross_entropy`` takes it at dim 1).  See
+    :func:`rtkernels.cross_entropy`."""
+    args = (logits, target, int(ignore_index), float(label_smoothing), reduction)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _rtk_ops.cross_entropy_with_grad.default(*args)[0]
+    return _rtk_ops.cross_entropy.default(*args)
 
 
 def reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:

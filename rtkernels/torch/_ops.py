@@ -237,9 +237,8 @@ matmul_op = op("matmul(Tensor a, Tensor b, Tensor? bias=None, str? activation=No
 
 
 # ---- row ops: softmax, rmsnorm, layernorm, reduce ---------------------------------------------
-# Their backward kernels are rtk.softmax_backward / rmsnorm_backward / layernorm_backward (being
-# written); each registers here as a torch op once rtkernels exports it, and the forward's
-# autograd uses it.  Until then a backward through these ops raises NotImplementedError.
+# Backward kernels: rtk.softmax_backward / rmsnorm_backward / layernorm_backward, each also a torch op
+# (torch.ops.rtk.*_backward) that the forward's backward calls, so AOTAutograd traces it.
 def _check_rows(x, where):
     if x.dim() == 0:
         raise ConfigError(f"{where}: x must have at least one dimension, got a scalar", field="x")
@@ -248,16 +247,19 @@ def _check_rows(x, where):
                           value=str(x.dtype))
 
 
-def _missing(name: str, fwd: str) -> str:
-    return (f"rtk.{fwd} has no backward yet: its backward kernel rtkernels.{name} is not in this build "
-            f"(use torch's own {fwd} where gradients are needed)")
+def _check_dy(dy, like, where, like_name="x"):
+    """The backward ops' rule (checked on fakes too): dy has the forward input's shape and dtype."""
+    _check_rows(like, where)
+    if tuple(dy.shape) != tuple(like.shape) or dy.dtype != like.dtype:
+        raise ConfigError(f"{where}: dy must be a {like.dtype} tensor of shape {tuple(like.shape)} ({like_name}'s), "
+                          f"got {dy.dtype} {tuple(dy.shape)}", field="dy", value=tuple(dy.shape))
 
 
-def _has(name: str) -> bool:
-    return name in _BACKWARD_OPS
-
-
-_BACKWARD_OPS: dict = {}
+def _grad_rows(dy: torch.Tensor) -> torch.Tensor:
+    """An incoming gradient as the backward kernels read it: dy itself when contiguous, else a torch
+    copy (the gradient of a sum arrives expanded from a scalar; rtk would compact such a view with
+    CuPy, outside torch's allocator and a CUDA-graph capture's memory pool)."""
+    return dy if dy.is_contiguous() else dy.contiguous()
 
 
 def _softmax_fake(x, log_softmax):
@@ -271,10 +273,8 @@ def _softmax_save(ctx, args, out):
 
 
 def _softmax_backward(ctx, dy):
-    if not _has("softmax_backward"):
-        raise NotImplementedError(_missing("softmax_backward", "softmax"))
     (y,) = ctx.saved_tensors
-    return _ops().softmax_backward.default(dy, y, ctx.log_softmax), None
+    return _ops().softmax_backward.default(_grad_rows(dy), y, ctx.log_softmax), None
 
 
 softmax_op = op("softmax(Tensor x, bool log_softmax=False) -> Tensor",
@@ -288,24 +288,25 @@ def _norm_fake(x, weight, *rest):
 
 
 def _norm_save(ctx, args, out):
+    # The backward recomputes the row statistics instead of saving the forward's (return_stats):
+    # it reads all of x anyway and the statistics ride its one row reduction, so that costs no
+    # bandwidth (H100, tools/bench_training.py: recomputing 0.99-1.01x the time of given stats
+    # at n = 1k-16k; layernorm at n = 16k 1.13x), and the forward ops keep one output.
     ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])
     ctx.eps = args[-1]
 
 
 def _rmsnorm_backward(ctx, dy):
-    if not _has("rmsnorm_backward"):
-        raise NotImplementedError(_missing("rmsnorm_backward", "rmsnorm"))
     x, w = ctx.saved_tensors
-    dx, dw = _ops().rmsnorm_backward.default(dy, x, w, ctx.eps)
-    return dx, dw, None
+    dx, dw = _ops().rmsnorm_backward.default(_grad_rows(dy), x, w, None, ctx.eps)
+    return dx, dw if ctx.needs_input_grad[1] else None, None
 
 
 def _layernorm_backward(ctx, dy):
-    if not _has("layernorm_backward"):
-        raise NotImplementedError(_missing("layernorm_backward", "layernorm"))
     x, w, b = ctx.saved_tensors
-    dx, dw, db = _ops().layernorm_backward.default(dy, x, w, b, ctx.eps)
-    return dx, dw, db, None
+    dx, dw, db = _ops().layernorm_backward.default(_grad_rows(dy), x, w, b, None, None, ctx.eps)
+    need = ctx.needs_input_grad
+    return dx, dw if need[1] else None, db if need[2] else None, None
 
 
 rmsnorm_op = op("rmsnorm(Tensor x, Tensor weight, float eps=1e-06) -> Tensor",
@@ -315,23 +316,35 @@ layernorm_op = op("layernorm(Tensor x, Tensor weight, Tensor bias, float eps=1e-
                   lambda x, weight, bias, eps: _rtk.layernorm(x, weight, bias, eps),
                   fake=_norm_fake, backward=_layernorm_backward, setup_context=_norm_save)
 
-# The backward ops, one line each, registered when rtkernels has the kernels (signatures as the
-# training-kernels issue specifies them: softmax_backward(dy, y, log_softmax) -> dx;
-# rmsnorm_backward(dy, x, weight, eps) -> (dx, dweight); layernorm_backward(dy, x, weight, bias,
-# eps) -> (dx, dweight, dbias)).
-_BACKWARDS = (
-    ("softmax_backward", "softmax_backward(Tensor dy, Tensor y, bool log_softmax=False) -> Tensor",
-     lambda dy, y, log_softmax: _like(y)),
-    ("rmsnorm_backward", "rmsnorm_backward(Tensor dy, Tensor x, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)",
-     lambda dy, x, w, eps: (_like(x), _like(w))),
-    ("layernorm_backward", "layernorm_backward(Tensor dy, Tensor x, Tensor weight, Tensor bias, float eps=1e-05) "
-                           "-> (Tensor, Tensor, Tensor)",
-     lambda dy, x, w, b, eps: (_like(x), _like(w), _like(b))),
-)
-for _name, _schema, _fake in _BACKWARDS:
-    if hasattr(_rtk, _name):
-        _BACKWARD_OPS[_name] = op(_schema, getattr(_rtk, _name), fake=_fake,
-                                  backward=f"rtk.{_name} has no backward (double backward is not supported)")
+
+def _softmax_backward_fake(dy, y, log):
+    _check_dy(dy, y, "softmax_backward", "y")
+    return _like(y)
+
+
+def _rmsnorm_backward_fake(dy, x, weight, rstd, eps):
+    _check_dy(dy, x, "rmsnorm_backward")
+    return _like(x), _like(weight)
+
+
+def _layernorm_backward_fake(dy, x, weight, bias, mean, rstd, eps):
+    _check_dy(dy, x, "layernorm_backward")
+    return _like(x), _like(weight), _like(weight)   # dbias in weight's dtype (bias must share it)
+
+
+_NO_DOUBLE = "rtk.{} has no backward (double backward through it is not supported)"
+softmax_backward_op = op("softmax_backward(Tensor dy, Tensor y, bool log=False) -> Tensor",
+                         lambda dy, y, log: _rtk.softmax_backward(dy, y, log=log),
+                         fake=_softmax_backward_fake, backward=_NO_DOUBLE.format("softmax_backward"))
+rmsnorm_backward_op = op(
+    "rmsnorm_backward(Tensor dy, Tensor x, Tensor weight, Tensor? rstd=None, float eps=1e-06) -> (Tensor, Tensor)",
+    lambda dy, x, weight, rstd, eps: _rtk.rmsnorm_backward(dy, x, weight, rstd, eps=eps),
+    fake=_rmsnorm_backward_fake, backward=_NO_DOUBLE.format("rmsnorm_backward"))
+layernorm_backward_op = op(
+    "layernorm_backward(Tensor dy, Tensor x, Tensor weight, Tensor bias, Tensor? mean=None, Tensor? rstd=None, "
+    "float eps=1e-05) -> (Tensor, Tensor, Tensor)",
+    lambda dy, x, weight, bias, mean, rstd, eps: _rtk.layernorm_backward(dy, x, weight, bias, mean, rstd, eps=eps),
+    fake=_layernorm_backward_fake, backward=_NO_DOUBLE.format("layernorm_backward"))
 
 
 def _reduce_fake(x, op_name):
@@ -353,6 +366,79 @@ def _reduce_backward(ctx, dy):
 reduce_op = op('reduce(Tensor x, str op="sum") -> Tensor',
                lambda x, op_name: _rtk.reduce(x, op=op_name),
                fake=_reduce_fake, backward=_reduce_backward, setup_context=_reduce_save)
+
+
+# ---- cross-entropy ------------------------------------------------------------------------------
+# Two ops over one kernel: cross_entropy (the loss) and cross_entropy_with_grad ((loss, dlogits):
+# the gradient of the reduced loss written in the same pass over the logits, saved for the
+# backward, which only scales it by the incoming gradient).  rtkernels.torch.cross_entropy picks
+# the second when the logits require grad; the first's own backward (a direct torch.ops call with
+# grad) reruns the fused kernel: one more read of the logits.
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def _cross_entropy_fake(logits, target, ignore_index, label_smoothing, reduction):
+    where = "cross_entropy"
+    if logits.dim() == 0 or logits.dtype not in _FLOAT:
+        raise ConfigError(f"{where}: logits must be float16, bfloat16 or float32 with at least one dimension, got "
+                          f"{logits.dtype} {tuple(logits.shape)}", field="logits", value=tuple(logits.shape))
+    lead = tuple(logits.shape[:-1])
+    if target.dtype not in (torch.int64, torch.int32) or tuple(target.shape) != lead:
+        raise ConfigError(f"{where}: target must be int64 or int32 of shape {lead} (logits.shape[:-1]), got "
+                          f"{target.dtype} {tuple(target.shape)}", field="target", value=tuple(target.shape))
+    if reduction not in _REDUCTIONS:
+        raise ConfigError(f"{where}: reduction={reduction!r} is not allowed; use one of "
+                          f"{', '.join(map(repr, _REDUCTIONS))}", field="reduction", value=reduction)
+    return _like(logits, lead if reduction == "none" else (), torch.float32)
+
+
+def _cross_entropy_with_grad_fake(logits, target, ignore_index, label_smoothing, reduction):
+    return _cross_entropy_fake(logits, target, ignore_index, label_smoothing, reduction), _like(logits)
+
+
+def _scaled_ce_grad(g, dloss, reduction):
+    """dlogits = g * dloss: g is d(reduced loss)/dlogits ("none": d loss[i] / d logits[i] per row),
+    dloss the incoming gradient (0-d, or one per token for "none"), applied in g's dtype."""
+    return g * (dloss.unsqueeze(-1) if reduction == "none" else dloss).to(g.dtype)
+
+
+def _cross_entropy_save(ctx, args, out):
+    logits, target, ignore_index, label_smoothing, reduction = args
+    ctx.save_for_backward(logits, target)
+    ctx.options = (ignore_index, label_smoothing, reduction)
+
+
+def _cross_entropy_backward(ctx, dloss):
+    logits, target = ctx.saved_tensors
+    _, g = _ops().cross_entropy_with_grad.default(logits, target, *ctx.options)
+    return _scaled_ce_grad(g, dloss, ctx.options[2]), None, None, None, None
+
+
+def _cross_entropy_with_grad_save(ctx, args, out):
+    _, g = out
+    ctx.mark_non_differentiable(g)
+    ctx.save_for_backward(g)
+    ctx.reduction = args[4]
+
+
+def _cross_entropy_with_grad_backward(ctx, dloss, _dg):
+    (g,) = ctx.saved_tensors
+    return _scaled_ce_grad(g, dloss, ctx.reduction), None, None, None, None
+
+
+_CE_ARGS = "Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\""
+cross_entropy_op = op(
+    f"cross_entropy({_CE_ARGS}) -> Tensor",
+    lambda logits, target, ignore_index, label_smoothing, reduction: _rtk.cross_entropy(
+        logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction),
+    fake=_cross_entropy_fake, backward=_cross_entropy_backward, setup_context=_cross_entropy_save)
+cross_entropy_with_grad_op = op(
+    f"cross_entropy_with_grad({_CE_ARGS}) -> (Tensor, Tensor)",
+    lambda logits, target, ignore_index, label_smoothing, reduction: _rtk.cross_entropy(
+        logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
+        return_grad=True),
+    fake=_cross_entropy_with_grad_fake, backward=_cross_entropy_with_grad_backward,
+    setup_context=_cross_entropy_with_grad_save)
 
 
 # ---- elementwise --------------------------------------------------------------------------------
