@@ -364,6 +364,7 @@ class Kernel:
         self.signature = parse_signature(module.source, name) if name == self.lowered_name else None
         self._functions: dict[int, Any] = {}
         self._smem_set: dict[int, int] = {}
+        self._pack = None   # made with the launcher: the conversions of Kernel.bind
         self._converters = None if self.signature is None else [_converter(self, i, p)
                                                                   for i, p in enumerate(self.signature)]
         if self._converters is not None:
@@ -586,10 +587,57 @@ class Kernel:
                   "        _kernel._launch_failed(exc, grid, block, shared_mem)"]
         if _SYNC_CHECK:
             lines.append("    _kernel._sync_check(stream)")
+        # pack: the same lookups, conversions and checks, returning what the launch would hand
+        # CuPy instead of launching (Kernel.bind); arrays become bare addresses, so what is kept
+        # of a conversion keeps no array alive
+        g["_hold"], g["_unowned"] = _pointer_arg(), _unowned
+        body = lines[1:lines.index("    s = _seen[0]")]
+        pack = [lines[0].replace("def launch(", "def pack(", 1).replace(", stream=None):", "):")]
+        for line in body:
+            if line == handover:
+                line = handover.replace("_kernel.launch is not launch: return _kernel.launch(",
+                                        "_kernel._pack is not pack: return _kernel._pack(").replace(
+                                        ", stream=stream)", ")")
+            m = re.fullmatch(r"    if type\((\w+)\) is not _ndarray(.*): \1 = (_c\d+)\(\1, dev\)", line)
+            if m:   # a pointer: check as launch does, then keep only the address
+                a = m.group(1)
+                line = f"    {a} = _unowned({a} if type({a}) is _ndarray{m.group(2) and ' and not (' + m.group(2)[4:] + ')'} " \
+                       f"else {m.group(3)}({a}, dev), _hold)"
+            pack.append(line)
+        pack += ["    if type(grid) is not tuple or len(grid) > 3: grid = _dim3(grid, 'grid')",
+                 "    if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
+                 "    if min(grid) <= 0 or min(block) <= 0:",
+                 "        _kernel._empty_grid(grid, block)",
+                 "        return None",
+                 f"    if shared_mem > {_SMEM_DEFAULT_LIMIT - self.resources.shared_static}: "
+                 "_kernel._smem_check(fn, dev, shared_mem)",
+                 f"    return fn, grid, block, _linear(grid, block), ({', '.join(names)}{',' if n == 1 else ''})"]
+        exec("\n".join(pack), g)   # noqa: S102 - as above
+        self._pack = g["pack"]
         exec("\n".join(lines), g)   # noqa: S102 - code built above from the parsed signature only
         launcher = g["launch"]
         launcher.__doc__ = Kernel.launch.__doc__
         return launcher
+
+    def bind(self, grid, block, *args, shared_mem: int = 0, free: int = 0) -> "BoundLaunch":
+        """This launch with its grid, block, shared memory and all but the first ``free``
+        arguments converted and checked once, for loops that repeat it on other arrays.
+
+        ``args`` are a whole argument list as :meth:`launch` takes it (the first ``free`` ones a
+        sample, checked and then dropped).  The :class:`BoundLaunch` launches with the first
+        ``free`` arguments given per call, already converted (:meth:`BoundLaunch.convert`, or a
+        pointer holder of a raw address): no per-call conversion, checks or keyword handling.
+        It runs on the device current here.
+        """
+        if self._converters is None:   # an unparsed signature: launch() converts every time
+            return BoundLaunch(self, None, grid, block, 0, args[free:], shared_mem, free, args[free:])
+        from .tma import LAUNCH_ARGS
+        keep = tuple(LAUNCH_ARGS.get(id(a), a) for a in args[free:] if isinstance(a, np.void))   # see convert
+        packed = self._pack(grid, block, *args, shared_mem=shared_mem)
+        if packed is None:   # a zero grid dimension launches nothing
+            return BoundLaunch(self, None, grid, block, 0, (), shared_mem, free, None)
+        fn, grid, block, linear, packed = packed
+        return BoundLaunch(self, fn, grid, block, linear, packed[free:], shared_mem, free, args[free:], keep)
 
     def _raise_smem_limit(self, fn, dev: int, nbytes: int) -> None:
         from cupy_backends.cuda.api import driver as cdrv
@@ -602,6 +650,68 @@ class Kernel:
 
 
 _SYNC_CHECK = os.environ.get("RTKERNELS_SYNC_LAUNCH", "0") == "1"
+
+
+class BoundLaunch:
+    """A launch bound by :meth:`Kernel.bind`: ``run(head, stream)`` launches with the converted
+    leading arguments ``head`` (a tuple) followed by the bound ones.  What the launcher would do
+    per call after its checks, and nothing else."""
+    __slots__ = ("kernel", "fn", "grid", "block", "linear", "tail", "shared_mem", "free", "raw_tail", "parsed",
+                 "keep", "_stream_type")
+
+    def __init__(self, kernel, fn, grid, block, linear, tail, shared_mem, free, raw_tail, keep=()):
+        import cupy
+        self.kernel, self.fn, self.grid, self.block, self.linear = kernel, fn, grid, block, linear
+        self.tail, self.shared_mem, self.free, self.raw_tail = tuple(tail), shared_mem, free, raw_tail
+        self.keep = keep   # the bound tensor maps' launch bytes (see convert)
+        self.parsed = kernel._converters is not None   # else heads are raw arguments for launch()
+        self._stream_type = cupy.cuda.Stream
+
+    def convert(self, head) -> tuple:
+        """``(converted, keep)``: ``head`` (arrays, tensor maps ... as :meth:`Kernel.launch` takes
+        them) converted for :meth:`run` - arrays become bare addresses, memoized tensor maps the
+        CuPy pointers to their bytes - and what must stay referenced while ``converted`` is used
+        (the tensor maps with their launch bytes; never an array, so a kept conversion holds no
+        device memory)."""
+        from .tma import LAUNCH_ARGS
+        # looked up before the conversion: a memoized map's entry owns the bytes its pointer reads
+        keep = tuple(LAUNCH_ARGS.get(id(a), a) for a in head if isinstance(a, np.void))
+        if not self.parsed or self.fn is None:
+            return tuple(head), keep
+        packed = self.kernel._pack(self.grid, self.block, *head, *self.raw_tail, shared_mem=self.shared_mem)
+        return packed[4][:self.free], keep
+
+    def run(self, head: tuple, stream=None) -> None:
+        fn = self.fn
+        if fn is None:
+            if self.parsed:
+                return None   # an empty grid
+            return self.kernel.launch(self.grid, self.block, *head, *self.tail, shared_mem=self.shared_mem,
+                                      stream=stream)
+        if stream is not None and type(stream) is not self._stream_type:
+            stream = _stream_arg(stream)
+        try:
+            if self.linear:
+                fn.linear_launch(self.linear, head + self.tail, self.shared_mem, self.block[0], stream)
+            else:
+                fn(self.grid, self.block, head + self.tail, self.shared_mem, stream)
+        except Exception as exc:
+            self.kernel._launch_failed(exc, self.grid, self.block, self.shared_mem)
+        if _SYNC_CHECK:
+            self.kernel._sync_check(stream)
+
+
+def _unowned(a, holder):
+    """A converted pointer argument without a reference to its array: CuPy arrays (and memory
+    pointers) by their address; None, addresses and holders as they are."""
+    import cupy
+    if isinstance(a, cupy.ndarray):
+        return holder(a.data.ptr)
+    if isinstance(a, cupy.cuda.MemoryPointer):
+        return holder(a.ptr)
+    return a
+
+
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 

@@ -119,6 +119,103 @@ def test_memoized_tensor_maps_pass_as_cpointers(kernel, fn):
         kernel.launch((1,), (32,), None, None, None, 1, 0.0, np.zeros(3, np.float32))
 
 
+def _addr(a):
+    """The address a pointer argument carries (a CuPy CIntptr holds it behind .ptr)."""
+    if a is None or isinstance(a, (int, np.integer)):
+        return a if a is None else int(a)
+    import ctypes
+    return ctypes.c_uint64.from_address(a.ptr).value
+
+
+def test_bound_launch_hands_over_what_launch_does(kernel, fn):
+    """Kernel.bind converts the trailing arguments once; run(head) passes head + them, as the
+    launcher would have passed the same arguments."""
+    from cupy.cuda import function
+    m = _map()
+    kernel.launch((4,), (128,), TorchLike(4096), None, TorchLike(8192), 5, 1.5, m, stream=99)
+    want = fn.calls[-1]
+    bound = kernel.bind((4,), (128,), TorchLike(1), None, TorchLike(2), 5, 1.5, m, free=3)
+    head, keep = bound.convert((TorchLike(4096), None, TorchLike(8192)))
+    assert keep == () and not any(isinstance(a, TorchLike) for a in head)   # addresses only
+    holder = getattr(function, "CIntptr", None)
+    if holder is not None:
+        assert all(isinstance(a, holder) for a in (head[0], head[2]))
+    bound.run(head, 99)
+    got = fn.calls[-1]
+    assert got[:3] == want[:3] and got[4:] == want[4:] and got[5].ptr == 99
+    assert [_addr(a) for a in got[3][:3]] == [4096, None, 8192] and got[3][3] == want[3][3] == 5
+    assert got[3][4] == want[3][4] and got[3][5] is want[3][5]
+    with pytest.raises(LaunchError, match="device 1"):
+        bound.convert((TorchLike(1, dev=1), None, None))
+    empty = kernel.bind((0,), (128,), None, None, None, 5, 1.5, m, free=3)
+    n = len(fn.calls)
+    empty.run((None, None, None))
+    assert len(fn.calls) == n     # a zero grid launches nothing
+
+
+def test_bound_launch_keeps_memoized_maps_alive(kernel, fn):
+    from cupy.cuda.function import CPointer
+    from rtkernels import tma
+    m = _map()
+    copy = np.frombuffer(m.tobytes(), np.uint8).copy()
+    held = CPointer(copy.ctypes.data)
+    tma.LAUNCH_ARGS[id(m)] = (m, held, copy)
+    try:
+        bound = kernel.bind((1,), (32,), None, None, None, 1, 0.0, m, free=0)
+        head, _ = bound.convert(())
+        bound.run(head)
+        assert fn.calls[-1][3][5] is held and bound.keep[0][2] is copy
+        tail_map = kernel.bind((1,), (32,), None, None, None, 1, 0.0, _map(), free=6)
+        head, keep = tail_map.convert((None, None, None, 1, 0.0, m))
+        assert head[5] is held and keep[0][2] is copy   # the bytes the pointer reads travel with it
+    finally:
+        tma.LAUNCH_ARGS.pop(id(m), None)
+
+
+class _TorchArray(TorchLike):
+    """A TorchLike that OutputPlan.replay reads as a plan's torch array."""
+
+
+def test_output_plan_replays_by_address(kernel, fn, monkeypatch):
+    """A plan binds its launch once; arrays pass as addresses; built arguments (tensor maps) are
+    converted once per address set and keep no array alive."""
+    launch = _arrays.Launch(kernel, (2,), (64,), 0, (7, 0.5, _map()))
+    plan = _arrays.OutputPlan(launch, (4,), "f", True)
+    a, c = _TorchArray(4096), _TorchArray(8192)
+    plan.replay((a, None, c), 5)
+    plan.replay((a, None, _TorchArray(16384)), 5)
+    assert len(plan.bound) == 1
+    assert [_addr(x) for x in (fn.calls[-2][3][0], fn.calls[-2][3][2], fn.calls[-1][3][2])] == [4096, 8192, 16384]
+    assert fn.calls[-1][3][3] == 7 and fn.calls[-1][0] == "linear"
+
+    built = []
+
+    def args(extra, arrays):
+        built.append(arrays)
+        return arrays[0], None, arrays[1]
+    launch2 = _arrays.Launch(kernel, (1, 2), (64,), 0, (7, 0.5, _map()))
+    plan2 = _arrays.OutputPlan(launch2, (4,), "f", True, extra="x")
+    for ptr in (4096, 4096, 8192, 4096):
+        plan2.replay((_TorchArray(ptr), _TorchArray(1 << 20)), None, args)
+    assert len(built) == 1 + 2      # the bind's sample, then one conversion per address set
+    assert _addr(fn.calls[-1][3][0]) == 4096 and fn.calls[-1][0] == "call"
+    for head, keep in plan2.recent.values():
+        assert not any(isinstance(x, TorchLike) for x in (*head, *keep))
+
+
+def test_output_plan_allocates_like_the_input_only_with_its_layout():
+    torch = pytest.importorskip("torch")
+    launch = _arrays.Launch(None, (1,), (1,), 0, ())
+    x = torch.randn(3, 4)
+    assert _arrays.OutputPlan.of(launch, torch.empty(3, 4), like=x).like_input
+    assert not _arrays.OutputPlan.of(launch, torch.empty(3, 4), like=x.t().contiguous().t()).like_input   # strides
+    assert not _arrays.OutputPlan.of(launch, torch.empty(3, 4, dtype=torch.float64), like=x).like_input
+    assert not _arrays.OutputPlan.of(launch, torch.empty(3, 4)).like_input
+    plan = _arrays.OutputPlan.of(launch, torch.empty(3, 4), like=x)
+    y = plan.output(x, None)
+    assert y.shape == x.shape and y.stride() == x.stride() and y.dtype == x.dtype
+
+
 class FakeArray:
     """The attributes LaunchPlans.key reads from a CuPy array."""
 

@@ -7,7 +7,7 @@ as the first input (CuPy for CuPy, torch for torch).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import dtypes
 from ..errors import ConfigError
@@ -266,6 +266,10 @@ class LaunchPlans:
         with several GPUs: with one, every array and the current device are device 0."""
         if _NDARRAY is _NotAnArray:
             _bind_cupy()
+        if not _MULTI_GPU:
+            from .. import device
+            _MULTI_GPU.append(device.gpu_count() > 1)
+        multi = _MULTI_GPU[0]   # with one GPU every array is on device 0: no device reads
         sigs = []
         kind = dev = None
         for a in arrays:
@@ -276,10 +280,10 @@ class LaunchPlans:
             if t is _NDARRAY:
                 mem = a.data
                 sigs.append((a.dtype, a.shape, a.strides, mem.ptr & 15))
-                k, d = 0, mem.device_id
+                k, d = 0, (mem.device_id if multi else 0)
             elif (t in _TORCH_TYPES or _torch_type(t)) and a.is_cuda:
                 sigs.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
-                k, d = 1, a.get_device()
+                k, d = 1, (a.get_device() if multi else 0)
             else:
                 return None
             if kind is None:
@@ -288,10 +292,7 @@ class LaunchPlans:
                 return None
         if kind is None:
             return None
-        if not _MULTI_GPU:
-            from .. import device
-            _MULTI_GPU.append(device.gpu_count() > 1)
-        if _MULTI_GPU[0]:
+        if multi:
             import cupy
             if dev != cupy.cuda.runtime.getDevice():
                 return None
@@ -335,6 +336,16 @@ class Launch:
     def run(self, arrays, stream) -> None:
         self.kernel.launch(self.grid, self.block, *arrays, *self.tail, shared_mem=self.shared_mem, stream=stream)
 
+    def bind(self, arrays):
+        """This launch with everything but its ``arrays`` (the sample given) converted once:
+        :meth:`rtkernels.Kernel.bind`."""
+        return self.kernel.bind(self.grid, self.block, *arrays, *self.tail, shared_mem=self.shared_mem,
+                                free=len(arrays))
+
+
+_RECENT_PER_PLAN = 8   # address sets a plan keeps converted tensor-map arguments for
+_HOLDER: list = []     # CuPy's pointer-argument holder (CIntptr), looked up once
+
 
 @dataclass(frozen=True)
 class OutputPlan:
@@ -345,11 +356,64 @@ class OutputPlan:
     out_dtype: object    # CuPy or torch dtype, as the op hands the output back
     torch: bool
     extra: object = None
+    like_input: bool = False   # a torch output laid out as the op's first input: torch.empty_like(x)
+    bound: list = field(default_factory=list, compare=False, repr=False)    # [BoundLaunch], made at first replay
+    recent: dict = field(default_factory=dict, compare=False, repr=False)   # addresses -> converted arguments
 
     @classmethod
-    def of(cls, launch: Launch, out, extra=None) -> "OutputPlan":
-        return cls(launch, tuple(out.shape), out.dtype, _is_torch(out), extra)
+    def of(cls, launch: Launch, out, extra=None, like=None) -> "OutputPlan":
+        """The plan of ``launch`` writing ``out``; ``like``: the op's first input, whose layout the
+        plan's key fixes (so when ``out`` has its shape, dtype and strides, every replay's output
+        can be ``torch.empty_like`` of it: ~1 us less than ``new_empty(shape, dtype=)``'s argument
+        parsing on the development CPU, 2026-11-25)."""
+        torch = _is_torch(out)
+        same = (torch and like is not None and _is_torch(like) and like.dtype == out.dtype
+                and tuple(like.shape) == tuple(out.shape) and tuple(like.stride()) == tuple(out.stride()))
+        return cls(launch, tuple(out.shape), out.dtype, torch, extra, same)
 
     def output(self, like, out):
-        """``out``, or a new output on ``like``'s device."""
-        return out if out is not None else empty_as(like, self.out_shape, self.out_dtype)
+        """``out``, or a new output on ``like``'s device (``like``: the first input of the call)."""
+        if out is not None:
+            return out
+        if self.like_input:   # empty_like keeps exact strides of a dense input: those recorded
+            return sys.modules["torch"].empty_like(like)
+        return empty_as(like, self.out_shape, self.out_dtype)
+
+    def replay(self, arrays, stream, args=None) -> None:
+        """Launch on ``arrays`` (this plan's kind of array, or None where the plan has none).
+
+        The launch is bound once (:meth:`Launch.bind`: grid, block and scalar arguments converted
+        and checked), so a replay hands CuPy the arrays' addresses and converts nothing else (the
+        launcher's per-argument conversions were ~40% of a torch replay's host time in a CPU
+        profile, 2026-11-25).  ``args(extra, arrays)`` builds the kernel's array arguments when
+        they are not the arrays themselves (tensor maps): converted once per address set, the
+        last few sets kept (a caching allocator hands a loop the same addresses call after call;
+        a miss costs about what a launch through Kernel.launch costs).  ``stream`` as
+        Kernel.launch takes it."""
+        bound = self.bound[0] if self.bound else self._bind(arrays, args)
+        if args is None:
+            if self.torch and bound.parsed:
+                holder = _HOLDER[0]
+                head = tuple([None if a is None else holder(a.data_ptr()) for a in arrays])
+            else:   # CuPy takes its arrays as they are (and an unparsed kernel's launch() anything)
+                head = tuple(arrays)
+        else:
+            if self.torch:
+                addrs = tuple([None if a is None else a.data_ptr() for a in arrays])
+            else:
+                addrs = tuple([None if a is None else a.data.ptr for a in arrays])
+            hit = self.recent.get(addrs)
+            if hit is None:
+                hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
+                if len(self.recent) >= _RECENT_PER_PLAN:
+                    self.recent.clear()
+                self.recent[addrs] = hit
+            head = hit[0]
+        bound.run(head, stream)
+
+    def _bind(self, arrays, args):
+        if not _HOLDER:
+            from ..kernel import _pointer_arg
+            _HOLDER.append(_pointer_arg())
+        self.bound.append(self.launch.bind(arrays if args is None else args(self.extra, arrays)))
+        return self.bound[0]

@@ -420,7 +420,7 @@ def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
     ``views``, ``arrays``: A, B, bias, C; ``maps``: see :func:`_args`."""
     launch.run(_args(maps, views), stream)
     if key is not None and same_memory(views, arrays):
-        _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps))
+        _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps, like=arrays[0]))
 
 
 def _args(maps, abc):
@@ -437,8 +437,9 @@ def _args(maps, abc):
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
-    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
-    plan.launch.run(_args(plan.extra, (a, b, bias, out)), default_stream(a, stream) if plan.torch else stream)
+    # the launch bound once per plan; the Hopper kernel's tensor maps converted once per address set
+    plan.replay((a, b, bias, out), default_stream(a, stream) if plan.torch else stream,
+                None if plan.extra is None else _args)
     return out
 
 

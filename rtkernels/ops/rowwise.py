@@ -677,14 +677,14 @@ def _launch(key, launch: Launch, views, arrays, stream) -> None:
     when no view is a copy."""
     launch.run(views, default_stream(arrays[0], stream))
     if key is not None and same_memory(views, arrays):
-        _PLANS.put(key, OutputPlan.of(launch, arrays[-1]))
+        _PLANS.put(key, OutputPlan.of(launch, arrays[-1], like=arrays[0]))
 
 
 def _replay(plan: OutputPlan, inputs: tuple, out, stream):
     x = inputs[0]
     out = plan.output(x, out)
-    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
-    plan.launch.run((*inputs, out), default_stream(x, stream) if plan.torch else stream)
+    # the launch bound once per plan: a replay passes the arrays' addresses, nothing is converted
+    plan.replay((*inputs, out), default_stream(x, stream) if plan.torch else stream)
     return out
 
 
