@@ -11,6 +11,8 @@ Also: cold compile time of one config and its warm (disk-cache) load time.  Run 
 
     PYTHONPATH=. python tools/bench_attention.py --out results/ [--quick] [--dtype bfloat16]
     PYTHONPATH=. python tools/bench_attention.py --backward [...]    # = tools/bench_attention_bwd.py [...]
+    PYTHONPATH=. python tools/bench_attention.py --varlen|--window|--softcap [--backward] [...]
+                                                  # = tools/bench_attention_masks.py [...]
 
 The peer table in chunks of well under 60 s (one dtype, one or two head dims, no SDPA, no
 fa2 column, the best of the Triton tiles):
@@ -397,6 +399,11 @@ def _short_key(key: str) -> str:
 
 
 def main():
+    if any(a in sys.argv[1:] for a in ("--varlen", "--window", "--softcap")):
+        # variable-length batches, sliding windows, softcap (forward, or --backward) against their
+        # peers: tools/bench_attention_masks.py
+        import bench_attention_masks
+        return bench_attention_masks.main()
     if "--backward" in sys.argv[1:]:
         # the backward's table (rtk vs SDPA flash/cuDNN backward, deterministic, forward+backward)
         # lives in its own script; this flag is the entry point the issue names
