@@ -119,6 +119,21 @@ def test_query_range_matches_brute_force():
                     assert n0 + bn <= sk and cols[t * bm:(t + 1) * bm].all(), f"{where} tile {t}"
 
 
+def test_key_tiles_of_a_query_tile_are_those_whose_query_range_holds_it():
+    """The backward's ordered dQ additions count, for query tile m, the key tiles whose query_range
+    holds m: exactly key_range over the tile's full block_m rows (Mask::add_rank relies on it)."""
+    for sq, sk, bm, bn, causal, window in _cases():
+        m = mask_spec(causal, window)
+        left, right = m.bounds(sq, sk)
+        m_tiles, n_tiles = -(-sq // bm), -(-sk // bn)
+        ranges = [query_range(m, n * bn, sq, sk, bm, bn, left, right) for n in range(n_tiles)]
+        for t in range(m_tiles):
+            r = key_range(m, t * bm, bm, sq, sk, bn, left, right)
+            adding = [n for n in range(n_tiles) if ranges[n].m_min <= t < ranges[n].m_max]
+            want = list(range(r.n_min, r.n_max)) if r.n_max > r.n_min else []
+            assert adding == want, (sq, sk, bm, bn, causal, window, t, adding, r)
+
+
 def test_clamped_bounds_mean_the_same_mask():
     for (sq, sk), (causal, window) in itertools.product(SEQLENS, _windows()):
         m = mask_spec(causal, window)
@@ -258,6 +273,43 @@ def test_softcap_runs_through_mufu_tanh(masked_kernels):
     for cfg, k in masked_kernels:
         ops = re.findall(r"MUFU\.(\w+)", k.sass)
         assert ("TANH" in ops) == cfg.has_softcap, cfg.key()
+
+
+BWD_MASKED = [
+    # (dtype, head_dim, causal, deterministic, window, softcap, varlen): the mma.sync kernels' choice
+    ("bfloat16", 128, False, True, True, True, True),   # its pair tile spills: the fallback tile
+    ("float16", 64, True, False, True, True, True),
+    ("bfloat16", 256, True, True, False, True, True),
+]
+
+
+@pytest.mark.parametrize("case", BWD_MASKED)
+def test_masked_backward_configs_compile_without_spills(case):
+    from rtkernels.ops.attention_bwd import choose_config, used_kernels
+    dt, d, causal, det, window, cap, varlen = case
+    cfg = choose_config(dt, d, causal, det, "sm_90", has_window=window, has_softcap=cap, is_varlen=varlen)
+    for name in used_kernels(cfg):
+        r = rtk.get_kernel(cfg, name, arch="sm_90").resources
+        assert not (r.spill_stores or r.spill_loads or r.stack_frame), (cfg.key(), name, r)
+    if cap:
+        assert "MUFU.TANH" in rtk.get_kernel(cfg, "attention_bwd", arch="sm_90").sass
+
+
+def test_masked_hopper_backward_builds_what_it_picks():
+    """picks() sends a masked variant to the Hopper backward only when it builds without spills,
+    and the ones that do have the tanh (softcap) and no local memory."""
+    from rtkernels.ops import attention_bwd_sm90 as B90
+    flags = (("has_window", True), ("has_softcap", False), ("is_varlen", True))
+    assert B90.picks(64, True, flags, "bfloat16", True)
+    cfg = B90.choose_config("bfloat16", 64, True, True, **dict(flags))
+    for name in cfg.kernels:
+        r = rtk.get_kernel(cfg, name, arch="sm_90a").resources
+        assert not (r.spill_stores or r.spill_loads or r.stack_frame), (name, r)
+    assert cfg.register_split == (48, 224)
+    soft = (("has_window", False), ("has_softcap", True), ("is_varlen", False))
+    if B90.picks(96, False, soft):
+        k = rtk.get_kernel(B90.choose_config("bfloat16", 96, False, False, **dict(soft)), arch="sm_90a")
+        assert "MUFU.TANH" in k.sass and not k.resources.spill_stores
 
 
 def test_schedule_kernels_compile():

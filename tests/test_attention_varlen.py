@@ -19,17 +19,57 @@ from rtkernels.errors import ConfigError
 
 attn_mod = importlib.import_module("rtkernels.ops.attention")
 sm90_mod = importlib.import_module("rtkernels.ops.attention_sm90")
+bwd_mod = importlib.import_module("rtkernels.ops.attention_bwd")
+bwd90_mod = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(params=["sm90", "mma"])
 def kernel(request, monkeypatch):
-    """Which forward kernel runs: the Hopper one where the GPU is sm_90 (else the case is the
-    mma.sync one twice), or the mma.sync one."""
+    """Which kernels run: the Hopper ones where the GPU is sm_90 (else the case is the mma.sync
+    one twice; the Hopper backward takes head dims <= 128 and builds without spills), or the
+    mma.sync ones."""
     if request.param == "mma":
         monkeypatch.setattr(sm90_mod, "ENABLED", False)
+        monkeypatch.setattr(bwd90_mod, "ENABLED", False)
     return request.param
+
+
+# Every (dtype, head_dim, causal, mask flags) the tests below build, compiled up front on all cores
+# (NVRTC releases the GIL): one by one they would take most of the time budget.
+_FLAGS = dict(has_window=True, has_softcap=True, is_varlen=True)
+WARM = ([("bfloat16", 128, c, dict(has_window=w, is_varlen=True)) for c in (False, True) for w in (False, True)]
+        + [("float16", 64, c, dict(has_window=w, has_softcap=True, is_varlen=True)) for c, w in
+           ((True, False), (True, True), (False, False))]
+        + [(dt, d, True, _FLAGS) for dt, d in (("bfloat16", 64), ("float16", 80), ("bfloat16", 128),
+                                                 ("float16", 192), ("bfloat16", 256))]
+        + [("bfloat16", 96, c, dict(has_window=True, has_softcap=cap)) for c in (False, True) for cap in (False, True)]
+        + [("float16", 64, True, dict(has_window=True, is_varlen=True)), ("bfloat16", 64, True, dict(is_varlen=True)),
+           ("float16", 64, False, dict(is_varlen=True)), ("float16", 72, True, dict(has_window=True, is_varlen=True)),
+           ("bfloat16", 128, True, dict(has_softcap=True, is_varlen=True))])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_kernels():
+    from concurrent.futures import ThreadPoolExecutor
+    from rtkernels import device
+    arch = device.current_arch()
+    jobs = []
+    for dt, d, causal, flags in WARM:
+        mf = tuple((f, flags.get(f, False)) for f in ("has_window", "has_softcap", "is_varlen"))
+        jobs.append(lambda dt=dt, d=d, c=causal, mf=mf: attn_mod._kernel_for(dt, d, c, arch, mf))
+        for det in (False, True):
+            jobs.append(lambda dt=dt, d=d, c=causal, mf=mf, det=det: bwd_mod._kernels_for(dt, d, c, det, arch, None, mf))
+        if sm90_mod.is_sm90(arch):
+            jobs.append(lambda dt=dt, d=d, c=causal, mf=mf: sm90_mod.kernel_for(dt, d, c, arch, mf))
+            for det in (False, True):
+                def hopper_bwd(dt=dt, d=d, c=causal, mf=mf, det=det):
+                    if bwd90_mod.picks(d, c, mf, dt, det):
+                        bwd90_mod.kernels_for(bwd90_mod.choose_config(dt, d, c, det, **dict(mf)), arch)
+                jobs.append(hopper_bwd)
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda f: f(), jobs))
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -140,9 +180,11 @@ def test_varlen_softcap(kernel, causal, window, softcap):
     _varlen_forward(_seed(), SHORT_Q, SHORT_K, 4, 1, 64, "float16", causal, window, softcap)
 
 
-@pytest.mark.parametrize("d", [64, 80, 128, 192, 256])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_varlen_head_dims(kernel, d, dtype):
+HEAD_DIMS = [("bfloat16", 64), ("float16", 80), ("bfloat16", 128), ("float16", 192), ("bfloat16", 256)]
+
+
+@pytest.mark.parametrize("dtype,d", HEAD_DIMS)
+def test_varlen_head_dims(kernel, dtype, d):
     # GQA 3:1, a causal sliding window and a softcap together
     _varlen_forward(_seed(), SHORT_Q, SHORT_K, 6, 2, d, dtype, True, (100, 0), 30.0)
 
@@ -294,3 +336,93 @@ def test_dense_calls_with_options_off_match_plain_calls(kernel):
     cp.cuda.get_current_stream().synchronize()
     assert bool((o1 == o2).all()) and bool((l1 == l2).all())
     assert bool((o3 == o4).all()) and bool((l3 == l4).all())
+
+
+# ---- backward ----------------------------------------------------------------------------------------
+def _backward_check(do, q, k, v, dtype, grads, where, **mask):
+    from gpu_util import to_f64
+    from rtkernels.ops.attention_bwd import attention_backward_reference
+    bf = "bfloat16" if dtype == "bfloat16" else None
+    ref = attention_backward_reference(do, q, k, v, dtype=bf, compute="float64", **mask)
+    low = attention_backward_reference(do, q, k, v, dtype=bf, compute="float32", round_to=dtype, **mask)
+    for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+        _two_x(name, to_f64(got, dtype), r, lo, dtype, where)
+
+
+def _varlen_backward(rng, lens_q, lens_k, h, hkv, d, dtype, causal=False, window=None, softcap=None,
+                     deterministic=False):
+    import cupy as cp
+    from gpu_util import poison, random_array
+    from rtkernels.ops.attention_bwd import attention_backward
+    cu_q, cu_k, q, k, v, o, lse = _varlen_forward(rng, lens_q, lens_k, h, hkv, d, dtype, causal, window, softcap)
+    do = random_array(rng, q.shape, dtype)[0]
+    grads = [poison(cp.empty(a.shape, a.dtype)) for a in (q, k, v)]
+    extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    mask = dict(causal=causal, window=window, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out = attention_backward(do, q, k, v, o, lse, deterministic=deterministic, dq=grads[0], dk=grads[1],
+                             dv=grads[2], max_seqlen_q=int(max(lens_q)), max_seqlen_k=int(max(lens_k)), **mask,
+                             **extra)
+    assert all(a is b for a, b in zip(out, grads))
+    cp.cuda.get_current_stream().synchronize()
+    where = (f"backward lens_q={list(lens_q)} lens_k={list(lens_k)} h={h} hkv={hkv} d={d} {dtype} causal={causal} "
+             f"window={window} softcap={softcap} deterministic={deterministic}")
+    _backward_check(do, q, k, v, dtype, grads, where, **mask)
+    return (do, q, k, v, o, lse), mask, grads
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (127, 0)), (False, (256, 256)), (False, (-1, 64)),
+                                           (False, (0, 0)), (False, None)])
+def test_backward_varlen_mix_windows(kernel, causal, window):
+    _varlen_backward(_seed(), MIX_Q, MIX_K, 4, 2, 128, "bfloat16", causal, window)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (127, 0)), (False, None)])
+def test_backward_varlen_softcap(kernel, causal, window, softcap):
+    _varlen_backward(_seed(), SHORT_Q, SHORT_K, 4, 1, 64, "float16", causal, window, softcap)
+
+
+@pytest.mark.parametrize("dtype,d", HEAD_DIMS)
+def test_backward_head_dims(kernel, dtype, d):
+    _varlen_backward(_seed(), SHORT_Q, SHORT_K, 6, 2, d, dtype, True, (100, 0), 30.0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_deterministic_is_bit_identical(kernel, d):
+    """deterministic=True: the same bits on every run (varlen, a window and a softcap, GQA)."""
+    import cupy as cp
+    from rtkernels.ops.attention_bwd import attention_backward
+    dtype = "bfloat16" if d == 128 else "float16"
+    cap = 30.0 if d == 64 else None
+    window = (127, 0) if d == 128 else (33, 0)
+    arrays, mask, first = _varlen_backward(_seed(), MIX_Q, MIX_K, 4, 2, d, dtype, True, window, cap,
+                                           deterministic=True)
+    extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    for _ in range(3):
+        again = attention_backward(*arrays, deterministic=True, **mask, **extra)
+        cp.cuda.get_current_stream().synchronize()
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all()), f"{name} differs between runs"
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (0, 0), None), (False, (3, 2), 50.0), (True, (16, 0), None),
+                                                   (False, (-1, 64), 30.0)])
+def test_backward_dense_windows_and_softcap(kernel, causal, window, softcap):
+    """Dense layout, seqlen_q != seqlen_k both ways: rows that see no key get zero gradients."""
+    import cupy as cp
+    from gpu_util import poison, random_array
+    from rtkernels.ops.attention import attention
+    from rtkernels.ops.attention_bwd import attention_backward
+    rng = _seed()
+    for sq, sk in ((300, 517), (517, 300)):
+        q = random_array(rng, (2, sq, 4, 96), "bfloat16")[0]
+        k = random_array(rng, (2, sk, 2, 96), "bfloat16")[0]
+        v = random_array(rng, (2, sk, 2, 96), "bfloat16")[0]
+        do = random_array(rng, q.shape, "bfloat16")[0]
+        o, lse = attention(q, k, v, causal=causal, window=window, softcap=softcap, dtype="bfloat16")
+        grads = [poison(cp.empty(a.shape, a.dtype)) for a in (q, k, v)]
+        attention_backward(do, q, k, v, o, lse, causal=causal, window=window, softcap=softcap, dq=grads[0],
+                           dk=grads[1], dv=grads[2], dtype="bfloat16")
+        cp.cuda.get_current_stream().synchronize()
+        _backward_check(do, q, k, v, "bfloat16", grads, f"sq={sq} sk={sk} causal={causal} window={window} "
+                        f"softcap={softcap}", causal=causal, window=window, softcap=softcap)

@@ -160,13 +160,15 @@ def mask_spec(causal: bool = False, window=None, softcap=None, is_varlen: bool =
     return AttentionMask(causal, left, right, cap, bool(is_varlen))
 
 
-def first_without_spills(configs, arch: str):
+def first_without_spills(configs, arch: str, kernels=None):
     """The first of ``configs`` whose build has no spills in ptxas's report (compiling them in order,
-    through the kernel cache), else the last: the masked variants' tile choice."""
+    through the kernel cache), else the last: the masked variants' tile choice.  ``kernels(cfg)``:
+    the entry points that must be clean (default: the family's first)."""
     from ..kernel import get_kernel
     for cfg in configs:
-        r = get_kernel(cfg, arch=arch).resources
-        if not (r.spill_stores or r.spill_loads or r.stack_frame):
+        names = kernels(cfg) if kernels else (None,)
+        rs = [get_kernel(cfg, n, arch=arch).resources for n in names]
+        if not any(r.spill_stores or r.spill_loads or r.stack_frame for r in rs):
             return cfg
     return configs[-1]
 

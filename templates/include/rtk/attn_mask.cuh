@@ -175,7 +175,58 @@ struct Mask {
         if constexpr (WINDOW) return col >= c.end || col < c.begin;
         else return col >= c.end;
     }
+
+    // The backward's transposed view: the query columns (tile-relative to m0) that key `key` is
+    // visible to are [begin, end), BLOCK_M past every column for a key past seqlen_k.
+    template <int BLOCK_M>
+    __device__ __forceinline__ Cols query_cols(int key, int m0) const {
+        Cols c;
+        c.begin = key >= seqlen_k ? BLOCK_M : 0;
+        if constexpr (CAUSAL) c.begin = max(c.begin, key - diag - m0);
+        else if constexpr (WINDOW) c.begin = max(c.begin, key - diag - right - m0);
+        c.end = WINDOW ? key - diag + left + 1 - m0 : BLOCK_M;
+        return c;
+    }
+    __device__ __forceinline__ static bool hidden_query(int col, const Cols& c) {
+        if constexpr (WINDOW) return col < c.begin || col >= c.end;
+        else return col < c.begin;
+    }
+
+    // Whether query row qi sees key kj (both within the sequence's numbering).
+    __device__ __forceinline__ bool sees(int qi, int kj) const {
+        bool ok = kj < seqlen_k;
+        if constexpr (CAUSAL) ok = ok && kj <= qi + diag;
+        else if constexpr (WINDOW) ok = ok && kj <= qi + diag + right;
+        if constexpr (WINDOW) ok = ok && kj >= qi + diag - left;
+        return ok;
+    }
+
+    // The backward's deterministic order: where key tile n stands among the key tiles that add
+    // to query tile m (all BLOCK_M rows, as the key tiles' query_range counts them), counted in
+    // launch order - ascending tiles, or DESCENDING from the last.
+    template <int BLOCK_M, int BLOCK_N, bool DESCENDING>
+    __device__ __forceinline__ int add_rank(int m, int n) const {
+        const KeyRange r = key_range<BLOCK_N>(m * BLOCK_M, BLOCK_M);
+        return DESCENDING ? r.n_max - 1 - n : n - r.n_min;
+    }
 };
+
+// The sequence and row of padded row `prow` of a per-head buffer laid out by padded_start<PAD>
+// (binary search over the padded starts; O(log batch) cached loads).  False for rows in the gaps
+// between sequences; `row` may be past the sequence's length (its padding rows).
+template <int PAD>
+__device__ __forceinline__ bool padded_row(const int* __restrict__ cu_seqlens, int batch, int total, int prow,
+                                           int& b, int& row) {
+    int lo = 0, hi = batch - 1;   // the last sequence whose padded start is <= prow
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (padded_start<PAD>(packed_rows(cu_seqlens, mid, total).start, mid) <= prow) lo = mid; else hi = mid - 1;
+    }
+    const Rows r = packed_rows(cu_seqlens, lo, total);
+    b = lo;
+    row = prow - padded_start<PAD>(r.start, lo);
+    return row >= 0 && row < (r.len + PAD - 1) / PAD * PAD;
+}
 
 // ---- (d) softcap ---------------------------------------------------------------------------------
 // One MUFU.TANH per score (relative error ~2^-11, below the bf16/fp16 rounding of the capped score
@@ -203,8 +254,9 @@ struct Softcap {
 
     __device__ __forceinline__ float operator()(float s) const { return SOFTCAP ? tanh_approx(s * pre) : s; }
 
-    // Backward: d(capped score) / d(s * softmax_scale) = 1 - t^2, t = the forward's tanh.
-    __device__ __forceinline__ static float grad(float t) { return SOFTCAP ? fmaf(-t, t, 1.f) : 1.f; }
+    // Backward: d(capped score) / d(s * softmax_scale) = 1 - t^2, t = the forward's tanh; masked
+    // scores (t = -inf, P = 0) get 0, not 1 - inf (P * -inf would be NaN).
+    __device__ __forceinline__ static float grad(float t) { return SOFTCAP ? 1.f - fminf(t * t, 1.f) : 1.f; }
 };
 
 }  // namespace attn
