@@ -83,16 +83,20 @@ def _ours(q, k, v, causal, dtype, torch, hopper=True):
     stream = torch.cuda.current_stream().cuda_stream if torch else None
     if hopper and H.eligible(arch, (qc, kc, vc, oc), kc.shape[1]):
         kern, cfg = H.kernel_for(dtype, d, causal, arch)
-        maps = H.tensor_maps(cfg, qc, kc, vc, oc)
-        grid = (-(-s // cfg.block_m), h, b)
-        args = (*maps, lse, s, kc.shape[1], h // kc.shape[2], 1.0 / d ** 0.5)
+        launch = H.recorded_launch(kern, cfg, qc, kc, 1.0 / d ** 0.5)
+        arrays = (*H.tensor_maps(cfg, qc, kc, vc, oc), lse)
         tag = "sm90 " + _short90(cfg)
-    else:
-        kern, cfg = A._kernel_for(dtype, d, causal, arch)
-        st = [x.strides[i] // x.itemsize for x in (qc, kc, vc, oc) for i in range(3)]
-        grid = (-(-s // cfg.block_m), h, b)
-        args = (qc, kc, vc, oc, lse, s, kc.shape[1], h // kc.shape[2], *st, 1.0 / d ** 0.5)
-        tag = f"fa2 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+        def run():
+            launch.run(arrays, stream)
+        return run, o, tag
+    kern, cfg = A._kernel_for(dtype, d, causal, arch)
+    st = [x.strides[i] // x.itemsize for x in (qc, kc, vc, oc) for i in range(3)]
+    grid = (-(-s // cfg.block_m), h, b)
+    # then the options' arguments, off: cu_seqlens, schedule, heads, window, softcap
+    args = (qc, kc, vc, oc, lse, s, kc.shape[1], h // kc.shape[2], *st, 1.0 / d ** 0.5, None, None, None, h, 0, 0,
+            0.0)
+    tag = f"fa2 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
 
     def run():
         kern.launch(grid, (cfg.threads_per_block,), *args, shared_mem=cfg.shared_mem_bytes, stream=stream)
