@@ -9,8 +9,9 @@ Three modes (``tools/bench_attention.py --varlen | --window | --softcap`` lands 
            mean length (rtk dense and SDPA cuDNN): varlen TFLOP/s against dense TFLOP/s.
 --window   one 32k sequence, causal sliding window (4096, 0): rtk, FA4 flash_attn_func(window_size=)
            when importable, torch varlen_attn(window_size=) when it takes one, and rtk dense
-           non-causal at seqlen 4096 x 8 (the window's FLOPs): ``vs_dense_time`` is the window's time
-           over that dense time (target <= 1.15).
+           non-causal over 32k / (left + 1) sequences of left + 1 tokens (about the window's FLOPs):
+           ``vs_dense_time`` is the window's time over that dense time scaled to equal FLOPs
+           (target <= 1.15).
 --softcap  FlashAttention's grid at seqlen 4096 (16k tokens, hidden 2048), softcap 50 vs none: rtk,
            FA4 flash_attn_func(softcap=) when importable; ``softcap_ratio`` = TFLOP/s with / without.
 
