@@ -125,6 +125,9 @@ ENABLED = True
 
 
 # (head_dim, causal) whose Hopper kernel spills (ptxas of NVRTC 13.5, sm_90a); checked by the tests.
+# (120, False) spilled 372 B; since the mask options' rewrite of the range code it builds clean under
+# NVRTC 13.5 (2026-11, CPU), but stays on the mma.sync kernel until a GPU run (NVRTC 13.0 there)
+# shows it clean and correct.
 SPILLING = {(120, False)}
 
 
