@@ -21,6 +21,11 @@ exclusive ``fcntl.flock`` on ``autotune-v1.lock``, re-read the file, merge their
 temporary file beside it and ``os.replace`` it into place, so readers (who take no lock) see a
 whole old or whole new file, and no writer loses another's entry.  An unreadable file is
 treated as empty with a warning and rewritten on the next store.
+
+The file is trusted as the kernel cache is (see :mod:`rtkernels.cache`): read and written only
+in a root only the user (or, in shared mode, the user's group) can write, written owner-only
+(0600; 0640 shared) whatever the umask, and refused when others could write it.  A stored
+config that its family's validation rejects is dropped with a warning, never used.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import cache
+from ._env import getenv
+
 
 SCHEMA = 1
 # Interleaved timing passes per candidate, and how much faster than the heuristic's default a
@@ -52,7 +59,7 @@ class AutotuneWarning(UserWarning):
 
 def enabled() -> bool:
     """``RTKERNELS_AUTOTUNE=1`` turns tuning on; anything else (default ``0``) leaves it to the heuristics."""
-    return os.environ.get("RTKERNELS_AUTOTUNE", "0") == "1"
+    return getenv("RTKERNELS_AUTOTUNE", "0") == "1"   # read per call: launch-plan keys include it
 
 
 def path() -> Path:
@@ -84,10 +91,13 @@ def make_key(family: str, key: dict) -> str:
 
 # ---- the file ---------------------------------------------------------------------------
 def load() -> dict[str, dict]:
-    """All stored entries (an empty dict when the file is missing or unreadable)."""
-    p = path()
+    """All stored entries (an empty dict when the file is missing, unreadable or in an untrusted root)."""
+    base = cache.trusted_root()
+    if base is None:
+        return {}   # missing root, or untrusted (the cache warned once)
+    p = base / path().name
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(cache.read_file(p))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
@@ -102,10 +112,14 @@ def load() -> dict[str, dict]:
 def store(entries: dict[str, dict]) -> bool:
     """Merge ``entries`` into the file under the lock; returns False (with a warning) if it cannot."""
     import fcntl
-    root = cache.root()
     try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with open(_lock_path(), "a+") as lock:
+        root = cache.trusted_root(create=True)
+        if root is None:
+            return False   # untrusted root: the cache warned once, and tuning stays in memory
+        # flock needs no write access: a teammate's lock file serves in a shared cache
+        lock_fd = os.open(root / _lock_path().name, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                          cache.file_mode())
+        with os.fdopen(lock_fd, "rb") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
                 merged = load()
@@ -113,10 +127,11 @@ def store(entries: dict[str, dict]) -> bool:
                 fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".tmp", dir=root)
                 try:
                     with os.fdopen(fd, "w") as f:
+                        os.fchmod(f.fileno(), cache.file_mode())   # mkstemp's 0600, or 0640 when shared
                         json.dump({"schema": SCHEMA, "entries": merged}, f, indent=1, sort_keys=True)
                         f.flush()
                         os.fsync(f.fileno())
-                    os.replace(tmp, path())
+                    os.replace(tmp, root / path().name)
                 except BaseException:
                     try:
                         os.unlink(tmp)
@@ -142,11 +157,28 @@ def _as_dict(cfg) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def _from_stored(stored: dict, candidates: Sequence) -> Any | None:
-    """The candidate equal to a stored config, or None (the candidate list changed since)."""
+def _from_stored(family: str, stored: Any, candidates: Sequence) -> Any | None:
+    """The candidate equal to a stored config, or None: the candidate list changed since, or
+    (with a warning) the stored config is one its family's validation rejects."""
+    if not isinstance(stored, dict):
+        warnings.warn(f"rtkernels autotune: dropping a tuned {family} config from {path()}: not a mapping "
+                      f"({stored!r})", AutotuneWarning, stacklevel=3)
+        return None
     for c in candidates:
         if _as_dict(c) == stored:
             return c
+    # Not one of today's candidates: tuned by another version, or written by hand.  Validate it
+    # as its config class would, so a config that could never be built is reported, not ignored.
+    from .errors import ConfigError
+    for cls in dict.fromkeys(type(c) for c in candidates):
+        if not dataclasses.is_dataclass(cls) or set(stored) != {f.name for f in dataclasses.fields(cls) if f.init}:
+            continue
+        try:
+            cls(**stored)
+        except (ConfigError, TypeError) as exc:
+            warnings.warn(f"rtkernels autotune: dropping the tuned {family} config {stored} from {path()}: {exc}",
+                          AutotuneWarning, stacklevel=3)
+        return None
     return None
 
 
@@ -277,7 +309,7 @@ def pick(family: str, key: dict, candidates: Sequence, run: Callable[[Any], None
         return hit
     stored = load().get(name)
     if stored is not None:
-        cfg = _from_stored(stored.get("config", {}), cands)
+        cfg = _from_stored(family, stored.get("config") if isinstance(stored, dict) else stored, cands)
         if cfg is not None:
             with _lock:
                 _memo[name] = cfg

@@ -87,6 +87,75 @@ def _archs(text: str | None) -> list[str | None]:
     return [a.strip() for a in text.split(",") if a.strip()] if text else [None]
 
 
+# ---- op names -> the family the op runs ---------------------------------------------------
+# `rtk report attention` answers "what does rtk.attention run?": on sm_90 that is the Hopper
+# family (TMA + wgmma), not the mma.sync kernel the name also denotes.  The switch applies when
+# every given parameter is one the op's call decides (dtype, head_dim, ...); tile parameters
+# (block_m=...) name a config of the family as written, and `--family NAME` always reports NAME.
+def _attention_sm90_runs(params: dict) -> bool:
+    from .ops import attention_sm90
+    return attention_sm90.ENABLED
+
+
+def _attention_bwd_sm90_runs(params: dict) -> bool:
+    from .ops import attention_bwd_sm90
+    return attention_bwd_sm90.picks(int(params.get("head_dim", 64)), bool(params.get("causal", False)))
+
+
+def _matmul_sm90_runs(params: dict) -> bool:
+    from .ops import matmul
+    return matmul.USE_SM90 and params.get("dtype", "bfloat16") in ("float16", "bfloat16")
+
+
+OP_FAMILIES = {
+    # op (= its mma.sync family): (sm_90 family, the op's call-level parameters, rule, what runs)
+    "attention": ("attention_sm90", ("dtype", "head_dim", "causal"), _attention_sm90_runs,
+                  "rtk.attention runs attention_sm90 (TMA + wgmma) on sm_90 for arrays TMA can address "
+                  "(contiguous ones, packed-qkv slices)"),
+    "attention_backward": ("attention_bwd_sm90", ("dtype", "head_dim", "causal", "deterministic"),
+                           _attention_bwd_sm90_runs,
+                           "rtk.attention_backward runs attention_bwd_sm90 on sm_90 for head_dim <= 128 "
+                           "(larger head dims keep the mma.sync kernel)"),
+    "matmul": ("matmul_sm90", ("dtype", "a_kmajor", "b_kmajor", "has_bias", "activation"), _matmul_sm90_runs,
+               "rtk.matmul runs matmul_sm90 (TMA + wgmma) on sm_90 for float16/bfloat16 (float32 keeps matmul)"),
+}
+
+
+def _is_sm90(arch: str | None) -> bool:
+    from .kernel import resolve_arch
+    try:
+        return resolve_arch(arch).startswith("sm_90")
+    except Exception:   # a bad --arch: let the compile report it
+        return False
+
+
+def dispatch(name: str, params: dict, arch: str | None) -> tuple[str, str | None]:
+    """(family to report, note) for ``rtk report/inspect NAME``: an op's sm_90 family when the op
+    runs it for these parameters on ``arch``, else ``name`` itself (with a note when the switch
+    was declined because of tile parameters)."""
+    entry = OP_FAMILIES.get(name)
+    if entry is None or not _is_sm90(arch):
+        return name, None
+    family, call_params, runs, what = entry
+    extra = sorted(set(params) - set(call_params))
+    if extra:
+        return name, (f"{what}; reporting the {name} family as named, because {', '.join(extra)} "
+                      f"{'is' if len(extra) == 1 else 'are'} its tile parameter{'s' if len(extra) > 1 else ''} "
+                      f"(`rtk report {family}` for the other)")
+    if not runs(params):
+        return name, None
+    return family, f"{what}: reporting {family} (--family {name} for the mma.sync kernel)"
+
+
+def _family_arg(ns: argparse.Namespace) -> tuple[str, bool]:
+    """(name, forced) from the positional name and --family."""
+    if ns.family_exact and ns.family and ns.family != ns.family_exact:
+        raise UsageError(f"two families given: {ns.family!r} and --family {ns.family_exact!r}")
+    if not (ns.family or ns.family_exact):
+        raise UsageError("name a family or op (e.g. attention), or pass --family NAME")
+    return (ns.family_exact, True) if ns.family_exact else (ns.family, False)
+
+
 # ---- inspect ----------------------------------------------------------------------------
 def _compile(family: str, params: dict, arch: str | None, kernel: str | None):
     import rtkernels as rtk
@@ -117,7 +186,11 @@ def _dump(k, out: Path, stem: str) -> list[str]:
 def cmd_inspect(ns: argparse.Namespace, diff_params: dict | None) -> int:
     from . import inspect
     params = parse_params(ns.param)
-    k = _compile(ns.family, params, ns.arch, ns.kernel)
+    name, forced = _family_arg(ns)
+    family, note = (name, None) if forced else dispatch(name, {**params, **(diff_params or {})}, ns.arch)
+    if note:
+        print(f"rtk: note: {note}", file=sys.stderr)
+    k = _compile(family, params, ns.arch, ns.kernel)
     rep = inspect.report(k, threads_per_block=ns.threads, smem_dynamic=ns.smem_dynamic)
     files: list[str] = []
     stem = _stem(k)
@@ -133,7 +206,7 @@ def cmd_inspect(ns: argparse.Namespace, diff_params: dict | None) -> int:
             if files:
                 print("files: " + " ".join(files))
         return 0
-    kb = _compile(ns.family, {**params, **diff_params}, ns.arch, ns.kernel)
+    kb = _compile(family, {**params, **diff_params}, ns.arch, ns.kernel)
     rep_b = inspect.report(kb, threads_per_block=ns.threads, smem_dynamic=ns.smem_dynamic)
     if ns.out:
         files += _dump(kb, Path(ns.out), stem + "-b")
@@ -160,13 +233,31 @@ def _stem(k) -> str:
 
 # ---- report / prebuild ------------------------------------------------------------------
 def _run_sweep(ns: argparse.Namespace) -> list[dict]:
+    """Every config of the sweep on every --arch, each reported as the family its op runs there
+    (see :func:`dispatch`), in sweep order."""
     from . import inspect
     sweeps = dict(parse_sweep(s) for s in (ns.sweep or ()))
     fixed = parse_params(ns.param)
+    name, forced = _family_arg(ns)
     reports: list[dict] = []
+    notes: list[str] = []
     for a in _archs(ns.arch):
-        reports += inspect.sweep(ns.family, sweeps, arch=a, jobs=ns.jobs, fixed=fixed, kernel=ns.kernel,
+        configs = inspect.grid(sweeps, fixed)
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(configs):
+            family, note = (name, None) if forced else dispatch(name, p, a)
+            groups.setdefault(family, []).append(i)
+            if note and note not in notes:
+                notes.append(note)
+        done: list = [None] * len(configs)
+        for family, idx in groups.items():
+            reps = inspect.sweep(family, [configs[i] for i in idx], arch=a, jobs=ns.jobs, kernel=ns.kernel,
                                  threads_per_block=ns.threads, smem_dynamic=ns.smem_dynamic)
+            for i, rep in zip(idx, reps):
+                done[i] = rep
+        reports += done
+    for note in notes:
+        print(f"rtk: note: {note}", file=sys.stderr)
     return reports
 
 
@@ -294,6 +385,10 @@ def cmd_cache(ns: argparse.Namespace) -> int:
             print(json.dumps(info, indent=2, default=str))
         else:
             for k, v in info.items():
+                if k == "why" or (k == "resolved" and v == info["root"]):
+                    continue
+                if k == "trusted":   # the verdict and its reason on one line
+                    v = f"{'yes' if v else 'NO'}: {info['why']}"
                 print(f"{k:16} {v}")
     elif ns.action == "list":
         entries = cache.list_entries()
@@ -310,7 +405,12 @@ def cmd_cache(ns: argparse.Namespace) -> int:
 
 # ---- parser -----------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("family", help="kernel family (e.g. vector_add) or a path to your own .cu.j2 template")
+    p.add_argument("family", nargs="?", help="kernel family or op (e.g. vector_add, attention) or a path to "
+                                             "your own .cu.j2 template; an op reports the family it runs on the "
+                                             "target arch (rtk report attention on sm_90: attention_sm90)")
+    p.add_argument("--family", dest="family_exact", metavar="NAME",
+                   help="report exactly this family, whatever the op runs (e.g. --family attention for the "
+                        "mma.sync kernel on sm_90)")
     p.add_argument("--param", "-p", action="append", metavar="NAME=VALUE",
                    help="a config parameter (int, float, true/false or string); repeatable")
     p.add_argument("--kernel", help="entry point (default: the family's first / the template's only kernel)")
@@ -359,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks-per-sm", type=int, default=1, help="resident blocks per SM (from occupancy)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("cache", help="show, list or clear the disk cache")
+    p = sub.add_parser("cache", help="show (root, owner, mode, trusted or not and why), list or clear the disk cache")
     p.add_argument("action", choices=("info", "list", "clear"))
     p.add_argument("--json", action="store_true")
     return ap

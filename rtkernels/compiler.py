@@ -236,8 +236,6 @@ def _get_log(prog) -> str:
 
 def _compile_error(rendered, log: str, ename: str, *, name: str, arch: str, args: list[str],
                    context: str) -> CompileError:
-    from . import cache
-    path = cache.save_failed_source(name, rendered.source)
     # rendered line numbers of each template (file, line), to show the clean source around an error
     where: dict[tuple, int] = {}
     for i, origin in enumerate(rendered.line_map, 1):
@@ -267,6 +265,5 @@ def _compile_error(rendered, log: str, ename: str, *, name: str, arch: str, args
             for j in range(lo, hi + 1):
                 parts.append(f"  {'>' if j == c else ' '} {j:5d} | {clean_lines[j - 1]}")
     parts.append(f"\nfull NVRTC log:\n{log.strip()}")
-    if path:
-        parts.append(f"rendered source saved to {path}")
-    return CompileError("\n".join(parts), log=log, source_path=path)
+    # The caller keeps the source where the user can open it (this layer writes no files).
+    return CompileError("\n".join(parts), log=log, source=rendered.source)

@@ -27,10 +27,16 @@ class ConfigError(RtkError, ValueError):
 class CompileError(RtkError, RuntimeError):
     """NVRTC rejected the rendered source, or a template failed to render."""
 
-    def __init__(self, message: str, *, log: str = "", source_path: str | None = None):
+    def __init__(self, message: str, *, log: str = "", source_path: str | None = None, source: str = ""):
         self.log = log
         self.source_path = source_path
+        self.source = source   # the rendered source NVRTC rejected ("" for render errors)
         super().__init__(message)
+
+    def note_source_path(self, path: str) -> None:
+        """Record where the rendered source was saved, and say so at the end of the message."""
+        self.source_path = path
+        self.args = (f"{self.args[0]}\nrendered source saved to {path}",) + self.args[1:]
 
 
 class LaunchError(RtkError, RuntimeError):

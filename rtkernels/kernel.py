@@ -22,7 +22,7 @@ import numpy as np
 from . import cache, device
 from ._version import __version__
 from .compiler import CompileOptions, Resources, compile_source, nvrtc_version, parse_arch
-from .errors import ConfigError, DeviceError, LaunchError
+from .errors import CompileError, ConfigError, DeviceError, LaunchError
 from .render import Rendered, Template, render
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
@@ -33,6 +33,9 @@ _memo_lock = threading.Lock()
 def _clear_memo() -> None:
     with _memo_lock:
         _memo.clear()
+
+
+cache.on_clear_memory(_clear_memo)   # cache.clear_memory() forgets this layer's memo too
 
 
 # ---- kernel signatures -----------------------------------------------------------------
@@ -112,15 +115,78 @@ def kernel_names(source: str) -> list[str]:
 
 
 # ---- modules ---------------------------------------------------------------------------
+# What the driver reports for each entry function of a loaded CUBIN, beside the ptxas figure the
+# module carries: launches decide on the shared-memory opt-in from shared_static, and occupancy
+# (resident blocks of persistent grids, the tuner's pruning) comes from registers.  These two
+# are what the CUBIN itself records, so a true entry matches them exactly; a stack frame is not
+# compared (the driver's local size also counts callees' frames).
+_LOAD_CHECKED = (("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"), ("shared_static", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"))
+
+
+def resource_mismatch(resources: dict, reported: dict) -> str | None:
+    """Why figures read from a cache entry disagree with its loaded code, or None.
+
+    ``resources``: function name -> :class:`Resources` from the entry's meta.json;
+    ``reported``: function name -> {field: value} the driver reports for the loaded module.
+    """
+    for name, attrs in reported.items():
+        r = resources.get(name)
+        if r is None:
+            return f"meta.json has no resources for the function {name}"
+        for field, value in attrs.items():
+            if getattr(r, field) != value:
+                return f"meta.json says {name} has {field}={getattr(r, field)}, the loaded code {value}"
+    return None
+
+
+def _entry_functions(mod) -> list[str] | None:
+    """Names of every entry function of a loaded module (driver >= 12.4), else None."""
+    try:
+        from cuda.bindings import driver as drv
+        handle = drv.CUmodule(mod.ptr)
+        err, count = drv.cuModuleGetFunctionCount(handle)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return None
+        err, funcs = drv.cuModuleEnumerateFunctions(count, handle)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return None
+        names = []
+        for f in funcs:
+            err, name = drv.cuFuncGetName(f)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                return None
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+    except Exception:  # noqa: BLE001  (an older driver or binding: fall back to the names we hold)
+        return None
+
+
+def _reported_resources(mod, names) -> dict:
+    from cupy_backends.cuda.api import driver as cdrv
+    out = {}
+    for name in names:
+        fn = mod.get_function(name)
+        out[name] = {field: int(cdrv.funcGetAttribute(getattr(cdrv, attr), fn.ptr)) for field, attr in _LOAD_CHECKED}
+    return out
+
+
 class Module:
-    """One compiled program: code (CUBIN or PTX), rendered source, ptxas report."""
+    """One compiled program: code (CUBIN or PTX), rendered source, ptxas report.
+
+    A module read from the disk cache carries figures (resources, lowered names) from its
+    meta.json; the first load checks them against what the driver reports for the code, and a
+    mismatch discards the entry and compiles afresh (``generation`` then counts up, so kernels
+    built on the module refresh what they derived from it).
+    """
 
     def __init__(self, *, label: str, config_repr: str, arch: str, options: CompileOptions, output: str,
-                 code: bytes, source: str, resources: dict, log: str, key: str, lowered: dict,
-                 rendered: Rendered | None, template, params: dict):
+                 key: str, parts: dict, rendered: Rendered, template, params: dict, exprs: tuple = ()):
         self.label, self.config_repr, self.arch, self.options = label, config_repr, arch, options
-        self.output, self.code, self.source, self.resources = output, code, source, resources
-        self.log, self.key, self.lowered = log, key, lowered
+        self.output, self.key, self.source = output, key, rendered.source
+        self.code, self.resources, self.log, self.lowered = b"", {}, "", {}
+        self.from_disk = False      # figures not yet checked against the loaded code
+        self.generation = 0
+        self._parts, self._rendered, self._exprs = parts, rendered, exprs
         self._template, self._params = template, params
         self._loaded: dict[int, Any] = {}
         self._load_lock = threading.Lock()
@@ -132,6 +198,46 @@ class Module:
             raise ConfigError(f"{self.label}: SASS needs a CUBIN; this module holds {self.output}")
         return disassemble(self.code)
 
+    # -- filling
+    def _from_entry(self, code: bytes, meta: dict) -> str | None:
+        """Take code and figures from a disk entry; returns why the entry is unusable, or None."""
+        try:
+            resources = {str(n): Resources(**{f: int(v) for f, v in r.items()})
+                         for n, r in meta.get("resources", {}).items()}
+            lowered = {str(e): str(n) for e, n in meta.get("lowered", {}).items()}
+            log = str(meta.get("log", ""))
+        except (AttributeError, TypeError, ValueError) as exc:
+            return f"malformed meta.json ({exc})"
+        if set(lowered) != set(self._exprs) or not all(re.fullmatch(r"[\w$]+", n) for n in lowered.values()):
+            return "meta.json's lowered names do not match the requested name expressions"
+        self.code, self.resources, self.log, self.lowered = code, resources, log, lowered
+        self.from_disk = True
+        return None
+
+    def _compile(self) -> None:
+        """NVRTC, then write the entry (the caller has the memory level)."""
+        name = re.sub(r"\W", "_", self.label) or "kernel"
+        try:
+            res = compile_source(self._rendered, name=name, arch=self.arch, options=self.options, output=self.output,
+                                 name_expressions=self._exprs, context=f"{self.label} [{self.config_repr}]")
+        except CompileError as exc:
+            if exc.source and exc.source_path is None:
+                path = cache.save_failed_source(name, exc.source)
+                if path:
+                    exc.note_source_path(path)
+            raise
+        self.code, self.resources, self.log, self.lowered = res.code, res.resources, res.log, res.lowered_names
+        self.from_disk = False
+        self.__dict__.pop("sass", None)
+        meta = {"family": self.label, "config": self.config_repr, "arch": self.arch, "output": self.output,
+                "nvrtc_version": ".".join(map(str, nvrtc_version())), "package_version": __version__,
+                "key_parts": {k: v for k, v in self._parts.items() if k != "source"},
+                "resources": {n: r.as_dict() for n, r in res.resources.items()}, "log": res.log,
+                "lowered": res.lowered_names}
+        cache.disk_put(self.key, res.code, "kernel.cubin" if self.output == "cubin" else "kernel.ptx", meta,
+                       self.source)
+
+    # -- loading
     def load(self, dev: int):
         """The CuPy module for device ``dev`` (loaded once per device context)."""
         mod = self._loaded.get(dev)
@@ -140,7 +246,6 @@ class Module:
         with self._load_lock:
             if dev in self._loaded:
                 return self._loaded[dev]
-            import cupy
             if self.output == "ptx":
                 drv = device.driver_version()
                 if nvrtc_version() > (drv // 1000, (drv % 1000) // 10):
@@ -149,15 +254,41 @@ class Module:
                         f"this driver (CUDA {drv // 1000}.{(drv % 1000) // 10}): the driver rejects newer PTX "
                         "(CUDA_ERROR_UNSUPPORTED_PTX_VERSION). Load the CUBIN instead (the default output), or "
                         "install an NVRTC no newer than the driver.")
-            with cupy.cuda.Device(dev):
-                mod = cupy.cuda.function.Module()
-                try:
-                    mod.load(self.code)
-                except cupy.cuda.driver.CUDADriverError as exc:
-                    raise LaunchError(f"{self.label}: loading the {self.output} for {self.arch} on device {dev} "
-                                      f"({device.device_name(dev)}, {device.device_arch(dev)}) failed: {exc}") from None
+            mod = self._load_code(dev)
+            if self.from_disk and self.output == "cubin":
+                why = self._check_loaded(mod, dev)
+                if why is not None:
+                    cache.discard(self.key, why)
+                    self._compile()   # if this raises, the next load checks again
+                    self.generation += 1
+                    mod = self._load_code(dev)
+                self.from_disk = False
             self._loaded[dev] = mod
             return mod
+
+    def _load_code(self, dev: int):
+        import cupy
+        with cupy.cuda.Device(dev):
+            mod = cupy.cuda.function.Module()
+            try:
+                mod.load(self.code)
+            except cupy.cuda.driver.CUDADriverError as exc:
+                raise LaunchError(f"{self.label}: loading the {self.output} for {self.arch} on device {dev} "
+                                  f"({device.device_name(dev)}, {device.device_arch(dev)}) failed: {exc}") from None
+        return mod
+
+    def _check_loaded(self, mod, dev: int) -> str | None:
+        """Compare the entry's figures with what the driver reports for its code (once per module)."""
+        import cupy
+        with cupy.cuda.Device(dev):
+            names = _entry_functions(mod)
+            if names is None:   # no enumeration: every function the figures name that has registers
+                names = [n for n, r in self.resources.items() if r.registers] + list(self.lowered.values())
+            try:
+                reported = _reported_resources(mod, dict.fromkeys(names))
+            except cupy.cuda.driver.CUDADriverError as exc:
+                return f"the loaded code lacks a function meta.json names ({exc})"
+        return resource_mismatch(self.resources, reported)
 
 
 def disassemble(cubin: bytes) -> str:
@@ -199,26 +330,17 @@ def build_module(template: str | Template, params: dict, *, label: str, config_r
     hit = cache.memory_get(key)
     if hit is not None:
         return hit
+    module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, key=key,
+                    parts=parts, rendered=rendered, template=template, params=params, exprs=exprs)
     found = cache.disk_get(key)
     if found is not None:
-        code, meta, _ = found
-        resources = {n: Resources(**r) for n, r in meta.get("resources", {}).items()}
-        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, code=code,
-                        source=rendered.source, resources=resources, log=meta.get("log", ""), key=key,
-                        lowered=meta.get("lowered", {}), rendered=rendered, template=template, params=params)
-    else:
+        why = module._from_entry(found[0], found[1])
+        if why is not None:
+            cache.discard(key, why)
+            found = None
+    if found is None:
         cache._count("misses")
-        res = compile_source(rendered, name=re.sub(r"\W", "_", label) or "kernel", arch=arch, options=options,
-                             output=output, name_expressions=exprs, context=f"{label} [{config_repr}]")
-        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output,
-                        code=res.code, source=rendered.source, resources=res.resources, log=res.log, key=key,
-                        lowered=res.lowered_names, rendered=rendered, template=template, params=params)
-        meta = {"family": label, "config": config_repr, "arch": arch, "output": output,
-                "nvrtc_version": ".".join(map(str, nvrtc_version())), "package_version": __version__,
-                "key_parts": {k: v for k, v in parts.items() if k != "source"},
-                "resources": {n: r.as_dict() for n, r in res.resources.items()}, "log": res.log,
-                "lowered": res.lowered_names}
-        cache.disk_put(key, res.code, "kernel.cubin" if output == "cubin" else "kernel.ptx", meta, rendered.source)
+        module._compile()
     cache.memory_put(key, module)
     return module
 
@@ -237,6 +359,7 @@ class Kernel:
     def __init__(self, module: Module, name: str, config=None):
         self.module, self.name, self.config = module, name, config
         self.arch = module.arch
+        self._generation = module.generation
         self.lowered_name = module.lowered.get(name, name)
         self.signature = parse_signature(module.source, name) if name == self.lowered_name else None
         self._functions: dict[int, Any] = {}
@@ -282,7 +405,7 @@ class Kernel:
             return self.module.code.decode()
         m = build_module(self.module._template, self.module._params, label=self.module.label,
                          config_repr=self.module.config_repr, arch=self.arch, options=self.module.options,
-                         output="ptx", name_expressions=tuple(self.module.lowered))
+                         output="ptx", name_expressions=self.module._exprs)
         return m.code.decode()
 
     def report(self, **kw) -> dict:
@@ -296,14 +419,28 @@ class Kernel:
         dev = device.current_device() if device_id is None else device_id
         fn = self._functions.get(dev)
         if fn is None:
-            fn = self._functions[dev] = self.module.load(dev).get_function(self.lowered_name)
+            mod = self.module.load(dev)
+            if self._generation != self.module.generation:
+                self._rebind()
+            fn = self._functions[dev] = mod.get_function(self.lowered_name)
         return fn
+
+    def _rebind(self) -> None:
+        """The module was compiled afresh at load (its cache entry disagreed with its code):
+        refresh what this kernel derived from the old figures, the launcher's smem limit included."""
+        self._generation = self.module.generation
+        self.lowered_name = self.module.lowered.get(self.name, self.name)
+        self._functions.clear()
+        self._smem_set.clear()
+        if self._converters is not None:
+            self.launch = self._make_launcher()
 
     def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
         """Launch on CuPy's current stream (or ``stream``: a CuPy stream or anything with ``.ptr``).
 
         Pointer parameters take CuPy arrays, ``__cuda_array_interface__`` or DLPack objects on the
-        current device (or None for a null pointer); scalars are converted to the declared C type,
+        current device (or None for a null pointer, or a :class:`DevicePtr`: a raw address the
+        caller vouches for); scalars are converted to the declared C type,
         and a wrong count or type is a TypeError before anything is launched.  A grid with a zero
         dimension launches nothing.  ``RTKERNELS_SYNC_LAUNCH=1`` synchronizes after each launch
         and reports asynchronous kernel faults at the launch that caused them.
@@ -368,21 +505,27 @@ class Kernel:
         names = _param_names(self.signature)
         multi = device.gpu_count() > 1
         g = {"_ndarray": cupy.ndarray, "_getdev": cupy.cuda.runtime.getDevice, "_fns": self._functions,
-             "_kernel": self, "_dim3": _dim3, "_StreamPtr": _StreamPtr}
+             "_kernel": self, "_dim3": _dim3, "_Stream": cupy.cuda.Stream, "_stream_arg": _stream_arg}
         # Parameters are named after the kernel's own, so a wrong count reads e.g.
         # "launch() missing 1 required positional argument: 'n'".
         lines = [f"def launch(grid, block, {''.join(a + ', ' for a in names)}*, shared_mem=0, stream=None):"]
+        # The first load may replace the module (a cache entry its code contradicts) and with it
+        # this launcher: the first call then hands over to the new one.
+        handover = (f"        if _kernel.launch is not launch: return _kernel.launch(grid, block, "
+                    f"{''.join(a + ', ' for a in names)}shared_mem=shared_mem, stream=stream)")
         if multi:
             lines += ["    dev = _getdev()",
                       "    fn = _fns.get(dev)",
                       "    if fn is None:",
-                      "        fn = _kernel.function(dev)"]
+                      "        fn = _kernel.function(dev)",
+                      handover]
         else:   # one device: the loaded function sits in a one-slot list, filled on first launch
             g["_fn"] = [None]
             lines += ["    dev = 0",
                       "    fn = _fn[0]",
                       "    if fn is None:",
-                      "        fn = _fn[0] = _kernel.function(0)"]
+                      "        fn = _fn[0] = _kernel.function(0)",
+                      handover]
         for i, (p, conv) in enumerate(zip(self.signature, self._converters)):
             g[f"_c{i}"] = conv
             a = names[i]
@@ -416,18 +559,29 @@ class Kernel:
         # dimension must be caught here: zero launches nothing, negative is an error.
         # The last validated (grid, block) pair is remembered by identity: tuples are immutable, and a
         # launch loop usually passes the same objects, so the checks run once.
-        g["_seen"] = [None, None]
-        lines += ["    if grid is not _seen[0] or block is not _seen[1]:",
+        # One slot holds (grid, block, linear size, block size), replaced as a whole so threads never
+        # see a mixed pair.  A 1-D grid of 1-D blocks launches through Function.linear_launch with
+        # size = grid * block and block_max_size = block (the same dimensions): it skips the tuple
+        # padding and six clamps Function.__call__ does on Python objects every call.
+        g["_seen"] = [(None, None, 0, 0)]
+        g["_linear"] = _linear_size
+        lines += ["    s = _seen[0]",
+                  "    if grid is not s[0] or block is not s[1]:",
                   "        if type(grid) is not tuple or len(grid) > 3: grid = _dim3(grid, 'grid')",
                   "        if type(block) is not tuple or len(block) > 3: block = _dim3(block, 'block')",
                   "        if min(grid) <= 0 or min(block) <= 0: return _kernel._empty_grid(grid, block)",
-                  "        _seen[0] = grid; _seen[1] = block",
+                  "        s = _seen[0] = (grid, block, _linear(grid, block), block[0])",
                   # The 48 KiB default covers static plus dynamic shared memory together.
                   f"    if shared_mem > {_SMEM_DEFAULT_LIMIT - self.resources.shared_static}: "
                   "_kernel._smem_check(fn, dev, shared_mem)",
-                  "    if stream is not None and not hasattr(stream, 'ptr'): stream = _StreamPtr(stream)",
+                  # CuPy's Function reads stream.ptr: a CuPy stream passes as it is; raw handles
+                  # (the ops' torch path) map to cached holders instead of a new object per call
+                  "    if stream is not None and type(stream) is not _Stream: stream = _stream_arg(stream)",
                   "    try:",
-                  f"        fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",
+                  "        if s[2]:",
+                  f"            fn.linear_launch(s[2], ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, s[3], stream)",
+                  "        else:",
+                  f"            fn(grid, block, ({', '.join(names)}{',' if n == 1 else ''}), shared_mem, stream)",
                   "    except Exception as exc:",
                   "        _kernel._launch_failed(exc, grid, block, shared_mem)"]
         if _SYNC_CHECK:
@@ -451,6 +605,14 @@ _SYNC_CHECK = os.environ.get("RTKERNELS_SYNC_LAUNCH", "0") == "1"
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+class DevicePtr(int):
+    """A raw device address for a pointer parameter of :meth:`Kernel.launch`; the caller vouches
+    that it points at live memory on the launch's device (plain ints stay a TypeError: a wrong
+    one would fault the context).  Ops pass torch tensors' ``data_ptr()`` this way on their
+    replay paths: a CuPy view or MemoryPointer per tensor costs 2-10 us of host time."""
+    __slots__ = ()
+
+
 class _StreamPtr:
     __slots__ = ("ptr",)
 
@@ -465,10 +627,38 @@ class _StreamPtr:
         self.ptr = int(ptr)
 
 
+_STREAM_ARGS: dict = {}
+
+
+def _stream_arg(stream):
+    """What CuPy's Function takes as a stream (anything with ``.ptr``): objects with ``.ptr`` as
+    they are, raw handles through a small cache of holders, torch streams by their handle."""
+    if type(stream) is int:
+        held = _STREAM_ARGS.get(stream)
+        if held is None:
+            if len(_STREAM_ARGS) > 256:
+                _STREAM_ARGS.clear()
+            held = _STREAM_ARGS[stream] = _StreamPtr(stream)
+        return held
+    return stream if hasattr(stream, "ptr") else _StreamPtr(stream)
+
+
+def _linear_size(grid: tuple, block: tuple) -> int:
+    """grid[0] * block[0] for a 1-D grid of 1-D blocks (Function.linear_launch's size), else 0.
+    A grid beyond CUDA's 2^31 - 1 blocks is left to Function.__call__, whose launch reports it
+    (linear_launch would clamp it)."""
+    if any(x != 1 for x in grid[1:]) or any(x != 1 for x in block[1:]) or grid[0] > 0x7FFFFFFF:
+        return 0
+    return grid[0] * block[0] if LINEAR_LAUNCH else 0
+
+
+LINEAR_LAUNCH = True   # False: every launch through Function.__call__ (tools/bench_host.py compares)
+
+
 def _param_names(signature: list[Param]) -> list[str]:
     """Python-safe launcher parameter names taken from the C declarations."""
     import keyword
-    taken = {"grid", "block", "shared_mem", "stream", "dev", "fn", "exc"}
+    taken = {"grid", "block", "shared_mem", "stream", "dev", "fn", "exc", "s"}
     out = []
     for i, p in enumerate(signature):
         m = re.search(r"(\w+)\s*(?:\[\s*\])?$", p.decl)
@@ -498,23 +688,48 @@ def _bf16_bits(x: float) -> np.uint16:
     return np.uint16((b >> 16) & 0xFFFF)
 
 
+def _pointer_arg():
+    """CuPy's by-value pointer holder: CuPy passes a ``CPointer`` to the driver as it is, which is
+    the cheapest argument it takes (an int becomes a NumPy scalar first, a MemoryPointer a new
+    holder).  Older CuPy without ``CIntptr``: a uint64 NumPy scalar (8 bytes, the same value)."""
+    from cupy.cuda import function
+    return getattr(function, "CIntptr", np.uint64)
+
+
 def _converter(kernel: Kernel, index: int, p: Param):
     where = f"{kernel.name}() argument {index} ({p.decl})"
     if p.kind == "pointer":
+        holder = _pointer_arg()
+
         def conv(a, dev):
             if a is None:
                 return None
-            dev_of = getattr(getattr(a, "data", None), "device_id", None)  # CuPy ndarray fast path
-            if dev_of is None:
-                return _foreign_pointer(a, dev, where)
-            if dev_of != dev:
-                raise LaunchError(f"{where}: array is on device {dev_of}, but the launch is on device {dev}")
-            return a
+            if type(a) is DevicePtr:
+                return int(a)
+            if getattr(a, "is_cuda", None) is True and hasattr(a, "data_ptr"):
+                # a CUDA torch tensor: its address, checked against the launch's device (the ops'
+                # launch plans pass tensors as they are; building a CuPy view or MemoryPointer per
+                # call cost 2-4 us of host time per tensor)
+                owner = a.get_device()
+                if owner != dev:
+                    raise LaunchError(f"{where}: tensor is on device {owner}, but the launch is on device {dev}")
+                return holder(a.data_ptr())
+            dev_of = getattr(getattr(a, "data", None), "device_id", None)  # CuPy ndarray (subclasses)
+            if dev_of is not None:
+                if dev_of != dev:
+                    raise LaunchError(f"{where}: array is on device {dev_of}, but the launch is on device {dev}")
+                return a
+            return _foreign_pointer(a, dev, where)
         return conv
     if p.kind == "struct":
         want = 128 if p.ctype.split("::")[-1] in ("TensorMap", "CUtensorMap") else None
+        from .tma import LAUNCH_ARGS as maps
 
         def conv(a, dev):
+            if want is not None:
+                hit = maps.get(id(a))
+                if hit is not None and hit[0] is a:
+                    return hit[1]   # a memoized tensor map: its bytes behind a CuPy CPointer
             if isinstance(a, (np.generic, np.ndarray)) and a.dtype.itemsize > 0:
                 if want is not None and a.nbytes != want:
                     raise TypeError(f"{where}: a tensor map is {want} bytes (rtkernels.tma.tensor_map builds "

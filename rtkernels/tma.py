@@ -45,6 +45,11 @@ _L2 = {0: "CU_TENSOR_MAP_L2_PROMOTION_NONE", 64: "CU_TENSOR_MAP_L2_PROMOTION_L2_
 _MEMO_SIZE = 512
 _memo: OrderedDict = OrderedDict()
 _memo_lock = threading.Lock()
+# Launch arguments of the memoized maps, by id(): (the map, a CuPy CPointer to a private copy of
+# its 128 bytes, that copy).  CuPy hands a CPointer to the driver as it is, where a NumPy record
+# is converted on every launch; Kernel.launch looks maps up here (the map itself is kept, so its
+# id cannot be reused while the entry exists).  Maps leave with their memo entry.
+LAUNCH_ARGS: dict = {}
 
 
 def _bad(field: str, value, allowed: str) -> ConfigError:
@@ -122,11 +127,23 @@ def tensor_map(array_or_ptr, dtype: str, shape: Sequence[int], strides: Sequence
     if l2_promotion not in _L2:
         raise _bad("l2_promotion", l2_promotion, "0, 64, 128 or 256 (bytes)")
     out = _encode(ptr, dtype, shape, strides, box, swizzle, l2_promotion, oob_nan)
+    arg = _launch_arg(out)
     with _memo_lock:
         _memo[key] = out
+        if arg is not None:
+            LAUNCH_ARGS[id(out)] = arg
         while len(_memo) > _MEMO_SIZE:
-            _memo.popitem(last=False)
+            LAUNCH_ARGS.pop(id(_memo.popitem(last=False)[1]), None)
     return out
+
+
+def _launch_arg(tmap):
+    try:
+        from cupy.cuda.function import CPointer
+    except ImportError:   # pragma: no cover - CuPy is a dependency; without it maps pass by value
+        return None
+    copy = np.frombuffer(tmap.tobytes(), dtype=np.uint8).copy()
+    return tmap, CPointer(copy.ctypes.data), copy
 
 
 def _encode(ptr, dtype, shape, strides, box, swizzle, l2_promotion, oob_nan) -> np.void:

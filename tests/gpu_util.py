@@ -38,3 +38,31 @@ def poison(a):
 
 
 TOL = {"float16": 2 ** -10, "bfloat16": 2 ** -7, "float32": 1e-6, "float64": 1e-12}
+
+
+def exact_allocation(flat: np.ndarray):
+    """A device copy of the 1-D host array ``flat`` in a cudaMalloc of exactly ``flat.nbytes``
+    bytes of its own (CuPy's pool rounds blocks up to 512 bytes): any read past its last element
+    is outside every allocation, which compute-sanitizer's memcheck reports.  (The GPU itself does
+    not fault on it: allocations are mapped in whole pages.)"""
+    import cupy as cp
+    flat = np.ascontiguousarray(flat)
+    assert flat.ndim == 1 and flat.nbytes > 0
+    mem = cp.cuda.memory.Memory(flat.nbytes)
+    dev = cp.ndarray(flat.shape, flat.dtype, cp.cuda.MemoryPointer(mem, 0))
+    dev.set(flat)
+    return dev
+
+
+def view_at_allocation_end(rng, shape, strides, dtype):
+    """A strided view (element ``strides``, all >= 0) of random values that ends exactly where its
+    exact-size allocation does (:func:`exact_allocation`): (device view, float64 host view of the
+    same values)."""
+    import cupy as cp
+    n = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    flat, flat64 = random_array(rng, (n,), dtype)
+    dev = exact_allocation(flat.get())
+    item = dev.itemsize
+    view = cp.lib.stride_tricks.as_strided(dev, shape, tuple(s * item for s in strides))
+    host = np.lib.stride_tricks.as_strided(flat64, shape, tuple(s * 8 for s in strides))
+    return view, host

@@ -5,8 +5,9 @@ CPU: config validation, every config the op can pick compiles for sm_90a without
 memory, and its SASS holds the wgmma (HGMMA), TMA (UTMALDG) and dQ reductions (REDG) it is built on.
 GPU (``-m gpu``, sm_90 only): the backward's reference and 2x error rule (tests/test_attention_bwd.py)
 through the Hopper kernel explicitly: every head dim 8..128, ragged and causal seqlens with
-seqlen_q != seqlen_k, GQA/MQA, strided views, deterministic runs bit-identical; the mma.sync
-fall-backs (head dim > 128, the switch off) still give the same answers.
+seqlen_q != seqlen_k, GQA/MQA, strided views, deterministic runs bit-identical (also under
+random shapes beside a concurrent kernel: the stress test of issue 22); the mma.sync fall-backs
+(head dim > 128, the switch off) still give the same answers.
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def test_config_derived_values():
 
 def test_dispatch_rules():
     class V:
-        def __init__(self, strides):
-            self.strides = strides
+        def __init__(self, strides, shape=(4, 512, 16, 64)):
+            self.strides, self.shape = strides, shape
     views = (V((1 << 20, 2048, 128, 2)),)
+    assert not B90.runnable("sm_90", (V((0, 2048, 128, 2)),), 100)   # a batch broadcast: tensor maps have no stride 0
     assert B90.eligible("sm_90", views, 100, 128)
     assert not B90.eligible("sm_90", views, 100, 136)     # head dims > 128: the mma.sync kernel
     assert not B90.eligible("sm_80", views, 100, 64)
@@ -82,6 +84,21 @@ def test_sass_has_wgmma_tma_and_reductions(d, causal, det):
     assert "UTMALDG" in sass and "UBLKRED" in sass and "LDL" not in sass and "STL" not in sass
     conv = get_kernel(B90.choose_config("bfloat16", d, causal, det), "attention_bwd_sm90_dq_convert", arch="sm_90a")
     assert "LDG.E.128" in conv.sass and "STG.E.128" in conv.sass and conv.resources.spill_stores == 0
+
+
+def test_every_consumer_thread_releases_its_ring_stage():
+    """Issue 22: each consumer thread arrives on empty[stage] after its own lse/delta loads, so
+    the release orders them without relying on another barrier (racecheck reported the lane-0-only
+    release as 4102 WAR hazards): the arrive on empty[] is not predicated on a lane."""
+    import re
+    from rtkernels.kernel import get_kernel
+    cfg = B90.choose_config("bfloat16", 128, True, True)
+    sass = get_kernel(cfg, arch="sm_90a").sass
+    bars = cfg.shared_mem_bytes - 1024 - 8 * (1 + 2 * cfg.num_stages + 4)   # the template's BAR_OFFSET
+    empty0 = bars + 8 * (1 + cfg.num_stages)                                # kv, full[], then empty[]
+    arrives = [line for line in sass.splitlines() if "SYNCS.ARRIVE" in line and f"+{empty0:#x}]" in line]
+    assert arrives, f"no arrive on empty[0] (smem offset {empty0:#x}) found in the SASS"
+    assert not any(re.search(r"@!?U?P[0-9T]", line) for line in arrives), arrives
 
 
 def test_dq_tile_order_is_a_permutation_that_convert_inverts():
@@ -167,6 +184,60 @@ def test_gpu_deterministic_is_bit_identical(d, causal, hkv):
     b = _case(2, 700, 900, 4, hkv, d, causal, "bfloat16", deterministic=True, seed=11)
     for x, y in zip(a, b):
         assert bool((x.view(cp.uint16) == y.view(cp.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_stress_bit_identical():
+    """Issue 22's stress test: random shapes and inputs; every deterministic backward runs three
+    times - alone, then beside a memory- and SM-bound kernel on another stream (other TMA latencies,
+    other SMs and CTA order), then alone again - and must give the same bits, free of NaN and close
+    to the unordered (default) run."""
+    _require_sm90()
+    import cupy as cp
+    import numpy as np
+    from gpu_util import random_array
+    from rtkernels.ops.attention import attention
+    from rtkernels.ops.attention_bwd import attention_backward
+    rng = np.random.default_rng(22)
+    main, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    noise = rtk.elementwise("y = x * 2 + 1")
+    with side:
+        big = cp.ones(1 << 26, cp.float32)                  # 256 MiB: longer than any backward below
+        big_out = cp.empty_like(big)
+    for it in range(16):
+        d, causal = int(rng.choice([64, 128])), bool(rng.integers(2))
+        hkv = int(rng.choice([1, 2]))
+        batch, h = int(rng.integers(1, 3)), hkv * int(rng.choice([1, 2]))
+        sq, sk = (int(x) for x in rng.integers(1, 700, size=2))
+        what = f"iteration {it}: batch={batch} sq={sq} sk={sk} h={h}/{hkv} d={d} causal={causal}"
+        with main:
+            q, k, v, do = (random_array(rng, s, "bfloat16")[0] for s in ((batch, sq, h, d), (batch, sk, hkv, d),
+                                                                        (batch, sk, hkv, d), (batch, sq, h, d)))
+            o, lse = attention(q, k, v, causal=causal, dtype="bfloat16")
+            cfg = B90.choose_config("bfloat16", d, causal, True)
+            runs = []
+            for busy in (False, True, False):
+                if busy:
+                    side.wait_event(main.record())
+                    noise(big, out=big_out, stream=side)   # queued first: the backward starts beside it
+                runs.append(attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=True, config=cfg,
+                                               dtype="bfloat16", stream=main))
+            loose = attention_backward(do, q, k, v, o, lse, causal=causal, dtype="bfloat16", stream=main,
+                                       config=B90.choose_config("bfloat16", d, causal, False))
+        main.synchronize()
+        side.synchronize()
+        for name, first, again, again2, other in zip(("dq", "dk", "dv"), *runs, loose):
+            a = first.view(cp.uint16)
+            for r, x in enumerate((again, again2), 1):
+                diff = a != x.view(cp.uint16)
+                assert not bool(diff.any()), f"{what}: {name} of run {r} differs from run 0 at " \
+                                             f"{int(diff.sum())} elements, first {np.argwhere(diff.get())[0]}"
+            f0 = (first.astype(cp.uint32) << 16).view(cp.float32)
+            f1 = (other.astype(cp.uint32) << 16).view(cp.float32)
+            assert not bool(cp.isnan(f0).any()), f"{what}: NaN in {name}"
+            den = float(cp.linalg.norm(f1))
+            rel = float(cp.linalg.norm(f0 - f1)) / (den if den > 0 else 1.0)
+            assert rel < 1e-2, f"{what}: {name} deterministic vs default rel diff {rel:.3g}"
 
 
 @pytest.mark.gpu

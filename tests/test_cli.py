@@ -136,6 +136,31 @@ def test_report_to_file(capsys, tmp_path):
     assert code == 0 and text == "" and out.read_text().startswith("| mark")
 
 
+# ---- op names report the family the op runs --------------------------------------------------
+def test_dispatch_by_op_and_arch():
+    assert cli.dispatch("attention", {"head_dim": 64, "dtype": "bfloat16"}, "sm_90")[0] == "attention_sm90"
+    assert cli.dispatch("attention", {"head_dim": 64}, "sm_80") == ("attention", None)
+    family, note = cli.dispatch("attention", {"head_dim": 64, "block_m": 64}, "sm_90")
+    assert family == "attention" and "block_m" in note          # a tile of the mma.sync kernel, as named
+    assert cli.dispatch("attention_backward", {"head_dim": 128}, "sm_90")[0] == "attention_bwd_sm90"
+    assert cli.dispatch("attention_backward", {"head_dim": 256}, "sm_90")[0] == "attention_backward"
+    assert cli.dispatch("matmul", {"dtype": "bfloat16"}, "sm_90")[0] == "matmul_sm90"
+    assert cli.dispatch("matmul", {"dtype": "float32"}, "sm_90")[0] == "matmul"
+    assert cli.dispatch("vector_add", {}, "sm_90") == ("vector_add", None)
+
+
+def test_report_op_name_runs_the_dispatched_family(capsys):
+    args = ["report", "attention", "--sweep", "head_dim=64", "--param", "dtype=bfloat16", "--arch", "sm_90",
+            "--jobs", "1", "--json"]
+    code, text, err = run(capsys, *args)
+    assert code == 0 and [r["family"] for r in json.loads(text)] == ["attention_sm90"]
+    assert "reporting attention_sm90" in err
+    code, text, err = run(capsys, *args, "--family", "attention")
+    assert code == 0 and [r["family"] for r in json.loads(text)] == ["attention"] and "note" not in err
+    code, _, err = run(capsys, "report", "attention", "--family", "matmul", "--arch", "sm_90")
+    assert code == cli.EXIT_USAGE and "two families" in err
+
+
 # ---- waves -------------------------------------------------------------------------------
 def test_waves_course_puzzle(capsys):
     code, text, _ = run(capsys, "waves", "matmul", "--shape", "1792,1792,1792", "--shape", "1793x1793x1793",

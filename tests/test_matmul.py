@@ -441,8 +441,12 @@ def test_layout_rules():
     assert mm._layout("a", "M", (5, 7), (1, 5)) == (False, 5)
     assert mm._layout("a", "M", (1, 7), (123, 1)) == (True, 0)
     assert mm._layout("a", "M", (5, 1), (1, 99)) == (False, 0)
-    with pytest.raises(ConfigError, match="unit stride"):
-        mm._layout("a", "M", (5, 7), (14, 2))
+    # broadcasts (issue 26): a stride 0 over an extent > 1 is never the unit stride
+    assert mm._layout("a", "M", (5, 7), (0, 1)) == (True, 0)      # one row for every m
+    assert mm._layout("a", "M", (5, 7), (1, 0)) == (False, 0)     # one column for every k
+    for strides in ((0, 0), (7, 0), (0, 7), (14, 2)):             # no unit stride: the op stages these
+        with pytest.raises(ConfigError, match="unit stride"):
+            mm._layout("a", "M", (5, 7), strides)
     assert mm._vec(256, 64, 0) == 8 and mm._vec(256, 36) == 4 and mm._vec(258, 64) == 1 and mm._vec(0, 9) == 1
     assert mm._bucket(1792) == 1792 and mm._bucket(1793) == 2048 and mm._bucket(4095) == 4096
     assert mm._bucket(17) == 32 and mm._bucket(1) == 1
@@ -661,8 +665,8 @@ def test_gpu_errors():
         rtk.matmul(a, cp.ones((4, 3), cp.float16))
     with pytest.raises(ConfigError, match="same dtype"):
         rtk.matmul(a, cp.ones((5, 3), cp.float32))
-    with pytest.raises(ConfigError, match="unit stride"):
-        rtk.matmul(cp.ones((8, 10), cp.float16)[::2, ::2], cp.ones((5, 3), cp.float16))
+    with pytest.raises(ConfigError, match="out .* broadcast"):      # (a[::2, ::2] is copied and runs)
+        rtk.matmul(a, cp.ones((5, 3), cp.float16), out=cp.broadcast_to(cp.empty((1, 3), cp.float16), (4, 3)))
     with pytest.raises(ConfigError, match="activation"):
         rtk.matmul(a, cp.ones((5, 3), cp.float16), activation="tanh")
     with pytest.raises(ConfigError, match="bias"):
@@ -774,3 +778,118 @@ def test_gpu_launch_plans_replay_per_signature(monkeypatch, kind):
             err = np.abs(f64(got) - ref).max()
             assert err <= 2 ** -9 * np.abs(ref).max() + 1e-2, f"max error {err:.3g}"
     assert len(mm._LAUNCHES) == 2
+
+
+# ---- rows that end inside a load chunk (edge_a / edge_b) ------------------------------------------
+# The sanitizer gate's first run (H100, 2026-11-25) found the mma.sync kernel reading 16 bytes of
+# 1x1x1's 2-byte A: a cp.async with a partial source size is one LDGSTS.ZFILL, which memcheck
+# counts as a read of its whole chunk.  Operands whose contiguous extent is not a multiple of their
+# load width now load that last chunk element by element.
+def test_edge_flags_follow_vec():
+    with pytest.raises(ConfigError) as e:
+        MatmulConfig(vec_a=1, edge_a=True, block_m=128, block_n=128, num_warps=8, warps_m=2)
+    assert e.value.field == "edge_a" and "vec_a=1" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        MatmulConfig(edge_b=1)
+    assert e.value.field == "edge_b"
+
+
+# (name, config): the 1x1x1 case (both operands K-major, K tail), the TC tile with a K-major A
+# tail and an N-contiguous B edge in the double-buffered loop, and a narrow tile (checked copies)
+_EDGE_CONFIGS = [
+    ("1x1x1", dict(tile=mm.TC_TILES[4], k=1, a_kmajor=True, b_kmajor=True, has_bias=True, edge_a=True,
+                   edge_b=True)),
+    ("tc-tail", dict(tile=mm.TC_TILES[0], k=37, a_kmajor=True, b_kmajor=False, edge_a=True, edge_b=True)),
+    ("narrow", dict(tile=mm.NARROW_TILES[0], k=37, a_kmajor=False, b_kmajor=True, vec_a=4, vec_b=8,
+                    edge_a=True, edge_b=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def edge_kernels():
+    import rtkernels as rtk
+    out = {}
+    for name, p in _EDGE_CONFIGS:
+        p = dict(p)
+        cfg = mm._config(p.pop("tile"), "bfloat16", p.pop("k"), **p)
+        out[name] = (cfg, rtk.get_kernel(cfg, arch="sm_90"))
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _EDGE_CONFIGS])
+def test_edge_configs_keep_16_byte_copies(edge_kernels, name):
+    """With edge_a / edge_b the interior chunks still move as 16-byte cp.async (LDGSTS.128) and only
+    the partial chunks take 16-bit loads (8 per 16-byte chunk site, 4 per 8-byte one); no spills."""
+    import rtkernels as rtk
+    from rtkernels.inspect import sass_stats
+    cfg, k = edge_kernels[name]
+    r, s = k.resources, sass_stats(k.sass)
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (name, r)
+    ldgsts = [ln for ln in k.sass.splitlines() if "LDGSTS" in ln]
+    assert ldgsts and any(".128" in ln for ln in ldgsts), name
+    plain = rtk.get_kernel(dataclasses.replace(cfg, edge_a=False, edge_b=False), arch="sm_90")
+    edge_loads = s["ldg_16"] - sass_stats(plain.sass)["ldg_16"]   # (the bias loads are 16-bit too)
+    assert edge_loads > 0 and edge_loads % 4 == 0, (name, s)
+
+
+# (label, dtype, M, N, K, batch, A stored (rows, cols) row stride (0: one row), trans_a, B row
+# stride, trans_b, bias, activation, expected (edge_a, edge_b)).  Every operand is a view whose
+# last element is the last element of its own exact-size allocation.
+EDGE_CASES = [
+    ("bf16 1x1x1 bias (the gate's failing case)", "bfloat16", 1, 1, 1, 0, 1, False, 1, False, True, None,
+     (True, True)),
+    ("bf16 65x40x37 A rows padded to 40", "bfloat16", 65, 40, 37, 0, 40, False, 40, False, True, "gelu",
+     (True, False)),
+    ("f16 batch 2 33x45x64 B rows padded to 48", "float16", 33, 45, 64, 2, 64, False, 48, False, False, None,
+     (False, True)),
+    ("bf16 50x50x37 4-element loads, both padded", "bfloat16", 50, 50, 37, 0, 44, False, 52, False, True, None,
+     (True, True)),
+    ("f16 1x70x13 one row, B^T rows of 16", "float16", 1, 70, 13, 0, 13, False, 16, True, False, "relu",
+     (True, True)),
+    ("bf16 27x64x29 A^T rows padded to 32", "bfloat16", 27, 64, 29, 0, 32, True, 64, False, False, None,
+     (True, False)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c[0])
+def test_gpu_rows_ending_inside_a_chunk(monkeypatch, case):
+    """The mma.sync kernel on operands whose rows end inside a load chunk, each a view ending where
+    its exact-size allocation ends (run it under compute-sanitizer --tool memcheck to see that
+    nothing past them is read): results against the float64 reference, within twice the error of
+    the same float32 product (NumPy) rounded to the dtype; the poisoned C fully written."""
+    import cupy as cp
+    import rtkernels as rtk
+    from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits, poison, to_f64, view_at_allocation_end
+    label, dt, M, N, K, batch, lda, ta, ldb, tb, has_bias, act, edges = case
+    monkeypatch.setattr(mm, "USE_SM90", False)
+    monkeypatch.setattr(mm, "_plans", {})
+    monkeypatch.setattr(mm, "_LAUNCHES", LaunchPlans())
+    rng = np.random.default_rng(M * N + K)
+    a_rows, a_cols = (K, M) if ta else (M, K)
+    b_rows, b_cols = (N, K) if tb else (K, N)
+    lead = (batch,) if batch else ()
+    a, ah = view_at_allocation_end(rng, lead + (a_rows, a_cols),
+                                   (a_rows * lda,) * bool(batch) + (lda if a_rows > 1 else 0, 1), dt)
+    b, bh = view_at_allocation_end(rng, lead + (b_rows, b_cols),
+                                   (b_rows * ldb,) * bool(batch) + (ldb if b_rows > 1 else 0, 1), dt)
+    bias, biash = view_at_allocation_end(rng, (N,), (1,), dt) if has_bias else (None, None)
+    out = poison(_empty(lead + (M, N), dt))
+    rtk.matmul(a, b, bias=bias, activation=act, out=out, trans_a=ta, trans_b=tb,
+               dtype="bfloat16" if dt == "bfloat16" else None)
+    cp.cuda.Device().synchronize()
+    (key,) = mm._plans
+    layout = dict(key[5])
+    assert (layout.get("edge_a", False), layout.get("edge_b", False)) == edges, (label, layout)
+    ref = mm.matmul_reference(ah, bh, bias=biash, activation=act, trans_a=ta, trans_b=tb)
+    lin = np.matmul(np.swapaxes(ah, -1, -2) if ta else ah, np.swapaxes(bh, -1, -2) if tb else bh,
+                    dtype=np.float32)
+    if has_bias:
+        lin = lin + biash.astype(np.float32)
+    peer = mm._act_np(lin.astype(np.float64), act).astype(np.float32)
+    peer = (f32_from_bf16_bits(bf16_bits_from_f32(peer)) if dt == "bfloat16" else peer.astype(dt)).astype(np.float64)
+    got = to_f64(out, dt)
+    assert np.isfinite(got).all(), f"{label}: C not fully written (NaN poison left)"
+    err, peer_err = np.abs(got - ref).max(), np.abs(peer - ref).max()
+    scale = max(np.abs(ref).max(), 1.0)
+    assert err <= 2 * peer_err + 1e-6 * scale, f"{label}: max error {err:.3g} vs {peer_err:.3g} (float32, rounded)"

@@ -9,6 +9,11 @@ Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's
 
     PYTHONPATH=. python tools/bench_attention_bwd.py --out results/ [--quick] [--dtype bfloat16]
     PYTHONPATH=. python tools/bench_attention_bwd.py --sweep [--quick]   # every tile candidate
+    PYTHONPATH=. python tools/bench_attention_bwd.py --quick --head-dims 64,128 --template old.cu.j2
+
+--template times the Hopper backward compiled from another version of its template (before /
+after a change: ``git show BASE:templates/attention_bwd_sm90.cu.j2 > old.cu.j2``), same grid;
+run it and the tree's in one session to compare.
 
 --sweep (alias --tune) times every candidate of ``tile_space`` (tiles x dq modes, spilling ones
 pruned, deterministic ones too) at head dims 64/128, seqlens 2k/4k/8k, causal and not, beside
@@ -207,6 +212,25 @@ def _print_sweep(rows, summary, env, args):
     print(bu.table(summary, cols))
 
 
+def _use_template(path: str) -> None:
+    """The Hopper backward's kernels compiled from the template file ``path`` (same config
+    parameters and options) wherever the op would use the tree's templates/attention_bwd_sm90.cu.j2."""
+    from rtkernels.kernel import Kernel, build_module, resolve_arch
+    from rtkernels.render import Template
+    H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
+    tpl = Template.from_file(path)
+
+    def kernels_for(cfg, arch="sm_90a"):
+        key = ("template", str(path), cfg, arch)
+        hit = H._KERNELS.get(key)
+        if hit is None:
+            module = build_module(tpl, cfg.template_params(), label=cfg.family, config_repr=cfg.key(),
+                                  arch=resolve_arch(arch, True), options=cfg.compile_options())
+            hit = H._KERNELS[key] = tuple(Kernel(module, name, cfg) for name in cfg.kernels)
+        return hit
+    H.kernels_for = kernels_for
+
+
 def main():
     p = bu.parser(__doc__)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -216,7 +240,11 @@ def main():
                    help="time the mma.sync kernel on sm_90 too (rtk.attention_backward's Hopper kernel off)")
     p.add_argument("--sweep", "--tune", action="store_true",
                    help="time every tile candidate (d 64/128, seqlens 2k/4k/8k) beside the peers")
+    p.add_argument("--template", default=None,
+                   help="compile the Hopper backward from this template file (before/after timings)")
     args = p.parse_args()
+    if args.template:
+        _use_template(args.template)
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
     if args.no_sm90:

@@ -4,7 +4,22 @@ The public functions are re-exported by ``rtkernels`` itself, not here: a packag
 named like its submodule (``rtkernels.ops.matmul``) must stay the module, so that
 ``import rtkernels.ops.matmul as m`` gives the module and not the function.
 """
-from . import attention, attention_bwd, attention_bwd_sm90, attention_sm90, elementwise, matmul, matmul_sm90, rowwise, vector_add  # noqa: F401
+from . import (  # noqa: F401  (one module per line: parallel work merges cleanly)
+    adamw,
+    attention,
+    attention_bwd,
+    attention_bwd_sm90,
+    attention_kvcache,
+    attention_merge,
+    attention_sm90,
+    cross_entropy,
+    elementwise,
+    matmul,
+    matmul_sm90,
+    rowwise,
+    rowwise_bwd,
+    vector_add,
+)
 
 PUBLIC = {
     "vector_add": ("vector_add", "VectorAddConfig"),
@@ -15,5 +30,11 @@ PUBLIC = {
     "matmul_sm90": ("MatmulSm90Config",),
     "attention_bwd": ("attention_backward", "AttentionBwdConfig", "attention_backward_reference"),
     "attention_bwd_sm90": ("AttentionBwdSm90Config",),
+    "attention_merge": ("attention_merge", "AttentionMergeConfig", "attention_merge_reference"),
+    "attention_kvcache": ("attention_kvcache", "check_kvcache_inputs", "AttentionDecodeConfig",
+                          "attention_kvcache_reference"),
     "rowwise": ("softmax", "rmsnorm", "layernorm", "reduce", "SoftmaxConfig", "NormConfig", "ReduceConfig"),
+    "rowwise_bwd": ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "NormBwdConfig", "SoftmaxBwdConfig"),
+    "cross_entropy": ("cross_entropy", "CrossEntropyConfig"),
+    "adamw": ("adamw_step", "AdamWConfig"),
 }

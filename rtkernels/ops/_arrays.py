@@ -14,7 +14,9 @@ from ..errors import ConfigError
 
 
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    """Whether ``x`` is a torch tensor (a set lookup once its type has been seen)."""
+    t = type(x)
+    return t in _TORCH_TYPES or _torch_type(t)
 
 
 def dtype_name(x) -> str:
@@ -102,14 +104,19 @@ def _torch_memory(x, dev: int, strides=None):
     return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(x.data_ptr(), span, x, dev), 0)
 
 
+_RAW_STREAM: list = []   # torch's raw current-stream getter, looked up once
+
+
 def torch_stream_ptr(torch, dev: int) -> int:
     """Raw handle of torch's current stream on device ``dev``.  torch's private
     ``_cuda_getCurrentRawStream`` (what Triton's launcher calls) costs well under a microsecond;
     ``torch.cuda.current_stream(dev).cuda_stream`` builds a Stream object each time (~7 us of host
     time, and the ops asked up to ten times per call: 13-20% of rtk.attention's host time on an
     H200 host, 2026-11-21).  Falls back to the public call where the private one is missing."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return int(raw(dev)) if raw is not None else int(torch.cuda.current_stream(dev).cuda_stream)
+    if not _RAW_STREAM:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream))
+    return _RAW_STREAM[0](dev)
 
 
 class _RawStream:
@@ -147,6 +154,8 @@ def default_stream(x, stream):
 
 def address(a) -> int:
     """Base device address of a CuPy array or torch tensor."""
+    if type(a) is _NDARRAY:
+        return a.data.ptr
     return a.data_ptr() if _is_torch(a) else int(a.data.ptr)
 
 
@@ -159,8 +168,10 @@ def same_memory(views, arrays) -> bool:
 def empty_as(like, shape, dtype):
     """An uninitialized array of ``like``'s kind (torch or CuPy; ``dtype`` that library's dtype
     object) on ``like``'s device - which for CuPy must be the current one, as launch plans check."""
+    if type(like) is _NDARRAY:
+        return _CUPY_EMPTY(shape, dtype)
     if _is_torch(like):
-        return sys.modules["torch"].empty(shape, dtype=dtype, device=like.device)
+        return like.new_empty(shape, dtype=dtype)
     import cupy
     return cupy.empty(shape, dtype)
 
@@ -178,29 +189,58 @@ def new_like(x, shape, dtype: str | None = None):
         return cupy.empty(shape, dtype=dtype)
 
 
-_NDARRAY = None
+class _NotAnArray:
+    pass
+
+
+_NDARRAY: type = _NotAnArray      # cupy.ndarray once CuPy is imported (plans need it first)
+_CUPY_EMPTY = None
+_TORCH_TYPES: set = set()          # torch.Tensor and the subclasses seen (nn.Parameter ...)
+_MULTI_GPU: list = []
+
+
+def _bind_cupy() -> None:
+    global _NDARRAY, _CUPY_EMPTY
+    import cupy
+    _NDARRAY, _CUPY_EMPTY = cupy.ndarray, cupy.empty
+
+
+_OTHER_TYPES: set = set()          # types seen that are not torch tensors (CuPy arrays, ...)
+
+
+def _torch_type(t: type) -> bool:
+    if t in _TORCH_TYPES:
+        return True
+    if t in _OTHER_TYPES:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(t, torch.Tensor):
+        _TORCH_TYPES.add(t)
+        return True
+    if torch is not None or t is _NDARRAY:   # (before torch is imported no type is a tensor's)
+        _OTHER_TYPES.add(t)
+    return False
 
 
 def array_signature(a):
     """What a launch plan depends on in an array: (kind, dtype, shape, strides, base address mod
     16, device) for a CuPy array (kind 0) or a CUDA torch tensor (kind 1); None for anything
     else (those take an op's full path every call)."""
-    global _NDARRAY
-    if _NDARRAY is None:
-        import cupy
-        _NDARRAY = cupy.ndarray
+    if _NDARRAY is _NotAnArray:
+        _bind_cupy()
     if type(a) is _NDARRAY:
         mem = a.data
         return 0, a.dtype, a.shape, a.strides, mem.ptr & 15, mem.device_id
-    if _is_torch(a) and getattr(a, "is_cuda", False):
+    if _torch_type(type(a)) and a.is_cuda:
         return 1, a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device()
     return None
 
 
 def device_pointer(a, dev: int):
-    """A kernel argument for a CUDA torch tensor: a CuPy MemoryPointer that keeps the tensor
-    alive, without building a view; anything else (CuPy arrays, None, scalars) as it is."""
-    return _torch_memory(a, dev) if _is_torch(a) else a
+    """A kernel argument for an array of a launch plan: CUDA torch tensors pass as they are
+    (Kernel.launch takes their address, checking the device), as do CuPy arrays, None and
+    scalars."""
+    return a
 
 
 class LaunchPlans:
@@ -217,38 +257,63 @@ class LaunchPlans:
     def key(self, arrays, options: tuple):
         """The call's key, or None when it cannot have a plan: every array given (None entries
         count as absent) must be a CuPy array, or every one a CUDA torch tensor, all on the
-        current device, and ``options`` hashable."""
+        current device.  (An unhashable option makes :meth:`get` miss and :meth:`put` skip, and
+        the op's full path reports it.)
+
+        Per array: dtype, shape, strides and base address mod 16 - four attribute reads, no
+        helper calls (this runs on every call of every op: 3-6 us of host time went here
+        before, on an H200 host).  The device is checked once per key, and only on a machine
+        with several GPUs: with one, every array and the current device are device 0."""
+        if _NDARRAY is _NotAnArray:
+            _bind_cupy()
         sigs = []
+        kind = dev = None
         for a in arrays:
             if a is None:
                 sigs.append(None)
                 continue
-            sig = array_signature(a)
-            if sig is None:
+            t = type(a)
+            if t is _NDARRAY:
+                mem = a.data
+                sigs.append((a.dtype, a.shape, a.strides, mem.ptr & 15))
+                k, d = 0, mem.device_id
+            elif (t in _TORCH_TYPES or _torch_type(t)) and a.is_cuda:
+                sigs.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
+                k, d = 1, a.get_device()
+            else:
                 return None
-            sigs.append(sig)
-        given = [s for s in sigs if s is not None]
-        if not given or any(s[0] != given[0][0] or s[5] != given[0][5] for s in given):
+            if kind is None:
+                kind, dev = k, d
+            elif k != kind or d != dev:
+                return None
+        if kind is None:
             return None
-        import cupy
-        if given[0][5] != cupy.cuda.runtime.getDevice():
-            return None
-        key = (tuple(sigs), options)
-        try:
-            hash(key)
-        except TypeError:   # an unhashable option: the op's full path reports it
-            return None
-        return key
+        if not _MULTI_GPU:
+            from .. import device
+            _MULTI_GPU.append(device.gpu_count() > 1)
+        if _MULTI_GPU[0]:
+            import cupy
+            if dev != cupy.cuda.runtime.getDevice():
+                return None
+        return (kind, dev, tuple(sigs), options)
 
     def get(self, key):
-        return None if key is None else self._plans.get(key)
+        if key is None:
+            return None
+        try:
+            return self._plans.get(key)
+        except TypeError:   # an unhashable option
+            return None
 
     def put(self, key, plan) -> None:
         if key is None:
             return
         if len(self._plans) >= self.maxsize:
             self._plans.clear()
-        self._plans[key] = plan
+        try:
+            self._plans[key] = plan
+        except TypeError:
+            pass
 
     def clear(self) -> None:
         self._plans.clear()

@@ -16,9 +16,11 @@ from typing import Any, ClassVar, NamedTuple
 
 from .. import arch as _arch
 from .. import autotune as _autotune
+from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
-from ._arrays import LaunchPlans, OutputPlan, address, default_stream, device_pointer, empty_as
+from . import views as _views
+from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as
 from .rowwise import _ClassOrInstance
 from .attention_mask import (SORT_MAX_BATCH, Varlen, check_varlen, first_without_spills, mask_spec, schedule,
                              varlen_slots)
@@ -288,33 +290,77 @@ def _kernel_for(dtype: str, head_dim: int, causal: bool, arch: str, mask_flags: 
 _KERNELS: dict = {}
 
 
-def _bad(field: str, value: Any, message: str) -> ConfigError:
-    return ConfigError(f"attention: {message}", family=FAMILY, field=field, value=value, allowed=message)
+def _bad(field: str, value: Any, message: str, op: str = FAMILY) -> ConfigError:
+    return ConfigError(f"{op}: {message}", family=op, field=field, value=value, allowed=message)
 
 
-def _elem_strides(view, name: str) -> tuple[int, ...]:
-    """Strides in elements; the last must be 1 and the others whole 16-byte chunks (cp.async)."""
+def _elem_strides(view, name: str, op: str = FAMILY) -> tuple[int, ...]:
+    """Strides in elements; the last must be 1 and the others whole 16-byte chunks (cp.async).
+    ``op``: the op named in errors."""
     item = view.itemsize
     shape, strides = view.shape, view.strides
     out = []
     for dim, (n, s) in enumerate(zip(shape, strides)):
         if s % item:
-            raise _bad(name, strides, f"{name} has stride {s} bytes in dim {dim}, not a whole number of elements")
+            raise _bad(name, strides, f"{name} has stride {s} bytes in dim {dim}, not a whole number of elements", op)
         out.append(0 if n == 1 else s // item)   # a size-1 dim's stride is never used
     if shape[-1] > 1 and out[-1] != 1:
         raise _bad(name, strides, f"{name} must have a contiguous last dimension (stride 1), got strides "
                                   f"{tuple(s // item for s in strides)} elements; pass {name}.copy() or a "
-                                  "contiguous view")
+                                  "contiguous view", op)
     if any(s % 8 for s in out[:-1]):
         raise _bad(name, strides, f"{name} strides {tuple(out)} (elements) must be multiples of 8 (16-byte rows "
-                                  f"for cp.async) in every dimension but the last; pass a contiguous copy")
+                                  f"for cp.async) in every dimension but the last; pass a contiguous copy", op)
     if view.data.ptr % 16:
         raise _bad(name, view.data.ptr, f"{name} must start at a 16-byte aligned address (got {view.data.ptr:#x}); "
-                                        "pass a contiguous copy")
+                                        "pass a contiguous copy", op)
     return tuple(out)
 
 
-def _dtype_of(x, name: str, dtype: str | None) -> str:
+def _direct(info) -> bool:
+    """Whether the mma.sync kernels read a q/k/v/o/do view as it is: a 16-byte aligned base, a
+    unit-stride last dim and every other stride a multiple of 16 bytes (cp.async moves 16-byte
+    chunks of rows).  Their addressing is ``sum(index * stride)`` in 64-bit integers, so stride 0
+    (broadcast), overlapping and negative strides (a reversed view, tests/test_attention_sm90.py)
+    read exactly; the Hopper kernels' tensor maps need :attr:`ViewInfo.tma` on top."""
+    return info.kind in (_views.CONTIGUOUS, _views.UNIT, _views.NEGATIVE) and info.unit(-1) and \
+        info.address % 16 == 0 and all(n == 1 or s % 16 == 0 for n, s in zip(info.shape[:-1], info.strides[:-1]))
+
+
+def read_inputs(family: str, named, stream, tma: bool):
+    """(views, staged): the input views the kernels read, each as given when :func:`_direct` (and
+    with ``tma``, the Hopper kernel's case, when a tensor map can encode it), else a compact copy
+    made on ``stream``; ``staged``: whether any is a copy (then the call keeps no launch plan, which
+    would replay on the caller's arrays).  Misaligned elements are rejected, naming the argument."""
+    ok = (lambda i: i.tma and _direct(i)) if tma else _direct
+    out, staged = [], False
+    for name, view in named:
+        view, copied = _views.read_view(family, name, view, stream, ok)
+        out.append(view)
+        staged |= copied
+    return out, staged
+
+
+def check_output(family: str, name: str, view) -> None:
+    """An output the kernels write: no two indices on one element (broadcast or overlapping views
+    would race), then the input rules (:func:`_elem_strides`)."""
+    _views.check_output(family, name, _views.of(view),
+                        "pass an array whose elements are distinct, with a contiguous last dimension, other "
+                        "strides multiples of 8 elements and a 16-byte aligned start")
+
+
+def collapse_broadcast_heads(k_, v_):
+    """K and V broadcast over their heads (head stride 0, e.g. ``k[:, :, :1].expand(b, s, h, d)``)
+    are multi-query attention: every query head reads one K/V head.  Their first head alone is the
+    same problem with nheads_kv = 1 (GQA), read in place by both kernels, which a tensor map can
+    encode (stride 0 it cannot).  Only for the forward: the backward's dk / dv have k's shape, one
+    gradient per broadcast head, which a collapsed K would sum."""
+    if k_.ndim == 4 and k_.shape[2] > 1 and k_.strides[2] == 0 and v_.strides[2] == 0:
+        return k_[:, :, :1], v_[:, :, :1]
+    return k_, v_
+
+
+def _dtype_of(x, name: str, dtype: str | None, op: str = FAMILY) -> str:
     from ._arrays import dtype_name
     actual = dtype_name(x)
     if dtype is not None:
@@ -323,13 +369,13 @@ def _dtype_of(x, name: str, dtype: str | None) -> str:
             return "bfloat16"
         if actual != want:
             raise _bad(name, actual, f"{name} has dtype {actual}, but dtype={want!r} was given "
-                                     "(uint16 arrays are read as bfloat16 bits only with dtype='bfloat16')")
+                                     "(uint16 arrays are read as bfloat16 bits only with dtype='bfloat16')", op)
         return want
     if actual == "uint16":
         raise _bad(name, actual, f"{name} has dtype uint16; to pass bfloat16 bits in a uint16 CuPy array, "
-                                 "call attention(..., dtype='bfloat16')")
+                                 f"call {op}(..., dtype='bfloat16')", op)
     if actual not in _FLOATS:
-        raise _bad(name, actual, f"{name} has dtype {actual}; allowed: float16, bfloat16")
+        raise _bad(name, actual, f"{name} has dtype {actual}; allowed: float16, bfloat16", op)
     return actual
 
 
@@ -426,20 +472,28 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         Accepted arrays: CuPy arrays, torch CUDA tensors, and any ``__cuda_array_interface__`` or
         DLPack device array.  float16 or bfloat16, all three the same.  bfloat16 comes as torch
         tensors, or as uint16 CuPy arrays of bfloat16 bits together with ``dtype="bfloat16"``.
-        Strides are free except: last dimension contiguous, other strides multiples of 8 elements
-        and a 16-byte aligned start (true for contiguous arrays and for slices of a packed
-        (batch, seqlen, 3, nheads, head_dim) qkv array) - no copy is made.
+        Views read in place (no copy): last dimension contiguous, other strides non-negative
+        multiples of 8 elements and a 16-byte aligned start - contiguous arrays, slices of a packed
+        (batch, seqlen, 3, nheads, head_dim) qkv array.  K and V broadcast over their heads
+        (``k[:, :, :1].expand(...)``, head stride 0) run as nheads_kv = 1, in place.  Other stride-0
+        (broadcast), overlapping or negative strides are read in place by the mma.sync kernel; on
+        sm_90 the Hopper kernel's tensor maps cannot encode them, so such inputs are copied.
+        Everything else (a strided last dimension, odd strides or offsets) is copied to a
+        compact array on the call's stream first; a call that copies keeps no launch plan.
+        Elements not aligned to their size raise ConfigError.
     causal : mask aligned to the bottom-right corner: query i sees key j iff
         ``j <= i + seqlen_k - seqlen_q`` (within each sequence when varlen).  A query that sees no
         key gets o = 0 and lse = -inf.  The same as ``window=(-1, 0)``.
     softmax_scale : positive finite float; default ``1 / sqrt(head_dim)``.
     return_lse : also return the log-sum-exp (natural log) per (batch, head, query row).
-    out : optional output array for o: shape of q, same dtype and device, last dimension contiguous
-        (other strides as for q).
+    out : optional output array for o: shape of q, same dtype and device, last dimension contiguous,
+        other strides multiples of 8 elements, 16-byte aligned.  A broadcast (stride 0) or
+        overlapping out is rejected: its writes would race.
     cu_seqlens_q, cu_seqlens_k : int32 (batch + 1,) device arrays starting at 0, non-decreasing,
         ending at total_q / total_k: sequence b is rows ``cu[b]:cu[b+1]`` of q resp. k and v
         (FlashAttention's varlen layout; sequences may be empty, and q and k lengths may differ).
-        Both or neither.
+        Both or neither.  The packed q, k, v follow the view rules above (staged the same way);
+        varlen calls keep no launch plan.
     max_seqlen_q, max_seqlen_k : the longest sequences (hints).  The grid never needs them (a
         schedule pre-kernel hands out the tiles), but when either is missing cu_seqlens is read
         back to the host to compute it - **a device-to-host copy and a stream synchronization**
@@ -479,20 +533,27 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         return _replay_forward(plan, q, k, v, out, return_lse, stream)
     spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
     p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY, varlen=varlen)
-    q_, k_, v_ = p.views["q"], p.views["k"], p.views["v"]
     dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
+    q_ = p.views["q"]
+    k_, v_ = collapse_broadcast_heads(p.views["k"], p.views["v"])
     batch, seqlen_q, nheads, head_dim = q_.shape     # varlen: (1, total_q, nheads, head_dim)
-    seqlen_k, nheads_kv = p.seqlen_k, p.nheads_kv
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     causal = spec.causal
     vl = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqlen_q, seqlen_k, dev,
                       FAMILY) if varlen else None
     user_shape = tuple(q_.shape[1:]) if varlen else tuple(q_.shape)
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
-    if not empty:
-        sq_, sk_, sv_ = (_elem_strides(view, n) for view, n in ((q_, "q"), (k_, "k"), (v_, "v")))
-
     with cupy.cuda.Device(dev):
+        arch = _device_arch(dev)
+        stream = default_stream(q, stream)
+        staged = False
+        if not empty:
+            # the Hopper kernel (whenever it may run) reads through tensor maps: stage what they cannot
+            # encode.  Varlen views are (1, total, nheads, head_dim): the same rules, the same copies.
+            tma = _sm90.ENABLED and _sm90.is_sm90(arch) and seqlen_k >= 1
+            (q_, k_, v_), staged = read_inputs(FAMILY, (("q", q_), ("k", k_), ("v", v_)), stream, tma)
+            sq_, sk_, sv_ = (_elem_strides(view, n) for view, n in ((q_, "q"), (k_, "k"), (v_, "v")))
         o = new_like(q, user_shape, dt) if out is None else out
         o_ = as_device_array(o, FAMILY, "out")
         if out is not None:
@@ -501,6 +562,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             if tuple(o_.shape) != user_shape or odt != dt or _device_of(o_) != dev:
                 raise _bad("out", o_.shape, f"out must be a {dt} array of shape {user_shape} on device {dev}, "
                                             f"got {odt} {tuple(o_.shape)} on device {_device_of(o_)}")
+            if not empty:
+                check_output(FAMILY, "out", o_)
         if varlen:
             o_ = o_[None]
         so_ = None if empty else _elem_strides(o_, "out")
@@ -510,8 +573,6 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             return (o, lse) if return_lse else o
         lse_ = as_device_array(lse, FAMILY, "lse") if return_lse else None
 
-        arch = _device_arch(dev)
-        stream = default_stream(q, stream)
         mask_args = spec.kernel_args(seqlen_q, seqlen_k)   # dense: the lengths; varlen: the totals
         flags = tuple(spec.flags().items())[1:]             # all but causal
         # sm_90: the TMA/wgmma kernel (rtkernels.ops.attention_sm90) whenever TMA can address
@@ -526,7 +587,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                                         _schedule_for(vl, cfg.block_m, causal, arch, stream), stream)
                     return (o, lse) if return_lse else o
                 _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream, mask_args=mask_args)
-                if plan_key is not None:
+                if plan_key is not None and not staged:
                     _remember_forward(plan_key, kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, mask_args)
                 return (o, lse) if return_lse else o
         else:
@@ -585,11 +646,10 @@ _FORWARD_PLANS = LaunchPlans(1024)
 
 
 def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window=None, softcap=None):
-    import os
     if not _sm90.ENABLED or _autotune.enabled():
         return None
     return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype, window, softcap,
-                                                  os.environ.get("RTKERNELS_ARCH")))
+                                                  getenv("RTKERNELS_ARCH")))
 
 
 def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, mask_args) -> None:
@@ -598,16 +658,24 @@ def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, mask_args) -
     _FORWARD_PLANS.put(key, OutputPlan.of(_sm90.recorded_launch(kern, cfg, views[0], views[1], softmax_scale,
                                                                 mask_args), o,
                                           (cfg, _sm90.map_specs(cfg, *views),
-                                           None if lse is None else (tuple(lse.shape), lse.dtype))))
+                                           None if lse is None else (tuple(lse.shape), lse.dtype), {})))
 
 
 def _replay_forward(plan: OutputPlan, q, k, v, out, return_lse, stream):
-    cfg, specs, lse_spec = plan.extra
+    cfg, specs, lse_spec, recent = plan.extra
     o = plan.output(q, out)
     lse = empty_as(q, *lse_spec) if return_lse else None
-    maps = _sm90.tensor_maps(cfg, *(address(a) for a in (q, k, v, o)), specs=specs)
-    lse_arg = device_pointer(lse, q.get_device()) if plan.torch else lse
-    plan.launch.run((*maps, lse_arg), default_stream(q, stream))
+    # The four maps by base addresses: a caching allocator hands a loop the same addresses call
+    # after call, so the plan keeps the last few sets (one lookup instead of four memo lookups of
+    # eight-field keys, ~2 us of host time)
+    addrs = (address(q), address(k), address(v), address(o))
+    maps = recent.get(addrs)
+    if maps is None:
+        maps = _sm90.tensor_maps(cfg, *addrs, specs=specs)
+        if len(recent) >= 8:
+            recent.clear()
+        recent[addrs] = maps
+    plan.launch.run((*maps, lse), default_stream(q, stream))   # a torch lse passes as it is
     return (o, lse) if return_lse else o
 
 

@@ -19,11 +19,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
 from ._arrays import LaunchPlans, _is_torch, cupy_stream, default_stream, empty_as, torch_view_as
-from .attention import (AttentionShape, check_inputs, _device_arch, _device_of, _elem_strides, _schedule_for,
-                        _smem_limit, _to_f32)
+from . import views as _views
+from .attention import (AttentionShape, check_inputs, check_output, read_inputs, _device_arch, _device_of,
+                        _elem_strides, _schedule_for, _smem_limit, _to_f32)
 from .attention_mask import check_varlen, first_without_spills, mask_spec, padded_offset_rows
 from .rowwise import _ClassOrInstance
 
@@ -386,11 +388,17 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
 
     Parameters
     ----------
-    do : gradient of o, q's shape and dtype.
+    do : gradient of o, q's shape and dtype.  Any view: the fully broadcast dO of
+        ``o.sum().backward()`` (every stride 0) is copied, as below.
     q, k, v, o : as for :func:`rtkernels.ops.attention.attention` (o its output); float16 or
-        bfloat16 (torch tensors, or uint16 CuPy arrays with ``dtype="bfloat16"``), last dimension
-        contiguous, other strides multiples of 8 elements, 16-byte aligned.  Packed
-        (total, heads, head_dim) with cu_seqlens.
+        bfloat16 (torch tensors, or uint16 CuPy arrays with ``dtype="bfloat16"``).  Read in place:
+        last dimension contiguous, other strides non-negative multiples of 8 elements, 16-byte
+        aligned start; on sm_90 (head_dim <= 128, the Hopper kernel) also no stride 0 or overlap
+        (K/V ``expand``-ed over heads or batch).  Every other view of do, q, k, v, o and lse is
+        copied to a compact array on the call's stream first (the call then keeps no launch
+        plan).  K/V broadcast over heads are not folded into GQA here: dk and dv keep one gradient
+        per (broadcast) head, as their shapes say.  Packed (total, heads, head_dim) with
+        cu_seqlens (the same view rules).
     lse : float32 (batch, nheads, seqlen_q) - (nheads, total_q) with cu_seqlens - the forward's
         log-sum-exp (natural log; -inf for rows that see no key: their gradients are 0).
     causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, window, softcap : exactly as given to the
@@ -399,7 +407,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         device-to-host copy and a stream synchronization**).
     deterministic : bit-identical results run to run: dQ from a separate pass per query tile (or
         added in a fixed order) instead of float32 atomics.  (dK and dV are deterministic either way.)
-    dq, dk, dv : optional outputs (shapes of q, k, v; same dtype and device; strides as for q).
+    dq, dk, dv : optional outputs (shapes of q, k, v; same dtype and device; last dimension
+        contiguous, other strides multiples of 8 elements, 16-byte aligned).  Broadcast or
+        overlapping outputs are rejected (their writes would race).
     dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits.
     stream : CuPy stream, torch stream or raw handle (default: current CuPy stream, or torch's
         current stream for torch inputs).
@@ -430,7 +440,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     do_, q_, k_, v_, o_ = (p.views[n] for n in ("do", "q", "k", "v", "o"))
     dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
     batch, seqlen_q, nheads, head_dim = q_.shape     # varlen: (1, total_q, nheads, head_dim)
-    seqlen_k, nheads_kv = p.seqlen_k, p.nheads_kv
+    seqlen_k = p.seqlen_k
     causal, deterministic = spec.causal, bool(deterministic)
     lse_ = as_device_array(lse, FAMILY, "lse")
     lse_shape = (nheads, seqlen_q) if varlen else (batch, nheads, seqlen_q)
@@ -463,6 +473,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
                                                  f"{dev}, got {odt} {tuple(view.shape)} on device {_device_of(view)}")
             outs.append((arr, view[None] if varlen else view))
         (dq_o, dq_), (dk_o, dk_), (dv_o, dv_) = outs
+        for name, view in (("dq", dq_), ("dk", dk_), ("dv", dv_)):
+            check_output(FAMILY, name, view)
         if batch == 0 or nheads == 0:
             return dq_o, dk_o, dv_o
         if seqlen_q == 0 or seqlen_k == 0:
@@ -470,11 +482,23 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             for view in (dq_, dk_, dv_):
                 view.fill(0)
             return dq_o, dk_o, dv_o
-        s_do, s_q, s_k, s_v, s_o = (_elem_strides(p.views[n], n) for n in ("do", "q", "k", "v", "o"))
-        s_dq, s_dk, s_dv = (_elem_strides(view, n) for view, n in ((dq_, "dq"), (dk_, "dk"), (dv_, "dv")))
-        lse_c = cupy.ascontiguousarray(lse_)
-
         arch = _device_arch(dev)
+        stream = default_stream(q, stream)
+        # the Hopper kernel (picked, or asked for by config) reads q, k, v and dO through tensor maps;
+        # picks() with the mask options (a spilling masked build keeps the mma.sync kernel), after
+        # the arch test (it compiles a masked build to read its spills)
+        tma = isinstance(config, _sm90.AttentionBwdSm90Config) or (
+            config is None and _sm90.is_sm90(arch) and _sm90.picks(head_dim, causal, flags, dt, deterministic))
+        # Inputs the kernels cannot read as they are (a dO expanded from o.sum().backward(), K/V
+        # broadcast over heads or batch on the Hopper kernel's path, negative strides) are copied.
+        (do_, q_, k_, v_, o_), staged = read_inputs(FAMILY, (("do", do_), ("q", q_), ("k", k_), ("v", v_),
+                                                             ("o", o_)), stream, tma)
+        lse_c, lse_staged = _views.read_view(FAMILY, "lse", lse_, stream, lambda i: i.kind == _views.CONTIGUOUS)
+        staged |= lse_staged
+        s_do, s_q, s_k, s_v, s_o = (_elem_strides(x, n) for x, n in ((do_, "do"), (q_, "q"), (k_, "k"), (v_, "v"),
+                                                                   (o_, "o")))
+        s_dq, s_dk, s_dv = (_elem_strides(view, n) for view, n in ((dq_, "dq"), (dk_, "dk"), (dv_, "dv")))
+
         if isinstance(config, _sm90.AttentionBwdSm90Config):
             if not _sm90.runnable(arch, (do_, q_, k_, v_, o_), seqlen_k):
                 raise _bad("config", config, f"an AttentionBwdSm90Config runs on sm_90 with TMA-addressable inputs "
@@ -485,7 +509,6 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             hopper = _sm90.choose_config(dt, head_dim, causal, deterministic, **dict(flags))
         else:
             hopper = None
-        stream = default_stream(q, stream)
         scale = float(softmax_scale)
         mask_args = spec.kernel_args(seqlen_q, seqlen_k)   # dense: the lengths; varlen: the totals
         if varlen:   # per-head buffers: each sequence at its padded start (rtk/attn_mask.cuh)
@@ -502,7 +525,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             strides = (s_o, s_do, s_dq, s_dk, s_dv)
             _sm90.launch(hopper, arch, q_, k_, v_, o_, do_, lse_c, lse2, delta, dq_, dk_, dv_, strides, scale,
                          dot_grid, stream, mask_args=mask_args, vl=vl)
-            if plan_key is not None and lse_c is lse_:
+            if plan_key is not None and not staged:
                 _remember_backward(plan_key, hopper, arch, (do_, q_, k_, v_, o_, lse_), (dq_o, dk_o, dv_o),
                                    lse2.shape, strides, scale, dot_grid, mask_args)
             return dq_o, dk_o, dv_o
@@ -589,12 +612,11 @@ class _BackwardPlan(NamedTuple):
 
 
 def _backward_plan_key(arrays, outs, causal, softmax_scale, deterministic, dtype, config, window=None, softcap=None):
-    import os
     if not _sm90.ENABLED:
         return None
     return _BACKWARD_PLANS.key(tuple(arrays) + tuple(outs), (bool(causal), softmax_scale, bool(deterministic),
                                                                dtype, config, window, softcap,
-                                                               os.environ.get("RTKERNELS_ARCH")))
+                                                               getenv("RTKERNELS_ARCH")))
 
 
 def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, dot_grid, mask_args) -> None:

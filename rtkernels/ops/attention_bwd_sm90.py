@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from ..config import register_family
 from .attention import AttentionShape
-from .attention_sm90 import _TMA_STRIDE_LIMIT, SMEM_LIMIT_SM90, _map_strides, is_sm90
+from .attention_sm90 import SMEM_LIMIT_SM90, _map_strides, is_sm90, tma_strides
 
 FAMILY = "attention_bwd_sm90"
 MAX_HEAD_DIM = 128
@@ -157,7 +157,7 @@ _MASKED_CLEAN: dict = {}
 
 def runnable(arch: str, views, seqlen_k: int) -> bool:
     """An sm_90 device, at least one key and strides a tensor map can encode (the forward's rules)."""
-    return is_sm90(arch) and seqlen_k >= 1 and all(0 <= s < _TMA_STRIDE_LIMIT for v in views for s in v.strides)
+    return is_sm90(arch) and seqlen_k >= 1 and all(tma_strides(v) for v in views)
 
 
 def eligible(arch: str, views, seqlen_k: int, head_dim: int, causal: bool = False, mask_flags: tuple = (),

@@ -258,7 +258,14 @@ def eligible(arch: str, views, seqlen_k: int) -> bool:
     (16-byte aligned bases, strides in whole 16-byte units, contiguous last dimension) already hold."""
     if not (ENABLED and is_sm90(arch)) or seqlen_k < 1:
         return False
-    return all(abs(s) < _TMA_STRIDE_LIMIT and s >= 0 for v in views for s in v.strides)
+    return all(tma_strides(v) for v in views)
+
+
+def tma_strides(view) -> bool:
+    """Whether a tensor map encodes the view's strides: non-negative, below 2^40 bytes, and positive
+    wherever the extent exceeds 1 (a broadcast's stride 0 has no encoding; extent-1 dims get one
+    from :func:`_map_strides`)."""
+    return all(0 <= s < _TMA_STRIDE_LIMIT and (s > 0 or n <= 1) for n, s in zip(view.shape, view.strides))
 
 
 def _map_strides(view) -> tuple[int, ...]:

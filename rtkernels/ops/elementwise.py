@@ -24,6 +24,7 @@ from .. import device
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
+from . import views
 from ._arrays import as_device_array, default_stream, dtype_name, new_like
 
 _TOKEN = re.compile(r"\d+\.?\d*(?:[eE][+-]?\d+)?[fF]?|\.\d+(?:[eE][+-]?\d+)?[fF]?|[A-Za-z_]\w*|\s+|.")
@@ -141,7 +142,13 @@ def parse_statements(expr: str, outputs: tuple[str, ...] | None = None):
 
 
 class ElementwiseFunction:
-    """A callable fused kernel; specialized (and cached) per input dtypes and alignment."""
+    """A callable fused kernel; specialized (and cached) per input dtypes and alignment.
+
+    Views: contiguous inputs are read in place; any other view (broadcast by ``expand`` /
+    ``broadcast_to``, strided, transposed, reversed, overlapping) is first copied to a contiguous
+    array on the launch stream.  Outputs must be contiguous; a broadcast or overlapping ``out`` is
+    rejected (its writes would race).  Elements not aligned to their size are rejected.
+    """
 
     def __init__(self, expr: str, outputs=None, out_dtype=None, fast_math: bool = False, block_size: int = DEFAULT_BLOCK,
                  unroll: int | None = None, grid_waves: int | None = None, streaming: bool = False):
@@ -189,9 +196,13 @@ class ElementwiseFunction:
             elif view.shape != shape:
                 raise ConfigError(f"elementwise: input {name} has shape {view.shape}, expected {shape} "
                                   "(arrays must have equal shapes; only scalars broadcast)")
-            if not view.flags.c_contiguous:
-                view = view.copy()   # a gathered copy costs one extra pass, still correct
-                a = view
+            if not view.flags.c_contiguous or view.data.ptr % view.itemsize:
+                # the kernel walks n consecutive elements: other views (broadcast, strided,
+                # transposed, reversed, overlapping) are copied on the launch stream, one extra pass
+                view, copied = views.read_view("elementwise", name, view, default_stream(first, stream),
+                                               lambda i: i.kind == views.CONTIGUOUS)
+                if copied:
+                    a = view
             kinds.append(dt)
             arrays.append(a)
         if shape is None:
@@ -283,9 +294,15 @@ class ElementwiseFunction:
         for name, o in zip(self.output_names, outs):
             v = as_device_array(o, "elementwise", f"out ({name})")
             odt = dtype_name(o) if not (out_dt == "bfloat16" and str(v.dtype) == "uint16") else "bfloat16"
-            if v.shape != shape or not v.flags.c_contiguous or odt != out_dt:
+            if v.shape != shape or odt != out_dt:
                 raise ConfigError(f"elementwise: out ({name}) must be a contiguous {out_dt} array of shape {shape}, "
-                                  f"got {odt} {v.shape}{'' if v.flags.c_contiguous else ' (non-contiguous)'}")
+                                  f"got {odt} {v.shape}", field="out", value=(odt, v.shape))
+            if not v.flags.c_contiguous or v.data.ptr % v.itemsize:   # (else distinct, aligned elements)
+                info = views.of(v)
+                accepted = f"pass a contiguous {out_dt} array of shape {shape}"
+                views.check_output("elementwise", f"out ({name})", info, accepted)
+                if info.kind not in (views.CONTIGUOUS, views.EMPTY):
+                    raise views.reject("elementwise", f"out ({name})", info, "is not contiguous", accepted)
         return outs
 
 

@@ -24,12 +24,14 @@ import numpy as np
 
 from .. import arch as arch_mod
 from .. import autotune, device
+from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
+from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
-                      device_pointer, dtype_name, new_like, same_memory)
+                      dtype_name, new_like, same_memory)
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -54,6 +56,9 @@ class MatmulConfig(KernelConfig):
     ``b_kmajor``: B's K dimension is contiguous (``trans_b`` of a row-major (N, K)); else N is.
     ``vec_a`` / ``vec_b``: elements per global load (8 = 16 bytes), lowered by the host when a
     stride or base pointer is not aligned for wider ones.
+    ``edge_a`` / ``edge_b``: the operand's contiguous extent (K if K-major, else M / N) is not a
+    multiple of ``vec_a`` / ``vec_b`` (a padded row stride, a single row), so a row's last chunk
+    may be partial: it is loaded element by element, never read whole past the row.
     ``even_k``: K is a multiple of ``block_k``, so the kernel drops all K bounds checks (the
     host sets it per call; False is always correct).
     ``ldsm_first``: the double-buffered main loop issues the next k step's ldmatrix before the
@@ -81,6 +86,8 @@ class MatmulConfig(KernelConfig):
     b_kmajor: bool = False
     vec_a: int = 8
     vec_b: int = 8
+    edge_a: bool = False
+    edge_b: bool = False
     has_bias: bool = False
     activation: str = "none"
     even_k: bool = False
@@ -97,9 +104,12 @@ class MatmulConfig(KernelConfig):
             object.__setattr__(self, "activation", "none")
         self._check_dtype("dtype", _DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("a_kmajor", "b_kmajor", "has_bias", "even_k", "ldsm_first"):
+        for f in ("a_kmajor", "b_kmajor", "edge_a", "edge_b", "has_bias", "even_k", "ldsm_first"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
+        for edge, vec in (("edge_a", "vec_a"), ("edge_b", "vec_b")):
+            if getattr(self, edge) and getattr(self, vec) == 1:
+                self._fail(edge, f"False with {vec}=1 (a one-element chunk is never partial)")
         self._check_int("block_m", 16, 256, multiple_of=16)
         self._check_int("block_n", 16, 256, multiple_of=16)
         self._check_int("num_warps", 1, 16, power_of_two=True)
@@ -337,24 +347,39 @@ def _resolve_dtype(x, view, name: str, dtype) -> str:
 
 
 def _layout(name: str, outer: str, shape, strides) -> tuple[bool, int]:
-    """(k_major, leading stride) of an operand given its logical (rows, cols) extents and strides.
+    """(k_major, leading stride) of an operand given its logical (rows, cols) extents and element
+    strides: K-major when K steps by one element, else outer-major when M (for A) or N (for B)
+    does; the leading stride is the other dim's (0: one row or column read for every index).
 
     For A the logical dims are (M, K) and outer = "M"; for B they are (K, N), passed here
-    reordered as (N, K) so the second dim is always K.  A dim of extent 1 has no stride.
+    reordered as (N, K) so the second dim is always K.  A dim of extent 1 (or 0) is never
+    stepped, so any stride serves it - but only such a dim: a stride 0 over an extent > 1 (a
+    broadcast) is a real stride that reads one element for every index, never a unit stride.
+    (Reading it as "no stride" sent ``x.expand(M, K)`` (strides (0, 0)) to the K-major loads,
+    which then read K contiguous elements where there is one: issue 26.)
     """
     (d_outer, d_k), (s_outer, s_k) = shape, strides
-    s_outer = 0 if d_outer == 1 else s_outer
-    s_k = 0 if d_k == 1 else s_k
-    if s_outer < 0 or s_k < 0:
-        raise ConfigError(f"matmul: {name} has a negative stride ({s_outer}, {s_k} elements); pass a copy",
-                          field=name, value=(s_outer, s_k))
-    if s_k == 1 or (s_k == 0 and s_outer != 1):
-        return True, s_outer
-    if s_outer in (0, 1):
+    if d_k > 1 and s_k == 1:
+        return True, s_outer if d_outer > 1 else 0
+    if d_outer > 1 and s_outer == 1:
+        return False, s_k if d_k > 1 else 0
+    if d_k <= 1:
+        return True, s_outer if d_outer > 1 else 0
+    if d_outer <= 1:
         return False, s_k
     raise ConfigError(f"matmul: {name} has element strides {outer}={s_outer}, K={s_k}; one of its two matrix "
-                      "dimensions must have unit stride (the kernel reads contiguous rows or columns); "
-                      "pass a contiguous copy", field=name, value=(s_outer, s_k), allowed="unit inner stride")
+                      "dimensions must have unit stride", field=name, value=(s_outer, s_k),
+                      allowed="unit inner stride")
+
+
+def _reads_in_place(info) -> bool:
+    """Whether both kernels read a matmul operand view as it is: one of its two matrix dims steps by
+    one element (or has extent 1), no negative stride, and no overlap but broadcasts (stride 0:
+    the kernels' addressing, ``row * ld + col``, reads one row or column for every index exactly;
+    TMA cannot encode it, so the Hopper path stages such operands or leaves them to mma.sync).
+    Anything else is staged as a compact copy; misaligned elements are rejected."""
+    return info.kind in (views.CONTIGUOUS, views.UNIT, views.STRIDED) and not info.overlapping and (
+        info.unit(-1) or info.unit(-2))
 
 
 def _vec(ptr: int, *strides: int) -> int:
@@ -387,7 +412,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             SM90_MMA, autotune.enabled(), os.environ.get("RTKERNELS_ARCH")))
+                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH")))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
@@ -412,11 +437,8 @@ def _args(maps, abc):
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
-    args = _args(plan.extra, (a, b, bias, out))
-    if plan.torch:
-        dev = a.get_device()
-        args = [device_pointer(x, dev) for x in args]   # maps and None pass through
-    plan.launch.run(args, default_stream(a, stream))
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run(_args(plan.extra, (a, b, bias, out)), default_stream(a, stream) if plan.torch else stream)
     return out
 
 
@@ -440,8 +462,20 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
         current stream when a is a torch tensor).
 
-    One of each operand's last two dims must have unit stride (any row/column stride, any
-    batch stride); float16 / bfloat16 use tensor cores, float32 a SIMT kernel.
+    float16 / bfloat16 use tensor cores, float32 a SIMT kernel.
+
+    Views (:mod:`rtkernels.ops.views`): an operand one of whose last two dims steps by one element
+    is read in place, whatever its other strides - row / column slices, transposes, a batch
+    broadcast (batch stride 0) and rows or columns broadcast by ``expand`` (a row stride 0: every
+    index reads one row) included; on sm_90 the TMA kernel takes those whose base and strides are
+    16-byte aligned and positive, the others run the mma.sync kernel or, from 2^24 M*N*K*batch,
+    are copied to aligned rows first.  Operands with no unit-stride matrix dim (``x[::2, ::2]``, a
+    scalar or column ``expand``-ed over both dims such as the ``torch.ones(()).expand(M, N)`` of a
+    backward), negative strides (CuPy flips) or overlapping rows (``as_strided``) are staged: a
+    compact copy on the call's stream, then the same paths.  A bias that is not contiguous is
+    copied too.  ``out`` must have unit stride along N, non-negative strides and no two indices
+    on one element (an ``expand``-ed or overlapping output is rejected: its writes would race).
+    Elements not aligned to their size are rejected.  Calls that copy keep no launch plan.
     """
     plan_key = _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype)
     launch = _LAUNCHES.get(plan_key)
@@ -478,6 +512,10 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         raise ConfigError(f"matmul: batch sizes differ (a: {ba}, b: {bb}); they must be equal or one must be 1",
                           field="shape", value=(av.shape, bv.shape))
     batch = max(ba or 1, bb or 1)
+    # Operands one of whose matrix dims steps by one element are read in place (any other stride,
+    # broadcasts included); negative, overlapping and unit-less views as a compact copy.
+    av, _ = views.read_view("matmul", "a", av, stream, _reads_in_place)
+    bv, _ = views.read_view("matmul", "b", bv, stream, _reads_in_place)
     sa, sb = _elem_strides(av, "a"), _elem_strides(bv, "b")
     a_kmajor, lda = _layout("a" + (" (after trans_a)" if trans_a else ""), "M", (m, k), sa[-2:])
     b_kmajor, ldb = _layout("b" + (" (after trans_b)" if trans_b else ""), "N", (n, k), (sb[-1], sb[-2]))
@@ -494,21 +532,23 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         if dc != da or cv.shape != out_shape:
             raise ConfigError(f"matmul: out is {dc} {cv.shape}; expected {da} {out_shape}", field="out",
                               value=(dc, cv.shape))
+    out_info = views.of(cv)
+    accepted = "pass an output with unit stride along N, non-negative strides and rows that do not overlap"
+    views.check_output("matmul", "out", out_info, accepted)
     sc = _elem_strides(cv, "out")
-    if n > 1 and sc[-1] != 1:
-        raise ConfigError(f"matmul: out has element stride {sc[-1]} along N; it must be 1", field="out",
-                          value=sc[-1], allowed="1")
+    if out_info.kind != views.EMPTY and ((n > 1 and sc[-1] != 1) or out_info.kind == views.NEGATIVE):
+        raise views.reject("matmul", "out", out_info, "cannot be written by rows", accepted)
     ldc = sc[-2] if m > 1 else 0
     batch_c = sc[0] if cv.ndim == 3 and batch > 1 else 0
-    if sc[-2] < 0 or batch_c < 0:
-        raise ConfigError(f"matmul: out has a negative stride {sc}", field="out", value=sc)
 
     if bias is not None:
         biv = as_device_array(bias, "matmul", "bias")
         dbias = _resolve_dtype(bias, biv, "bias", dtype)
-        if dbias != da or biv.shape != (n,) or (n > 1 and _elem_strides(biv, "bias")[0] != 1):
-            raise ConfigError(f"matmul: bias must be a contiguous {da} array of shape ({n},), got {dbias} "
-                              f"{biv.shape}", field="bias", value=(dbias, biv.shape))
+        if dbias != da or biv.shape != (n,):
+            raise ConfigError(f"matmul: bias must be a {da} array of shape ({n},), got {dbias} {biv.shape}",
+                              field="bias", value=(dbias, biv.shape))
+        # the epilogue reads bias[col]: any other view (expanded, strided) is copied, n elements
+        biv, _ = views.read_view("matmul", "bias", biv, stream, lambda i: i.kind == views.CONTIGUOUS)
     else:
         biv = None
 
@@ -544,8 +584,13 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     c_vec = 8 if (da != "float32" and cv.data.ptr % 16 == 0 and ldc % 8 == 0 and batch_c % 8 == 0) else 1
     layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, vec_a=vec_a, vec_b=vec_b, has_bias=biv is not None,
                   activation=act)
+    # A row that ends inside a vec chunk (its extent not a multiple of vec: a padded stride, a single
+    # row) has that chunk loaded element by element; named only when set, so that other calls keep
+    # their autotuning keys.
+    layout.update({e: True for e, vec, extent in (("edge_a", vec_a, k if a_kmajor else m),
+                                                  ("edge_b", vec_b, k if b_kmajor else n)) if extent % vec})
     dev = device.current_device()
-    memo_key = (da, m, n, k, batch, tuple(layout.values()), dev, autotune.enabled())
+    memo_key = (da, m, n, k, batch, tuple(layout.items()), dev, autotune.enabled())
     plan = _plans.get(memo_key)
     if plan is None:
         cfg = heuristic_config(da, m, n, k, batch, sm_count=device.sm_count(), **layout)

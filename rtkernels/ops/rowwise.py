@@ -6,9 +6,14 @@
 >>> s = rtk.reduce(x, op="argmax")           # "sum" | "max" | "min" | "argmax"
 
 Every op reads float16, bfloat16 or float32 rows and computes in float32.  Any leading shape is
-flattened to rows; the rows must be reachable with one row stride (leading dims collapsible, last
-axis contiguous), which covers contiguous arrays and row slices such as ``big[:, :n]``.  Other
-views are copied to a contiguous array first (one extra pass over the data).  Only the last axis
+flattened to rows.  Views (:mod:`rtkernels.ops.views`): x is read in place when one row stride
+reaches every row (leading dims collapsible, last axis contiguous) - contiguous arrays, row slices
+such as ``big[:, :n]``, rows broadcast by ``expand`` (row stride 0) and reversed rows (negative
+row stride).  Other views (a strided or broadcast last axis, transposes, overlapping rows) are
+copied to a contiguous array on the call's stream first (one extra pass; no launch plan); so are
+weight / bias that are not n consecutive elements.  ``out`` must be reachable the same way and
+must not alias itself (a broadcast or overlapping out is rejected: its writes would race);
+reduce's out must be contiguous.  Elements not aligned to their size are rejected.  Only the last axis
 is reduced: ``axis`` must be -1 (or ``ndim - 1``); move the axis yourself (``x.swapaxes(a, -1)``)
 for anything else.  bfloat16 travels as torch tensors or as uint16 CuPy arrays with
 ``dtype="bfloat16"``.
@@ -50,8 +55,9 @@ from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
+from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer, dtype_name,
-                      new_like, same_memory)
+                      empty_as, new_like, same_memory)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 REDUCE_OPS = ("sum", "max", "min", "argmax")
@@ -250,9 +256,10 @@ class NormConfig(_RowConfig):
     bulk_stages: int = 0      # > 0 (sm_90): row stages per block filled by cp.async.bulk
     param_slots: int = 4      # weight (+ bias) vectors loaded at once in the write phase
     streaming: bool = True    # evict-first (.cs) loads and stores of x and y
+    stats: bool = False       # also write float32 rstd (and LayerNorm's mean) per row, for the backward
 
     def __post_init__(self):
-        for name in ("two_pass", "prefetch", "streaming"):
+        for name in ("two_pass", "prefetch", "streaming", "stats"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
@@ -554,15 +561,17 @@ def _row_layout(v) -> tuple[int, int, int] | None:
     return rows, n, lead[-1][1]
 
 
-def _rows_of(x, op: str, name: str = "x"):
-    """A device view of x and its row layout, copying views that one row stride cannot reach."""
+def _rows_of(x, op: str, stream, name: str = "x"):
+    """A device view of x and its row layout: x itself when one row stride reaches every row (row
+    broadcasts - stride 0 - and negative row strides included: the kernels address row r at
+    ``x + r * stride`` in 64-bit integers), else a compact copy made on the call's ``stream``."""
     v = as_device_array(x, op, name)
     if v.ndim == 0:
         raise ConfigError(f"{op}: {name} must have at least one dimension, got a scalar")
+    views.check_readable(op, name, views.of(v))
     lay = _row_layout(v)
     if lay is None:
-        import cupy
-        v = cupy.ascontiguousarray(v)    # documented: non-collapsible views cost one extra copy
+        v = views.compact(v, default_stream(x, stream))   # documented: such views cost one extra copy
         lay = _row_layout(v)
     return v, lay
 
@@ -575,14 +584,14 @@ def _out_rows(out, x, shape, dtype: str, op: str):
     if tuple(ov.shape) != tuple(shape) or not (odt == dtype or (odt == "uint16" and dtype == "bfloat16")):
         raise ConfigError(f"{op}: out must be a {dtype} array of shape {tuple(shape)}, got {odt} {tuple(ov.shape)}",
                           family=op, field="out", value=f"{odt}{tuple(ov.shape)}", allowed=f"{dtype}{tuple(shape)}")
+    info = views.of(ov)
+    accepted = "pass a contiguous array or a row slice (a contiguous last axis, rows one stride apart)"
+    views.check_output(op, "out", info, accepted)
     lay = _row_layout(ov) if ov.ndim else (1, 1, 1)
     if lay is None:
-        raise ConfigError(f"{op}: out (strides {ov.strides}) must reach its rows with one row stride and have a "
-                          "contiguous last axis; pass a contiguous array or a row slice", family=op, field="out")
-    rows, n, stride = lay
-    if rows > 1 and abs(stride) < n:
-        raise ConfigError(f"{op}: out rows overlap (row stride {stride} < width {n})", family=op, field="out")
-    return out, ov, lay
+        raise views.reject(op, "out", info, "cannot be reached with one row stride and a contiguous last axis",
+                           accepted)
+    return out, ov, lay   # (rows closer than their width overlap: check_output rejected them)
 
 
 def _pick_vec(size: int, n: int, ptrs, strides) -> int:
@@ -674,11 +683,8 @@ def _launch(key, launch: Launch, views, arrays, stream) -> None:
 def _replay(plan: OutputPlan, inputs: tuple, out, stream):
     x = inputs[0]
     out = plan.output(x, out)
-    if plan.torch:
-        dev = x.get_device()
-        plan.launch.run([device_pointer(a, dev) for a in (*inputs, out)], default_stream(x, stream))
-    else:
-        plan.launch.run((*inputs, out), stream)
+    # torch tensors go to the launch as they are (Kernel.launch takes their addresses)
+    plan.launch.run((*inputs, out), default_stream(x, stream) if plan.torch else stream)
     return out
 
 
@@ -694,8 +700,12 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
         on sm_90 from 32k up shared-memory slices of a cluster; one read) up to 262144 elements on
         sm_90 and 32768 on sm_80 with 16-byte access; wider rows take two reads.  (Norms: 131072 /
         65536 for float32 on sm_90, 16384 / 8192 on sm_80.)
+        Views: read in place when one row stride reaches every row (contiguous arrays, row
+        slices, rows ``expand``-ed from one row, reversed rows); any other view (a strided or
+        broadcast last axis, transposes, overlapping rows) is copied first on the call's stream.
     axis : -1 (or ``x.ndim - 1``) only.
-    out : optional array of x's shape and dtype (rows reachable with one row stride).
+    out : optional array of x's shape and dtype: rows reachable with one row stride, a contiguous
+        last axis, no two indices on one element (a broadcast or overlapping out is rejected).
     log_softmax : return ``x - max - log(sum(exp(x - max)))``.
     dtype : ``"bfloat16"`` to read a uint16 CuPy array as bfloat16 bits.
     stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
@@ -713,7 +723,7 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     op = "log_softmax" if log_softmax else "softmax"
     dt = _dtype_of(x, dtype, op)
     _check_axis(axis, _ndim(x), op)
-    xv, (rows, n, xs) = _rows_of(x, op)
+    xv, (rows, n, xs) = _rows_of(x, op, stream)
     _check_width(n, op)
     out, ov, (_, _, ys) = _out_rows(out, x, xv.shape, dt, op)
     if rows == 0 or n == 0:
@@ -728,39 +738,108 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
 
 
 def rmsnorm(x, weight, eps: float = 1e-6, out=None, *, dtype: str | None = None, stream=None,
-            config: NormConfig | None = None):
+            config: NormConfig | None = None, return_stats: bool = False):
     """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last axis.
 
     Parameters
     ----------
     x : float16 / bfloat16 / float32 array, any leading shape (see :func:`softmax`).
-    weight : ``n`` contiguous elements, float16 / bfloat16 / float32 (may differ from x's dtype).
+    weight : ``n`` elements, float16 / bfloat16 / float32 (may differ from x's dtype); a view that is
+        not n consecutive elements (``expand``-ed, strided) is copied first.
     eps, out, dtype, stream, config : as in :func:`softmax` (config: a :class:`NormConfig`).
+    return_stats : also return ``rstd`` = ``rsqrt(mean(x**2) + eps)``, float32 of shape
+        ``x.shape[:-1]`` (what :func:`rmsnorm_backward` takes).  Written by the same kernel (its
+        ``stats=True`` variant); without it the kernel is the one that writes y alone.
+
+    Returns
+    -------
+    ``y``, or ``(y, rstd)`` with ``return_stats``.
     """
-    return _norm("rmsnorm", x, weight, None, eps, out, dtype, stream, config)
+    return _norm("rmsnorm", x, weight, None, eps, out, dtype, stream, config, return_stats)
 
 
 def layernorm(x, weight, bias, eps: float = 1e-5, out=None, *, dtype: str | None = None, stream=None,
-              config: NormConfig | None = None):
+              config: NormConfig | None = None, return_stats: bool = False):
     """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last axis (biased variance).
 
     Parameters
     ----------
     x : float16 / bfloat16 / float32 array, any leading shape (see :func:`softmax`).
-    weight, bias : ``n`` contiguous elements each, one dtype (may differ from x's).
+    weight, bias : ``n`` elements each, one dtype (may differ from x's); other views copied first.
     eps, out, dtype, stream, config : as in :func:`softmax` (config: a :class:`NormConfig`).
+    return_stats : also return ``mean`` and ``rstd`` = ``rsqrt(var + eps)``, float32 of shape
+        ``x.shape[:-1]`` each (what :func:`layernorm_backward` takes).
+
+    Returns
+    -------
+    ``y``, or ``(y, mean, rstd)`` with ``return_stats``.
     """
-    return _norm("layernorm", x, weight, bias, eps, out, dtype, stream, config)
+    return _norm("layernorm", x, weight, bias, eps, out, dtype, stream, config, return_stats)
 
 
-def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
+def _norm(op, x, weight, bias, eps, out, dtype, stream, config, return_stats=False):
     inputs = (x, weight) if bias is None else (x, weight, bias)
+    if return_stats:
+        return _norm_with_stats(op, inputs, eps, out, dtype, stream, config)
     key = _PLANS.key(inputs + (out,), (op, eps, dtype, config)) if type(eps) is float else None
     plan = _PLANS.get(key)
     if plan is not None:
         return _replay(plan, inputs, out, stream)
+    launch, views, out = _norm_launch(op, inputs, eps, out, dtype, config, stats=False, stream=stream)
+    if launch is not None:
+        _launch(key, launch, views, (*inputs, out), stream)
+    return out
+
+
+def _norm_with_stats(op, inputs, eps, out, dtype, stream, config):
+    """The forward that also writes float32 (mean,) rstd per row; a plan per signature like
+    :func:`_norm`'s (its record keeps the statistics' shape and array kind)."""
+    x = inputs[0]
+    nstats = 2 if op == "layernorm" else 1
+    key = _PLANS.key(inputs + (out,), (op + "+stats", eps, dtype, config)) if type(eps) is float else None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        out = plan.output(x, out)
+        stats = [empty_as(x, plan.extra, _float32_of(x)) for _ in range(nstats)]
+        if plan.torch:
+            dev = x.get_device()
+            plan.launch.run([device_pointer(a, dev) for a in (*inputs, out, *stats)], default_stream(x, stream))
+        else:
+            plan.launch.run((*inputs, out, *stats), stream)
+        return (out, *stats)
+    launch, views, out = _norm_launch(op, inputs, eps, out, dtype, config, stats=True, stream=stream)
+    shape = tuple(views[0].shape[:-1]) if launch is not None else tuple(_shape_of(x)[:-1])
+    stats = [empty_as(x, shape, _float32_of(x)) for _ in range(nstats)]
+    if launch is None:
+        return (out, *stats)
+    svs = [as_device_array(s, op, "stats") for s in stats]
+    views = (*views, *svs)
+    launch.run(views, default_stream(x, stream))
+    if key is not None and same_memory(views, (*inputs, out, *stats)):
+        _PLANS.put(key, OutputPlan.of(launch, out, extra=shape))
+    return (out, *stats)
+
+
+def _float32_of(x):
+    """float32 as the dtype object of x's array library (torch or CuPy)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+        return torch.float32
+    return np.float32
+
+
+def _shape_of(x):
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else tuple(as_device_array(x, "rtkernels", "x").shape)
+
+
+def _norm_launch(op, inputs, eps, out, dtype, config, stats: bool, stream=None):
+    """Checks, output and the Launch of a norm forward: (launch or None when empty, views
+    (x, weight[, bias], out), out).  ``stats``: the kernel variant that writes the statistics."""
+    x, weight = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
     dt = _dtype_of(x, dtype, op)
-    xv, (rows, n, xs) = _rows_of(x, op)
+    xv, (rows, n, xs) = _rows_of(x, op, stream)
     _check_width(n, op)
     params = []
     wdt = None
@@ -782,25 +861,29 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config):
             raise ConfigError(f"{op}: {name} has dtype {pdt}; with {dt} x it must be {dt} or float32",
                               family=op, field=name, value=pdt, allowed=f"{dt}, float32")
         wdt = pdt
-        if pv.size != n or not pv.flags.c_contiguous:
-            raise ConfigError(f"{op}: {name} must be {n} contiguous elements (x.shape[-1]), got shape {pv.shape}",
+        if pv.size != n:
+            raise ConfigError(f"{op}: {name} must hold {n} elements (x.shape[-1]), got shape {pv.shape}",
                               family=op, field=name, value=tuple(pv.shape), allowed=f"({n},)")
+        # read as n consecutive elements: any other view (expanded, strided) is copied, n elements
+        pv, _ = views.read_view(op, name, pv, default_stream(x, stream), lambda i: i.kind == views.CONTIGUOUS)
         params.append(pv)
     if not isinstance(eps, (int, float, np.floating)) or isinstance(eps, bool) or not eps >= 0:
         raise ConfigError(f"{op}: eps={eps!r} is not allowed; eps must be a float >= 0", family=op, field="eps")
     out, ov, (_, _, ys) = _out_rows(out, x, xv.shape, dt, op)
     if rows == 0 or n == 0:
-        return out
+        return None, (xv, *params, ov), out
     size = dtypes.itemsize(dt)
     vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
     wsize = dtypes.itemsize(wdt)
     while vec > 1 and any(_ptr(p) % min(16, vec * wsize) for p in params):
         vec //= 2   # weights load in pieces of at most 16 bytes
     cfg = _config_for("norm", config, n, dt, vec, rows, op, weight_dtype=wdt, layer=op == "layernorm")
+    if stats:
+        cfg = cfg.replace(stats=True)
     k = get_kernel(cfg, op + "_rows")
-    _launch(key, Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
-                        (rows, n, xs, ys, float(eps))), (xv, *params, ov), (*inputs, out), stream)
-    return out
+    launch = Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
+                    (rows, n, xs, ys, float(eps)))
+    return launch, (xv, *params, ov), out
 
 
 def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = None, stream=None,
@@ -809,7 +892,8 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
 
     Sum accumulates in float32 and rounds once to x's dtype (float16 sums beyond 65504 give inf).
     max/min propagate NaN; argmax gives the first maximum, and a row with NaN gives its first NaN
-    (NumPy's rules).  The result has shape ``x.shape[:-1]``.  Other parameters as in :func:`softmax`.
+    (NumPy's rules).  The result has shape ``x.shape[:-1]``; ``out`` must be contiguous.  Other
+    parameters (and the views of x read in place or copied) as in :func:`softmax`.
     """
     if op not in REDUCE_OPS:
         raise ConfigError(f"reduce: op={op!r} is not allowed; op must be one of {', '.join(map(repr, REDUCE_OPS))}",
@@ -821,7 +905,7 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     name = f"reduce({op})"
     dt = _dtype_of(x, dtype, name)
     _check_axis(axis, _ndim(x), name)
-    xv, (rows, n, xs) = _rows_of(x, name)
+    xv, (rows, n, xs) = _rows_of(x, name, stream)
     _check_width(n, name)
     if n == 0:
         raise ConfigError(f"{name}: the last axis is empty; a reduction needs at least one element",
@@ -829,8 +913,8 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     odt = "int64" if op == "argmax" else dt
     shape = xv.shape[:-1]
     out, ov, _ = _out_rows(out, x, shape, odt, name)
-    if not ov.flags.c_contiguous:
-        raise ConfigError(f"{name}: out must be contiguous", family="reduce", field="out")
+    if not ov.flags.c_contiguous:   # one result per row, written at out[row]
+        raise views.reject(name, "out", views.of(ov), "is not contiguous", "pass a contiguous array")
     if rows == 0:
         return out
     size = dtypes.itemsize(dt)

@@ -1,0 +1,1022 @@
+"""attention_kvcache: attention against a KV cache for decoding (flash-decoding), contiguous or paged.
+
+``o = attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
+causal=True, softmax_scale=None, return_lse=False, num_splits=None, out=None, stream=None)``
+has the semantics of FlashAttention's ``flash_attn_with_kvcache``.  One kernel family,
+``attention_decode`` (templates/attention_decode.cu.j2), with three entry points: the split-KV
+attention kernel (which also merges the splits' partial results, "fused"), the combine kernel
+that merges them as a launch of its own when they are many, and the append kernel that writes
+k_new / v_new into the cache first.
+
+The call reads top-down: check (shapes, dtypes, strides, devices; cheap, no device reads) ->
+plan (config from :func:`choose_config`, splits from :func:`choose_num_splits`, grid, the
+by-value argument struct) -> launch.  Plans are kept per call signature (:class:`LaunchPlans`),
+so a decoding loop pays for the checks once; a replay packs the arrays' addresses into one
+by-value struct and launches.  Nothing on the per-call path reads device data: the grid is
+sized from shapes (the cache's capacity), each CTA reads its sequence's length itself, and
+out-of-range cache contents (lengths, page ids) are caught on the device, where they turn that
+sequence's output into NaN.  :func:`check_kvcache_inputs` (or ``validate=True``) checks them on
+the host instead, with a synchronization.
+
+Split-KV partial results and the fused merge's counters live in a workspace per (device,
+stream), allocated on first use and kept (never freed, so a CUDA graph that captured a call can
+replay it): calls on one stream share it in stream order, calls on different streams get their
+own.  A graph replays its captured workspace: do not replay it concurrently with eager calls on
+the stream it was captured on.
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from .._env import getenv
+from ..config import register_family
+from ..errors import ConfigError
+from ._arrays import Launch, LaunchPlans, _is_torch, as_device_array, default_stream, dtype_name, empty_as
+from .attention import AttentionShape, _device_arch, _device_of, _dtype_of, _elem_strides, _smem_limit
+
+FAMILY = "attention_decode"
+OP = "attention_kvcache"
+MAX_SPLITS = 128          # the combine kernel keeps one weight per split in shared memory
+COMBINE_THREADS = 256     # one output row per combine CTA
+APPEND_THREADS = 256
+_GRID_X_MAX = 2 ** 31 - 1
+WARP_SPLITS = ("keys", "rows")
+
+
+@register_family
+@dataclass(frozen=True)
+class AttentionDecodeConfig(AttentionShape):
+    """One specialization of the decode kernels (split-KV attention, combine, append).
+
+    Parameters
+    ----------
+    dtype : "float16" or "bfloat16" (q, caches and o; float32 accumulation and partials).
+    head_dim : multiple of 8 in [8, 256].
+    causal : bottom-right causal mask compiled in (only matters for seqlen_q > 1).
+    warp_split : how the CTA's warps share its work.  "keys": every warp holds all ``rows`` rows
+        of one kv head and streams its own key tiles through its own cp.async ring (no CTA
+        barrier; the warps' results merged at the end).  "rows": one CTA-wide ring of key tiles
+        of ``kv_heads`` kv heads, and each warp computes 16 rows of one of those heads.
+    rows : query rows per kv head per CTA (seqlen_q x heads of one GQA group, padded to 16).
+        keys: 16, 32, 48 or 64 with rows x head_dim <= 4096 (every warp keeps O for all rows in
+        registers); rows: 16 x (num_warps / kv_heads).
+    kv_heads : kv heads per CTA (rows mode; 1 in keys mode): 1, 2, 4 or 8.
+    block_n : keys per tile (16, 32 or 64).
+    num_warps : 1 to 8 (keys mode: 1, 2, 4 or 8).
+    num_stages : depth of the cp.async ring (2..6): num_stages - 1 tiles in flight.
+    paged : K/V addressed through a block table (page sizes: multiples of 16).
+    q_in_regs : keep Q's A fragments in registers (keys mode: read from shared memory once; rows
+        mode: loaded from global memory straight into registers, no Q tile in shared memory).
+    """
+
+    family: ClassVar[str] = FAMILY
+    template: ClassVar[str] = "attention_decode.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("attention_decode", "attention_decode_combine", "attention_decode_append")
+    # The combine and append entry points have no MMA, so the family-wide flag stays off; the
+    # tests check HMMA in the attention kernel's SASS.
+    expects_tensor_cores: ClassVar[bool] = False
+    expected_global_width: ClassVar[int | None] = None   # K/V arrive by cp.async; lengths, page ids, Q fragments are LDG
+
+    rows: int = 16
+    block_n: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+    paged: bool = False
+    q_in_regs: bool = True
+    warp_split: str = "keys"
+    kv_heads: int = 1
+
+    def __post_init__(self):
+        self._check_shape()
+        self._check_choice("warp_split", WARP_SPLITS)
+        self._check_choice("block_n", (16, 32, 64))
+        self._check_int("num_stages", 2, 6)
+        self._check_choice("paged", (False, True))
+        self._check_choice("q_in_regs", (False, True))
+        self._check_choice("kv_heads", (1, 2, 4, 8))
+        if self.warp_split == "keys":
+            self._check_choice("rows", (16, 32, 48, 64))
+            self._check_choice("num_warps", (1, 2, 4, 8))
+            if self.kv_heads != 1:
+                self._fail("kv_heads", "1 with warp_split='keys' (one kv head per CTA)")
+            if self.rows * self.head_dim > 4096:
+                self._fail("rows", f"at most {4096 // self.head_dim // 16 * 16} at head_dim={self.head_dim} (every "
+                                   "warp holds O for all rows in registers: rows x head_dim <= 4096)")
+        else:
+            self._check_int("num_warps", 1, 8)
+            if self.num_warps % self.kv_heads:
+                self._fail("num_warps", f"a multiple of kv_heads={self.kv_heads} (warp_split='rows': every kv head "
+                                        "gets the same warps)")
+            want = 16 * (self.num_warps // self.kv_heads)
+            if self.rows != want:
+                self._fail("rows", f"{want} = 16 x num_warps / kv_heads (warp_split='rows': 16 rows per warp)")
+
+    # ---- derived values (the template re-checks them with static_assert) --------------
+    @property
+    def shared_mem_bytes(self) -> int:
+        """keys: the larger of the main loop's buffers (Q tile + each warp's ring of K and V
+        tiles, rows padded to odd 16-byte chunks) and the end's merge of the warps (float32 O per
+        warp and row, strides of 8 or 24 words mod 32, plus row statistics) laid over them.
+        rows: the Q tiles of the CTA's kv heads (none with q_in_regs) + the CTA's ring."""
+        qk = ((self.head_dim_padded // 8) | 1) * 8
+        vs = ((self.head_dim // 8) | 1) * 8
+        if self.warp_split == "rows":
+            q_tile = 0 if self.q_in_regs else self.kv_heads * self.rows * qk
+            return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
+        pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
+        red_stride = self.head_dim + 8 if self.head_dim % 16 == 0 else self.head_dim
+        merge = 4 * (self.num_warps * self.rows * red_stride + 2 * self.num_warps * self.rows + 2 * self.rows)
+        return max(pipe, merge)
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """K/V bytes one CTA keeps requested while it computes: num_stages - 1 tiles (per warp in
+        keys mode, per CTA of kv_heads heads in rows mode)."""
+        tiles = self.num_warps if self.warp_split == "keys" else self.kv_heads
+        return tiles * (self.num_stages - 1) * self.block_n * 2 * self.head_dim * 2
+
+    def template_params(self) -> dict[str, Any]:
+        p = super().template_params()
+        p.update(smem_bytes=self.shared_mem_bytes, ptrs_bytes=PTRS_DTYPE.itemsize, args_bytes=ARGS_DTYPE.itemsize,
+                 combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS)
+        return p
+
+    @classmethod
+    def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
+        """Tile fields not given come from :func:`choose_config` for one decode step of a GQA group
+        of ``rows`` (default 16) query rows of one kv head."""
+        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads")
+        if all(f in params for f in tile):
+            return {}
+        from .. import device
+        base = {f: params[f] for f in ("dtype", "head_dim", "causal", "paged") if f in params}
+        try:
+            probe = cls(**base)
+            cfg = choose_config(probe.dtype, probe.head_dim, params.get("rows", 16), probe.paged, probe.causal,
+                                arch or device.current_arch(), nheads_kv=params.get("kv_heads", 1),
+                                warp_split=params.get("warp_split"))
+        except (ConfigError, TypeError):
+            return {}   # the constructor then reports the bad field itself
+        return {f: getattr(cfg, f) for f in tile}
+
+
+# ---- the by-value argument structs (DecodePtrs / DecodeArgs in the template, same order and types)
+DECODE_PTRS: tuple[str, ...] = ("q", "k", "v", "o", "lse", "o_part", "lse_part", "counters", "cache_seqlens",
+                                "block_table", "k_new", "v_new")
+PTRS_DTYPE = np.dtype([(name, "<u8") for name in DECODE_PTRS])
+_PACK_PTRS = struct.Struct("<%dQ" % len(DECODE_PTRS)).pack
+DECODE_ARGS: tuple[tuple[str, str], ...] = (
+    *((f"{a}_{s}", "i8") for a in ("q", "k", "v", "o", "kn", "vn") for s in ("batch", "seq", "head")),
+    ("bt_batch", "i8"), ("cs_stride", "i8"),
+    ("batch", "i4"), ("seqlen_q", "i4"), ("nheads_kv", "i4"), ("group", "i4"),
+    ("seqlen_new", "i4"), ("capacity", "i4"), ("num_splits", "i4"), ("row_tiles", "i4"),
+    ("page_size", "i4"), ("num_blocks", "i4"), ("order", "i4"), ("fused", "i4"),
+    ("softmax_scale", "f4"), ("scale_log2", "f4"),
+)
+# 8-byte fields first, then an even number of 4-byte ones: NumPy's packed layout equals C's.
+ARGS_DTYPE = np.dtype([(name, "<" + t) for name, t in DECODE_ARGS])
+
+
+# ---- heuristics ---------------------------------------------------------------------------
+class Tile(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+    why: str
+
+
+# keys mode: (lowest head_dim, highest head_dim) -> tiles in order of preference; the first that
+# fits the target's shared memory per block is used.  Measured on an H100 (2026-11-25, bf16,
+# tools/bench_decode.py --tiles): 16:4:3, 16:4:5, 16:8:3, 32:4:3 within +-3% of each other at
+# every decode shape - the tile is not the limiter; the defaults stay.  A CTA keeps num_warps x
+# (num_stages - 1) tiles in flight, and Little's law asks ~25 KB (H100, 3.35 TB/s x ~1 us / 132
+# SMs) to ~36 KB (H200) per SM; these keep 48-128 KB per CTA in flight so one CTA per SM is
+# enough, and stay under ~113 KB of shared memory (two CTAs per sm_90 SM) where the head dim allows.
+HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
+    (8, 64, (
+        Tile(32, 4, 3, "d64: 32-key tiles (8 KB of K+V per warp tile, as d128's 16-key tiles); 4 warps x 2 tiles "
+                       "= 64 KB in flight; 2 x 9 KB x 3 stages x 4 warps = 110 KB smem: 2 CTAs per sm_90 SM"),
+        Tile(32, 4, 2, "fallback when smem is short: 32 KB in flight"),
+        Tile(16, 4, 2, "last resort"),
+    )),
+    (72, 128, (
+        Tile(16, 4, 3, "d128: 16 keys x 512 B = 8 KB per warp tile; 4 warps x 2 tiles = 64 KB in flight per CTA; "
+                       "104 KB smem: 2 CTAs per sm_90 SM"),
+        Tile(16, 4, 2, "fallback when smem is short (sm_86/89: 99 KiB): 32 KB in flight"),
+        Tile(16, 2, 2, "last resort"),
+    )),
+    (136, 256, (
+        Tile(16, 4, 3, "d256: 16 KB per warp tile; 4 warps x 2 tiles = 128 KB in flight; 211 KB smem (sm_90 "
+                       "only, 1 CTA per SM)"),
+        Tile(16, 4, 2, "sm_80 (163 KiB): 64 KB in flight, 143 KB smem"),
+        Tile(16, 2, 2, "sm_86/89 (99 KiB): 32 KB in flight"),
+    )),
+]
+
+# Which warp split serves which row count (rows = seqlen_q x GQA group per kv head).
+# Above 16 rows: "rows".  Measured (H100, 2026-11-25): keys mode at 64 rows (seqlen_q 16 x group
+# 4) split them into two 32-row tiles that each read K/V: 67% of copy against 86% at 4 rows; and
+# at 32 rows every keys-mode warp holds two m-tiles (231-246 registers at d128).  The rows mode
+# reads K/V once for up to 128 rows per head with 16 rows (one m-tile) per warp.
+ROWS_MODE_ABOVE = 16
+# Decoding (<= 16 rows): "keys" until the rows mode's several-kv-heads-per-CTA variant (each CTA
+# reads a key's kv_heads x head_dim run contiguously, the DRAM-locality hypothesis of issue #15)
+# is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
+# tools/bench_decode.py --variants times both in one run; RTKERNELS_DECODE_WARP_SPLIT overrides.
+DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # read at import
+
+# Splits: no split shorter than this many keys (each split writes rows x head_dim float32
+# partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
+# bytes per query row).  Reasoned.
+MIN_KEYS_PER_SPLIT = 256
+# No split at all once the grid has this fraction of a CTA per SM.  Measured (H100, bf16,
+# 2026-11-25, .gpu/splits_sweep.json): B8 S8k 32/8 (64 CTAs on 132 SMs) 93.0% of copy at 1
+# split, 86.5 / 84.4 / 82.1% at 4 / 8 / 16 splits; B64 S2k (512 CTAs) 94.8% at 1 split, 88.3% at 8.
+# 64 CTAs with 64 KB in flight each already pull the HBM's bandwidth.
+NO_SPLIT_FILL = 0.45
+# The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
+# launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.
+# Reasoned: a CTA keeps ~32 KB of loads in flight, ~1 us each round trip.
+FUSED_COMBINE_MAX_BYTES = 32 * 1024
+
+
+def candidates(head_dim: int) -> tuple[Tile, ...]:
+    for lo, hi, tiles in HEURISTICS:
+        if lo <= head_dim <= hi:
+            return tiles
+    raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
+
+
+def max_rows(head_dim: int) -> int:
+    """keys mode: the most query rows one CTA takes at this head dim: each warp holds O (rows x
+    head_dim / 32 registers per thread) and S (rows x 16 / 32 at 16-key tiles), and rows x
+    (head_dim + 16) <= 4608 keeps the two at d128's 32 rows (231-246 registers, no spill); d64 at
+    64 rows reached 255 on sm_80 (NVRTC 13.5), so it gets 48.  At most 64 rows."""
+    return max(16, min(64, 4608 // (head_dim + 16) // 16 * 16))
+
+
+def rows_for(rows_total: int, head_dim: int) -> int:
+    """keys mode: query rows per CTA for seqlen_q x group rows: all of them (rounded up to 16) when
+    they fit."""
+    return min(max_rows(head_dim), max(16, -(-rows_total // 16) * 16))
+
+
+def _kv_heads_for(nheads_kv: int, want: int | None) -> int:
+    """kv heads per CTA: the largest of 8, 4, 2, 1 (at most ``want``) dividing nheads_kv."""
+    for kv in (8, 4, 2, 1):
+        if kv <= (want or 8) and nheads_kv % kv == 0:
+            return kv
+    return 1
+
+
+# rows mode: at least this many warps per CTA (extra warps take padding rows: their MMAs are idle
+# issue slots in a memory-bound loop), and at most this many 16-byte K (and V) chunks per thread
+# and tile.  Measured with NVRTC 13.5 (sm_80, sm_90; paged, causal): 16-32 chunks per thread (1-2
+# warps copying 64-key tiles, or d256 tiles of 8 kv heads) spilled 4-740 bytes at 255 registers,
+# each chunk's page id and address held for the next tile; 8 chunks at 4-8 warps: 145-240 registers.
+ROWS_MODE_MIN_WARPS = 4
+MAX_LOAD_ITERS = 8
+
+
+def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads=None, block_n=None,
+                 num_stages=None) -> AttentionDecodeConfig:
+    """warp_split="rows": 16 rows per warp, up to 128 rows per head (8 warps) for many rows; for
+    decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA; at least
+    ROWS_MODE_MIN_WARPS warps.  Tiles: ~128 (d <= 64: 256, d > 128: 64) key rows of K+V per stage
+    over the CTA's heads (64 KB of K+V at d128, as the keys mode's 4 warps x 16 keys x 2 stages)
+    and at most MAX_LOAD_ITERS chunks per thread; 3 stages where the shared memory allows, else 2;
+    else 16-key tiles; else fewer kv heads, else fewer rows per CTA.  Reasoned, to be measured
+    (tools/bench_decode.py --variants)."""
+    hd_pad = -(-head_dim // 16) * 16
+    chunks = head_dim // 8
+    limit = _smem_limit(arch)
+    target = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    need_rw = min(8, max(1, -(-rows_total // 16)))
+    kv0 = _kv_heads_for(nheads_kv, kv_heads if kv_heads else (8 if rows_total <= 16 else 1))
+    while need_rw >= 1:
+        kv = kv0
+        while kv >= 1:
+            rw = max(need_rw, -(-ROWS_MODE_MIN_WARPS // kv))
+            threads = 32 * kv * rw
+            if kv * rw <= 8:
+                for bn in ((block_n,) if block_n else (64, 32, 16)):
+                    iters = -(-kv * bn * chunks // threads)
+                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d > 128's O
+                    too_big = bn > max(16, target // kv) or (hd_pad > 128 and bn > 32)
+                    if not block_n and (too_big or (bn > 16 and iters > MAX_LOAD_ITERS)):
+                        continue
+                    if not block_n and iters > MAX_LOAD_ITERS and kv > 1:
+                        break   # even 16-key tiles are too many chunks per thread: fewer kv heads
+                    for stages in ((num_stages,) if num_stages else (3, 2)):
+                        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * rw,
+                                                    block_n=bn, num_warps=kv * rw, num_stages=stages, paged=paged,
+                                                    q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv)
+                        if cfg.shared_mem_bytes <= limit:
+                            return cfg
+            kv //= 2
+        need_rw //= 2
+    raise ConfigError(f"{OP}: no rows-mode tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
+                      "block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
+
+
+def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
+                  nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
+                  block_n: int | None = None, num_stages: int | None = None,
+                  num_warps: int | None = None) -> AttentionDecodeConfig:
+    """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
+    rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
+    (tuning: tools/bench_decode.py --variants)."""
+    if warp_split is None:
+        warp_split = "rows" if rows_total > ROWS_MODE_ABOVE else DECODE_WARP_SPLIT
+    if warp_split not in WARP_SPLITS:
+        raise ConfigError.bad_value(FAMILY, "warp_split", warp_split, "'keys' or 'rows'")
+    if warp_split == "rows":
+        return _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads, block_n,
+                            num_stages)
+    rows = rows_for(rows_total, head_dim)
+    limit = _smem_limit(arch)
+    tiles = candidates(head_dim)
+    if block_n or num_stages or num_warps:
+        base = tiles[0]
+        tiles = (Tile(block_n or base.block_n, num_warps or base.num_warps, num_stages or base.num_stages,
+                      "override"),) + tiles
+    for t in tiles:
+        # S for the tile lives in rows / 16 x block_n / 8 x 4 registers: at most 32.
+        bn = t.block_n
+        while rows * bn > 1024 and bn > 16:
+            bn //= 2
+        hd_pad = -(-head_dim // 16) * 16
+        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=rows, block_n=bn,
+                                    num_warps=t.num_warps, num_stages=t.num_stages, paged=paged,
+                                    q_in_regs=rows * hd_pad <= 2048)   # Q fragments: <= 32 registers
+        if cfg.shared_mem_bytes <= limit:
+            return cfg
+    raise ConfigError(f"{OP}: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per block",
+                      family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
+
+
+def choose_num_splits(ctas: int, capacity: int, sms: int) -> int:
+    """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
+    x row tiles) over a cache of ``capacity`` keys per sequence.
+
+    Measured (H100, bf16, 2026-11-25, .gpu/splits_sweep.json; the combine of that version cost
+    ~0.33 us per split, a serial loop, since replaced):
+      - a grid of >= NO_SPLIT_FILL x sms CTAs runs at the roof unsplit (B8 S8k: 93.0% of copy at 1
+        split, 86.5% at 4); more splits only add partial-result traffic and the merge.
+      - below that, fill each SM with ONE CTA: B1 S32k (8 CTAs) 77.1% at 16 splits (128 CTAs) vs
+        70.6% at 33 (264 CTAs, two per SM), 75.0% at 8; B1 S128k 94.2% at 8, 91.6% at 16, 88.9% at
+        33 - less the old merge's ~0.33 us per split, 8 and 16 splits run the same, 33 no faster.
+        So sms // ctas splits: never a second CTA on an SM (its SM's slower share would finish last).
+    No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
+    actual lengths): the plan must not read device data.
+    """
+    if ctas <= 0 or ctas >= NO_SPLIT_FILL * sms:
+        return 1
+    return max(1, min(sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_dims=None) -> list[AttentionDecodeConfig]:
+    """Every config the heuristics can pick on ``arch`` (head_dim 8..256 step 8 x dtype x paged x
+    causal x rows per kv head 1..128 (keys and rows mode) x kv heads 1..8 for decoding): what
+    `rtk report attention_decode` and the slow no-spill test compile."""
+    head_dims = head_dims or range(8, 257, 8)
+    out = []
+    for d in head_dims:
+        for dt in dtypes:
+            for paged in (False, True):
+                for causal in (False, True):
+                    for rows_total in (1, 16):
+                        out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys"))
+                        for nkv in (1, 2, 4, 8):
+                            out.append(choose_config(dt, d, rows_total, paged, causal, arch, nheads_kv=nkv,
+                                                     warp_split="rows"))
+                    for rows_total in (32, 48, 64, 128):
+                        out.append(choose_config(dt, d, rows_total, paged, causal, arch))
+    return list(dict.fromkeys(out))
+
+
+# ---- checks (shapes, dtypes, strides, devices: the host's part, no device data read) ---------
+def _bad(field: str, value: Any, message: str) -> ConfigError:
+    return ConfigError(f"{OP}: {message}", family=OP, field=field, value=value, allowed=message)
+
+
+class Problem(NamedTuple):
+    """What the checks found: the sizes and element strides the plan is built from."""
+    dtype: str
+    device: int
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    paged: bool
+    capacity: int
+    page_size: int
+    num_blocks: int
+    seqlen_new: int
+    softmax_scale: float
+    strides: dict        # name -> element strides (q, k_cache, v_cache, k_new, v_new, out, block_table, cache_seqlens)
+
+
+def _int_strides(view, name: str) -> tuple[int, ...]:
+    item = view.itemsize
+    if any(s % item for s in view.strides):
+        raise _bad(name, view.strides, f"{name} has strides {view.strides} bytes, not whole int32 elements")
+    return tuple(s // item for s in view.strides)
+
+
+def check(views: dict, dtype: str | None, softmax_scale, num_splits, arrays: dict | None = None) -> Problem:
+    """Check the arrays and options; raise ConfigError naming the argument, its value and what is
+    allowed.  ``views``: name -> CuPy view (or anything with shape, strides, dtype, itemsize,
+    data.ptr, device.id); ``arrays``: the caller's objects, whose dtypes count (a torch bfloat16
+    tensor's view is uint16); default the views."""
+    arrays = arrays or views
+    q_, kc, vc = views["q"], views["k_cache"], views["v_cache"]
+    cs, bt = views["cache_seqlens"], views.get("block_table")
+    kn, vn, out = views.get("k_new"), views.get("v_new"), views.get("out")
+    floats = {n: v for n, v in views.items() if n in ("q", "k_cache", "v_cache", "k_new", "v_new")}
+    dts = {n: _dtype_of(arrays[n], n, dtype, OP) for n in floats}
+    if len(set(dts.values())) != 1:
+        raise _bad("dtype", dts, ", ".join(dts) + " must have the same dtype, got "
+                   + ", ".join(f"{n}={d}" for n, d in dts.items()))
+    dt = dts["q"]
+    for name, view in floats.items():
+        if view.ndim != 4:
+            raise _bad(name, tuple(view.shape), f"{name} must be 4-D, got shape {tuple(view.shape)}")
+    batch, seqlen_q, nheads, head_dim = q_.shape
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise _bad("v_cache", tuple(vc.shape), f"v_cache must have k_cache's shape {tuple(kc.shape)}, got "
+                                               f"{tuple(vc.shape)}")
+    nblk, page_or_seq, nheads_kv, kd = kc.shape
+    if kd != head_dim:
+        raise _bad("k_cache", tuple(kc.shape), f"k_cache's head_dim (last dim) {kd} must equal q's {head_dim}")
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ConfigError.bad_value(OP, "head_dim", head_dim, "a multiple of 8 in [8, 256] (q.shape[-1])")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise _bad("k_cache", tuple(kc.shape), f"nheads={nheads} (q.shape[2]) must be a multiple of nheads_kv="
+                                               f"{nheads_kv} (k_cache.shape[2])")
+    # cache_seqlens: int32 (batch,)
+    if dtype_name(cs) != "int32" or cs.ndim != 1 or cs.shape[0] != batch:
+        raise _bad("cache_seqlens", (dtype_name(cs), tuple(cs.shape)),
+                   f"cache_seqlens must be an int32 array of shape (batch,) = ({batch},), got {dtype_name(cs)} "
+                   f"{tuple(cs.shape)}")
+    strides = {"cache_seqlens": _int_strides(cs, "cache_seqlens")}
+    paged = bt is not None
+    if paged:
+        if dtype_name(bt) != "int32" or bt.ndim != 2 or bt.shape[0] != batch or bt.shape[1] < 1:
+            raise _bad("block_table", (dtype_name(bt), tuple(bt.shape)),
+                       f"block_table must be an int32 array of shape (batch, max_blocks_per_seq) = ({batch}, >= 1), "
+                       f"got {dtype_name(bt)} {tuple(bt.shape)}")
+        strides["block_table"] = _int_strides(bt, "block_table")
+        if bt.shape[1] > 1 and strides["block_table"][1] != 1:
+            raise _bad("block_table", strides["block_table"], "block_table's rows must be contiguous (stride 1 in "
+                                                              f"the last dim), got strides {strides['block_table']}")
+        page_size, num_blocks = page_or_seq, nblk
+        if page_size % 16 or page_size == 0:
+            raise _bad("k_cache", tuple(kc.shape), f"a paged cache's page_size (k_cache.shape[1]) must be a positive "
+                                                   f"multiple of 16, got {page_size}")
+        if num_blocks == 0:
+            raise _bad("k_cache", tuple(kc.shape), "a paged cache needs at least one page (k_cache.shape[0] >= 1)")
+        capacity = bt.shape[1] * page_size
+    else:
+        page_size, num_blocks = 0, 0
+        if nblk < batch:
+            raise _bad("k_cache", tuple(kc.shape), f"k_cache must hold a row per sequence: shape[0] = {nblk} < batch "
+                                                   f"= {batch} (q.shape[0]); for a paged cache pass block_table")
+        capacity = page_or_seq
+    if capacity >= 2 ** 31 - 2 ** 16:
+        raise _bad("k_cache", tuple(kc.shape), f"the cache's capacity {capacity} keys per sequence must stay below 2^31")
+    seqlen_new = 0
+    if (kn is None) != (vn is None):
+        raise _bad("k_new" if kn is None else "v_new", None, "k_new and v_new must be given together")
+    if kn is not None:
+        want = (batch, kn.shape[1], nheads_kv, head_dim)
+        for name, view in (("k_new", kn), ("v_new", vn)):
+            if tuple(view.shape) != want:
+                raise _bad(name, tuple(view.shape), f"{name} must be (batch, seqlen_new, nheads_kv, head_dim) = "
+                                                    f"{want}, got {tuple(view.shape)}")
+        seqlen_new = kn.shape[1]
+        if seqlen_new > capacity:
+            raise _bad("k_new", tuple(kn.shape), f"seqlen_new = {seqlen_new} (k_new.shape[1]) exceeds the cache's "
+                                                 f"capacity of {capacity} keys per sequence")
+    if out is not None:
+        odt = dtype_name(arrays["out"])
+        odt = "bfloat16" if (dt == "bfloat16" and odt == "uint16") else odt
+        if tuple(out.shape) != tuple(q_.shape) or odt != dt:
+            raise _bad("out", (odt, tuple(out.shape)), f"out must be a {dt} array of q's shape {tuple(q_.shape)}, got "
+                                                       f"{odt} {tuple(out.shape)}")
+    devs = {n: _device_of(v) for n, v in views.items() if v is not None}
+    if len(set(devs.values())) != 1:
+        raise _bad("device", devs, "all arrays must be on the same device, got "
+                   + ", ".join(f"{n} on {d}" for n, d in devs.items()))
+    empty = batch == 0 or nheads == 0
+    for name in ("q", "k_cache", "v_cache", "k_new", "v_new", "out"):
+        view = views.get(name)
+        if view is not None and not (empty or view.size == 0):
+            strides[name] = _elem_strides(view, name, OP)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise _bad("softmax_scale", softmax_scale, f"softmax_scale must be a positive finite float, got "
+                                                   f"{softmax_scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
+                                   or not 0 <= num_splits <= MAX_SPLITS):
+        raise _bad("num_splits", num_splits, f"num_splits must be None or 0 (heuristic) or an int in [1, {MAX_SPLITS}], "
+                                             f"got {num_splits!r}")
+    return Problem(dt, devs["q"], batch, seqlen_q, nheads, nheads_kv, head_dim, paged, capacity, page_size, num_blocks,
+                   seqlen_new, float(softmax_scale), strides)
+
+
+# ---- plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """What one call signature launches: the launches (append, combine may be None; split None
+    when there is no query row) with their by-value DecodeArgs, the outputs' shapes and dtypes (in
+    the library the outputs are made with) and the workspace the splits need."""
+    split: Launch | None
+    combine: Launch | None
+    append: Launch | None
+    config: AttentionDecodeConfig | None
+    num_splits: int
+    fused: bool           # the last CTA of a group merges the splits (else the combine launch)
+    out_shape: tuple
+    out_dtype: object
+    lse_shape: tuple | None
+    f32: object
+    part_bytes: int       # workspace: o_part (float32) then lse_part (float32); 0 without splits
+    lse_part_offset: int  # bytes from the workspace start to lse_part
+    counter_bytes: int    # int32 counters of the fused merge (zero between launches)
+    torch: bool
+    device: int
+
+
+def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_tiles: int, order: int = 1,
+          fused: bool = False) -> np.void:
+    """The by-value DecodeArgs for these sizes and strides."""
+    a = np.zeros((), ARGS_DTYPE)
+    h, d = p.nheads, p.head_dim
+    new_out = (p.seqlen_q * h * d, h * d, d, 1)   # the contiguous o the op allocates when out is None
+    for name, key in (("q", "q"), ("k", "k_cache"), ("v", "v_cache"), ("o", "out"), ("kn", "k_new"), ("vn", "v_new")):
+        st = p.strides.get(key, new_out if key == "out" else None)
+        if st is not None:
+            a[f"{name}_batch"], a[f"{name}_seq"], a[f"{name}_head"] = st[:3]
+    if p.paged:
+        a["bt_batch"] = p.strides["block_table"][0]
+    a["cs_stride"] = p.strides["cache_seqlens"][0]
+    a["batch"], a["seqlen_q"], a["nheads_kv"], a["group"] = p.batch, p.seqlen_q, p.nheads_kv, p.nheads // p.nheads_kv
+    a["seqlen_new"], a["capacity"], a["num_splits"], a["row_tiles"] = p.seqlen_new, p.capacity, num_splits, row_tiles
+    a["page_size"], a["num_blocks"], a["order"], a["fused"] = p.page_size, p.num_blocks, order, int(fused)
+    a["softmax_scale"], a["scale_log2"] = p.softmax_scale, p.softmax_scale * math.log2(math.e)
+    return a[()]
+
+
+# CTA order: kv-head groups fastest (1) puts the CTAs of one (sequence, split) - which read the
+# same keys' rows, one kv head each - next to each other in launch order, so they run at the
+# same time and their reads of one key's contiguous nheads_kv x head_dim run meet in DRAM and
+# L2 (issue #15's locality hypothesis; splits fastest (0) was the first version's order).
+# Reasoned; tools/bench_decode.py --variants times both.
+ORDER = {"splits": 0, "heads": 1}
+DEFAULT_ORDER = "heads"
+
+# Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
+# num_stages, num_warps), order ("splits"/"heads"), combine ("fused"/"kernel") and num_splits
+# overriding the heuristics; part of every plan's key.  None in normal use.
+_VARIANT: dict | None = None
+_VARIANT_KEY: tuple | None = None
+
+
+def set_variant(variant: dict | None) -> None:
+    """Override the heuristics for later calls (a tuning aid for benchmarks, not an API):
+    ``{"warp_split": "rows", "kv_heads": 8, "order": "splits", "combine": "kernel", ...}``."""
+    global _VARIANT, _VARIANT_KEY
+    _VARIANT = dict(variant) if variant else None
+    _VARIANT_KEY = tuple(sorted(_VARIANT.items())) if _VARIANT else None
+
+
+def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: bool, out_dtype, f32,
+              arch: str, sms: int, variant: dict | None = None) -> Plan:
+    """Config, kernels, splits, grid and arguments for a checked problem."""
+    from ..kernel import get_kernel
+    v = variant or {}
+    group = p.nheads // p.nheads_kv
+    causal = bool(causal) and p.seqlen_q > 1   # one query row sees every key either way
+    out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim)
+    lse_shape = (p.batch, p.nheads, p.seqlen_q) if return_lse else None
+    empty = p.batch == 0 or p.nheads == 0
+    if empty or (p.seqlen_q == 0 and p.seqlen_new == 0):
+        return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
+    rows_total = p.seqlen_q * group
+    cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
+                        **{f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps") if f in v})
+    head_groups = p.nheads_kv // cfg.kv_heads
+    row_tiles = max(1, -(-rows_total // cfg.rows))
+    ctas = row_tiles * p.batch * head_groups
+    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms))
+    if ctas * num_splits > _GRID_X_MAX:
+        raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
+                                   f"exceeds a grid's {_GRID_X_MAX}")
+    rows_all = p.batch * p.seqlen_q * p.nheads
+    cta_rows = cfg.kv_heads * min(cfg.rows, max(rows_total, 1))
+    fused = False
+    if num_splits > 1:
+        fits = 16 + 4 * cta_rows * num_splits <= cfg.shared_mem_bytes   # the merge's weights
+        want = v.get("combine")
+        fused = fits and (want == "fused" or (want is None and
+                                              num_splits * cta_rows * p.head_dim * 4 <= FUSED_COMBINE_MAX_BYTES))
+    order = ORDER[v.get("order", DEFAULT_ORDER)]
+    args = _args(p, cfg, num_splits, row_tiles, order, fused)
+    append = split = combine = None
+    if p.seqlen_new > 0:
+        n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
+        append = Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
+                        (APPEND_THREADS,), 0, (args,))
+    part_bytes = lse_off = counter_bytes = 0
+    if rows_total > 0:
+        split = Launch(get_kernel(cfg, "attention_decode", arch=arch), (ctas * num_splits,), (cfg.threads_per_block,),
+                       cfg.shared_mem_bytes, (args,))
+        if num_splits > 1:
+            lse_off = 4 * num_splits * rows_all * p.head_dim
+            part_bytes = lse_off + 4 * num_splits * rows_all
+            if fused:
+                counter_bytes = 4 * ctas
+            else:
+                combine = Launch(get_kernel(cfg, "attention_decode_combine", arch=arch), (rows_all,),
+                                 (COMBINE_THREADS,), 0, (args,))
+    return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
+                lse_off, counter_bytes, torch, p.device)
+
+
+# ---- workspace (split-KV partials, fused-merge counters) per (device, stream) -------------------
+class _Workspace:
+    """One stream's buffers: partials (any contents) and counters (zero between launches)."""
+    __slots__ = ("parts", "part_bytes", "counters", "counter_bytes")
+
+    def __init__(self):
+        self.parts = self.counters = 0
+        self.part_bytes = self.counter_bytes = 0
+
+
+_WORKSPACES: dict = {}   # (device, stream handle) -> _Workspace
+_KEEP: list = []         # every buffer ever made: graphs may hold their addresses, so none is freed
+
+
+def _stream_handle(stream) -> int:
+    if stream is None:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    if type(stream) is int:
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    return int(stream.cuda_stream if ptr is None else ptr)
+
+
+def _capturing(handle: int) -> bool:
+    import cupy
+    try:
+        return cupy.cuda.ExternalStream(handle).is_capturing()
+    except Exception:   # noqa: BLE001 - e.g. the legacy stream while another captures: treat as capturing
+        return True
+
+
+def _buffer(like, nbytes: int, handle: int, zero: bool) -> int:
+    """A new device buffer of ``nbytes`` (the inputs' library allocates it, so a torch graph
+    capture takes it from the graph's pool), zeroed on the launch stream when asked."""
+    import cupy
+    if _is_torch(like):
+        buf = __import__("torch").empty(nbytes, dtype=__import__("torch").uint8, device=like.device)
+        ptr = buf.data_ptr()
+    else:
+        buf = cupy.empty(nbytes, cupy.uint8)
+        ptr = buf.data.ptr
+    if zero:
+        cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, handle)
+    _KEEP.append(buf)
+    return ptr
+
+
+def _workspace(plan: Plan, like, stream) -> tuple[int, int]:
+    """(partials address, counters address) for a launch on ``stream``.  Kept per (device,
+    stream), grown by doubling (the old buffers kept); one made while the stream is being
+    captured into a CUDA graph serves only the call being captured (its zeroing is captured
+    with it, so every replay starts from zero counters) and is not reused by eager calls."""
+    handle = _stream_handle(stream)
+    key = (plan.device, handle)
+    ws = _WORKSPACES.get(key)
+    if ws is not None and ws.part_bytes >= plan.part_bytes and ws.counter_bytes >= plan.counter_bytes:
+        return ws.parts, ws.counters
+    if _capturing(handle):
+        parts = _buffer(like, plan.part_bytes, handle, zero=False) if plan.part_bytes else 0
+        counters = _buffer(like, plan.counter_bytes, handle, zero=True) if plan.counter_bytes else 0
+        return parts, counters
+    ws = ws or _Workspace()
+    if ws.part_bytes < plan.part_bytes:
+        ws.part_bytes = max(plan.part_bytes, 2 * ws.part_bytes)
+        ws.parts = _buffer(like, ws.part_bytes, handle, zero=False)
+    if ws.counter_bytes < plan.counter_bytes:
+        ws.counter_bytes = max(plan.counter_bytes, 2 * ws.counter_bytes, 4096)
+        ws.counters = _buffer(like, ws.counter_bytes, handle, zero=True)
+    _WORKSPACES[key] = ws
+    return ws.parts, ws.counters
+
+
+def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, stream):
+    """Allocate the outputs, pack the arrays' addresses and run the plan's launches on
+    ``stream``.  The arrays are the caller's torch tensors (plan.torch) or CuPy arrays."""
+    o = out if out is not None else empty_as(q, plan.out_shape, plan.out_dtype)
+    lse = empty_as(q, plan.lse_shape, plan.f32) if plan.lse_shape is not None else None
+    stream = default_stream(q, stream)
+    if plan.split is None and plan.append is None:
+        return (o, lse) if plan.lse_shape is not None else o
+    # The addresses travel in one by-value struct: a CuPy MemoryPointer per torch tensor cost
+    # 2-10 us of host time each, a DevicePtr argument per array ~0.6 us; a data_ptr() well
+    # under one.  The arrays stay owned by the caller (and o, lse by this frame) and live on the
+    # stream the kernels run on.
+    if plan.torch:
+        addr = [0 if x is None else x.data_ptr() for x in (q, k_cache, v_cache, o, lse)]
+        tail = [0 if x is None else x.data_ptr() for x in (cache_seqlens, block_table, k_new, v_new)]
+    else:
+        addr = [0 if x is None else x.data.ptr for x in (q, k_cache, v_cache, o, lse)]
+        tail = [0 if x is None else x.data.ptr for x in (cache_seqlens, block_table, k_new, v_new)]
+    parts = counters = lse_part = 0
+    if plan.part_bytes:
+        parts, counters = _workspace(plan, q, stream)
+        lse_part = parts + plan.lse_part_offset
+    ptrs = np.frombuffer(_PACK_PTRS(*addr, parts, lse_part, counters, *tail), PTRS_DTYPE)[0]
+    if plan.append is not None:
+        plan.append.run((ptrs,), stream)
+    if plan.split is not None:
+        plan.split.run((ptrs,), stream)
+    if plan.combine is not None:
+        plan.combine.run((ptrs,), stream)
+    return (o, lse) if plan.lse_shape is not None else o
+
+
+# check_inputs' views, stride checks, config choice and argument packing cost far more host time
+# than a decoding step's kernels; they depend only on each array's dtype, shape, strides, 16-byte
+# alignment and device plus the options, so the first call with a signature records its plan.
+_PLANS = LaunchPlans(1024)
+_SMS: dict = {}
+
+
+def _sm_count(dev: int) -> int:
+    n = _SMS.get(dev)
+    if n is None:
+        from .. import device
+        n = _SMS[dev] = device.sm_count(dev)
+    return n
+
+
+def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
+                      causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
+                      num_splits: int | None = None, out=None, dtype: str | None = None, validate: bool = False,
+                      stream=None):
+    """Attention of new query rows against a KV cache (FlashAttention's ``flash_attn_with_kvcache``).
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads, head_dim) device array; seqlen_q from 1 (decoding) to a few
+        hundred (speculative verification, chunked prefill).  float16 or bfloat16; head_dim a
+        multiple of 8 up to 256.  CuPy arrays (bfloat16 as uint16 bits with ``dtype="bfloat16"``),
+        torch CUDA tensors, or any ``__cuda_array_interface__`` / DLPack array.  Strides are free
+        except: last dimension contiguous, the others multiples of 8 elements, 16-byte aligned
+        start (slices of a packed qkv array qualify).
+    k_cache, v_cache : the cache, same dtype as q.  Contiguous: (batch_cache, seqlen_cache,
+        nheads_kv, head_dim) with batch_cache >= batch (sequence b uses entry b).  Paged:
+        (num_blocks, page_size, nheads_kv, head_dim) with page_size a multiple of 16, plus
+        ``block_table``.  nheads % nheads_kv == 0 (GQA / MQA: one CTA serves all query heads of
+        a kv head, so each cache byte is read once).
+    cache_seqlens : int32 (batch,): the number of keys already in each sequence's cache (ragged
+        batches are the normal case).  Not modified, also not when k_new is appended.
+    k_new, v_new : optional (batch, seqlen_new, nheads_kv, head_dim): written into the cache at
+        positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 (through the block
+        table when paged; in place) before the attention, which then sees
+        cache_seqlens[b] + seqlen_new keys.
+    block_table : int32 (batch, max_blocks_per_seq): page ids of each sequence's cache, in order;
+        capacity = max_blocks_per_seq x page_size.  Entries past a sequence's length are never read.
+    causal : mask aligned bottom-right per sequence: query i sees key j iff
+        ``j <= i + seqlen_k - seqlen_q`` (seqlen_k = cache_seqlens[b] + seqlen_new).  A query
+        row that sees no key (e.g. an empty cache) gets o = 0 and lse = -inf.
+    softmax_scale : positive finite float; default ``1 / sqrt(head_dim)``.
+    return_lse : also return the log-sum-exp (natural log), float32 (batch, nheads, seqlen_q).
+    num_splits : None or 0: the heuristic (:func:`choose_num_splits`); else the number of parts
+        (1..128) each sequence's keys are cut into; more than one adds a combine kernel.
+    out : optional output array (q's shape and dtype, last dimension contiguous).
+    dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits (else taken from the arrays).
+    validate : also run :func:`check_kvcache_inputs` (reads cache_seqlens and block_table on the
+        host: synchronizes, so not for CUDA-graph capture).
+    stream : CuPy stream, torch stream or raw handle; default CuPy's current stream, or torch's
+        current stream for torch inputs.
+
+    Returns
+    -------
+    o, or ``(o, lse)`` with return_lse; the same kind of array as q.
+
+    Raises
+    ------
+    ConfigError : before anything is launched, for wrong shapes, dtypes, strides, devices, page
+        sizes or options.
+
+    Notes
+    -----
+    Which checks run where, and why.  The host checks everything it can see without reading
+    device memory - shapes, dtypes, strides, alignment, devices - on every new call signature
+    (ConfigError, nothing launched).  The *contents* of cache_seqlens and block_table are read
+    only on the device, so the call never synchronizes and can be captured in a CUDA graph and
+    replayed with new lengths and tables: a sequence whose cache_seqlens[b] is negative or whose
+    cache_seqlens[b] + seqlen_new exceeds the capacity, or whose block table holds a page id
+    outside [0, num_blocks) among the pages it uses, gets NaN in o and lse; no kernel reads or
+    writes out of range, and k_new is not appended for it.  :func:`check_kvcache_inputs` (or
+    ``validate=True``) performs the same content checks on the host and raises ConfigError
+    naming block_table or cache_seqlens.
+    """
+    arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+    key = _PLANS.key(arrays, (bool(causal), softmax_scale, bool(return_lse), num_splits, dtype,
+                              getenv("RTKERNELS_ARCH"), _VARIANT_KEY))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan, views = _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype)
+        if key is not None:
+            _PLANS.put(key, plan)
+        elif not plan.torch:   # arrays no plan can hold (CAI / DLPack objects): launch on their CuPy views
+            arrays = tuple(views.get(n) if a is not None and n != "out" else a for n, a in zip(_NAMES, arrays))
+    if validate:
+        check_kvcache_inputs(k_cache, cache_seqlens, block_table, seqlen_new=0 if k_new is None else k_new.shape[1])
+    if key is not None:   # a plan's arrays are all on the current device
+        return _execute(plan, *arrays, stream)
+    import cupy
+    with cupy.cuda.Device(plan.device):
+        return _execute(plan, *arrays, stream)
+
+
+_NAMES = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "out")
+
+
+def _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype):
+    import cupy
+    given = {n: a for n, a in zip(_NAMES, arrays) if a is not None}
+    views = {n: as_device_array(a, OP, n) for n, a in given.items()}
+    p = check(views, dtype, softmax_scale, num_splits, given)
+    torch = _is_torch(arrays[0])
+    if torch:
+        import torch as _torch
+        out_dtype, f32 = arrays[0].dtype, _torch.float32
+    else:
+        out_dtype, f32 = views["q"].dtype, cupy.float32
+    with cupy.cuda.Device(p.device):
+        arch = _device_arch(p.device)
+        plan = make_plan(p, causal=causal, return_lse=return_lse, num_splits=num_splits, torch=torch,
+                         out_dtype=out_dtype, f32=f32, arch=arch, sms=_sm_count(p.device), variant=_VARIANT)
+    return plan, views
+
+
+# ---- host-side content check ------------------------------------------------------------------
+def _host(x) -> np.ndarray:
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    import cupy
+    return cupy.asnumpy(as_device_array(x, OP, "array"))
+
+
+def check_kvcache_inputs(k_cache, cache_seqlens, block_table=None, *, seqlen_new: int = 0) -> None:
+    """Check the *contents* of cache_seqlens and block_table on the host (copies them there:
+    synchronizes).  :func:`attention_kvcache` never reads them on the host - the kernels check
+    them on the device and answer NaN for a bad sequence, which keeps the call capturable in a
+    CUDA graph - so call this where a clear error is worth a synchronization.
+
+    Raises ConfigError naming ``cache_seqlens`` (an entry < 0, or entry + seqlen_new above the
+    cache's capacity: seqlen_cache, or max_blocks_per_seq x page_size) or ``block_table`` (a
+    page id outside [0, num_blocks) among the pages entry + seqlen_new keys occupy).
+    Accepts device arrays and NumPy arrays.
+    """
+    shape = tuple(k_cache.shape)
+    lens = _host(cache_seqlens).astype(np.int64).reshape(-1)
+    if block_table is None:
+        capacity = shape[1]
+    else:
+        table = _host(block_table)
+        page_size, num_blocks = shape[1], shape[0]
+        capacity = table.shape[1] * page_size
+    for b, n in enumerate(lens):
+        if n < 0:
+            raise _bad("cache_seqlens", int(n), f"cache_seqlens[{b}] = {int(n)} is negative")
+        if n + seqlen_new > capacity:
+            raise _bad("cache_seqlens", int(n), f"cache_seqlens[{b}] = {int(n)} plus seqlen_new = {seqlen_new} exceeds "
+                                                f"the cache's capacity of {capacity} keys per sequence")
+        if block_table is not None:
+            used = table[b, :-(-(int(n) + seqlen_new) // page_size)]
+            wrong = np.nonzero((used < 0) | (used >= num_blocks))[0]
+            if wrong.size:
+                j = int(wrong[0])
+                raise _bad("block_table", int(used[j]), f"block_table[{b}, {j}] = {int(used[j])} is outside [0, "
+                                                        f"num_blocks = {num_blocks}) (sequence {b} uses its first "
+                                                        f"{used.size} pages)")
+
+
+# ---- references (NumPy, float64) ------------------------------------------------------------
+def _round_np(x: np.ndarray, dtype: str | None) -> np.ndarray:
+    """Round to float16/bfloat16 (nearest even), kept as float64; None: unchanged."""
+    if dtype is None:
+        return x
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def append_kvcache_reference(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
+    """Copies of the caches with k_new / v_new written at cache_seqlens (NumPy arrays)."""
+    kc, vc = np.array(k_cache), np.array(v_cache)
+    if k_new is None:
+        return kc, vc
+    for b, n in enumerate(np.asarray(cache_seqlens).reshape(-1)):
+        for j in range(k_new.shape[1]):
+            pos = int(n) + j
+            if block_table is None:
+                kc[b, pos], vc[b, pos] = k_new[b, j], v_new[b, j]
+            else:
+                page = block_table[b, pos // kc.shape[1]]
+                kc[page, pos % kc.shape[1]], vc[page, pos % kc.shape[1]] = k_new[b, j], v_new[b, j]
+    return kc, vc
+
+
+def attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
+                                causal: bool = True, softmax_scale: float | None = None,
+                                round_to: str | None = None):
+    """Dense per-sequence attention in float64 on the host: ``(o, lse)`` as NumPy arrays.
+
+    Same conventions as :func:`attention_kvcache`: k_new / v_new appended at cache_seqlens
+    (the inputs are not modified), GQA, causal aligned bottom-right per sequence with
+    seqlen_k = cache_seqlens[b] + seqlen_new, o = 0 and lse = -inf for a row without keys.
+    Inputs are NumPy arrays of values (any float dtype; bfloat16 decoded by the caller) and
+    integer arrays; the contents must be valid (:func:`check_kvcache_inputs`).
+    ``round_to="float16"|"bfloat16"`` imitates running it in that dtype (scores, probabilities
+    and output rounded): FlashAttention's test rule compares errors against that.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    lens = np.asarray(cache_seqlens).reshape(-1).astype(np.int64)
+    table = None if block_table is None else np.asarray(block_table)
+    kc, vc = append_kvcache_reference(np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64), lens,
+                                      None if k_new is None else np.asarray(k_new, np.float64),
+                                      None if v_new is None else np.asarray(v_new, np.float64), table)
+    batch, sq, nheads, d = q.shape
+    nheads_kv = kc.shape[2]
+    group = nheads // nheads_kv
+    sn = 0 if k_new is None else k_new.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    o = np.zeros((batch, sq, nheads, d))
+    lse = np.full((batch, nheads, sq), -np.inf)
+    for b in range(batch):
+        sk = int(lens[b]) + sn
+        if table is None:
+            kb, vb = kc[b, :sk], vc[b, :sk]
+        else:
+            ps = kc.shape[1]
+            pages = table[b, :-(-sk // ps)] if sk else table[b, :0]
+            kb = kc[pages].reshape(-1, nheads_kv, d)[:sk]
+            vb = vc[pages].reshape(-1, nheads_kv, d)[:sk]
+        visible = np.ones((sq, sk), bool)
+        if causal:
+            visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        for h in range(nheads):
+            s = _round_np(scale * (q[b, :, h] @ kb[:, h // group].T), round_to)
+            s = np.where(visible, s, -np.inf)
+            m = s.max(axis=1, keepdims=True) if sk else np.full((sq, 1), -np.inf)
+            seen = np.isfinite(m)
+            m = np.where(seen, m, 0.0)
+            p = np.exp(s - m)
+            l = p.sum(axis=1, keepdims=True)
+            safe = np.where(l > 0, l, 1.0)
+            o[b, :, h] = np.where(seen, _round_np(_round_np(p / safe, round_to) @ vb[:, h // group], round_to), 0.0)
+            lse[b, h] = np.where(seen[:, 0], m[:, 0] + np.log(safe[:, 0]), -np.inf)
+    return o, lse
+
+
+def combine_reference(o_parts: np.ndarray, lse_parts: np.ndarray):
+    """The combine kernel's math in NumPy: merge per-split normalized outputs ``o_parts``
+    (splits, ..., head_dim) with their log-sum-exps ``lse_parts`` (splits, ...) into ``(o, lse)``.
+    A split with lse = -inf has no key and weight 0 (its o_part is never read); all -inf gives
+    o = 0, lse = -inf; any NaN lse gives NaN."""
+    lse_parts = np.asarray(lse_parts, np.float64)
+    nan = np.isnan(lse_parts).any(axis=0)
+    m = np.max(np.where(np.isnan(lse_parts), -np.inf, lse_parts), axis=0)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    w = np.where(np.isneginf(lse_parts) | np.isnan(lse_parts), 0.0, np.exp(lse_parts - m_safe))
+    total = w.sum(axis=0)
+    o_safe = np.where(w[..., None] > 0, np.asarray(o_parts, np.float64), 0.0)
+    o = (w[..., None] * o_safe).sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
+    lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    return np.where(nan[..., None], np.nan, o), np.where(nan, np.nan, lse)
+
+
+__all__ = ["attention_kvcache", "check_kvcache_inputs", "AttentionDecodeConfig", "attention_kvcache_reference",
+           "append_kvcache_reference", "combine_reference", "choose_config", "choose_num_splits"]

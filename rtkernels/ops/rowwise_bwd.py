@@ -1,0 +1,471 @@
+"""Backward of the row ops: RMSNorm / LayerNorm (dx, dweight, dbias) and softmax / log-softmax (dx).
+
+>>> y, rstd = rtk.rmsnorm(x, w, return_stats=True)
+>>> dx, dw = rtk.rmsnorm_backward(dy, x, w, rstd)                   # rstd=None: recomputed (eps=...)
+>>> y, mean, rstd = rtk.layernorm(x, w, b, return_stats=True)
+>>> dx, dw, db = rtk.layernorm_backward(dy, x, w, b, mean, rstd)
+>>> dx = rtk.softmax_backward(dy, y)                                 # log=True: y is log_softmax's output
+
+Same conventions as the forward (``rowwise``): float16 / bfloat16 / float32 rows over the last axis,
+any leading shape, rows reachable with one row stride (other views are copied), float32 math;
+weights of x's dtype or float32.  The row machinery is the forward's: lane groups, a block or (sm_90)
+a cluster of blocks per row, chosen on the host by :func:`plan_bwd` (same config fields as the
+forward: ``vec``, ``threads_per_row``, ``block_size``, ``vecs_per_thread``, ``cluster_size``,
+``cluster_push``, ``two_pass``).
+
+dweight / dbias are **deterministic**: the rows kernel runs one resident wave of workers, each adding
+its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and writing one
+float32 partial row; a second kernel sums the partial rows of each column in a fixed order and
+rounds once to the weight's dtype.  The bits depend on the grid (the SM count and the config), so
+they repeat run to run on one GPU model.  Extra memory: ``2 * workers * n`` float32 (LayerNorm;
+RMSNorm half), e.g. 264 workers x 4096 columns = 8.6 MB.  There is no atomics mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+import numpy as np
+
+from .. import dtypes
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+from ..kernel import get_kernel
+from . import rowwise as rw
+from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer,
+                      dtype_name, empty_as, new_like, same_memory)
+from .rowwise import FLOAT_DTYPES, _RowConfig
+
+
+# ---- configs ----------------------------------------------------------------------------------
+def _check_plain_rows(cfg: _RowConfig) -> None:
+    """The forward's staging knobs do not exist in the backward kernels (two input streams)."""
+    for name in ("smem_rows", "persistent"):
+        if getattr(cfg, name):
+            cfg._fail(name, f"False ({cfg.family} keeps its rows in registers; the norm backward's grid is "
+                            "always one resident wave)")
+
+
+@register_family
+@dataclass(frozen=True)
+class NormBwdConfig(_RowConfig):
+    """RMSNorm / LayerNorm backward (templates/norm_bwd.cu.j2): the rows kernel and the
+    column sum of its partial dweight / dbias rows."""
+
+    family: ClassVar[str] = "norm_bwd"
+    template: ClassVar[str] = "norm_bwd.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_bwd_rows", "layernorm_bwd_rows", "norm_bwd_colsum")
+    weight_dtype: str = "float16"
+    two_pass: bool = False
+    streaming: bool = True    # evict-first (.cs) loads of dy, x and stores of dx
+
+    def __post_init__(self):
+        for name in ("two_pass", "streaming"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
+        super().__post_init__()
+        _check_plain_rows(self)
+        self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
+
+
+@register_family
+@dataclass(frozen=True)
+class SoftmaxBwdConfig(_RowConfig):
+    """Softmax / log-softmax backward (templates/softmax_bwd.cu.j2)."""
+
+    family: ClassVar[str] = "softmax_bwd"
+    template: ClassVar[str] = "softmax_bwd.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("softmax_bwd_rows", "log_softmax_bwd_rows")
+    two_pass: bool = False
+    streaming: bool = True    # evict-first (.cs) loads of dy, y and stores of dx
+
+    def __post_init__(self):
+        for name in ("two_pass", "streaming"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
+        super().__post_init__()
+        _check_plain_rows(self)
+
+
+# ---- heuristics -------------------------------------------------------------------------------
+# Reasoned, not yet measured (tools/bench_training.py times them against a same-run copy).
+# Elements of each input a thread holds per row.  softmax_bwd keeps dy and y packed (32 16-bit
+# elements of each = 32 registers, the forward norms' footprint).  norm_bwd also keeps two float32
+# accumulators per element it owns (dweight, dbias): 16 elements -> 16 packed + 32 accumulator
+# registers + the weight vectors, ~90-110 registers; 2-3 blocks of 256 per SM, which at 64 B of
+# loads per thread in flight still keeps ~32 KiB per SM in flight (the bandwidth-latency product
+# is ~25 KiB per SM on H100/H200, rowwise.py).
+_BWD_ELEMS_PER_THREAD = {"softmax_bwd": {2: 32, 4: 16}, "norm_bwd": {2: 16, 4: 8}}
+# norm_bwd writes one float32 partial row (two for LayerNorm) per resident worker, P * n * 8 bytes
+# against rows * n * 6 of dy, x and dx: with a block per row of 1k elements (64 threads) P would be
+# ~1300 (10 MB, ~11% of a 64 MiB case).  Short rows therefore go to lane groups holding 32 16-bit
+# elements of each input (110-160 registers: 3 blocks of 128 threads per SM, P ~ 400, 3 MB at 1k;
+# 256-thread blocks would halve P but leave one block, 32 KiB of loads in flight, per SM).
+_BWD_GROUP_ELEMS = {"softmax_bwd": {2: 32, 4: 16}, "norm_bwd": {2: 32, 4: 16}}
+_BWD_GROUP_BLOCK = {"softmax_bwd": 128, "norm_bwd": 128}
+_BWD_BLOCK_PREFERRED = 256     # as the forward: 4 blocks per SM overlap one block's barrier
+_BWD_BLOCK_MAX = {"softmax_bwd": 1024, "norm_bwd": 512}   # norm_bwd: 128 registers at 512 threads
+_BWD_TWO_PASS_BLOCK = 256
+
+
+def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None) -> KernelConfig:
+    """The heuristic config of ``family`` ("norm_bwd" or "softmax_bwd") for rows of ``n`` elements
+    accessed ``vec`` at a time; like :func:`rowwise.plan`, n matters only through the power of two
+    >= n / vec."""
+    size = dtypes.itemsize(dtype)
+    nvec = rw._pow2_ceil(-(-n // vec))
+    vmax = min(8, max(1, _BWD_ELEMS_PER_THREAD[family][size] // vec))
+    need = rw._pow2_ceil(-(-nvec // vmax))
+    hopper = rw._arch_number(arch) >= 90
+    cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
+    common = dict(dtype=dtype, vec=vec)
+    if family == "norm_bwd":
+        common["weight_dtype"] = weight_dtype or dtype
+
+    def make(block, **fields):
+        # min_blocks=1: the register cap is what one block of `block` threads allows (128 at 512
+        # threads: norm_bwd's 16-bit LayerNorm takes 95-135 registers and needs no more).
+        return cls(**common, block_size=block, **fields)
+
+    gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
+    group = rw._pow2_ceil(-(-nvec // gmax))
+    if group <= 32:                                         # a lane group per row
+        return make(_BWD_GROUP_BLOCK[family], threads_per_row=group,
+                    vecs_per_thread=rw._pow2_ceil(-(-nvec // group)))
+    if need <= _BWD_BLOCK_PREFERRED:                        # a block per row
+        return make(need, threads_per_row=need, vecs_per_thread=rw._pow2_ceil(-(-nvec // need)))
+    block_max = _BWD_BLOCK_MAX[family]
+    if hopper and need <= 8 * block_max:                    # a cluster per row (totals by st.async)
+        block = max(_BWD_BLOCK_PREFERRED, need // 8)
+        return make(block, threads_per_row=block, vecs_per_thread=vmax, cluster_size=need // block,
+                    cluster_push=True)
+    if need <= block_max:                                   # sm_80: one big block
+        return make(need, threads_per_row=need, vecs_per_thread=vmax)
+    return make(_BWD_TWO_PASS_BLOCK, threads_per_row=_BWD_TWO_PASS_BLOCK, vecs_per_thread=vmax, two_pass=True)
+
+
+@lru_cache(maxsize=1024)
+def _planned(family, n_bucket, dtype, vec, arch, weight_dtype):
+    return plan_bwd(family, n_bucket, dtype, vec, arch, weight_dtype=weight_dtype)
+
+
+def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
+    """Every (family, config) :func:`plan_bwd` can return for ``arch`` (widths up to 2**20)."""
+    seen = {}
+    for family in ("norm_bwd", "softmax_bwd"):
+        for dtype in FLOAT_DTYPES:
+            size = dtypes.itemsize(dtype)
+            wdts = tuple(dict.fromkeys((dtype, "float32"))) if family == "norm_bwd" else (None,)
+            vec = 16 // size
+            while vec >= 1:
+                for k in range(21):
+                    if (1 << k) * vec > 1 << 20:
+                        break
+                    for wdt in wdts:
+                        seen.setdefault(plan_bwd(family, (1 << k) * vec, dtype, vec, arch, weight_dtype=wdt), family)
+                vec //= 2
+    return [(family, cfg) for cfg, family in seen.items()]
+
+
+def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weight_dtype: str | None = None):
+    arch, _ = rw._arch_info()
+    cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
+    if config is None:
+        return _planned(family, rw._pow2_ceil(-(-n // vec)) * vec, dtype, vec, arch, weight_dtype)
+    if not isinstance(config, cls):
+        raise ConfigError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}", family=op,
+                          field="config", value=config)
+    if config.dtype != dtype or (weight_dtype and config.weight_dtype != weight_dtype):
+        raise ConfigError(f"{op}: config dtypes ({config.dtype}"
+                          + (f", weight {config.weight_dtype}" if weight_dtype else "")
+                          + f") do not match the inputs ({dtype}" + (f", weight {weight_dtype}" if weight_dtype else "")
+                          + ")", family=op, field="config", value=config)
+    if vec % config.vec:
+        raise ConfigError(f"{op}: config.vec={config.vec} needs n, strides and pointers aligned to {config.vec} "
+                          f"elements; these inputs allow vec <= {vec}", family=op, field="config")
+    if not config.two_pass and config.chunk_elements < n:
+        raise ConfigError(f"{op}: config holds {config.chunk_elements} elements per row in registers, the row has "
+                          f"{n}; raise vecs_per_thread/threads_per_row/cluster_size or set two_pass=True",
+                          family=op, field="config")
+    return config
+
+
+_WORKERS: dict = {}
+
+
+def _resident_workers(k, cfg) -> int:
+    """Workers (blocks, or clusters) of this kernel resident on the whole device at once."""
+    got = _WORKERS.get(k)
+    if got is None:
+        from ..arch import occupancy
+        arch, sms = rw._arch_info()
+        r = k.resources
+        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static, 0, barriers=r.barriers)
+        got = _WORKERS[k] = max(1, sms * max(1, occ.blocks_per_sm) // cfg.cluster_size)
+    return got
+
+
+# ---- array checks shared by the ops -------------------------------------------------------------
+def _same_rows(a, name: str, like_shape, dt: str, op: str, dtype, stream=None):
+    """A row view of ``a`` (dy / y): x's shape and dtype."""
+    adt = rw._dtype_of(a, dtype, op)
+    av, lay = rw._rows_of(a, op, stream, name)
+    if tuple(av.shape) != tuple(like_shape) or adt != dt:
+        raise ConfigError(f"{op}: {name} must be a {dt} array of shape {tuple(like_shape)}, got {adt} "
+                          f"{tuple(av.shape)}", family=op, field=name, value=f"{adt}{tuple(av.shape)}",
+                          allowed=f"{dt}{tuple(like_shape)}")
+    return av, lay
+
+
+def _param_view(p, name: str, n: int, dt: str, op: str):
+    pv = as_device_array(p, op, name)
+    pdt = dtype_name(p)
+    if pdt == "uint16" and dt == "bfloat16":
+        pdt = "bfloat16"
+    if pdt not in (dt, "float32"):
+        raise ConfigError(f"{op}: {name} has dtype {pdt}; with {dt} x it must be {dt} or float32", family=op,
+                          field=name, value=pdt, allowed=f"{dt}, float32")
+    if pv.size != n or not pv.flags.c_contiguous:
+        raise ConfigError(f"{op}: {name} must be {n} contiguous elements (x.shape[-1]), got shape {pv.shape}",
+                          family=op, field=name, value=tuple(pv.shape), allowed=f"({n},)")
+    return pv, pdt
+
+
+def _stats_view(s, name: str, rows: int, op: str):
+    sv = as_device_array(s, op, name)
+    sdt = dtype_name(s)
+    if sdt != "float32" or sv.size != rows or not sv.flags.c_contiguous:
+        raise ConfigError(f"{op}: {name} must be {rows} contiguous float32 values (one per row of x, as "
+                          f"return_stats=True gives them), got {sdt} of shape {tuple(sv.shape)}", family=op,
+                          field=name, value=f"{sdt}{tuple(sv.shape)}", allowed=f"float32 ({rows},)")
+    return sv
+
+
+def _eps_ok(eps, op):
+    if not isinstance(eps, (int, float, np.floating)) or isinstance(eps, bool) or not eps >= 0:
+        raise ConfigError(f"{op}: eps={eps!r} is not allowed; eps must be a float >= 0", family=op, field="eps")
+
+
+# ---- norm backward ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _NormBwdPlan:
+    """A norm backward's two launches and what they need allocated per call."""
+    rows: Launch            # arrays: dy, x, weight, [mean], rstd, dx, partial, scratch
+    colsum: Launch          # arrays: partial, dweight, dbias
+    dx: OutputPlan          # dx's shape / dtype / kind (its launch field is unused)
+    partial_shape: tuple
+    scratch_rows: int       # 0: no scratch
+    dweight_shape: tuple
+    weight_dtype: object
+    has_bias: bool
+
+
+_PLANS = LaunchPlans()
+
+
+def rmsnorm_backward(dy, x, weight, rstd=None, *, eps: float = 1e-6, out=None, dtype: str | None = None,
+                     stream=None, config: NormBwdConfig | None = None):
+    """Backward of :func:`rtkernels.rmsnorm`: ``(dx, dweight)`` for ``y = x * rstd * weight``.
+
+    Parameters
+    ----------
+    dy, x : float16 / bfloat16 / float32 arrays of one shape and dtype (rows over the last axis).
+    weight : the forward's weight (``n`` contiguous elements, x's dtype or float32).
+    rstd : the forward's ``rstd`` (``rmsnorm(..., return_stats=True)``): float32, one per row.  None
+        recomputes it from x with ``eps`` in the same single pass over the row.
+    eps : the forward's eps (used only when rstd is None).
+    out : optional dx array (x's shape and dtype; may be ``dy`` itself).
+    dtype, stream : as in :func:`rtkernels.softmax`.
+    config : a :class:`NormBwdConfig` overriding the heuristic.
+
+    Returns
+    -------
+    ``(dx, dweight)``: dx like x; dweight in weight's dtype and shape, summed over rows in float32
+    by a deterministic two-stage reduction (see the module docstring).
+    """
+    return _norm_bwd("rmsnorm_backward", dy, x, weight, None, None, rstd, eps, out, dtype, stream, config)[:2]
+
+
+def layernorm_backward(dy, x, weight, bias=None, mean=None, rstd=None, *, eps: float = 1e-5, out=None,
+                       dtype: str | None = None, stream=None, config: NormBwdConfig | None = None):
+    """Backward of :func:`rtkernels.layernorm`: ``(dx, dweight, dbias)``.
+
+    Parameters
+    ----------
+    dy, x : float16 / bfloat16 / float32 arrays of one shape and dtype.
+    weight, bias : the forward's parameters (bias only sets dbias's dtype and shape; None gives
+        ``dbias=None``).
+    mean, rstd : the forward's statistics (``layernorm(..., return_stats=True)``), float32, one per
+        row; both or neither.  None recomputes them with ``eps`` in the same single pass over the row.
+    eps, out, dtype, stream, config : as in :func:`rmsnorm_backward`.
+
+    Returns
+    -------
+    ``(dx, dweight, dbias)``; dweight / dbias deterministic (two-stage float32 reduction).
+    """
+    if (mean is None) != (rstd is None):
+        missing = "rstd" if rstd is None else "mean"
+        raise ConfigError(f"layernorm_backward: pass both mean and rstd (the forward's statistics) or neither; "
+                          f"{missing} is None", family="layernorm_backward", field=missing)
+    return _norm_bwd("layernorm_backward", dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, config)
+
+
+def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, config):
+    layer = op == "layernorm_backward"
+    key = _PLANS.key((dy, x, weight, bias, mean, rstd, out), (op, eps, dtype, config)) \
+        if type(eps) is float else None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return _norm_bwd_replay(plan, (dy, x, weight, mean, rstd) if layer else (dy, x, weight, rstd), out, stream)
+    # check
+    dt = rw._dtype_of(x, dtype, op)
+    xv, (rows, n, xs) = rw._rows_of(x, op, stream)
+    rw._check_width(n, op)
+    dyv, (_, _, dys) = _same_rows(dy, "dy", xv.shape, dt, op, dtype, stream)
+    wv, wdt = _param_view(weight, "weight", n, dt, op)
+    if bias is not None:
+        _, bdt = _param_view(bias, "bias", n, dt, op)
+        if bdt != wdt:
+            raise ConfigError(f"{op}: weight and bias must share a dtype, got {wdt} and {bdt}", family=op,
+                              field="bias")
+    _eps_ok(eps, op)
+    # the kernels take (mean,) rstd pointers; null ones recompute the statistics
+    stats = [None, None] if layer else [None]
+    if rstd is not None:
+        stats[-1] = _stats_view(rstd, "rstd", rows, op)
+        if layer:
+            stats[0] = _stats_view(mean, "mean", rows, op)
+    out, ov, (_, _, dxs) = rw._out_rows(out, x, xv.shape, dt, op)
+    dweight = new_like(x, tuple(wv.shape), wdt)
+    dbias = new_like(x, tuple(wv.shape), wdt) if layer and bias is not None else None
+    if n == 0:
+        return out, dweight, dbias
+    # plan
+    size = dtypes.itemsize(dt)
+    vec = rw._pick_vec(size, n, (rw._ptr(xv), rw._ptr(dyv), rw._ptr(ov)), (xs, dys, dxs) if rows > 1 else ())
+    while vec > 1 and rw._ptr(wv) % min(16, vec * dtypes.itemsize(wdt)):
+        vec //= 2
+    cfg = _config_for("norm_bwd", config, n, dt, vec, op, weight_dtype=wdt)
+    k = get_kernel(cfg, "layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
+    units = -(-rows // cfg.rows_per_block)
+    workers = min(units, _resident_workers(k, cfg))
+    ldp = -(-n // 4) * 4                       # float4-aligned partial rows
+    nparts = (2 if layer else 1) * workers
+    rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), 0,
+                         (rows, n, dys, xs, dxs, ldp, float(eps)))
+    colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // 32), 2 if dbias is not None else 1),
+                    (1024,), 0, (workers, n, ldp))
+    plan = _NormBwdPlan(rows_launch, colsum, OutputPlan.of(rows_launch, out), (max(nparts, 1), ldp),
+                        rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None)
+    # launch
+    s = default_stream(x, stream)
+    partial, scratch = _workspace(x, plan)
+    pv = as_device_array(partial, op, "workspace")
+    sv = as_device_array(scratch, op, "workspace") if scratch is not None else None
+    dwv = as_device_array(dweight, op, "dweight")
+    dbv = as_device_array(dbias, op, "dbias") if dbias is not None else None
+    views = (dyv, xv, wv, *stats, ov)
+    if rows:
+        rows_launch.run((*views, pv, sv), s)
+    colsum.run((pv, dwv, dbv), s)
+    arrays = (dy, x, weight, mean, rstd, out) if layer else (dy, x, weight, rstd, out)
+    if key is not None and same_memory(views, arrays) and rows:
+        _PLANS.put(key, plan)
+    return out, dweight, dbias
+
+
+def _workspace(like, plan: _NormBwdPlan):
+    """The float32 partial rows (and two_pass's per-row constants), of ``like``'s array kind."""
+    f32 = rw._float32_of(like)
+    partial = empty_as(like, plan.partial_shape, f32)
+    scratch = empty_as(like, (plan.scratch_rows, 4), f32) if plan.scratch_rows else None
+    return partial, scratch
+
+
+def _norm_bwd_replay(plan: _NormBwdPlan, inputs, out, stream):
+    x = inputs[1]
+    out = plan.dx.output(x, out)
+    partial, scratch = _workspace(x, plan)
+    dweight = empty_as(x, plan.dweight_shape, plan.weight_dtype)
+    dbias = empty_as(x, plan.dweight_shape, plan.weight_dtype) if plan.has_bias else None
+    arrays = inputs   # (mean,) rstd may be None: null pointers
+    s = default_stream(x, stream)
+    if plan.dx.torch:
+        dev = x.get_device()
+        ptr = lambda a: device_pointer(a, dev)  # noqa: E731
+        plan.rows.run([ptr(a) for a in (*arrays, out, partial, scratch)], s)
+        plan.colsum.run([ptr(a) for a in (partial, dweight, dbias)], s)
+    else:
+        plan.rows.run((*arrays, out, partial, scratch), s)
+        plan.colsum.run((partial, dweight, dbias), s)
+    return out, dweight, dbias
+
+
+# ---- softmax backward ---------------------------------------------------------------------------
+def softmax_backward(dy, y, *, log: bool = False, out=None, dtype: str | None = None, stream=None,
+                     config: SoftmaxBwdConfig | None = None):
+    """Backward of :func:`rtkernels.softmax` over the last axis, from the forward's output ``y``.
+
+    ``dx = y * (dy - sum(dy * y))``; with ``log=True`` (y from ``softmax(..., log_softmax=True)``)
+    ``dx = dy - exp(y) * sum(dy)``.  dy, y: one shape and dtype (float16 / bfloat16 / float32);
+    out: optional dx (may be dy); dtype, stream, config as in :func:`rtkernels.softmax`.
+    """
+    op = "softmax_backward"
+    key = _PLANS.key((dy, y, out), (op, bool(log), dtype, config))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return rw._replay(plan, (dy, y), out, stream)
+    dt = rw._dtype_of(y, dtype, op)
+    yv, (rows, n, ys) = rw._rows_of(y, op, stream, "y")
+    rw._check_width(n, op)
+    dyv, (_, _, dys) = _same_rows(dy, "dy", yv.shape, dt, op, dtype, stream)
+    out, ov, (_, _, dxs) = rw._out_rows(out, y, yv.shape, dt, op)
+    if rows == 0 or n == 0:
+        return out
+    vec = rw._pick_vec(dtypes.itemsize(dt), n, (rw._ptr(yv), rw._ptr(dyv), rw._ptr(ov)),
+                       (ys, dys, dxs) if rows > 1 else ())
+    cfg = _config_for("softmax_bwd", config, n, dt, vec, op)
+    k = get_kernel(cfg, "log_softmax_bwd_rows" if log else "softmax_bwd_rows")
+    launch = Launch(k, (cfg.grid(rows),), (cfg.block_size,), 0, (rows, n, dys, ys, dxs))
+    views = (dyv, yv, ov)
+    launch.run(views, default_stream(y, stream))
+    if key is not None and same_memory(views, (dy, y, out)):
+        _PLANS.put(key, OutputPlan.of(launch, out))
+    return out
+
+
+# ---- float64 references (host, NumPy) ------------------------------------------------------------
+def rmsnorm_backward_reference(dy, x, weight, eps: float = 1e-6):
+    """float64 (dx, dweight) of ``y = x / sqrt(mean(x^2) + eps) * weight``."""
+    dy, x, w = (np.asarray(a, np.float64) for a in (dy, x, weight))
+    n = x.shape[-1]
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    xhat = x * rstd
+    g = dy * w
+    dx = rstd * (g - xhat * np.sum(g * xhat, axis=-1, keepdims=True) / n)
+    return dx, np.sum((dy * xhat).reshape(-1, n), axis=0)
+
+
+def layernorm_backward_reference(dy, x, weight, eps: float = 1e-5):
+    """float64 (dx, dweight, dbias) of ``y = (x - mean) / sqrt(var + eps) * weight + bias``."""
+    dy, x, w = (np.asarray(a, np.float64) for a in (dy, x, weight))
+    n = x.shape[-1]
+    mean = np.mean(x, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(np.mean((x - mean) ** 2, axis=-1, keepdims=True) + eps)
+    xhat = (x - mean) * rstd
+    g = dy * w
+    dx = rstd * (g - np.mean(g, axis=-1, keepdims=True) - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+    return dx, np.sum((dy * xhat).reshape(-1, n), axis=0), np.sum(dy.reshape(-1, n), axis=0)
+
+
+def softmax_backward_reference(dy, y, log: bool = False):
+    """float64 dx from the forward's output y (softmax, or log-softmax with ``log``)."""
+    dy, y = np.asarray(dy, np.float64), np.asarray(y, np.float64)
+    if log:
+        return dy - np.exp(y) * np.sum(dy, axis=-1, keepdims=True)
+    return y * (dy - np.sum(dy * y, axis=-1, keepdims=True))
+
+
+__all__ = ["rmsnorm_backward", "layernorm_backward", "softmax_backward", "NormBwdConfig", "SoftmaxBwdConfig",
+           "plan_bwd", "rmsnorm_backward_reference", "layernorm_backward_reference", "softmax_backward_reference"]

@@ -1,0 +1,152 @@
+"""rtkernels for PyTorch: the ops as ``torch.ops.rtk.*`` custom ops, with fake kernels
+(torch.compile, FakeTensor), autograd, a drop-in ``scaled_dot_product_attention`` and a
+transformers attention backend.
+
+>>> import rtkernels.torch as rtt
+>>> o, lse = rtt.attention(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
+>>> y = rtt.scaled_dot_product_attention(q, k, v, is_causal=True)   # SDPA's (batch, heads, seqlen, head_dim)
+>>> c = rtt.matmul(a, b, bias=bias, activation="gelu")    # differentiable
+>>> loss = rtt.cross_entropy(logits, target)             # dlogits written in the loss's own pass
+>>> rtt.register_transformers(); model.set_attn_implementation("rtk")
+
+This is the only rtkernels module that imports torch; ``pip install rtkernels[torch]`` installs it.
+Ops run on torch's current stream, allocate their outputs with torch, work under
+``torch.compile(fullgraph=True)`` and ``mode="reduce-overhead"`` (CUDA graphs), and pass
+``torch.library.opcheck``.  New ops register with one :func:`op` call (see ``_library``).
+"""
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:   # pragma: no cover - exercised where torch is absent
+    raise ImportError("rtkernels.torch needs PyTorch; install it with `pip install rtkernels[torch]` "
+                      f"({exc})") from exc
+
+from typing import Sequence
+
+from ._library import LIB, REGISTERED, op
+from ._ops import attention_layout, elementwise_function, matmul_operand
+from .hf import register_transformers
+from .sdpa import scaled_dot_product_attention
+
+__all__ = ["attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+           "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
+           "scaled_dot_product_attention", "register_transformers", "op", "LIB", "REGISTERED"]
+
+_rtk_ops = torch.ops.rtk
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention forward as ``torch.ops.rtk.attention``: differentiable in q, k, v.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads, head_dim) float16 / bfloat16 CUDA tensor.
+    k, v : (batch, seqlen_k, nheads_kv, head_dim); ``nheads % nheads_kv == 0`` (GQA/MQA).
+        Strided views are read in place: last dimension contiguous, other strides whole 16-byte
+        units, 16-byte aligned start (see :func:`rtkernels.attention`).
+    causal : bottom-right aligned mask (query i sees key j iff j <= i + seqlen_k - seqlen_q).
+    softmax_scale : default ``1 / sqrt(head_dim)``.
+
+    Returns
+    -------
+    ``(o, lse)``: o (batch, seqlen_q, nheads, head_dim) contiguous, lse float32 (batch, nheads,
+    seqlen_q), natural log.  lse is not differentiable (a loss through it gets no gradient
+    from it).
+    """
+    return _rtk_ops.attention.default(q, k, v, causal, softmax_scale)
+
+
+def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale: float | None = None,
+                       deterministic: bool = False):
+    """``(dq, dk, dv)`` of :func:`attention` (``torch.ops.rtk.attention_backward``)."""
+    return _rtk_ops.attention_backward.default(do, q, k, v, o, lse, causal, softmax_scale, deterministic)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, activation: str | None = None,
+           trans_a: bool = False, trans_b: bool = False) -> torch.Tensor:
+    """``activation(op(a) @ op(b) + bias)`` as ``torch.ops.rtk.matmul``, differentiable in a, b and
+    bias (``op`` transposes the last two dims when ``trans_*``).  a: (M, K) or (B, M, K); b: (K, N)
+    or (B, K, N), a 2-D operand broadcast over the other's batch; activation None, "relu", "gelu"
+    (erf) or "silu".  See :func:`rtkernels.matmul` for layouts and dtypes."""
+    return _rtk_ops.matmul.default(a, b, bias, activation, trans_a, trans_b)
+
+
+def softmax(x: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
+    """Softmax (or log-softmax) over the last axis (``torch.ops.rtk.softmax``)."""
+    return _rtk_ops.softmax.default(x, log_softmax)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last axis (``torch.ops.rtk.rmsnorm``)."""
+    return _rtk_ops.rmsnorm.default(x, weight, float(eps))
+
+
+def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last axis (``torch.ops.rtk.layernorm``)."""
+    return _rtk_ops.layernorm.default(x, weight, bias, float(eps))
+
+
+def softmax_backward(dy: torch.Tensor, y: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """dx of :func:`softmax` from its output ``y`` (``log=True``: y is log_softmax's output);
+    ``torch.ops.rtk.softmax_backward``, what softmax's autograd calls."""
+    return _rtk_ops.softmax_backward.default(dy, y, log)
+
+
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of :func:`rmsnorm` (``torch.ops.rtk.rmsnorm_backward``); rstd: the float32
+    per-row statistic of ``rtkernels.rmsnorm(..., return_stats=True)``, or None to recompute it."""
+    return _rtk_ops.rmsnorm_backward.default(dy, x, weight, rstd, float(eps))
+
+
+def layernorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                       eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)`` of :func:`layernorm` (``torch.ops.rtk.layernorm_backward``); mean,
+    rstd: the forward's float32 statistics (both or neither; None recomputes them)."""
+    return _rtk_ops.layernorm_backward.default(dy, x, weight, bias, mean, rstd, float(eps))
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the last axis of ``logits`` (..., V) against class indices ``target`` (...),
+    with ``F.cross_entropy``'s semantics (ignore_index, label_smoothing, reduction "none" / "sum" /
+    "mean"); the loss is float32.  Differentiable in logits: when they require grad,
+    ``torch.ops.rtk.cross_entropy_with_grad`` writes dlogits in the same pass over the logits as the
+    loss and the backward only scales them by the incoming gradient (in the logits' dtype).  The
+    class axis is the last one (``F.cross_entropy`` takes it at dim 1).  See
+    :func:`rtkernels.cross_entropy`."""
+    args = (logits, target, int(ignore_index), float(label_smoothing), reduction)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _rtk_ops.cross_entropy_with_grad.default(*args)[0]
+    return _rtk_ops.cross_entropy.default(*args)
+
+
+def reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce the last axis: "sum", "max", "min" or "argmax" (``torch.ops.rtk.reduce``); sum is
+    differentiable."""
+    return _rtk_ops.reduce.default(x, op)
+
+
+def elementwise(expr: str, *args, outputs: Sequence[str] | None = None, out_dtype: str | None = None):
+    """Apply a fused elementwise expression (:func:`rtkernels.elementwise`) through
+    ``torch.ops.rtk.elementwise``: the expression is a static string argument, so torch.compile
+    keeps each expression as one op in the graph.
+
+    ``args`` are the expression's inputs in order of first use: tensors of one shape, or Python
+    numbers (broadcast).  Returns a tensor, or a tuple for several ``outputs``.  Not differentiable.
+    """
+    tensors, scalars, positions = [], [], []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif isinstance(a, (bool, int, float)):
+            scalars.append(float(a))
+            positions.append(i)
+        else:
+            raise TypeError(f"elementwise {expr!r}: input {i} must be a tensor or a Python number, "
+                            f"got {type(a).__name__}")
+    res = _rtk_ops.elementwise.default(expr, tensors, scalars, positions, list(outputs) if outputs else None, out_dtype)
+    return res[0] if len(res) == 1 else tuple(res)

@@ -1,0 +1,202 @@
+"""The per-call host path, checked on the CPU: what Kernel.launch hands CuPy's Function (a
+recording stand-in here), and how launch plans key a call.  GPU timings: tools/bench_host.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rtkernels as rtk
+from rtkernels import LaunchError
+from rtkernels.ops import _arrays
+
+SRC = ('#include "rtk/sm90.cuh"\n'
+       'extern "C" __global__ void host_path(float* a, const float* b, float* c, int n, float alpha,\n'
+       '                                     const __grid_constant__ rtk::sm90::TensorMap m) {}\n')
+
+
+class RecordingFunction:
+    """Stands in for cupy.cuda.function.Function: records how it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, block, args, shared_mem, stream):
+        self.calls.append(("call", grid, block, args, shared_mem, stream))
+
+    def linear_launch(self, size, args, shared_mem, block_max_size, stream):
+        self.calls.append(("linear", size, block_max_size, args, shared_mem, stream))
+
+
+class TorchLike:
+    """The attributes Kernel.launch reads from a CUDA torch tensor."""
+    is_cuda = True
+
+    def __init__(self, ptr, dev=0):
+        self.ptr, self.dev = ptr, dev
+
+    def get_device(self):
+        return self.dev
+
+    def data_ptr(self):
+        return self.ptr
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = rtk.compile(rtk.Template(SRC), arch="sm_90")
+    if "_fn" not in k.launch.__globals__:
+        pytest.skip("a multi-GPU launcher (reads the current device)")
+    return k
+
+
+@pytest.fixture
+def fn(kernel):
+    f = RecordingFunction()
+    kernel.launch.__globals__["_fn"][0] = f
+    yield f
+    kernel.launch.__globals__["_fn"][0] = None
+
+
+def _map():
+    from rtkernels.tma import TENSOR_MAP_DTYPE
+    return np.zeros((), TENSOR_MAP_DTYPE)[()]
+
+
+def test_one_dimensional_launches_go_through_linear_launch(kernel, fn):
+    m = _map()
+    kernel.launch((4,), (128,), None, None, None, 5, 1.5, m)
+    kernel.launch((4, 1, 1), (128, 1), None, None, None, 5, 1.5, m)
+    kernel.launch((4, 2), (128,), None, None, None, 5, 1.5, m)
+    kinds = [(c[0], c[1]) for c in fn.calls]
+    assert kinds == [("linear", 512), ("linear", 512), ("call", (4, 2))]
+    assert fn.calls[0][2] == 128     # block_max_size = the block, so the grid is exactly 4
+    args = fn.calls[0][3]
+    assert args[3] == 5 and isinstance(args[4], np.float32) and args[4] == np.float32(1.5)
+
+
+def test_torch_tensors_pass_by_address(kernel, fn):
+    from cupy.cuda import function
+    kernel.launch((1,), (32,), TorchLike(4096), TorchLike(8192), None, 1, 0.0, _map())
+    a, b = fn.calls[-1][3][:2]
+    holder = getattr(function, "CIntptr", None)
+    if holder is not None:
+        assert isinstance(a, holder) and isinstance(b, holder)
+    with pytest.raises(LaunchError, match="device 1"):
+        kernel.launch((1,), (32,), TorchLike(4096, dev=1), None, None, 1, 0.0, _map())
+
+
+def test_stream_handles_share_one_holder(kernel, fn):
+    m = _map()
+    kernel.launch((1,), (32,), None, None, None, 1, 0.0, m, stream=1234)
+    kernel.launch((1,), (32,), None, None, None, 1, 0.0, m, stream=1234)
+    s1, s2 = fn.calls[-2][-1], fn.calls[-1][-1]
+    assert s1 is s2 and s1.ptr == 1234
+
+    class TorchStream:
+        cuda_stream = 77
+    kernel.launch((1,), (32,), None, None, None, 1, 0.0, m, stream=TorchStream())
+    assert fn.calls[-1][-1].ptr == 77
+    with pytest.raises(TypeError, match="stream must be"):
+        kernel.launch((1,), (32,), None, None, None, 1, 0.0, m, stream="s")
+
+
+def test_memoized_tensor_maps_pass_as_cpointers(kernel, fn):
+    from cupy.cuda.function import CPointer
+    from rtkernels import tma
+    m = _map()
+    copy = np.frombuffer(m.tobytes(), np.uint8).copy()
+    held = CPointer(copy.ctypes.data)
+    tma.LAUNCH_ARGS[id(m)] = (m, held, copy)
+    try:
+        kernel.launch((1,), (32,), None, None, None, 1, 0.0, m)
+        assert fn.calls[-1][3][5] is held
+    finally:
+        tma.LAUNCH_ARGS.pop(id(m), None)
+    other = _map()   # not memoized: the record itself, checked as before
+    kernel.launch((1,), (32,), None, None, None, 1, 0.0, other)
+    assert fn.calls[-1][3][5] is other
+    with pytest.raises(TypeError, match="tensor map is 128 bytes"):
+        kernel.launch((1,), (32,), None, None, None, 1, 0.0, np.zeros(3, np.float32))
+
+
+class FakeArray:
+    """The attributes LaunchPlans.key reads from a CuPy array."""
+
+    class _Mem:
+        def __init__(self, ptr):
+            self.ptr, self.device_id = ptr, 0
+
+    def __init__(self, shape, ptr, dtype="float16"):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
+        self.data = self._Mem(ptr)
+
+
+def test_plan_keys(monkeypatch):
+    monkeypatch.setattr(_arrays, "_NDARRAY", FakeArray)
+    monkeypatch.setattr(_arrays, "_MULTI_GPU", [False])
+    plans = _arrays.LaunchPlans()
+    a, b = FakeArray((4, 64), 1 << 20), FakeArray((4, 64), 2 << 20)
+    k1 = plans.key((a, None), ("softmax", False))
+    assert k1 == plans.key((b, None), ("softmax", False))              # same signature, other address
+    assert k1 != plans.key((FakeArray((4, 64), (1 << 20) + 8), None), ("softmax", False))   # alignment
+    assert k1 != plans.key((FakeArray((4, 64), 1 << 20, "float32"), None), ("softmax", False))
+    assert plans.key((a, object()), ("softmax",)) is None                 # not an array kind
+    assert plans.key((None, None), ("softmax",)) is None
+    plans.put(k1, "plan")
+    assert plans.get(plans.key((b, None), ("softmax", False))) == "plan"
+    unhashable = plans.key((a,), ("softmax", [1]))
+    assert plans.get(unhashable) is None
+    plans.put(unhashable, "x")   # skipped, no error
+    assert len(plans) == 1
+
+
+def test_plan_keys_of_torch_tensors():
+    torch = pytest.importorskip("torch")
+    plans = _arrays.LaunchPlans()
+    assert plans.key((torch.ones(3),), ()) is None   # CPU tensors take the full path (which refuses them)
+
+
+def test_fast_getenv_follows_os_environ(monkeypatch):
+    from rtkernels._env import getenv
+    monkeypatch.delenv("RTKERNELS_TEST_KNOB", raising=False)
+    assert getenv("RTKERNELS_TEST_KNOB") is None and getenv("RTKERNELS_TEST_KNOB", "d") == "d"
+    monkeypatch.setenv("RTKERNELS_TEST_KNOB", "x1")
+    assert getenv("RTKERNELS_TEST_KNOB") == "x1"
+    monkeypatch.setenv("RTKERNELS_TEST_KNOB", "")
+    assert getenv("RTKERNELS_TEST_KNOB", "d") == ""
+
+
+ADD = ('extern "C" __global__ void add3(const float* a, const float* b, float* c, int n) {\n'
+       '    int i = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x * blockDim.x + blockIdx.x * blockDim.x\n'
+       '            + threadIdx.x;\n'
+       '    if (i < n) c[i] = a[i] + b[i];\n}\n')
+
+
+@pytest.mark.gpu
+def test_gpu_launch_paths_agree():
+    """1-D (linear_launch) and 3-D (Function.__call__) launches, CuPy arrays and torch tensors,
+    raw stream handles: the same sums, with outputs poisoned first."""
+    import cupy as cp
+    k = rtk.compile(rtk.Template(ADD))
+    n = 1000
+    a, b = cp.arange(n, dtype=cp.float32), cp.full(n, 0.5, cp.float32)
+    for grid in ((4,), (2, 2, 1)):
+        c = cp.full(n, cp.nan, cp.float32)
+        k.launch(grid, (256,), a, b, c, n)
+        cp.testing.assert_array_equal(c, a + b)
+    s = cp.cuda.Stream(non_blocking=True)
+    c = cp.full(n, cp.nan, cp.float32)
+    cp.cuda.get_current_stream().synchronize()
+    k.launch((4,), (256,), a, b, c, n, stream=s.ptr)
+    s.synchronize()
+    cp.testing.assert_array_equal(c, a + b)
+    torch = pytest.importorskip("torch")
+    ta, tb = torch.arange(n, dtype=torch.float32, device="cuda"), torch.full((n,), 0.5, device="cuda")
+    tc = torch.full((n,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    k.launch((4,), (256,), ta, tb, tc, n)
+    cp.cuda.Device().synchronize()
+    assert torch.equal(tc, ta + tb)
+    with pytest.raises(LaunchError, match="cpu"):
+        k.launch((4,), (256,), ta.cpu(), tb, tc, n)

@@ -1,0 +1,477 @@
+"""Decode benchmark: rtk.attention_kvcache (contiguous and paged caches) against PyTorch SDPA
+(cuDNN and flash backends) and a device copy, all in one run.
+
+GB/s = bytes of K and V read once (batch x seqlen_k x nheads_kv x head_dim x 2 x itemsize) / time;
+%copy = that over the same run's device-to-device copy (bytes read + written, 1 GiB), the roof
+issue #15's targets are stated against.  Every sequence holds seqlen_k keys (cache_seqlens =
+seqlen_k, the cache exactly that long); paged caches are the same memory viewed as pages of 16
+or 64 keys, visited through a shuffled block table.  SDPA gets its preferred contiguous
+(batch, nheads_kv, seqlen_k, head_dim) K/V copies and ``enable_gqa=True``.
+
+Timing: every call queued behind a spin kernel, events between consecutive calls
+(:func:`benchutil.time_queued`: the kernels' own time even where the host is slower), input sets
+rotated so K/V never sit in L2 (>= 256 MiB per rotation), candidates interleaved over rounds,
+median per candidate.  Also: host time per call (tiny shapes; launch plans) and the cold compile
+time of a new head dim.  Run on the GPU host from the repository root:
+
+    PYTHONPATH=. python tools/bench_decode.py --quick --out $OUT       # ~8 shapes, < 60 s
+    PYTHONPATH=. python tools/bench_decode.py --out $OUT               # issue shapes + B x Sk grid + seqlen_q 4/16
+    PYTHONPATH=. python tools/bench_decode.py --quick --splits 1,8,33  # forced num_splits as extra columns
+    PYTHONPATH=. python tools/bench_decode.py --quick --tiles 16:4:3,16:4:4,32:4:3,16:8:2   # block_n:warps:stages
+    PYTHONPATH=. python tools/bench_decode.py --quick --variants "rows8=warp_split:rows;keys0=order:splits"
+
+Layouts: ``contig`` (batch, seqlen, nheads_kv, head_dim), ``hnd`` (a (batch, nheads_kv, seqlen,
+head_dim) cache passed as its transposed view), ``paged16`` / ``paged64``.  SDPA runs on its
+preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) and, with
+``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
+the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
+variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
+order splits|heads, combine fused|kernel) on the ``--variant-layouts``; ``--splits`` adds forced
+split counts for the default and every variant.  ``--host-profile`` times the pieces of a call.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import benchutil as bu  # noqa: E402
+
+# (batch, seqlen_k, nheads, nheads_kv, head_dim, seqlen_q): the issue's table first
+ISSUE_SHAPES = [(1, 32768, 32, 8, 128, 1), (1, 131072, 32, 8, 128, 1), (8, 8192, 32, 8, 128, 1),
+                (64, 2048, 32, 8, 128, 1), (128, 1024, 64, 8, 128, 1), (16, 4096, 16, 16, 64, 1)]
+SPEC_SHAPES = [(8, 8192, 32, 8, 128, 4), (8, 8192, 32, 8, 128, 16), (1, 32768, 32, 8, 128, 4),
+               (1, 32768, 32, 8, 128, 16)]
+GRID_SHAPES = [(b, sk, 32, 8, 128, 1) for b in (1, 4, 16, 64, 256) for sk in (1024, 8192, 32768, 131072)]
+QUICK_SHAPES = ISSUE_SHAPES + SPEC_SHAPES[:2]
+ROTATE_BYTES = 256 << 20
+LAYOUTS = ("contig", "hnd", "paged16", "paged64")
+
+
+def _kv_bytes(b, sk, hkv, d, item=2):
+    return b * sk * hkv * d * 2 * item
+
+
+def _torch():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def _randn(shape, dtype, torch, gen=None):
+    import cupy as cp
+    if torch is not None:
+        return torch.randn(shape, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+    x = cp.random.standard_normal(shape, dtype=cp.float32)
+    if dtype == "bfloat16":
+        return ((x.view(cp.uint32) + 0x8000) >> 16).astype(cp.uint16)
+    return x.astype(dtype)
+
+
+class Set:
+    """One rotation's inputs: q, the cache (contiguous; the paged views share its memory),
+    cache_seqlens, a shuffled block table per page size, and SDPA's K/V layout."""
+
+    def __init__(self, shape, dtype, torch, sdpa: bool, page_sizes, layouts=()):
+        import cupy as cp
+        b, sk, h, hkv, d, sq = shape
+        self.q = _randn((b, sq, h, d), dtype, torch)
+        self.k = _randn((b, sk, hkv, d), dtype, torch)
+        self.v = _randn((b, sk, hkv, d), dtype, torch)
+        self.out = _randn((b, sq, h, d), dtype, torch)
+        if torch is not None:
+            self.lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        else:
+            self.lens = cp.full((b,), sk, dtype=cp.int32)
+        self.paged = {}
+        for ps in page_sizes:
+            if sk % ps:
+                continue
+            n = b * sk // ps
+            if torch is not None:
+                table = torch.randperm(n, device="cuda").to(torch.int32).reshape(b, sk // ps)
+            else:
+                table = cp.random.permutation(n).astype(cp.int32).reshape(b, sk // ps)
+            self.paged[ps] = (self.k.reshape(n, ps, hkv, d), self.v.reshape(n, ps, hkv, d), table)
+        self.sdpa = self.sdpa_nhd = None
+        if sdpa and torch is not None:
+            self.sdpa = tuple(x.transpose(1, 2).contiguous() for x in (self.q, self.k, self.v))
+            self.sdpa_nhd = tuple(x.transpose(1, 2) for x in (self.q, self.k, self.v))   # views of rtk's arrays
+        self.hnd = None
+        if "hnd" in layouts:   # rtk on a (B, Hkv, S, D) cache: the transposed view of such an array
+            if self.sdpa is not None:
+                self.hnd = (self.sdpa[1].transpose(1, 2), self.sdpa[2].transpose(1, 2))
+            elif torch is not None:
+                self.hnd = tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (self.k, self.v))
+            else:
+                self.hnd = tuple(cp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                                 for x in (self.k, self.v))
+
+
+def _cache_args(s, layout):
+    """(k_cache, v_cache, block_table) of a set in a layout."""
+    if layout == "contig":
+        return s.k, s.v, None
+    if layout == "hnd":
+        return s.hnd[0], s.hnd[1], None
+    return s.paged[int(layout[5:])]
+
+
+def _rtk_fn(rtk, kv, layout, dtype, torch, variant=None, **kw):
+    extra = {} if torch is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
+
+    def fn(s):
+        kc, vc, table = _cache_args(s, layout)
+        kv.set_variant(variant)
+        rtk.attention_kvcache(s.q, kc, vc, s.lens, block_table=table, out=s.out, **extra, **kw)
+    return fn
+
+
+def _sdpa_fn(torch, backend, nhd=False):
+    """SDPA without a mask: its is_causal aligns top-left (query i sees keys <= i), which for
+    seqlen_q < seqlen_k would skip nearly the whole cache; the bottom-right triangle rtk masks
+    (seqlen_q <= 16 here) changes no byte read.  ``nhd``: on views of rtk's own arrays."""
+    from torch.nn.attention import sdpa_kernel
+    F = torch.nn.functional
+
+    def fn(s):
+        q, k, v = s.sdpa_nhd if nhd else s.sdpa
+        with sdpa_kernel([backend]):
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return fn
+
+
+def _plan_of(kv, s, layout, dtype, torch, kw, variant=None):
+    """The plan the op runs for this set, layout and variant."""
+    kc, vc, table = _cache_args(s, layout)
+    kv.set_variant(variant)
+    try:
+        plan, _ = kv._plan((s.q, kc, vc, s.lens, table, None, None, s.out), True, None, False, kw.get("num_splits"),
+                           None if torch is not None else ("bfloat16" if dtype == "bfloat16" else None))
+    finally:
+        kv.set_variant(None)
+    return plan
+
+
+def _short(plan):
+    cfg = plan.config
+    mode = "K" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h"
+    comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
+    return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}"
+
+
+def parse_variants(text: str) -> dict:
+    """"name=field:value+field:value;name2=..." -> {name: {field: value}} (ints where they parse)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, spec = item.partition("=")
+        fields = {}
+        for kv_ in filter(None, spec.split("+")):
+            k, _, v = kv_.partition(":")
+            fields[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+        out[name.strip()] = fields
+    return out
+
+
+def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
+    b, sk, h, hkv, d, sq = shape
+    nbytes = _kv_bytes(b, sk, hkv, d)
+    nsets = max(1, min(8, -(-ROTATE_BYTES // nbytes)))
+    pages = [int(x[5:]) for x in args.layouts if x.startswith("paged")]
+    sets = [Set(shape, dtype, torch, not args.no_sdpa, pages, args.layouts) for _ in range(nsets)]
+    inputs = [(s,) for s in sets]
+    cands = {}   # name -> (fn, layout, kw, variant)
+    for layout in args.layouts:
+        if layout.startswith("paged") and int(layout[5:]) not in sets[0].paged:
+            continue
+        if layout == "hnd" and sets[0].hnd is None:
+            continue
+        cands[f"rtk_{layout}"] = (_rtk_fn(rtk, kv, layout, dtype, torch), layout, {}, None)
+        for vname, v in args.variants.items():
+            if layout in args.variant_layouts:
+                cands[f"rtk_{layout}@{vname}"] = (_rtk_fn(rtk, kv, layout, dtype, torch, v), layout, {}, v)
+        if layout == args.layouts[0]:
+            for n in args.splits:
+                cands[f"rtk_{layout}_x{n}"] = (_rtk_fn(rtk, kv, layout, dtype, torch, num_splits=n), layout,
+                                               {"num_splits": n}, None)
+                for vname, v in args.variants.items():
+                    cands[f"rtk_{layout}@{vname}_x{n}"] = (_rtk_fn(rtk, kv, layout, dtype, torch, v, num_splits=n),
+                                                           layout, {"num_splits": n}, v)
+    if torch is not None and not args.no_sdpa:
+        from torch.nn.attention import SDPBackend
+        for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            cands[name] = (_sdpa_fn(torch, be), None, None, None)
+        if args.sdpa_nhd:
+            cands["sdpa_cudnn_nhd"] = (_sdpa_fn(torch, SDPBackend.CUDNN_ATTENTION, nhd=True), None, None, None)
+    row = {"batch": b, "seqlen_k": sk, "heads": f"{h}/{hkv}", "head_dim": d, "seqlen_q": sq, "MB": nbytes / 1e6,
+           "sets": nsets}
+    live = {}
+    for name, (fn, layout, kw, variant) in cands.items():
+        try:
+            fn(sets[0])   # compile, plan, warm
+            if layout is not None:
+                row[f"{name}_cfg"] = _short(_plan_of(kv, sets[0], layout, dtype, torch, kw, variant))
+            live[name] = fn
+        except Exception as exc:   # noqa: BLE001 - a peer without support for this shape
+            row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            kv.set_variant(None)
+    times = {n: [] for n in live}
+    for _ in range(args.rounds):   # interleaved: every candidate once per round
+        for name, fn in live.items():
+            ms, host_us, drained = bu.time_queued(fn, inputs, warmup=2, repeat=args.repeat)
+            times[name].append(ms)
+            row[f"{name}_host_us"] = host_us
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        row[f"{name}_us"] = ms * 1e3
+        row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
+        row[f"{name}_%copy"] = 100 * row[f"{name}_GBs"] / copy_gbs
+    kv.set_variant(None)
+    if "rtk_contig_GBs" in row and "sdpa_cudnn_GBs" in row:
+        row["rtk/cudnn"] = row["rtk_contig_GBs"] / row["sdpa_cudnn_GBs"]
+    rtk_best = max(((n, row[f"{n}_GBs"]) for n in live if n.startswith("rtk_contig") and f"{n}_GBs" in row),
+                   key=lambda x: x[1], default=None)
+    if rtk_best is not None:
+        row["best"], row["best_%copy"] = rtk_best[0][len("rtk_contig"):] or "default", 100 * rtk_best[1] / copy_gbs
+    for ps in pages:
+        if f"rtk_paged{ps}_GBs" in row and "rtk_contig_GBs" in row:
+            row[f"paged{ps}/contig"] = row[f"rtk_paged{ps}_GBs"] / row["rtk_contig_GBs"]
+    del sets, inputs
+    return row
+
+
+def host_times(rtk, dtype, torch) -> dict:
+    """Microseconds of host time per call on a tiny decode step (the GPU is idle most of it):
+    CuPy arrays with out=, torch tensors with and without out=, paged."""
+    import cupy as cp
+    out = {}
+    shape = (1, 256, 32, 8, 128, 1)
+    for lib, t in (("cupy", None), ("torch", torch)):
+        if lib == "torch" and torch is None:
+            continue
+        s = Set(shape, dtype, t, False, (16,))
+        extra = {} if t is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
+        kc, vc, table = s.paged[16]
+        calls = {
+            "out": lambda: rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra),
+            "alloc": lambda: rtk.attention_kvcache(s.q, s.k, s.v, s.lens, **extra),
+            "paged_out": lambda: rtk.attention_kvcache(s.q, kc, vc, s.lens, block_table=table, out=s.out, **extra),
+            "splits4_lse": lambda: rtk.attention_kvcache(s.q, s.k, s.v, s.lens, num_splits=4, return_lse=True,
+                                                         **extra),
+        }
+        for name, fn in calls.items():
+            out[f"{lib}_{name}_us"] = min(bu.time_host(fn, 1000) for _ in range(2))
+        cp.cuda.Device().synchronize()
+    return out
+
+
+def host_profile(rtk, kv, dtype, torch) -> dict:
+    """Microseconds of host time of each piece of a replayed call (tiny decode step, out= given):
+    the signature key, the plan lookup, the replay (_execute: outputs, stream, addresses, launch),
+    and inside it the launch alone, the address struct, the stream lookup, an output allocation."""
+    import cupy as cp
+    import numpy as np
+    from rtkernels.ops._arrays import default_stream, empty_as
+    out = {}
+    shape = (1, 256, 32, 8, 128, 1)
+    for lib, t in (("cupy", None), ("torch", torch)):
+        if lib == "torch" and torch is None:
+            continue
+        s = Set(shape, dtype, t, False, ())
+        dt = None if t is not None else ("bfloat16" if dtype == "bfloat16" else None)
+        extra = {"dtype": dt} if dt else {}
+        arrays = (s.q, s.k, s.v, s.lens, None, None, None, s.out)
+        opts = (True, None, False, None, dt, os.environ.get("RTKERNELS_ARCH"), None)   # the op's plan options
+        rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra)
+        key = kv._PLANS.key(arrays, opts)
+        plan = kv._PLANS.get(key)
+        if plan is None:   # the key above must be the op's own
+            out[f"{lib}_error"] = "plan key mismatch"
+            continue
+        st = default_stream(s.q, None)
+        addr = [s.q.data_ptr() if t is not None else s.q.data.ptr] * len(kv.DECODE_PTRS)
+        ptrs = np.frombuffer(kv._PACK_PTRS(*addr), kv.PTRS_DTYPE)[0]
+        pieces = {
+            "call": lambda: rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra),
+            "key": lambda: kv._PLANS.key(arrays, opts),
+            "lookup": lambda: kv._PLANS.get(key),
+            "execute": lambda: kv._execute(plan, *arrays, None),
+            "launch": lambda: plan.split.run((ptrs,), st),
+            "pack_ptrs": lambda: np.frombuffer(kv._PACK_PTRS(*addr), kv.PTRS_DTYPE)[0],
+            "stream": lambda: default_stream(s.q, None),
+            "empty_out": lambda: empty_as(s.q, plan.out_shape, plan.out_dtype),
+            "environ": lambda: os.environ.get("RTKERNELS_ARCH"),
+        }
+        for name, fn in pieces.items():
+            out[f"{lib}_{name}_us"] = min(bu.time_host(fn, 2000) for _ in range(2))
+        cp.cuda.Device().synchronize()
+    return out
+
+
+def compile_time(dtype: str) -> dict:
+    """Cold compile (empty disk cache) and warm load of a decode config for a head dim."""
+    import rtkernels as rtk
+    from rtkernels import cache, device, kernel
+    from rtkernels.ops.attention_kvcache import choose_config
+    res = {}
+    for name, cfg in (("keys", choose_config(dtype, 96, 8, True, False, device.current_arch())),
+                      ("rows", choose_config(dtype, 96, 64, True, True, device.current_arch()))):
+        res[name] = _compile_time(rtk, cache, kernel, cfg)
+    return res
+
+
+def _compile_time(rtk, cache, kernel, cfg) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rtk-decode-cold-") as d:
+        old = os.environ.get("RTKERNELS_CACHE_DIR")
+        os.environ["RTKERNELS_CACHE_DIR"] = d
+        try:
+            cache.clear_memory()
+            kernel._clear_memo()
+            t0 = time.perf_counter()
+            k = rtk.get_kernel(cfg)
+            cold = time.perf_counter() - t0
+            cache.clear_memory()
+            kernel._clear_memo()
+            t0 = time.perf_counter()
+            k = rtk.get_kernel(cfg)
+            k.function()
+            warm = time.perf_counter() - t0
+        finally:
+            if old is None:
+                del os.environ["RTKERNELS_CACHE_DIR"]
+            else:
+                os.environ["RTKERNELS_CACHE_DIR"] = old
+            cache.clear_memory()
+            kernel._clear_memo()
+    return {"config": cfg.key(), "cold_compile_s": cold, "warm_disk_load_s": warm}
+
+
+def _fits(shape, free_bytes, sdpa) -> bool:
+    b, sk, h, hkv, d, sq = shape
+    return _kv_bytes(b, sk, hkv, d) * (2 if sdpa else 1) * 1.2 < free_bytes
+
+
+def main():
+    p = bu.parser(__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=0, help="calls per timing (default 10 quick, 20 full)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: contig,paged16,paged64")
+    p.add_argument("--splits", default="", help="forced num_splits to time as extra columns, e.g. 1,8,33")
+    p.add_argument("--tiles", default="", help="replace the d<=128 heuristic tiles: block_n:num_warps:num_stages,... "
+                                               "(each timed as its own pass; tuning aid)")
+    p.add_argument("--shapes", default="", help="b:sk:h:hkv:d:sq,... instead of the built-in lists")
+    p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--no-host", action="store_true", help="skip host time per call and the compile time")
+    p.add_argument("--variants", default="", help="kernel variants: name=field:value+field:value;... "
+                                                  "(attention_kvcache.set_variant fields)")
+    p.add_argument("--variant-layouts", default="contig", help="layouts the variants run on")
+    p.add_argument("--sdpa-nhd", action="store_true", help="also SDPA cuDNN on views of rtk's (B, S, Hkv, D) arrays")
+    p.add_argument("--host-profile", action="store_true", help="time the pieces of a replayed call")
+    args = p.parse_args()
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    args.splits = [int(x) for x in args.splits.split(",") if x]
+    args.variants = parse_variants(args.variants)
+    args.variant_layouts = [x for x in args.variant_layouts.split(",") if x]
+    args.repeat = args.repeat or (10 if args.quick else 20)
+    import cupy as cp
+    import importlib
+    import rtkernels as rtk
+    kv = importlib.import_module("rtkernels.ops.attention_kvcache")
+    torch = _torch()
+    t_start = time.time()
+    env = bu.environment()
+    if torch is not None:
+        env["torch"] = torch.__version__
+    copy_gbs = bu.copy_bandwidth(1 << 30)
+    print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']}); torch {env.get('torch', 'absent')}", flush=True)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    else:
+        shapes = QUICK_SHAPES if args.quick else list(dict.fromkeys(ISSUE_SHAPES + SPEC_SHAPES + GRID_SHAPES))
+    tile_sets = [None]
+    if args.tiles:
+        tile_sets = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
+    rows = []
+    original = list(kv.HEURISTICS)
+    for tiles in tile_sets:
+        if tiles is not None:   # one tile for every head dim <= 128 (others keep theirs)
+            kv.HEURISTICS[:] = [(8, 128, (kv.Tile(*tiles, "bench --tiles"),))] + [e for e in original if e[0] > 128]
+            kv._PLANS.clear()
+        for shape in shapes:
+            free = cp.cuda.runtime.memGetInfo()[0]
+            if not _fits(shape, free, torch is not None and not args.no_sdpa):
+                rows.append({"batch": shape[0], "seqlen_k": shape[1], "skipped": "over GPU memory"})
+                continue
+            try:
+                row = bench_shape(shape, args.dtype, torch, rtk, kv, args, copy_gbs)
+            except Exception as exc:   # noqa: BLE001 - keep the other shapes' data
+                row = {"batch": shape[0], "seqlen_k": shape[1], "error": f"{type(exc).__name__}: {exc}"[:300]}
+            if tiles is not None:
+                row["tiles"] = ":".join(map(str, tiles))
+            rows.append(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+    kv.HEURISTICS[:] = original
+    kv._PLANS.clear()
+    extra = {}
+    if not args.no_host:
+        extra["host"] = host_times(rtk, args.dtype, torch)
+        if args.host_profile:
+            extra["host_profile"] = host_profile(rtk, kv, args.dtype, torch)
+        extra["compile"] = compile_time(args.dtype)
+    name = "bench_decode_quick" if args.quick else "bench_decode"
+    path = bu.save(args.out, name, {"environment": env, "copy_GBs": copy_gbs, "rows": rows, **extra})
+    series = {}
+    for cand in ("rtk_contig", "rtk_paged16", "rtk_paged64", "sdpa_cudnn", "sdpa_flash"):
+        pts = sorted((r["batch"] * r["seqlen_k"], r[f"{cand}_%copy"]) for r in rows
+                     if f"{cand}_%copy" in r and r.get("seqlen_q") == 1 and r.get("head_dim") == 128)
+        if pts:
+            series[cand] = ([x for x, _ in pts], [y for _, y in pts])
+    png = bu.plot(args.out, name, series, "batch x seqlen_k (seqlen_q 1, d128)", "% of device copy",
+                  f"decode, {args.dtype}, {env['gpu']}") if series else None
+    print(f"\n{env['gpu']} ({env['arch']}, {env['date']}), {args.dtype}: device copy {copy_gbs:.0f} GB/s; JSON {path}"
+          + (f"; plot {png}" if png else "") + f"; {time.time() - t_start:.0f} s")
+    if extra:
+        print("host us/call:", {k: round(v, 1) for k, v in extra["host"].items()})
+        if "host_profile" in extra:
+            print("host profile us:", {k: round(v, 2) if isinstance(v, float) else v
+                                       for k, v in extra["host_profile"].items()})
+        for name, c in extra["compile"].items():
+            print(f"cold compile {name} {c['cold_compile_s'] * 1e3:.0f} ms, warm load {c['warm_disk_load_s'] * 1e3:.0f} "
+                  f"ms ({c['config']})")
+    shape_cols = ["batch", "seqlen_k", "heads", "head_dim", "seqlen_q"]
+    if args.splits or args.variants:   # the sweeps first: the default table is the last thing printed
+        names = ["rtk_contig"] + [f"rtk_contig@{v}" for v in args.variants]
+        sweep = []
+        for r in rows:
+            for n in names:
+                e = {c: r.get(c) for c in shape_cols}
+                e["candidate"] = n[len("rtk_contig"):] or "default"
+                e["cfg"] = r.get(f"{n}_cfg", r.get(f"{n}_error", "")[:40])
+                e["%copy"] = r.get(f"{n}_%copy", "")
+                for k in args.splits:
+                    e[f"x{k}"] = r.get(f"{n}_x{k}_%copy", "")
+                sweep.append(e)
+        print("\nvariants x forced splits (contig, % of copy):")
+        print(bu.table(sweep, shape_cols + ["candidate", "cfg", "%copy"] + [f"x{k}" for k in args.splits]))
+    cols = shape_cols + [f"rtk_{lay}_%copy" for lay in args.layouts]
+    cols += [c for c in ("sdpa_cudnn_%copy", "sdpa_cudnn_nhd_%copy", "sdpa_flash_%copy") if any(c in r for r in rows)]
+    cols += ["rtk/cudnn"] + [f"{lay}/contig" for lay in args.layouts if lay.startswith("paged")]
+    cols += ["best", "best_%copy", "rtk_contig_cfg"]
+    if args.tiles:
+        cols.append("tiles")
+    print("\ndefault config (% of copy; best = fastest rtk_contig candidate):")
+    print(bu.table(rows, cols))
+
+
+if __name__ == "__main__":
+    main()

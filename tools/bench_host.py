@@ -1,0 +1,254 @@
+"""Host time per call (tiny inputs, so the host is all there is) of rtk's launch path, ops and
+torch custom ops, against their peers in the same process.  Run on a GPU host:
+
+    PYTHONPATH=. python tools/bench_host.py --out $OUT
+
+Each row: microseconds per call of a loop of ``--calls`` calls, synchronizing only at the end;
+every candidate runs once per round, rounds interleaved (``--rounds``), median and min of the
+rounds reported.  A loop is short enough that the launch queue never fills (the GPU finishes a
+tiny kernel faster than the host issues the next), so this is host time, not kernel time.
+Sections: the launch floor (Kernel.launch vs CuPy RawKernel, same signature), the CuPy ops, the
+torch ops against torch's own, the torch custom-op layer (``torch.ops.rtk``) against the direct
+call, and a breakdown of rtk.attention's torch path.  JSON to ``$OUT/bench_host.json``; the
+summary table with the issue's targets is printed last.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import benchutil as bu  # noqa: E402
+
+KERNEL = r'''extern "C" __global__ void axpy3(const float* a, const float* b, float* c, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) c[i] = a[i] + b[i];
+}'''
+
+
+class Rows:
+    """Candidates timed in interleaved rounds."""
+
+    def __init__(self, calls: int, rounds: int):
+        self.calls, self.rounds = calls, rounds
+        self.fns: dict = {}
+        self.results: dict = {}
+        self.sync = None
+
+    def add(self, name: str, fn) -> None:
+        self.fns[name] = fn
+
+    def run(self) -> None:
+        for fn in self.fns.values():      # warm: compile, load, record the launch plans
+            for _ in range(50):
+                fn()
+        self.sync()
+        times: dict = {n: [] for n in self.fns}
+        for _ in range(self.rounds):
+            for name, fn in self.fns.items():
+                self.sync()
+                t0 = time.perf_counter()
+                for _ in range(self.calls):
+                    fn()
+                self.sync()
+                times[name].append((time.perf_counter() - t0) / self.calls * 1e6)
+        for name, ts in times.items():
+            self.results[name] = {"median_us": statistics.median(ts), "min_us": min(ts)}
+        self.fns.clear()
+
+
+def launch_floor(rows: Rows):
+    import cupy as cp
+    import numpy as np
+    import rtkernels as rtk
+    import rtkernels.kernel as kmod
+    n = 256
+    a, b, c = (cp.ones(n, cp.float32) for _ in range(3))
+    raw = cp.RawKernel(KERNEL, "axpy3")
+    k = rtk.compile(rtk.Template(KERNEL))
+    fn = k.function()
+    n32 = np.int32(n)
+    g, blk = (1,), (256,)
+    rows.add("launch: cupy RawKernel (int)", lambda: raw(g, blk, (a, b, c, n)))
+    rows.add("launch: cupy RawKernel (np.int32)", lambda: raw(g, blk, (a, b, c, n32)))
+    rows.add("launch: cupy Function.__call__", lambda: fn(g, blk, (a, b, c, n)))
+    rows.add("launch: cupy Function.linear_launch", lambda: fn.linear_launch(256, (a, b, c, n), 0, 256))
+    rows.add("launch: rtk Kernel.launch", lambda: k.launch(g, blk, a, b, c, n))
+    kmod.LINEAR_LAUNCH = False
+    k2 = kmod.Kernel(k.module, k.name)   # same code, a launcher without the linear path
+    k2.launch(g, blk, a, b, c, n)
+    kmod.LINEAR_LAUNCH = True
+    rows.add("launch: rtk Kernel.launch (Function.__call__)", lambda: k2.launch(g, blk, a, b, c, n))
+    rows.add("launch: rtk Kernel.launch (3-D grid)", lambda: k.launch((1, 1, 1), (256, 1, 1), a, b, c, n))
+    rows.add("cupy.empty(256)", lambda: cp.empty(n, cp.float32))
+    try:
+        import torch
+        ta, tb, tc = (torch.ones(n, device="cuda") for _ in range(3))
+        rows.add("launch: rtk Kernel.launch (torch tensors)", lambda: k.launch(g, blk, ta, tb, tc, n))
+    except ImportError:
+        pass
+
+
+def cupy_ops(rows: Rows):
+    import cupy as cp
+    import rtkernels as rtk
+    x = cp.random.standard_normal((4, 64), dtype=cp.float32).astype(cp.float16)
+    y = cp.empty_like(x)
+    w = cp.ones(64, cp.float16)
+    a = cp.random.standard_normal((64, 64), dtype=cp.float32).astype(cp.float16)
+    cm = cp.empty((64, 64), cp.float16)
+    rows.add("cupy: rtk.softmax(x)", lambda: rtk.softmax(x))
+    rows.add("cupy: rtk.softmax(x, out=y)", lambda: rtk.softmax(x, out=y))
+    rows.add("cupy: rtk.rmsnorm(x, w, out=y)", lambda: rtk.rmsnorm(x, w, out=y))
+    rows.add("cupy: rtk.layernorm(x, w, w, out=y)", lambda: rtk.layernorm(x, w, w, out=y))
+    rows.add("cupy: rtk.reduce(x)", lambda: rtk.reduce(x))
+    rows.add("cupy: rtk.matmul(a, a, out=c)", lambda: rtk.matmul(a, a, out=cm))
+    rows.add("cupy: cupy.matmul(a, a)", lambda: cp.matmul(a, a))
+
+
+def torch_ops(rows: Rows):
+    import torch
+    import torch.nn.functional as F
+    import rtkernels as rtk
+    try:
+        import rtkernels.torch as rtt
+    except ImportError:   # an older tree (--tree): rtk ops on torch tensors only
+        rtt = None
+    dev = "cuda"
+    x = torch.randn(4, 64, device=dev, dtype=torch.float16)
+    w = torch.ones(64, device=dev, dtype=torch.float16)
+    a = torch.randn(64, 64, device=dev, dtype=torch.float16)
+    q = torch.randn(1, 16, 2, 64, device=dev, dtype=torch.bfloat16)
+    qh = q.transpose(1, 2)
+    do = torch.randn_like(q)
+    o, lse = rtk.attention(q, q, q, True)
+    rows.add("torch: rtk.attention(q, k, v)", lambda: rtk.attention(q, q, q, True))
+    rows.add("torch: F.scaled_dot_product_attention", lambda: F.scaled_dot_product_attention(qh, qh, qh, is_causal=True))
+    rows.add("torch: rtk.attention_backward", lambda: rtk.attention_backward(do, q, q, q, o, lse, True))
+    rows.add("torch: rtk.matmul(a, b)", lambda: rtk.matmul(a, a))
+    rows.add("torch: torch.matmul(a, b)", lambda: torch.matmul(a, a))
+    rows.add("torch: rtk.softmax(x)", lambda: rtk.softmax(x))
+    rows.add("torch: torch.softmax(x)", lambda: torch.softmax(x, -1))
+    rows.add("torch: rtk.rmsnorm(x, w)", lambda: rtk.rmsnorm(x, w))
+    if hasattr(F, "rms_norm"):
+        rows.add("torch: F.rms_norm(x)", lambda: F.rms_norm(x, (64,), w, 1e-6))
+    rows.add("torch: torch.empty(4, 64)", lambda: torch.empty((4, 64), dtype=torch.float16, device=dev))
+    rows.add("torch: x.new_empty(4, 64)", lambda: x.new_empty((4, 64)))
+    if rtt is None:
+        return
+    rows.add("torch: torch.ops.rtk.attention", lambda: torch.ops.rtk.attention.default(q, q, q, True))
+    rows.add("torch: rtt.scaled_dot_product_attention", lambda: rtt.scaled_dot_product_attention(qh, qh, qh, is_causal=True))
+    rows.add("torch: torch.ops.rtk.attention_backward",
+             lambda: torch.ops.rtk.attention_backward.default(do, q, q, q, o, lse, True))
+    rows.add("torch: torch.ops.rtk.matmul", lambda: torch.ops.rtk.matmul.default(a, a))
+    rows.add("torch: torch.ops.rtk.softmax", lambda: torch.ops.rtk.softmax.default(x))
+    rows.add("torch: torch.ops.rtk.rmsnorm", lambda: torch.ops.rtk.rmsnorm.default(x, w, 1e-6))
+
+    # torch's own custom_op path around the same call, to show what the lean registration saves
+    lib_name = "rtk_bench_ref"
+    if not hasattr(torch.ops, lib_name) or not hasattr(getattr(torch.ops, lib_name), "softmax"):
+        @torch.library.custom_op(f"{lib_name}::softmax", mutates_args=())
+        def _ref_softmax(t: torch.Tensor) -> torch.Tensor:
+            return rtk.softmax(t)
+
+        _ref_softmax.register_fake(lambda t: torch.empty_like(t))
+    ref = getattr(torch.ops, lib_name).softmax.default
+    rows.add("torch: torch.library.custom_op(rtk.softmax)", lambda: ref(x))
+
+    from rtkernels.ops._arrays import torch_stream_ptr
+    rows.add("torch: current stream (raw getter)", lambda: torch_stream_ptr(torch, 0))
+    rows.add("torch: current stream (public)", lambda: torch.cuda.current_stream().cuda_stream)
+
+
+def attention_breakdown(rows: Rows):
+    """The pieces of rtk.attention's torch replay, timed alone."""
+    import torch
+    import rtkernels as rtk
+    from rtkernels.ops import attention as att
+    from rtkernels.ops import attention_sm90 as sm90
+    from rtkernels.ops._arrays import address, default_stream
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    rtk.attention(q, q, q, True)
+    key = att._forward_plan_key(q, q, q, None, True, None, True, None)
+    plan = att._FORWARD_PLANS.get(key)
+    if plan is None:
+        return
+    cfg, specs, lse_spec = plan.extra[:3]
+    o = plan.output(q, None)
+    lse = torch.empty(lse_spec[0], dtype=lse_spec[1], device="cuda")
+    maps = sm90.tensor_maps(cfg, *(address(t) for t in (q, q, q, o)), specs=specs)
+    rows.add("attention part: plan key", lambda: att._forward_plan_key(q, q, q, None, True, None, True, None))
+    rows.add("attention part: plan lookup", lambda: att._FORWARD_PLANS.get(key))
+    rows.add("attention part: o and lse allocations",
+             lambda: (plan.output(q, None), torch.empty(lse_spec[0], dtype=lse_spec[1], device="cuda")))
+    rows.add("attention part: 4 tensor maps (memo hits)",
+             lambda: sm90.tensor_maps(cfg, *(address(t) for t in (q, q, q, o)), specs=specs))
+    rows.add("attention part: launch", lambda: plan.launch.run((*maps, lse), default_stream(q, None)))
+
+
+TARGETS = [
+    ("launch: rtk Kernel.launch", "launch: cupy RawKernel (int)", 1.0, "Kernel.launch <= RawKernel"),
+    ("torch: rtk.attention(q, k, v)", "torch: F.scaled_dot_product_attention", 1.0, "rtk attention <= SDPA"),
+    ("torch: rtk.matmul(a, b)", "torch: torch.matmul(a, b)", 2.0, "rtk matmul <= 2x torch"),
+    ("torch: rtk.softmax(x)", "torch: torch.softmax(x)", 2.0, "rtk softmax <= 2x torch"),
+]
+
+
+def main() -> None:
+    p = bu.parser(__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=400, help="calls per timed loop")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per section")
+    p.add_argument("--tree", help="time the rtkernels package under this folder instead (e.g. an older tree: "
+                                  "git archive <commit> rtkernels templates | tar -x -C base)")
+    p.add_argument("--name", default="bench_host", help="JSON file name under --out")
+    ns = p.parse_args()
+    if ns.tree:
+        sys.path.insert(0, os.path.abspath(ns.tree))
+    import cupy as cp
+    import rtkernels
+    print(f"rtkernels from {os.path.dirname(rtkernels.__file__)}")
+    results: dict = {}
+    sections = [launch_floor, cupy_ops]
+    try:
+        import torch  # noqa: F401
+        sections += [torch_ops, attention_breakdown]
+        sync = lambda: (torch.cuda.synchronize(), cp.cuda.Device().synchronize())   # noqa: E731
+    except ImportError:
+        print("torch not installed: torch sections skipped")
+        sync = lambda: cp.cuda.Device().synchronize()   # noqa: E731
+    for section in sections:
+        rows = Rows(ns.calls, ns.rounds)
+        rows.sync = sync
+        section(rows)
+        rows.run()
+        results.update(rows.results)
+    env = bu.environment()
+    bu.save(ns.out, ns.name, {"env": env, "tree": os.path.dirname(rtkernels.__file__), "calls": ns.calls,
+                              "rounds": ns.rounds, "results": results})
+    width = max(len(k) for k in results)
+    print(f"\nhost time per call, us ({env.get('gpu', '')}; median / min of {ns.rounds} rounds of {ns.calls} calls)")
+    for name, r in results.items():
+        print(f"  {name:<{width}}  {r['median_us']:7.2f}  {r['min_us']:7.2f}")
+    checks = [("torch: torch.ops.rtk.attention", "torch: rtk.attention(q, k, v)"),
+              ("torch: torch.ops.rtk.matmul", "torch: rtk.matmul(a, b)"),
+              ("torch: torch.ops.rtk.softmax", "torch: rtk.softmax(x)"),
+              ("torch: torch.ops.rtk.rmsnorm", "torch: rtk.rmsnorm(x, w)")]
+    print("\ntargets (median us)")
+    for mine, peer, factor, what in TARGETS:
+        if mine in results and peer in results:
+            m, pr = results[mine]["median_us"], results[peer]["median_us"]
+            print(f"  {what:<28} {m:7.2f} vs {factor:g} x {pr:.2f} -> {'ok' if m <= factor * pr else 'MISSED'}")
+    if "cupy: rtk.softmax(x)" in results:
+        m = results["cupy: rtk.softmax(x)"]["median_us"]
+        print(f"  {'CuPy softmax <= 8 us':<28} {m:7.2f} -> {'ok' if m <= 8 else 'MISSED'}")
+    for op_row, direct in checks:
+        if op_row in results and direct in results:
+            extra = results[op_row]["median_us"] - results[direct]["median_us"]
+            print(f"  {'custom op adds <= 5 us':<28} {op_row.split('.')[-1]}: +{extra:.2f} -> "
+                  f"{'ok' if extra <= 5 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Training-step kernels against a same-run device copy and their peers.
+
+GB/s = the bytes each op must move / time, and that as % of the device-to-device copy measured in
+the same run (1 GiB; the row ops also against a copy of their own size):
+  norm backward   read dy, x, weight (and the saved statistics), write dx, dweight (+ dbias)
+  softmax bwd     read dy, y, write dx
+  cross-entropy   read the logits (+ targets), write dlogits and the per-token loss
+  AdamW           read p (or the fp32 master), g, m, v; write p, m, v (+ master)
+Peers in the same run: torch eager (autograd of F.rms_norm / F.layer_norm / softmax; F.cross_entropy
+forward + backward; torch.optim.AdamW(fused=True) and foreach=True), Liger / QuACK when importable.
+Calls are queued behind a spin kernel (benchutil.time_queued: each call's own GPU time even when
+the host is slower) and the candidates of a case alternate over several rounds (median of rounds).
+
+    PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
+
+Targets (issue 21): norm / softmax backward >= 0.85x copy at widths 1k-16k and >= 1.5x torch
+eager; cross-entropy (loss + grad) >= 0.85x copy and >= 2x torch; AdamW >= 0.85x copy and >= 1.0x
+torch fused (1B parameters in 300 tensors).  --quick: fewer widths, 256M parameters, < 60 s.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchutil  # noqa: E402
+
+NORM_WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+QUICK_NORM_WIDTHS = (1024, 4096, 16384)
+ROW_BYTES = 64 << 20          # bytes of x per row-op case: dy + x + dx exceed the 50 MiB L2
+CE_CASES = ((8192, 32000), (8192, 50257), (8192, 128256), (2048, 256000))
+QUICK_CE_CASES = ((4096, 50257), (4096, 128256))
+
+
+def _torch():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def _interleaved(fns: dict, inputs, rounds: int, repeat: int) -> dict:
+    """name -> (median ms over rounds, None) or (None, error text), the candidates alternating round
+    by round (a candidate that fails is dropped from later rounds)."""
+    times = {k: [] for k in fns}
+    errors = {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name in errors:
+                continue
+            try:
+                times[name].append(benchutil.time_queued(fn, inputs, warmup=2, repeat=repeat)[0])
+            except Exception as exc:   # noqa: BLE001 - a peer missing a feature must not sink the run
+                errors[name] = f"{type(exc).__name__}: {exc}"[:160]
+    return {k: (None, errors[k]) if k in errors else (statistics.median(v), None) for k, v in times.items()}
+
+
+def _row(case: dict, res: dict, nbytes: int, copy_gbs: float, copy_same: float | None = None) -> dict:
+    row = dict(case)
+    for name, (ms, extra) in res.items():
+        if ms is None:
+            row[f"{name}_error"] = extra
+            continue
+        row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
+        row[f"{name}_us"] = ms * 1e3
+    if row.get("rtk_GBs"):
+        row["rtk_%copy"] = 100 * row["rtk_GBs"] / copy_gbs
+        if copy_same:
+            row["rtk_%copy_same_size"] = 100 * row["rtk_GBs"] / copy_same
+        for name in res:
+            if name != "rtk" and row.get(f"{name}_GBs"):
+                row[f"x_{name}"] = row["rtk_GBs"] / row[f"{name}_GBs"]
+    return row
+
+
+# ---- norm and softmax backward -------------------------------------------------------------------
+def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
+    rows_out = []
+    F = torch.nn.functional if torch else None
+    for n in widths:
+        rows = max(1, ROW_BYTES // (n * 2))
+        copy_same = benchutil.copy_bandwidth(3 * rows * n)   # the traffic of dy + x read, dx written
+        for op in args.ops.split(","):
+            if op not in ("rmsnorm", "layernorm", "softmax"):
+                continue
+            if torch is not None:
+                x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+                dy = torch.randn_like(x)
+                w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+                b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            else:
+                x = (cp.random.standard_normal((rows, n), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+                dy = (cp.random.standard_normal((rows, n), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+                w = cp.full(n, 0x3F80, cp.uint16)
+                b = cp.zeros(n, cp.uint16)
+            kw = {} if torch is not None else {"dtype": "bfloat16"}
+            dx = x.clone() if torch is not None else x.copy()
+            fns = {}
+            if op == "rmsnorm":
+                y, rstd = rtk.rmsnorm(x, w, eps=1e-6, return_stats=True, **kw)
+                fns["rtk"] = lambda: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, **kw)
+                fns["rtk_recompute"] = lambda: rtk.rmsnorm_backward(dy, x, w, eps=1e-6, out=dx, **kw)
+                nbytes = 3 * rows * n * 2 + 2 * n * 2 + rows * 4       # + weight read, dweight written, rstd
+                if torch is not None and hasattr(F, "rms_norm"):
+                    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+                    yt = F.rms_norm(xr, (n,), wr, 1e-6)
+                    fns["torch"] = lambda: torch.autograd.grad(yt, (xr, wr), dy, retain_graph=True)
+                    fns.update(_liger_rms(torch, x, w, dy))
+            elif op == "layernorm":
+                y, mean, rstd = rtk.layernorm(x, w, b, eps=1e-5, return_stats=True, **kw)
+                fns["rtk"] = lambda: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, **kw)
+                fns["rtk_recompute"] = lambda: rtk.layernorm_backward(dy, x, w, b, eps=1e-5, out=dx, **kw)
+                nbytes = 3 * rows * n * 2 + 3 * n * 2 + 2 * rows * 4   # + weight read, dweight + dbias written
+                if torch is not None:
+                    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+                    yt = F.layer_norm(xr, (n,), wr, br, 1e-5)
+                    fns["torch"] = lambda: torch.autograd.grad(yt, (xr, wr, br), dy, retain_graph=True)
+            else:
+                y = rtk.softmax(x, **kw)
+                fns["rtk"] = lambda: rtk.softmax_backward(dy, y, out=dx, **kw)
+                nbytes = 3 * rows * n * 2
+                if torch is not None:
+                    xr = x.detach().requires_grad_()
+                    yt = torch.softmax(xr, -1)
+                    fns["torch"] = lambda: torch.autograd.grad(yt, xr, dy, retain_graph=True)
+            res = _interleaved(fns, [()], rounds=3 if args.quick else 5, repeat=10 if args.quick else 20)
+            r = _row({"op": op + "_bwd", "n": n, "rows": rows, "MiB": round(nbytes / 2 ** 20)}, res, nbytes, copy_gbs,
+                     copy_same)
+            rows_out.append(r)
+            print(_line(r), flush=True)
+            del fns
+    return rows_out
+
+
+def _liger_rms(torch, x, w, dy):
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception:   # noqa: BLE001 - optional peer
+        return {}
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = LigerRMSNormFunction.apply(xr, wr, 1e-6)
+    return {"liger": lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True)}
+
+
+# ---- cross-entropy --------------------------------------------------------------------------------
+def bench_ce(args, cp, rtk, torch, copy_gbs, cases):
+    out = []
+    for tokens, vocab in cases:
+        if torch is not None:
+            logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
+            target = torch.randint(0, vocab, (tokens,), device="cuda")
+            target[::17] = -100
+            grad = torch.empty_like(logits)
+            kw = {}
+        else:
+            logits = (cp.random.standard_normal((tokens, vocab), dtype=cp.float32).view(cp.uint32) >> 16).astype(
+                cp.uint16)
+            target = cp.random.randint(0, vocab, tokens).astype(cp.int64)
+            grad = cp.empty_like(logits)
+            kw = {"dtype": "bfloat16"}
+        fns = {"rtk": lambda: rtk.cross_entropy(logits, target, return_grad=True, grad_out=grad, **kw),
+               "rtk_loss_only": lambda: rtk.cross_entropy(logits, target, **kw)}
+        if torch is not None:
+            F = torch.nn.functional
+            lr = logits.detach().requires_grad_()
+
+            def torch_fwd_bwd():
+                lr.grad = None
+                F.cross_entropy(lr, target).backward()
+            fns["torch"] = torch_fwd_bwd
+            fns.update(_liger_ce(torch, logits, target))
+        nbytes = 2 * tokens * vocab * 2 + tokens * 12
+        res = _interleaved(fns, [()], rounds=3, repeat=5 if args.quick else 10)
+        r = _row({"op": "cross_entropy", "n": vocab, "rows": tokens, "MiB": round(nbytes / 2 ** 20)}, res, nbytes,
+                 copy_gbs)
+        lo = res.get("rtk_loss_only", (None,))[0]
+        if lo:   # the loss alone moves the logits once
+            r["rtk_loss_only_GBs"] = (tokens * vocab * 2 + tokens * 12) / (lo * 1e-3) / 1e9
+        out.append(r)
+        print(_line(r), flush=True)
+        del logits, grad, fns
+        if torch is not None:
+            torch.cuda.empty_cache()
+    return out
+
+
+def _liger_ce(torch, logits, target):
+    try:
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    except Exception:   # noqa: BLE001 - optional peer
+        return {}
+    loss_fn = LigerCrossEntropyLoss()
+    lr = logits.detach().requires_grad_()
+
+    def liger():
+        lr.grad = None
+        loss_fn(lr, target).backward()
+    return {"liger": liger}
+
+
+# ---- AdamW ----------------------------------------------------------------------------------------
+def bench_adamw(args, cp, rtk, torch, copy_gbs):
+    out = []
+    total = (256 << 20) if args.quick else (1 << 30)
+    count = 300
+    if torch is None:
+        print("adamw: torch not importable, skipped", flush=True)
+        return out
+    free = torch.cuda.mem_get_info()[0]
+    while total * 16 * 2.8 > free and total > (16 << 20):   # p, g, m, v in float32, and torch's copies
+        total //= 2
+    # 300 tensors: a few embedding-sized ones and many square-ish matrices / vectors (odd sizes)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    weights = rng.pareto(1.5, count) + 0.05
+    sizes = np.maximum(1, (weights / weights.sum() * total).astype(np.int64))
+    for label, pdt, master in (("fp32", torch.float32, False), ("bf16+fp32 master", torch.bfloat16, True)):
+        params = [torch.randn(int(s), device="cuda", dtype=pdt) * 0.02 for s in sizes]
+        grads = [torch.randn_like(p) * 1e-3 for p in params]
+        m = [torch.zeros(p.shape, device="cuda", dtype=torch.float32) for p in params]
+        v = [torch.zeros_like(x) for x in m]
+        masters = [p.float() for p in params] if master else None
+        numel = int(sizes.sum())
+        step = [0]
+
+        def ours():
+            step[0] += 1
+            rtk.adamw_step(params, grads, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                           step=step[0], master_params=masters)
+        fns = {"rtk": ours}
+        # fp32: read p g m v, write p m v; bf16 + master: read g m v master, write p m v master
+        per = 28 if not master else 2 + 4 + 4 + 4 + 2 + 4 + 4 + 4
+        if not master:
+            for name, kw in (("torch_fused", {"fused": True}), ("torch_foreach", {"foreach": True})):
+                tp = [p.detach().clone().requires_grad_() for p in params]
+                for a, g in zip(tp, grads):
+                    a.grad = g
+                opt = torch.optim.AdamW(tp, lr=1e-3, **kw)
+                fns[name] = opt.step
+        else:
+            tp = [p.detach().clone().requires_grad_() for p in params]   # torch: bf16 params and bf16 states
+            for a, g in zip(tp, grads):
+                a.grad = g
+            opt = torch.optim.AdamW(tp, lr=1e-3, fused=True)
+            fns["torch_fused_bf16_states"] = opt.step
+        ours()   # builds the table and compiles outside the timing
+        times = {k: [] for k in fns}
+        for _ in range(3):
+            for name, fn in fns.items():
+                times[name].append(benchutil.time_cuda(fn, warmup=1, repeat=5 if args.quick else 10))
+        res = {k: (statistics.median(v), None) for k, v in times.items()}
+        nbytes = numel * per
+        r = _row({"op": f"adamw {label}", "n": count, "rows": numel, "MiB": round(nbytes / 2 ** 20)}, res, nbytes,
+                 copy_gbs)
+        out.append(r)
+        print(_line(r), flush=True)
+        del params, grads, m, v, masters, fns, opt, tp
+        torch.cuda.empty_cache()
+    out.append(_adamw_host_cost(rtk, torch, count))
+    print(out[-1], flush=True)
+    return out
+
+
+def _adamw_host_cost(rtk, torch, count):
+    """Host microseconds per step on 300 tiny tensors (the GPU work is negligible): the cached table
+    leaves one launch per step; torch's fused step builds its kernel arguments every step."""
+    params = [torch.randn(16, device="cuda") for _ in range(count)]
+    grads = [torch.randn(16, device="cuda") for _ in range(count)]
+    m = [torch.zeros(16, device="cuda") for _ in range(count)]
+    v = [torch.zeros(16, device="cuda") for _ in range(count)]
+    step = [0]
+
+    def ours():
+        step[0] += 1
+        rtk.adamw_step(params, grads, m, v, lr=1e-3, step=step[0])
+    tp = [p.clone().requires_grad_() for p in params]
+    for a, g in zip(tp, grads):
+        a.grad = g
+    opt = torch.optim.AdamW(tp, lr=1e-3, fused=True)
+    return {"op": "adamw host cost", "n": count, "rows": 16 * count, "rtk_host_us": benchutil.time_host(ours, 200),
+            "torch_fused_host_us": benchutil.time_host(opt.step, 200)}
+
+
+def _line(r: dict) -> str:
+    parts = [f"{r['op']} n={r['n']} rows={r['rows']}"]
+    for k, v in r.items():
+        if k.endswith("_GBs") or k.startswith("x_") or k.startswith("rtk_%"):
+            parts.append(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}")
+        if k.endswith("_error"):
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def main():
+    p = benchutil.parser(__doc__.splitlines()[0])
+    p.add_argument("--ops", default="rmsnorm,layernorm,softmax,ce,adamw")
+    args = p.parse_args()
+    import cupy as cp
+    import rtkernels as rtk
+    torch = _torch()
+    t0 = time.time()
+    env = benchutil.environment()
+    if torch is not None:
+        env["torch"] = torch.__version__
+    copy_gbs = benchutil.copy_bandwidth(1 << 30)
+    print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
+    rows = bench_rows(args, cp, rtk, torch, copy_gbs, QUICK_NORM_WIDTHS if args.quick else NORM_WIDTHS)
+    if "ce" in args.ops.split(","):
+        rows += bench_ce(args, cp, rtk, torch, copy_gbs, QUICK_CE_CASES if args.quick else CE_CASES)
+    if "adamw" in args.ops.split(","):
+        rows += bench_adamw(args, cp, rtk, torch, copy_gbs)
+    path = benchutil.save(args.out, "bench_training", {"environment": env, "copy_GBs": copy_gbs, "rows": rows})
+    print(f"\n{env['gpu']} ({env['arch']}, {env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; "
+          f"{time.time() - t0:.0f} s")
+    cols = ["op", "n", "rows", "MiB", "rtk_GBs", "rtk_%copy", "rtk_%copy_same_size", "rtk_recompute_GBs",
+            "rtk_loss_only_GBs", "torch_GBs", "x_torch", "torch_fused_GBs", "x_torch_fused", "torch_foreach_GBs",
+            "torch_fused_bf16_states_GBs", "liger_GBs", "x_liger", "rtk_host_us", "torch_fused_host_us"]
+    present = [c for c in cols if any(c in r for r in rows)]
+    print(benchutil.table(rows, present))
+
+
+if __name__ == "__main__":
+    main()
