@@ -11,6 +11,8 @@ Also: cold compile time of one config and its warm (disk-cache) load time.  Run 
 
     PYTHONPATH=. python tools/bench_attention.py --out results/ [--quick] [--dtype bfloat16]
     PYTHONPATH=. python tools/bench_attention.py --backward [...]    # = tools/bench_attention_bwd.py [...]
+    PYTHONPATH=. python tools/bench_attention.py --varlen|--window|--softcap [--backward] [...]
+                                                  # = tools/bench_attention_masks.py [...]
 
 The peer table in chunks of well under 60 s (one dtype, one or two head dims, no SDPA, no
 fa2 column, the best of the Triton tiles):
@@ -81,16 +83,20 @@ def _ours(q, k, v, causal, dtype, torch, hopper=True):
     stream = torch.cuda.current_stream().cuda_stream if torch else None
     if hopper and H.eligible(arch, (qc, kc, vc, oc), kc.shape[1]):
         kern, cfg = H.kernel_for(dtype, d, causal, arch)
-        maps = H.tensor_maps(cfg, qc, kc, vc, oc)
-        grid = (-(-s // cfg.block_m), h, b)
-        args = (*maps, lse, s, kc.shape[1], h // kc.shape[2], 1.0 / d ** 0.5)
+        launch = H.recorded_launch(kern, cfg, qc, kc, 1.0 / d ** 0.5)
+        arrays = (*H.tensor_maps(cfg, qc, kc, vc, oc), lse)
         tag = "sm90 " + _short90(cfg)
-    else:
-        kern, cfg = A._kernel_for(dtype, d, causal, arch)
-        st = [x.strides[i] // x.itemsize for x in (qc, kc, vc, oc) for i in range(3)]
-        grid = (-(-s // cfg.block_m), h, b)
-        args = (qc, kc, vc, oc, lse, s, kc.shape[1], h // kc.shape[2], *st, 1.0 / d ** 0.5)
-        tag = f"fa2 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+        def run():
+            launch.run(arrays, stream)
+        return run, o, tag
+    kern, cfg = A._kernel_for(dtype, d, causal, arch)
+    st = [x.strides[i] // x.itemsize for x in (qc, kc, vc, oc) for i in range(3)]
+    grid = (-(-s // cfg.block_m), h, b)
+    # then the options' arguments, off: cu_seqlens, schedule, heads, window, softcap
+    args = (qc, kc, vc, oc, lse, s, kc.shape[1], h // kc.shape[2], *st, 1.0 / d ** 0.5, None, None, None, h, 0, 0,
+            0.0)
+    tag = f"fa2 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
 
     def run():
         kern.launch(grid, (cfg.threads_per_block,), *args, shared_mem=cfg.shared_mem_bytes, stream=stream)
@@ -397,6 +403,11 @@ def _short_key(key: str) -> str:
 
 
 def main():
+    if any(a in sys.argv[1:] for a in ("--varlen", "--window", "--softcap")):
+        # variable-length batches, sliding windows, softcap (forward, or --backward) against their
+        # peers: tools/bench_attention_masks.py
+        import bench_attention_masks
+        return bench_attention_masks.main()
     if "--backward" in sys.argv[1:]:
         # the backward's table (rtk vs SDPA flash/cuDNN backward, deterministic, forward+backward)
         # lives in its own script; this flag is the entry point the issue names

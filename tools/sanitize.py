@@ -590,6 +590,88 @@ def _attention_bwd_mma(ctx: Ctx):
                         lambda dt, d, c, det: B.choose_config(dt, d, c, det, arch) if d <= 128 else None)
 
 
+# ---- cases: attention masks (varlen, sliding windows, softcap) --------------------------------
+# (seqlens_q, seqlens_k, nheads, nheads_kv, head_dim, causal, window, softcap, dtype,
+# deterministic, quick); seqlens None: one dense (batch 1) problem of seqlens_q[0] x seqlens_k[0].
+# Varlen batches hold an empty sequence and ones shorter than a tile (the schedule pre-kernel's
+# edge cases); Sq > Sk causal leaves rows that see no key.
+ATTN_MASK_VARIANTS = (
+    ((37, 0, 130, 64), (50, 10, 130, 33), 4, 2, 64, True, None, None, "bfloat16", True, True),
+    ((200,), (200,), 2, 1, 128, True, (48, 0), None, "bfloat16", False, True),      # dense sliding window
+    ((70,), (90,), 2, 2, 64, False, None, 30.0, "float16", True, False),           # dense softcap
+    ((5, 77, 0, 129), (9, 64, 3, 100), 2, 1, 96, False, (32, 8), 20.0, "float16", False, False),
+)
+
+
+def _attention_masks(ctx: Ctx, bwd_config_for=None):
+    import rtkernels as rtk
+    from rtkernels.ops.attention import attention_reference
+    from rtkernels.ops.attention_bwd import attention_backward_reference
+    for lq, lk, h, hkv, d, causal, window, softcap, dt, det, quick in ATTN_MASK_VARIANTS:
+        varlen = len(lq) > 1
+        label = (f"{dt} {'varlen ' if varlen else ''}sq{'/'.join(map(str, lq))} sk{'/'.join(map(str, lk))} "
+                 f"h{h}/{hkv} d{d}{' causal' if causal else ''}{f' window{window}' if window else ''}"
+                 f"{f' softcap{softcap:g}' if softcap else ''}{' deterministic' if det else ''}")
+        if not ctx.variant(label, quick=quick):
+            continue
+        tq, tk = sum(lq), sum(lk)
+        lead_q, lead_k = ((tq,), (tk,)) if varlen else ((1, tq), (1, tk))
+        q, k, v = (ctx.randn((*lead_q, h, d), dt)[0], ctx.randn((*lead_k, hkv, d), dt)[0],
+                   ctx.randn((*lead_k, hkv, d), dt)[0])
+        do = ctx.randn((*lead_q, h, d), dt)[0]
+        opts = dict(window=window, softcap=softcap, **_bf(dt))
+        if varlen:   # both hints given: nothing read back (the capture-safe path)
+            opts.update(cu_seqlens_q=ctx.cp.asarray(np.cumsum((0, *lq)), dtype=ctx.cp.int32),
+                        cu_seqlens_k=ctx.cp.asarray(np.cumsum((0, *lk)), dtype=ctx.cp.int32),
+                        max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+        ref_opts = {n: opts[n] for n in ("window", "softcap", "cu_seqlens_q", "cu_seqlens_k", "dtype") if n in opts}
+        out = ctx.poisoned(q.shape, dt)   # a memset o for the backward's pre-pass (see _attention_backward)
+        o, lse = rtk.attention(q, k, v, causal=causal, out=out, **opts)
+        dq, dk, dv = ctx.poisoned(q.shape, dt), ctx.poisoned(k.shape, dt), ctx.poisoned(v.shape, dt)
+        config = bwd_config_for(dt, d, causal, det, window, softcap, varlen) if bwd_config_for else None
+        rtk.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det, dq=dq, dk=dk, dv=dv,
+                               config=config, **opts)
+        ref = {}
+
+        def reference(i):
+            if not ref:
+                ref["v"] = [x.get() for x in (*attention_reference(q, k, v, causal, **ref_opts),
+                                              *attention_backward_reference(do, q, k, v, causal, **ref_opts))]
+            return ref["v"][i]
+        ctx.check("o", o, dt, lambda: reference(0), ATT_TOL[dt], "norm", exact_rerun=True)
+        ctx.check("lse", lse, "float32", lambda: reference(1), 1e-3, exact_rerun=True)
+        for i, (name, g) in enumerate((("dq", dq), ("dk", dk), ("dv", dv))):
+            ctx.check(name, g, dt, lambda i=i: reference(2 + i), ATT_TOL[dt], "norm",
+                      exact_rerun=det or name != "dq")
+
+
+@case("attention_masks", families=("attention_schedule", "attention_sm90", "attention_bwd_sm90"),
+      ops=("attention", "attention_backward"),
+      note="varlen (schedule pre-kernel), sliding windows, softcap: forward and backward as dispatched")
+def _attention_masks_dispatched(ctx: Ctx):
+    _attention_masks(ctx)
+
+
+@case("attention_masks_mma", families=("attention_schedule", "attention", "attention_backward"),
+      ops=("attention", "attention_backward"),
+      note="varlen, windows, softcap on the mma.sync kernels (on sm_90 with the Hopper kernels switched off)")
+def _attention_masks_mma(ctx: Ctx):
+    from rtkernels import device
+    from rtkernels.ops import attention as A, attention_bwd as B, attention_sm90 as A90
+    from rtkernels.ops.attention_mask import mask_spec
+    arch = device.current_arch()
+
+    def config_for(dt, d, causal, det, window, softcap, varlen):   # the mma.sync backward, named
+        flags = mask_spec(causal, window, softcap, varlen).flags()   # as the op normalizes them
+        return B.choose_config(dt, d, flags.pop("causal"), det, arch, **flags)
+    A._FORWARD_PLANS.clear()                   # plans recorded with the Hopper kernel must not replay
+    try:
+        with patched(A90, ENABLED=False):
+            _attention_masks(ctx, config_for)
+    finally:
+        A._FORWARD_PLANS.clear()
+
+
 # ---- cases: row ops ----------------------------------------------------------------------------
 ROW_WIDTHS = (1, 7, 33, 1000, 4096, 8191, 32768)
 ROW_QUICK = (33, 4096)

@@ -21,23 +21,38 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from . import views as _views
 from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as
+from .rowwise import _ClassOrInstance
+from .attention_mask import (SORT_MAX_BATCH, Varlen, check_varlen, first_without_spills, mask_spec, schedule,
+                             varlen_slots)
 
 FAMILY = "attention"
 
 
 @dataclass(frozen=True)
 class AttentionShape(KernelConfig):
-    """What every attention kernel config shares: dtype, head_dim, causal (fields first, so
-    subclasses add their tile fields after them) and the derived values the templates re-check."""
+    """What every attention kernel config shares: dtype, head_dim and the compile-time part of the
+    mask (:class:`rtkernels.ops.attention_mask.AttentionMask`: causal, has_window, has_softcap,
+    is_varlen; fields first, so subclasses add their tile fields after them) and the derived
+    values the templates re-check.  With the three options off a kernel compiles exactly as it
+    did before they existed."""
 
     dtype: str = "float16"
     head_dim: int = 64
     causal: bool = False
+    has_window: bool = False
+    has_softcap: bool = False
+    is_varlen: bool = False
+
+    MASK_FIELDS: ClassVar[tuple[str, ...]] = ("causal", "has_window", "has_softcap", "is_varlen")
 
     def _check_shape(self) -> None:
         self._check_dtype("dtype", ("float16", "bfloat16"))
         self._check_int("head_dim", 8, 256, multiple_of=8)
-        self._check_choice("causal", (False, True))
+        for f in self.MASK_FIELDS:
+            self._check_choice(f, (False, True))
+
+    def mask_flags(self) -> dict[str, bool]:
+        return {f: getattr(self, f) for f in self.MASK_FIELDS if f != "causal"}
 
     @property
     def threads_per_block(self) -> int:
@@ -60,6 +75,8 @@ class AttentionConfig(AttentionShape):
     head_dim : multiple of 8 in [8, 256].
     causal : bottom-right aligned causal mask (compiled in: the non-causal kernel has no mask code
         on interior tiles either way, but the causal one skips tiles and needs the diagonal test).
+    has_window, has_softcap, is_varlen : the other compile-time parts of the mask
+        (:class:`rtkernels.ops.attention_mask.AttentionMask`).
     block_m : query rows per thread block, 16 or 32 per warp (block_m / num_warps).
     block_n : keys per K/V tile, multiple of 16 in [16, 256].
     num_warps : 1, 2, 4 or 8.
@@ -71,7 +88,9 @@ class AttentionConfig(AttentionShape):
     template: ClassVar[str] = "attention_fwd.cu.j2"
     kernels: ClassVar[tuple[str, ...]] = ("attention_fwd",)
     expects_tensor_cores: ClassVar[bool] = True
-    expected_global_width: ClassVar[int | None] = 128
+    # Q/K/V move by cp.async and O by 16-byte stores; varlen adds the scalar loads of cu_seqlens
+    # and the schedule (the only LDGs), so nothing there is meant to be 128-bit.
+    expected_global_width = _ClassOrInstance(128, lambda c: None if c.is_varlen else 128)
 
     block_m: int = 128
     block_n: int = 64
@@ -106,13 +125,14 @@ class AttentionConfig(AttentionShape):
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
-        """Tile fields not given come from :func:`choose_config` for (dtype, head_dim, causal, arch)."""
+        """Tile fields not given come from :func:`choose_config` for (dtype, head_dim, mask, arch)."""
         tile = ("block_m", "block_n", "num_warps", "num_stages", "q_in_regs")
         if all(f in params for f in tile):
             return {}
         from .. import device
-        base = cls(**{f: params[f] for f in ("dtype", "head_dim", "causal") if f in params})
-        cfg = choose_config(base.dtype, base.head_dim, base.causal, arch or device.current_arch())
+        base = cls(**{f: params[f] for f in ("dtype", "head_dim") + cls.MASK_FIELDS if f in params})
+        cfg = choose_config(base.dtype, base.head_dim, base.causal, arch or device.current_arch(),
+                            **base.mask_flags())
         return {f: getattr(cfg, f) for f in tile}
 
 
@@ -172,6 +192,15 @@ HEURISTICS: list[tuple[int, int, bool | None, tuple[Tile, ...]]] = [
 ]
 
 
+# Masked variants (window, softcap, varlen) hold a few more registers than the dense kernel, and
+# the dense tiles sit at the register limit: each masked config takes the first candidate that
+# ptxas (this NVRTC) builds without spills, ending with 16-row warps (half the accumulators).
+# NVRTC 13.5, sm_90, bf16: softcap alone spills 12-68 B at d64 causal and d160-168, varlen 8 B at
+# d120 causal; all three options together 11 of the 64 (head_dim, causal) configs.
+_MASKED_FALLBACK = (Tile(64, 64, 4, 1, False, "masked fallback: 16 rows per warp"),
+                    Tile(64, 32, 4, 1, False, "masked fallback for the smallest smem budgets"))
+
+
 def _smem_limit(arch: str) -> int:
     try:
         return _arch.limits(arch).max_smem_per_block_optin
@@ -186,16 +215,24 @@ def candidates(head_dim: int, causal: bool) -> tuple[Tile, ...]:
     raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
 
 
-def choose_config(dtype: str, head_dim: int, causal: bool, arch: str) -> AttentionConfig:
-    """The config the heuristics pick for (dtype, head_dim, causal, arch)."""
+def choose_config(dtype: str, head_dim: int, causal: bool, arch: str, **mask_flags) -> AttentionConfig:
+    """The config the heuristics pick for (dtype, head_dim, causal, arch); ``mask_flags``: the
+    other compile-time mask fields (has_window, has_softcap, is_varlen), same tiles."""
     limit = _smem_limit(arch)
     tiles = candidates(head_dim, causal)
+    if any(mask_flags.values()):
+        tiles = tiles + _MASKED_FALLBACK
+    fits = []
     for t in tiles:
         cfg = AttentionConfig(dtype=dtype, head_dim=head_dim, causal=causal, block_m=t.block_m,
                               block_n=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-                              q_in_regs=t.q_in_regs)
+                              q_in_regs=t.q_in_regs, **mask_flags)
         if cfg.shared_mem_bytes <= limit:
-            return cfg
+            if not any(mask_flags.values()):
+                return cfg
+            fits.append(cfg)
+    if fits:
+        return first_without_spills(fits, arch)
     raise ConfigError(f"attention: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
                       f"block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
@@ -238,13 +275,14 @@ _FLOATS = ("float16", "bfloat16")
 _GRID_YZ_MAX = 65535
 
 
-def _kernel_for(dtype: str, head_dim: int, causal: bool, arch: str):
-    """(Kernel, config), memoized: a hot call neither rebuilds the config nor re-renders."""
-    key = (dtype, head_dim, causal, arch)
+def _kernel_for(dtype: str, head_dim: int, causal: bool, arch: str, mask_flags: tuple = ()):
+    """(Kernel, config), memoized: a hot call neither rebuilds the config nor re-renders.
+    ``mask_flags``: (name, value) pairs of the other compile-time mask fields."""
+    key = (dtype, head_dim, causal, arch, mask_flags)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
-        cfg = choose_config(dtype, head_dim, causal, arch)
+        cfg = choose_config(dtype, head_dim, causal, arch, **dict(mask_flags))
         hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
     return hit
 
@@ -359,11 +397,13 @@ class Inputs(NamedTuple):
     softmax_scale: float
 
 
-def check_inputs(arrays: dict, dtype: str | None, softmax_scale, family: str) -> Inputs:
+def check_inputs(arrays: dict, dtype: str | None, softmax_scale, family: str, varlen: bool = False) -> Inputs:
     """The checks rtk.attention and rtk.attention_backward share, in one place.
 
     ``arrays`` maps names to arrays and must hold q, k and v; any other entry (do, o) must have
-    q's shape.  Raises ConfigError naming the array, the value and what is allowed.
+    q's shape.  ``varlen``: the arrays are packed (total, nheads, head_dim) and the views come back
+    as (1, total, nheads, head_dim), so everything after sees one layout.  Raises ConfigError
+    naming the array, the value and what is allowed.
     """
     from ._arrays import as_device_array
 
@@ -378,9 +418,12 @@ def check_inputs(arrays: dict, dtype: str | None, softmax_scale, family: str) ->
         raise bad("dtype", dts, f"{listing} must have the same dtype, got "
                   + ", ".join(f"{n}={d}" for n, d in dts.items()))
     for name, view in views.items():
-        if view.ndim != 4:
-            raise bad(name, view.shape, f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape "
-                                        f"{tuple(view.shape)}")
+        if view.ndim != (3 if varlen else 4):
+            layout = ("3-D (total, nheads, head_dim) with cu_seqlens" if varlen else
+                      "4-D (batch, seqlen, nheads, head_dim) (or 3-D packed sequences with cu_seqlens_q/k)")
+            raise bad(name, view.shape, f"{name} must be {layout}, got shape {tuple(view.shape)}")
+    if varlen:
+        views = {n: view[None] for n, view in views.items()}
     q_, k_, v_ = views["q"], views["k"], views["v"]
     batch, seqlen_q, nheads, head_dim = q_.shape
     _, seqlen_k, nheads_kv, _ = k_.shape
@@ -414,14 +457,18 @@ def check_inputs(arrays: dict, dtype: str | None, softmax_scale, family: str) ->
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = True,
-              out=None, *, dtype: str | None = None, stream=None):
-    """FlashAttention-2 forward: ``softmax(softmax_scale * q k^T [+ causal mask]) v``.
+              out=None, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, window: tuple[int, int] | None = None, softcap: float | None = None,
+              dtype: str | None = None, stream=None):
+    """FlashAttention-2 forward: ``softmax(softmax_scale * q k^T [+ mask]) v``.
 
     Parameters
     ----------
-    q : (batch, seqlen_q, nheads, head_dim) device array.
-    k, v : (batch, seqlen_k, nheads_kv, head_dim); ``nheads % nheads_kv == 0`` (GQA / MQA read
-        each K/V head for its group of query heads, nothing is repeated in memory).
+    q : (batch, seqlen_q, nheads, head_dim) device array, or (total_q, nheads, head_dim) with
+        cu_seqlens (varlen).
+    k, v : (batch, seqlen_k, nheads_kv, head_dim), or (total_k, nheads_kv, head_dim) with
+        cu_seqlens; ``nheads % nheads_kv == 0`` (GQA / MQA read each K/V head for its group of
+        query heads, nothing is repeated in memory).
         Accepted arrays: CuPy arrays, torch CUDA tensors, and any ``__cuda_array_interface__`` or
         DLPack device array.  float16 or bfloat16, all three the same.  bfloat16 comes as torch
         tensors, or as uint16 CuPy arrays of bfloat16 bits together with ``dtype="bfloat16"``.
@@ -435,12 +482,31 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         compact array on the call's stream first; a call that copies keeps no launch plan.
         Elements not aligned to their size raise ConfigError.
     causal : mask aligned to the bottom-right corner: query i sees key j iff
-        ``j <= i + seqlen_k - seqlen_q``.  A query that sees no key gets o = 0 and lse = -inf.
+        ``j <= i + seqlen_k - seqlen_q`` (within each sequence when varlen).  A query that sees no
+        key gets o = 0 and lse = -inf.  The same as ``window=(-1, 0)``.
     softmax_scale : positive finite float; default ``1 / sqrt(head_dim)``.
     return_lse : also return the log-sum-exp (natural log) per (batch, head, query row).
     out : optional output array for o: shape of q, same dtype and device, last dimension contiguous,
         other strides multiples of 8 elements, 16-byte aligned.  A broadcast (stride 0) or
         overlapping out is rejected: its writes would race.
+    cu_seqlens_q, cu_seqlens_k : int32 (batch + 1,) device arrays starting at 0, non-decreasing,
+        ending at total_q / total_k: sequence b is rows ``cu[b]:cu[b+1]`` of q resp. k and v
+        (FlashAttention's varlen layout; sequences may be empty, and q and k lengths may differ).
+        Both or neither.  The packed q, k, v follow the view rules above (staged the same way);
+        varlen calls keep no launch plan.
+    max_seqlen_q, max_seqlen_k : the longest sequences (hints).  The grid never needs them (a
+        schedule pre-kernel hands out the tiles), but when either is missing cu_seqlens is read
+        back to the host to compute it - **a device-to-host copy and a stream synchronization**
+        - and checked (starts at 0, non-decreasing, ends at the totals: ConfigError otherwise).
+        With both given nothing is read (CUDA-graph capture works) and cu_seqlens is trusted:
+        the kernels clamp every sequence into the arrays, so a malformed one gives wrong values
+        for its sequences but no access outside the arrays.
+    window : ``(left, right)``, -1 = unbounded (FlashAttention's convention): query i sees key j
+        iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``.  With ``causal=True`` right is 0
+        (``window=(left, 0)`` is the usual sliding window).  Key tiles outside every row's window
+        are skipped: the work scales with the window.
+    softcap : c > 0 caps the scores: ``c * tanh(softmax_scale * q.k / c)`` before the softmax
+        (Gemma 2); None or 0 for none.
     dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits (else taken from the arrays).
     stream : CuPy stream, torch stream or raw handle; default the current CuPy stream, or torch's
         current stream when the inputs are torch tensors.
@@ -449,26 +515,32 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     -------
     ``(o, lse)`` or ``o`` when ``return_lse`` is False.  o has q's shape and dtype and is the same
     kind of array as q (torch in, torch out; CuPy in, CuPy out - uint16 bits for bfloat16); lse is
-    float32 (batch, nheads, seqlen_q), contiguous.
+    float32 (batch, nheads, seqlen_q), or (nheads, total_q) with cu_seqlens, contiguous.
 
     Raises
     ------
-    ConfigError : wrong dtype, shape, head_dim (a multiple of 8 in [8, 256]), strides, devices, or
-        out; nothing is launched.
+    ConfigError : wrong dtype, shape, head_dim (a multiple of 8 in [8, 256]), strides, devices,
+        out, window, softcap or cu_seqlens; nothing is launched.
     """
-    plan_key = _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    plan_key = None if varlen else _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window,
+                                                     softcap)
     plan = _FORWARD_PLANS.get(plan_key)
     if plan is not None:
         return _replay_forward(plan, q, k, v, out, return_lse, stream)
     from ._arrays import as_device_array, new_like   # (below the replay: an import costs ~0.5 us a call)
     import cupy
-    p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY)
+    spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
+    p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY, varlen=varlen)
     dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
     q_ = p.views["q"]
     k_, v_ = collapse_broadcast_heads(p.views["k"], p.views["v"])
-    batch, seqlen_q, nheads, head_dim = q_.shape
+    batch, seqlen_q, nheads, head_dim = q_.shape     # varlen: (1, total_q, nheads, head_dim)
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    causal = bool(causal)
+    causal = spec.causal
+    vl = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqlen_q, seqlen_k, dev,
+                      FAMILY) if varlen else None
+    user_shape = tuple(q_.shape[1:]) if varlen else tuple(q_.shape)
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
     with cupy.cuda.Device(dev):
@@ -476,41 +548,49 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         stream = default_stream(q, stream)
         staged = False
         if not empty:
-            # the Hopper kernel (whenever it may run) reads through tensor maps: stage what they cannot encode
+            # the Hopper kernel (whenever it may run) reads through tensor maps: stage what they cannot
+            # encode.  Varlen views are (1, total, nheads, head_dim): the same rules, the same copies.
             tma = _sm90.ENABLED and _sm90.is_sm90(arch) and seqlen_k >= 1
             (q_, k_, v_), staged = read_inputs(FAMILY, (("q", q_), ("k", k_), ("v", v_)), stream, tma)
             sq_, sk_, sv_ = (_elem_strides(view, n) for view, n in ((q_, "q"), (k_, "k"), (v_, "v")))
-        if out is None:
-            o = new_like(q, (batch, seqlen_q, nheads, head_dim), dt)
-        else:
-            o = out
+        o = new_like(q, user_shape, dt) if out is None else out
         o_ = as_device_array(o, FAMILY, "out")
         if out is not None:
             from ._arrays import dtype_name
             odt = "bfloat16" if (dt == "bfloat16" and str(o_.dtype) == "uint16") else dtype_name(o)
-            if tuple(o_.shape) != tuple(q_.shape) or odt != dt or _device_of(o_) != dev:
-                raise _bad("out", o_.shape, f"out must be a {dt} array of shape {tuple(q_.shape)} on device {dev}, "
+            if tuple(o_.shape) != user_shape or odt != dt or _device_of(o_) != dev:
+                raise _bad("out", o_.shape, f"out must be a {dt} array of shape {user_shape} on device {dev}, "
                                             f"got {odt} {tuple(o_.shape)} on device {_device_of(o_)}")
             if not empty:
                 check_output(FAMILY, "out", o_)
+        if varlen:
+            o_ = o_[None]
         so_ = None if empty else _elem_strides(o_, "out")
-        lse = new_like(q, (batch, nheads, seqlen_q), "float32") if return_lse else None
+        lse_shape = (nheads, seqlen_q) if varlen else (batch, nheads, seqlen_q)
+        lse = new_like(q, lse_shape, "float32") if return_lse else None
         if empty:
             return (o, lse) if return_lse else o
         lse_ = as_device_array(lse, FAMILY, "lse") if return_lse else None
 
+        mask_args = spec.kernel_args(seqlen_q, seqlen_k)   # dense: the lengths; varlen: the totals
+        flags = tuple(spec.flags().items())[1:]             # all but causal
         # sm_90: the TMA/wgmma kernel (rtkernels.ops.attention_sm90) whenever TMA can address
         # the arrays; everything else, and other archs, the mma.sync kernel below.
         hopper = _sm90.eligible(arch, (q_, k_, v_, o_), seqlen_k)
+        tune = _autotune.enabled() and spec.dense
         if hopper:
-            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch)
-            if not _autotune.enabled():
-                _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream)
+            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags)
+            if not tune:
+                if varlen:
+                    _sm90.launch_varlen(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, mask_args, vl,
+                                        _schedule_for(vl, cfg.block_m, causal, arch, stream), stream)
+                    return (o, lse) if return_lse else o
+                _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream, mask_args=mask_args)
                 if plan_key is not None and not staged:
-                    _remember_forward(plan_key, kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, q)
+                    _remember_forward(plan_key, kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, mask_args, q)
                 return (o, lse) if return_lse else o
         else:
-            kern, cfg = _kernel_for(dt, head_dim, causal, arch)
+            kern, cfg = _kernel_for(dt, head_dim, causal, arch, flags)
         args = (q_, k_, v_, o_, lse_, seqlen_q, seqlen_k, nheads // nheads_kv,
                 sq_[0], sq_[1], sq_[2], sk_[0], sk_[1], sk_[2], sv_[0], sv_[1], sv_[2], so_[0], so_[1], so_[2],
                 float(softmax_scale))
@@ -520,10 +600,15 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             if isinstance(c, _sm90.AttentionSm90Config):
                 _sm90.launch(k, c, q_, k_, v_, o_, lse_, softmax_scale, stream)
                 return
-            k.launch((-(-seqlen_q // c.block_m), nheads, batch), (c.threads_per_block,), *args,
-                     shared_mem=c.shared_mem_bytes, stream=stream)
+            if varlen:
+                sched, slots = _schedule_for(vl, c.block_m, causal, arch, stream)
+                k.launch((nheads * slots,), (c.threads_per_block,), *args, vl.cu_q, vl.cu_k, sched, nheads,
+                         *mask_args, shared_mem=c.shared_mem_bytes, stream=stream)
+                return
+            k.launch((-(-seqlen_q // c.block_m), nheads, batch), (c.threads_per_block,), *args, None, None, None,
+                     nheads, *mask_args, shared_mem=c.shared_mem_bytes, stream=stream)
 
-        if _autotune.enabled():
+        if tune:
             key = {"dtype": dt, "head_dim": head_dim, "causal": causal, "arch": arch,
                    "seqlen_q": _seqlen_bucket(seqlen_q), "seqlen_k": _seqlen_bucket(seqlen_k)}
             space = tile_space(dt, head_dim, causal, arch)
@@ -534,6 +619,18 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                 kern, cfg = _get_kernel(best, arch), best
         run(cfg, kern)
     return (o, lse) if return_lse else o
+
+
+def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, cu_tiles=None, cu_other=None,
+                  totals=None, max_seqlen=None):
+    """(schedule table, slots) for ``block``-row tiles of the query sequences (keys set the work);
+    the backward passes its own tiles (``cu_tiles``, ``cu_other``, ``totals``, ``max_seqlen``)."""
+    cu_tiles = vl.cu_q if cu_tiles is None else cu_tiles
+    cu_other = vl.cu_k if cu_other is None else cu_other
+    total, total_other = (vl.total_q, vl.total_k) if totals is None else totals
+    longest = vl.max_seqlen_q if max_seqlen is None else max_seqlen
+    slots = varlen_slots(total, vl.batch, block, longest, compact=vl.batch <= SORT_MAX_BATCH)
+    return schedule(cu_tiles, cu_other, vl.batch, total, total_other, block, slots, descending, arch, stream), slots
 
 
 # ---- per-signature launch plans (Hopper kernel, heuristic tiles) ---------------------------------
@@ -547,17 +644,18 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 _FORWARD_PLANS = LaunchPlans(1024)
 
 
-def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype):
+def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window=None, softcap=None):
     if not _sm90.ENABLED or _autotune.enabled():
         return None
-    return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype,
+    return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype, window, softcap,
                                                   getenv("RTKERNELS_ARCH")))
 
 
-def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, q) -> None:
+def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, mask_args, q) -> None:
     """The plan: the launch, o's allocation (like q's where q is laid out as o), and as ``extra``
     the config, the tensor maps' (shape, strides, box) and lse's (shape, dtype) or None."""
-    _FORWARD_PLANS.put(key, OutputPlan.of(_sm90.recorded_launch(kern, cfg, views[0], views[1], softmax_scale), o,
+    _FORWARD_PLANS.put(key, OutputPlan.of(_sm90.recorded_launch(kern, cfg, views[0], views[1], softmax_scale,
+                                                                mask_args), o,
                                           (cfg, _sm90.map_specs(cfg, *views),
                                            None if lse is None else (tuple(lse.shape), lse.dtype)), like=q))
 
@@ -612,33 +710,52 @@ def _round(x, dtype: str):
 
 
 def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
-                        dtype: str | None = None, compute: str = "float32", round_to: str | None = None):
+                        dtype: str | None = None, compute: str = "float32", round_to: str | None = None,
+                        window=None, softcap=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Plain CuPy attention for tests and benchmarks: ``(o, lse)`` as float32/float64 CuPy arrays.
 
-    Same layouts and conventions as :func:`attention` (GQA, bottom-right causal, o = 0 and
-    lse = -inf for a row that sees no key).  ``compute`` is "float32" or "float64".
-    ``round_to="float16"|"bfloat16"`` imitates running the reference in that dtype (scores,
-    probabilities and output rounded to it, as a framework's low-precision matmuls would):
+    Same layouts and conventions as :func:`attention` (GQA, bottom-right causal, windows,
+    softcap, varlen through cu_seqlens - then per-sequence dense references; o = 0 and lse = -inf
+    for a row that sees no key).  The mask comes from the same normalized spec the kernels get
+    (:func:`rtkernels.ops.attention_mask.mask_spec`).  ``compute`` is "float32" or "float64".
+    ``round_to="float16"|"bfloat16"`` imitates running the reference in that dtype (scores, capped
+    scores, probabilities and output rounded to it, as a framework's low-precision matmuls would):
     FlashAttention's test rule compares the kernel's error with that reference's error.
     Scores are materialized one (batch, head) at a time: O(seqlen_q * seqlen_k) memory.
     """
     import cupy
+    spec = mask_spec(causal, window, softcap, cu_seqlens_q is not None or cu_seqlens_k is not None)
     ft = cupy.float64 if compute == "float64" else cupy.float32
     qf, kf, vf = (_to_f32(a, dtype).astype(ft) for a in (q, k, v))
+    scale = 1.0 / math.sqrt(qf.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    rnd = (lambda x: _round(x.astype(cupy.float32), round_to).astype(ft)) if round_to else (lambda x: x)
+    if not spec.is_varlen:
+        return _reference_dense(qf, kf, vf, spec, scale, rnd, ft)
+    cq, ck = (cupy.asnumpy(cupy.asarray(c)).astype(int) for c in (cu_seqlens_q, cu_seqlens_k))
+    o = cupy.zeros(qf.shape, ft)
+    lse = cupy.full((qf.shape[1], qf.shape[0]), -cupy.inf, ft)
+    for b in range(len(cq) - 1):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        ob, lb = _reference_dense(qf[None, rq], kf[None, rk], vf[None, rk], spec, scale, rnd, ft)
+        o[rq], lse[:, rq] = ob[0], lb[0]
+    return o, lse
+
+
+def _reference_dense(qf, kf, vf, spec, scale: float, rnd, ft):
+    """(o, lse) of dense (batch, seqlen, heads, dim) arrays under ``spec`` (one sequence per batch)."""
+    import cupy
     batch, sq, nheads, d = qf.shape
     sk, nheads_kv = kf.shape[1], kf.shape[2]
     group = nheads // nheads_kv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    rnd = (lambda x: _round(x.astype(cupy.float32), round_to).astype(ft)) if round_to else (lambda x: x)
     o = cupy.zeros((batch, sq, nheads, d), ft)
     lse = cupy.full((batch, nheads, sq), -cupy.inf, ft)
-    if causal:
-        visible = cupy.arange(sk)[None, :] <= cupy.arange(sq)[:, None] + (sk - sq)
+    visible = spec.visible(sq, sk, cupy)
     for b in range(batch):
         for h in range(nheads):
             s = rnd(scale * (qf[b, :, h] @ kf[b, :, h // group].T))
-            if causal:
-                s = cupy.where(visible, s, -cupy.inf)
+            if spec.has_softcap:
+                s = rnd(spec.score(s, cupy))
+            s = cupy.where(visible, s, -cupy.inf)
             m = s.max(axis=1, keepdims=True) if sk else cupy.full((sq, 1), -cupy.inf, ft)
             seen = cupy.isfinite(m)
             m = cupy.where(seen, m, 0)

@@ -22,10 +22,12 @@ from typing import Any, ClassVar, NamedTuple
 from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
-from ._arrays import LaunchPlans, _is_torch, default_stream, empty_as, torch_view_as
+from ._arrays import LaunchPlans, _is_torch, cupy_stream, default_stream, empty_as, torch_view_as
 from . import views as _views
 from .attention import (AttentionShape, check_inputs, check_output, read_inputs, _device_arch, _device_of,
-                        _elem_strides, _smem_limit, _to_f32)
+                        _elem_strides, _schedule_for, _smem_limit, _to_f32)
+from .attention_mask import check_varlen, first_without_spills, mask_spec, padded_offset_rows
+from .rowwise import _ClassOrInstance
 
 FAMILY = "attention_backward"
 KERNELS = ("attention_bwd_dot", "attention_bwd", "attention_bwd_dq_convert", "attention_bwd_dq")
@@ -74,7 +76,8 @@ class AttentionBwdConfig(AttentionShape):
     template: ClassVar[str] = "attention_bwd.cu.j2"
     kernels: ClassVar[tuple[str, ...]] = KERNELS
     expects_tensor_cores: ClassVar[bool] = True
-    expected_global_width: ClassVar[int | None] = 128
+    # varlen adds the scalar loads of cu_seqlens and the schedule, the main kernel's only LDGs
+    expected_global_width = _ClassOrInstance(128, lambda c: None if c.is_varlen else 128)
 
     deterministic: bool = False
     block_m: int = 64
@@ -167,9 +170,9 @@ class AttentionBwdConfig(AttentionShape):
         if all(f in params for f in tile):
             return {}
         from .. import device
-        base = cls(**{f: params[f] for f in ("dtype", "head_dim", "causal", "deterministic") if f in params})
+        base = cls(**{f: params[f] for f in ("dtype", "head_dim", "deterministic") + cls.MASK_FIELDS if f in params})
         cfg = choose_config(base.dtype, base.head_dim, base.causal, base.deterministic,
-                            arch or device.current_arch())
+                            arch or device.current_arch(), **base.mask_flags())
         # no tile field given: exactly the op's config; some given: fill the rest of the tile only
         # (a chosen layout/dq mode may not fit a tile picked by hand)
         given = any(f in params for f in tile)
@@ -245,26 +248,43 @@ def candidates(head_dim: int) -> tuple[Tile, ...]:
     raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
 
 
-def _make(dtype, head_dim, causal, deterministic, t: Tile) -> AttentionBwdConfig:
+def _make(dtype, head_dim, causal, deterministic, t: Tile, **mask_flags) -> AttentionBwdConfig:
     return AttentionBwdConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
                               block_m=t.block_m, block_n=t.block_n, num_warps=t.num_warps, dq_block_n=t.dq_block_n,
                               dq_num_warps=t.dq_num_warps, dq_mode=(mode := t.det_mode if deterministic else t.dq_mode),
-                              kv_regs=t.kv_regs, ds_stages=t.ds_stages if mode != "pass" else 1, layout=t.layout)
+                              kv_regs=t.kv_regs, ds_stages=t.ds_stages if mode != "pass" else 1, layout=t.layout,
+                              **mask_flags)
+
+
+def used_kernels(cfg: AttentionBwdConfig) -> tuple[str, ...]:
+    """The entry points the op launches for ``cfg``."""
+    return ("attention_bwd_dot", "attention_bwd") + (
+        ("attention_bwd_dq",) if cfg.dq_mode == "pass" else ("attention_bwd_dq_convert",))
 
 
 def _fits(cfg: AttentionBwdConfig, limit: int) -> bool:
     return max(cfg.shared_mem_bytes, cfg.dq_shared_mem_bytes if cfg.dq_mode == "pass" else 0) <= limit
 
 
-def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str) -> AttentionBwdConfig:
-    """The config the heuristics pick for (dtype, head_dim, causal, deterministic, arch)."""
+def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str,
+                  **mask_flags) -> AttentionBwdConfig:
+    """The config the heuristics pick for (dtype, head_dim, causal, deterministic, arch);
+    ``mask_flags``: the other compile-time mask fields (has_window, has_softcap, is_varlen).  Masked
+    variants take the first candidate whose kernels ptxas builds without spills (NVRTC 13.5, all
+    three options: the deterministic d128 pair tile spills 4 B in attention_bwd and 12 B in the dQ
+    pass, so it falls back to the 64x64 tile)."""
     limit = _smem_limit(arch)
+    options = []
     for t in candidates(head_dim):
         if (t.det_mode if deterministic else t.dq_mode) is None or t.causal not in (None, causal):
             continue
-        cfg = _make(dtype, head_dim, causal, deterministic, t)
+        cfg = _make(dtype, head_dim, causal, deterministic, t, **mask_flags)
         if _fits(cfg, limit):
-            return cfg
+            if not any(mask_flags.values()):
+                return cfg
+            options.append(cfg)
+    if options:
+        return first_without_spills(options, arch, used_kernels)
     raise ConfigError(f"{FAMILY}: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per "
                       f"block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
@@ -339,16 +359,15 @@ LSE_PAD = 128   # the template's LSE_PAD: lse_log2/delta rows per (batch, head) 
 
 
 def _kernels_for(dtype: str, head_dim: int, causal: bool, deterministic: bool, arch: str,
-                 config: AttentionBwdConfig | None = None):
-    """({name: Kernel}, config), memoized per key."""
-    key = (dtype, head_dim, causal, deterministic, arch) if config is None else (config, arch)
+                 config: AttentionBwdConfig | None = None, mask_flags: tuple = ()):
+    """({name: Kernel}, config), memoized per key; ``mask_flags``: (name, value) pairs of the other
+    compile-time mask fields."""
+    key = (dtype, head_dim, causal, deterministic, arch, mask_flags) if config is None else (config, arch)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
-        cfg = config or choose_config(dtype, head_dim, causal, deterministic, arch)
-        names = ("attention_bwd_dot", "attention_bwd") + (
-            ("attention_bwd_dq",) if cfg.dq_mode == "pass" else ("attention_bwd_dq_convert",))
-        hit = _KERNELS[key] = ({n: get_kernel(cfg, n, arch=arch) for n in names}, cfg)
+        cfg = config or choose_config(dtype, head_dim, causal, deterministic, arch, **dict(mask_flags))
+        hit = _KERNELS[key] = ({n: get_kernel(cfg, n, arch=arch) for n in used_kernels(cfg)}, cfg)
     return hit
 
 
@@ -361,9 +380,11 @@ def _dot_lanes(head_dim: int) -> int:
 
 
 def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale: float | None = None,
-                       deterministic: bool = False, dq=None, dk=None, dv=None, *, dtype: str | None = None,
+                       deterministic: bool = False, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                       window: tuple[int, int] | None = None, softcap: float | None = None, dtype: str | None = None,
                        stream=None, config: AttentionBwdConfig | None = None):
-    """FlashAttention-2 backward: gradients of ``o = attention(q, k, v, causal, softmax_scale)``.
+    """FlashAttention-2 backward: gradients of ``o = attention(q, k, v, causal, softmax_scale, ...)``.
 
     Parameters
     ----------
@@ -376,12 +397,16 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         (K/V ``expand``-ed over heads or batch).  Every other view of do, q, k, v, o and lse is
         copied to a compact array on the call's stream first (the call then keeps no launch
         plan).  K/V broadcast over heads are not folded into GQA here: dk and dv keep one gradient
-        per (broadcast) head, as their shapes say.
-    lse : float32 (batch, nheads, seqlen_q), the forward's log-sum-exp (natural log; -inf for
-        rows that see no key: their gradients are 0).
-    causal, softmax_scale : exactly as given to the forward.
-    deterministic : bit-identical results run to run: dQ from a separate pass per query tile
-        instead of float32 atomics.  (dK and dV are deterministic either way.)
+        per (broadcast) head, as their shapes say.  Packed (total, heads, head_dim) with
+        cu_seqlens (the same view rules).
+    lse : float32 (batch, nheads, seqlen_q) - (nheads, total_q) with cu_seqlens - the forward's
+        log-sum-exp (natural log; -inf for rows that see no key: their gradients are 0).
+    causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, window, softcap : exactly as given to the
+        forward (the gradient goes through the softcap).  max_seqlen_q / max_seqlen_k: hints as in
+        the forward - when either is missing cu_seqlens is read back and checked (**a
+        device-to-host copy and a stream synchronization**).
+    deterministic : bit-identical results run to run: dQ from a separate pass per query tile (or
+        added in a fixed order) instead of float32 atomics.  (dK and dV are deterministic either way.)
     dq, dk, dv : optional outputs (shapes of q, k, v; same dtype and device; last dimension
         contiguous, other strides multiples of 8 elements, 16-byte aligned).  Broadcast or
         overlapping outputs are rejected (their writes would race).
@@ -389,7 +414,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     stream : CuPy stream, torch stream or raw handle (default: current CuPy stream, or torch's
         current stream for torch inputs).
     config : an :class:`AttentionBwdConfig` to run instead of the heuristics' choice (benchmark
-        sweeps, tests); its dtype, head_dim, causal and deterministic must match the call.
+        sweeps, tests); its dtype, head_dim, mask fields and deterministic must match the call.
 
     Returns
     -------
@@ -398,45 +423,55 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
 
     Raises
     ------
-    ConfigError : bad dtype, shape, head_dim, strides, devices, lse or outputs; nothing launched.
+    ConfigError : bad dtype, shape, head_dim, strides, devices, lse, outputs, window, softcap or
+        cu_seqlens; nothing launched.
     """
     from ._arrays import as_device_array, new_like, dtype_name
     import cupy
 
-    plan_key = _backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), causal, softmax_scale, deterministic, dtype,
-                                  config)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    plan_key = None if varlen else _backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), causal, softmax_scale,
+                                                      deterministic, dtype, config, window, softcap)
     plan = _BACKWARD_PLANS.get(plan_key)
     if plan is not None:
         return _replay_backward(plan, (do, q, k, v, o, lse), (dq, dk, dv), stream)
-    p = check_inputs({"do": do, "q": q, "k": k, "v": v, "o": o}, dtype, softmax_scale, FAMILY)
+    spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
+    p = check_inputs({"do": do, "q": q, "k": k, "v": v, "o": o}, dtype, softmax_scale, FAMILY, varlen=varlen)
     do_, q_, k_, v_, o_ = (p.views[n] for n in ("do", "q", "k", "v", "o"))
     dt, dev, softmax_scale = p.dtype, p.device, p.softmax_scale
-    batch, seqlen_q, nheads, head_dim = q_.shape
-    seqlen_k, nheads_kv = p.seqlen_k, p.nheads_kv
+    batch, seqlen_q, nheads, head_dim = q_.shape     # varlen: (1, total_q, nheads, head_dim)
+    seqlen_k = p.seqlen_k
+    causal, deterministic = spec.causal, bool(deterministic)
     lse_ = as_device_array(lse, FAMILY, "lse")
-    if tuple(lse_.shape) != (batch, nheads, seqlen_q) or str(lse_.dtype) != "float32" or _device_of(lse_) != dev:
-        raise _bad("lse", lse_.shape, f"lse must be a float32 array of shape {(batch, nheads, seqlen_q)} on device "
+    lse_shape = (nheads, seqlen_q) if varlen else (batch, nheads, seqlen_q)
+    if tuple(lse_.shape) != lse_shape or str(lse_.dtype) != "float32" or _device_of(lse_) != dev:
+        raise _bad("lse", lse_.shape, f"lse must be a float32 array of shape {lse_shape} on device "
                                       f"{dev} (the forward's), got {lse_.dtype} {tuple(lse_.shape)} on device "
                                       f"{_device_of(lse_)}")
-    causal, deterministic = bool(causal), bool(deterministic)
+    vl = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqlen_q, seqlen_k, dev,
+                      FAMILY) if varlen else None
+    flags = tuple(spec.flags().items())[1:]   # all but causal
     if config is not None:
-        want = (dt, head_dim, causal, deterministic)
+        want = (dt, head_dim, causal, deterministic, *dict(flags).values())
         if not isinstance(config, (AttentionBwdConfig, _sm90.AttentionBwdSm90Config)) or (
-                config.dtype, config.head_dim, config.causal, config.deterministic) != want:
+                config.dtype, config.head_dim, config.causal, config.deterministic,
+                *config.mask_flags().values()) != want:
             raise _bad("config", config, f"config must be an AttentionBwdConfig or AttentionBwdSm90Config with "
-                                         f"(dtype, head_dim, causal, deterministic) = {want}")
+                                         f"(dtype, head_dim, causal, deterministic, has_window, has_softcap, "
+                                         f"is_varlen) = {want}")
 
     with cupy.cuda.Device(dev):
         outs = []
-        for name, given, like, shape in (("dq", dq, q, q_.shape), ("dk", dk, k, k_.shape), ("dv", dv, k, k_.shape)):
-            arr = new_like(q, tuple(shape), dt) if given is None else given
+        for name, given, shape in (("dq", dq, q_.shape), ("dk", dk, k_.shape), ("dv", dv, k_.shape)):
+            shape = tuple(shape[1:]) if varlen else tuple(shape)
+            arr = new_like(q, shape, dt) if given is None else given
             view = as_device_array(arr, FAMILY, name)
             if given is not None:
                 odt = "bfloat16" if (dt == "bfloat16" and str(view.dtype) == "uint16") else dtype_name(given)
-                if tuple(view.shape) != tuple(shape) or odt != dt or _device_of(view) != dev:
-                    raise _bad(name, view.shape, f"{name} must be a {dt} array of shape {tuple(shape)} on device "
+                if tuple(view.shape) != shape or odt != dt or _device_of(view) != dev:
+                    raise _bad(name, view.shape, f"{name} must be a {dt} array of shape {shape} on device "
                                                  f"{dev}, got {odt} {tuple(view.shape)} on device {_device_of(view)}")
-            outs.append((arr, view))
+            outs.append((arr, view[None] if varlen else view))
         (dq_o, dq_), (dk_o, dk_), (dv_o, dv_) = outs
         for name, view in (("dq", dq_), ("dk", dk_), ("dv", dv_)):
             check_output(FAMILY, name, view)
@@ -449,9 +484,11 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             return dq_o, dk_o, dv_o
         arch = _device_arch(dev)
         stream = default_stream(q, stream)
-        # the Hopper kernel (picked, or asked for by config) reads q, k, v and dO through tensor maps
+        # the Hopper kernel (picked, or asked for by config) reads q, k, v and dO through tensor maps;
+        # picks() with the mask options (a spilling masked build keeps the mma.sync kernel), after
+        # the arch test (it compiles a masked build to read its spills)
         tma = isinstance(config, _sm90.AttentionBwdSm90Config) or (
-            config is None and _sm90.picks(head_dim, causal) and _sm90.is_sm90(arch))
+            config is None and _sm90.is_sm90(arch) and _sm90.picks(head_dim, causal, flags, dt, deterministic))
         # Inputs the kernels cannot read as they are (a dO expanded from o.sum().backward(), K/V
         # broadcast over heads or batch on the Hopper kernel's path, negative strides) are copied.
         (do_, q_, k_, v_, o_), staged = read_inputs(FAMILY, (("do", do_), ("q", q_), ("k", k_), ("v", v_),
@@ -467,47 +504,89 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
                 raise _bad("config", config, f"an AttentionBwdSm90Config runs on sm_90 with TMA-addressable inputs "
                                              f"(device is {arch})")
             hopper = config
-        elif config is None and _sm90.eligible(arch, (do_, q_, k_, v_, o_), seqlen_k, head_dim, causal):
-            hopper = _sm90.choose_config(dt, head_dim, causal, deterministic)
+        elif config is None and _sm90.eligible(arch, (do_, q_, k_, v_, o_), seqlen_k, head_dim, causal, flags, dt,
+                                               deterministic):
+            hopper = _sm90.choose_config(dt, head_dim, causal, deterministic, **dict(flags))
         else:
             hopper = None
         scale = float(softmax_scale)
-        sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
-        lse2 = cupy.empty((batch, nheads, sq_pad), cupy.float32)
-        delta = cupy.empty((batch, nheads, sq_pad), cupy.float32)
-        rows_per_cta = _DOT_THREADS // _dot_lanes(head_dim)
-        dot_grid = (-(-sq_pad // rows_per_cta), nheads, batch)
+        mask_args = spec.kernel_args(seqlen_q, seqlen_k)   # dense: the lengths; varlen: the totals
+        if varlen:   # per-head buffers: each sequence at its padded start (rtk/attn_mask.cuh)
+            rows = padded_offset_rows(seqlen_q, vl.batch, LSE_PAD)
+            lse2_shape, dot_grid = (nheads, rows), (-(-rows // (_DOT_THREADS // _dot_lanes(head_dim))), nheads, 1)
+        else:
+            sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
+            lse2_shape, dot_grid = (batch, nheads, sq_pad), (-(-sq_pad // (_DOT_THREADS // _dot_lanes(head_dim))),
+                                                             nheads, batch)
+        with cupy_stream(stream):   # workspaces return to the pool only after this stream's work
+            lse2 = cupy.empty(lse2_shape, cupy.float32)
+            delta = cupy.empty(lse2_shape, cupy.float32)
         if hopper is not None:
             strides = (s_o, s_do, s_dq, s_dk, s_dv)
             _sm90.launch(hopper, arch, q_, k_, v_, o_, do_, lse_c, lse2, delta, dq_, dk_, dv_, strides, scale,
-                         dot_grid, stream)
+                         dot_grid, stream, mask_args=mask_args, vl=vl)
             if plan_key is not None and not staged:
                 _remember_backward(plan_key, hopper, arch, (do_, q_, k_, v_, o_, lse_), (dq_o, dk_o, dv_o),
-                                   lse2.shape, strides, scale, dot_grid)
+                                   lse2.shape, strides, scale, dot_grid, mask_args)
             return dq_o, dk_o, dv_o
-        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch, config)
-        in_main = cfg.dq_mode != "pass"
-        dq_accum = cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32) if in_main else None
-        dq_count = (cupy.empty((batch, nheads, -(-seqlen_q // cfg.block_m), cfg.dq_units, 4), cupy.int32)
-                    if (deterministic and in_main) else None)
-        kerns["attention_bwd_dot"].launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_c, lse2, delta, dq_accum, dq_count,
-                                          seqlen_q, *s_o[:3], *s_do[:3], stream=stream)
-        kerns["attention_bwd"].launch(
-            (-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,),
-            do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv,
-            nheads, *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale,
-            shared_mem=cfg.shared_mem_bytes, stream=stream)
-        if not in_main:
-            kerns["attention_bwd_dq"].launch(
-                (-(-seqlen_q // cfg.dq_block_m), nheads, batch), (32 * cfg.dq_num_warps,),
-                do_, q_, k_, v_, lse2, delta, dq_, seqlen_q, seqlen_k, nheads // nheads_kv,
-                *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dq[:3], scale,
-                shared_mem=cfg.dq_shared_mem_bytes, stream=stream)
-        else:
-            kerns["attention_bwd_dq_convert"].launch(
-                (-(-seqlen_q * (head_dim // 8) // 256), nheads, batch), (256,), dq_accum, dq_, seqlen_q,
-                *s_dq[:3], scale, stream=stream)
+        kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch, config, flags)
+        _launch_mma(kerns, cfg, arch, vl, (do_, q_, k_, v_, o_), lse_c, lse2, delta, (dq_, dk_, dv_),
+                    (s_do, s_q, s_k, s_v, s_o, s_dq, s_dk, s_dv), scale, dot_grid, mask_args, stream)
     return dq_o, dk_o, dv_o
+
+
+def _launch_mma(kerns, cfg, arch, vl, views, lse_c, lse2, delta, grads, strides, scale, dot_grid, mask_args, stream):
+    """The mma.sync kernels: pre-pass, attention_bwd, then the dQ pass or the dQ conversion."""
+    import cupy
+    do_, q_, k_, v_, o_ = views
+    dq_, dk_, dv_ = grads
+    s_do, s_q, s_k, s_v, s_o, s_dq, s_dk, s_dv = strides
+    batch, seqlen_q, nheads, head_dim = q_.shape
+    seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
+    group = nheads // nheads_kv
+    in_main = cfg.dq_mode != "pass"
+    rows = lse2.shape[-1]
+    with cupy_stream(stream):
+        if vl is None:
+            dq_accum = cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32) if in_main else None
+            dq_count = (cupy.empty((batch, nheads, -(-seqlen_q // cfg.block_m), cfg.dq_units, 4), cupy.int32)
+                        if (cfg.deterministic and in_main) else None)
+        else:   # zeroed here: the pre-pass's rows are padded rows, not the accumulators' own
+            dq_accum = cupy.zeros((nheads, rows, head_dim), cupy.float32) if in_main else None
+            dq_count = (cupy.zeros((nheads, rows // cfg.block_m, cfg.dq_units, 4), cupy.int32)
+                        if (cfg.deterministic and in_main) else None)
+    cu_q, cu_k, nb = (vl.cu_q, vl.cu_k, vl.batch) if vl else (None, None, batch)
+    kerns["attention_bwd_dot"].launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_c, lse2, delta,
+                                      None if vl else dq_accum, None if vl else dq_count, seqlen_q, *s_o[:3],
+                                      *s_do[:3], cu_q, nb, stream=stream)
+    if vl is None:
+        grid = (-(-seqlen_k // cfg.block_n), nheads_kv, batch)
+        sched = None
+    else:
+        sched, slots = _schedule_for(vl, cfg.block_n, cfg.causal, arch, stream, cu_tiles=vl.cu_k, cu_other=vl.cu_q,
+                                     totals=(vl.total_k, vl.total_q), max_seqlen=vl.max_seqlen_k)
+        grid = (nheads_kv * slots,)
+    kerns["attention_bwd"].launch(
+        grid, (cfg.threads_per_block,),
+        do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, group,
+        nheads, *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale, cu_q, cu_k, sched, nb,
+        *mask_args, shared_mem=cfg.shared_mem_bytes, stream=stream)
+    if not in_main:
+        if vl is None:
+            grid, sched = (-(-seqlen_q // cfg.dq_block_m), nheads, batch), None
+        else:
+            sched, slots = _schedule_for(vl, cfg.dq_block_m, cfg.causal, arch, stream)
+            grid = (nheads * slots,)
+        kerns["attention_bwd_dq"].launch(
+            grid, (32 * cfg.dq_num_warps,),
+            do_, q_, k_, v_, lse2, delta, dq_, seqlen_q, seqlen_k, group,
+            *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dq[:3], scale, cu_q, cu_k, sched, nheads, nb, *mask_args,
+            shared_mem=cfg.dq_shared_mem_bytes, stream=stream)
+    else:
+        chunks = head_dim // 8
+        grid = ((-(-rows * chunks // 256), nheads, 1) if vl else (-(-seqlen_q * chunks // 256), nheads, batch))
+        kerns["attention_bwd_dq_convert"].launch(grid, (256,), dq_accum, dq_, seqlen_q, *s_dq[:3], scale, cu_q, nb,
+                                                 stream=stream)
 
 
 # ---- per-signature launch plans (Hopper kernel) -----------------------------------------------
@@ -529,20 +608,21 @@ class _BackwardPlan(NamedTuple):
     scale: float
     dot_grid: tuple
     torch: bool
+    mask_args: tuple     # (window_left, window_right, softcap)
 
 
-def _backward_plan_key(arrays, outs, causal, softmax_scale, deterministic, dtype, config):
-    import os
+def _backward_plan_key(arrays, outs, causal, softmax_scale, deterministic, dtype, config, window=None, softcap=None):
     if not _sm90.ENABLED:
         return None
     return _BACKWARD_PLANS.key(tuple(arrays) + tuple(outs), (bool(causal), softmax_scale, bool(deterministic),
-                                                               dtype, config, getenv("RTKERNELS_ARCH")))
+                                                               dtype, config, window, softcap,
+                                                               getenv("RTKERNELS_ARCH")))
 
 
-def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, dot_grid) -> None:
+def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, dot_grid, mask_args) -> None:
     _BACKWARD_PLANS.put(key, _BackwardPlan(cfg, arch, tuple(v.dtype for v in views),
                                              tuple(tuple(o.shape) for o in outs), outs[0].dtype, tuple(lse2_shape),
-                                             strides, scale, dot_grid, _is_torch(outs[0])))
+                                             strides, scale, dot_grid, _is_torch(outs[0]), tuple(mask_args)))
 
 
 def _replay_backward(plan: _BackwardPlan, arrays, outs, stream):
@@ -557,44 +637,66 @@ def _replay_backward(plan: _BackwardPlan, arrays, outs, stream):
     else:
         views, out_views = arrays, res
     do_, q_, k_, v_, o_, lse_ = views
-    lse2, delta = cupy.empty(plan.lse2_shape, cupy.float32), cupy.empty(plan.lse2_shape, cupy.float32)
+    stream = default_stream(q, stream)
+    with cupy_stream(stream):
+        lse2, delta = cupy.empty(plan.lse2_shape, cupy.float32), cupy.empty(plan.lse2_shape, cupy.float32)
     _sm90.launch(plan.cfg, plan.arch, q_, k_, v_, o_, do_, lse_, lse2, delta, *out_views, plan.strides, plan.scale,
-                 plan.dot_grid, default_stream(q, stream))
+                 plan.dot_grid, stream, mask_args=plan.mask_args)
     return res
 
 
 # ---- reference ----------------------------------------------------------------------------
 def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
-                                 dtype: str | None = None, compute: str = "float32", round_to: str | None = None):
+                                 dtype: str | None = None, compute: str = "float32", round_to: str | None = None,
+                                 window=None, softcap=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Direct-formula backward in CuPy: ``(dq, dk, dv)`` as float32/float64 arrays.
 
-    P = softmax(scale q k^T [masked]) recomputed from q, k (rows with no visible key: P = 0),
-    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = scale dS K, dK = scale dS^T Q;
-    dK, dV summed over each GQA group.  ``round_to`` rounds P, dS and the products to that dtype
-    (a framework's low-precision run) for the 2x error rule.  One (batch, head) at a time.
+    P = softmax(score [masked]) recomputed from q, k with score = scale q k^T, or with a softcap
+    c * tanh(scale q k^T / c) (rows with no visible key: P = 0), dV = P^T dO, dP = dO V^T,
+    dS = P * (dP - rowsum(dP * P)) [* (1 - tanh^2) through the cap], dQ = scale dS K,
+    dK = scale dS^T Q; dK, dV summed over each GQA group.  Windows, softcap and varlen
+    (cu_seqlens: per-sequence dense references) as in :func:`rtkernels.ops.attention.attention`,
+    from the same mask spec.  ``round_to`` rounds P, dS and the products to that dtype (a
+    framework's low-precision run) for the 2x error rule.  One (batch, head) at a time.
     """
     import cupy
-    from .attention import _round
+    spec = mask_spec(causal, window, softcap, cu_seqlens_q is not None or cu_seqlens_k is not None)
     ft = cupy.float64 if compute == "float64" else cupy.float32
     dof, qf, kf, vf = (_to_f32(a, dtype).astype(ft) for a in (do, q, k, v))
+    scale = 1.0 / math.sqrt(qf.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if not spec.is_varlen:
+        return _backward_reference_dense(dof, qf, kf, vf, spec, scale, round_to, ft)
+    cq, ck = (cupy.asnumpy(cupy.asarray(c)).astype(int) for c in (cu_seqlens_q, cu_seqlens_k))
+    dq, dk, dv = cupy.zeros(qf.shape, ft), cupy.zeros(kf.shape, ft), cupy.zeros(vf.shape, ft)
+    for b in range(len(cq) - 1):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        g = _backward_reference_dense(dof[None, rq], qf[None, rq], kf[None, rk], vf[None, rk], spec, scale, round_to,
+                                      ft)
+        dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _backward_reference_dense(dof, qf, kf, vf, spec, scale: float, round_to, ft):
+    import cupy
+    from .attention import _round
     batch, sq, nheads, d = qf.shape
     sk, nheads_kv = kf.shape[1], kf.shape[2]
     group = nheads // nheads_kv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     rnd = (lambda x: _round(x.astype(cupy.float32), round_to).astype(ft)) if round_to else (lambda x: x)
     dq = cupy.zeros((batch, sq, nheads, d), ft)
     dk = cupy.zeros((batch, sk, nheads_kv, d), ft)
     dv = cupy.zeros((batch, sk, nheads_kv, d), ft)
     if sq == 0 or sk == 0:
         return dq, dk, dv
-    if causal:
-        visible = cupy.arange(sk)[None, :] <= cupy.arange(sq)[:, None] + (sk - sq)
+    visible = spec.visible(sq, sk, cupy)
     for b in range(batch):
         for h in range(nheads):
             hk = h // group
             s = scale * (qf[b, :, h] @ kf[b, :, hk].T)
-            if causal:
-                s = cupy.where(visible, s, -cupy.inf)
+            if spec.has_softcap:
+                t = cupy.tanh(s / spec.softcap)
+                s = spec.softcap * t
+            s = cupy.where(visible, s, -cupy.inf)
             m = s.max(axis=1, keepdims=True)
             m = cupy.where(cupy.isfinite(m), m, 0)
             p = cupy.exp(s - m)
@@ -603,7 +705,10 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
             g = dof[b, :, h]
             dv[b, :, hk] += rnd(p.T @ g)
             dp = g @ vf[b, :, hk].T
-            ds = rnd(p * (dp - (dp * p).sum(axis=1, keepdims=True)))
+            ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))
+            if spec.has_softcap:
+                ds = ds * (1 - t * t)
+            ds = rnd(ds)
             dq[b, :, h] = rnd(scale * (ds @ kf[b, :, hk]))
             dk[b, :, hk] += rnd(scale * (ds.T @ qf[b, :, h]))
     return dq, dk, dv

@@ -98,15 +98,20 @@ class AttentionBwdSm90Config(AttentionShape):
         2 x (C - 168) <= 168 - P.  24/240 spills 8-52 bytes in the producer warpgroup (TMA issue +
         the dQ warp's bookkeeping); 32/240 asks for 1 Ki more registers than the CTA owns and
         hangs (H200, 2026-11-21).  At 232, ptxas spills only head_dim 120 non-causal (372 B): that
-        case stays on the mma.sync kernel (:func:`eligible`)."""
-        return 40, 232
+        case stays on the mma.sync kernel (:func:`eligible`).  Varlen and windows put their
+        bookkeeping (sequence offsets, padded rows, window ranges) on the producer side: at 40 it
+        spills 8 B at d64 causal varlen (NVRTC 13.5), so those variants give it 48 and the
+        consumers 224 (128 x 48 + 256 x 224 = 63488)."""
+        return (48, 224) if (self.is_varlen or self.has_window) else (40, 232)
 
 
 # ---- heuristics ---------------------------------------------------------------------------
-def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool) -> AttentionBwdSm90Config:
+def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90Config:
     """The config the op runs.  Two ring stages: Q/dO of the next tile land while this one computes,
-    and 8 + KiB more per stage buys nothing once a step's GEMMs outlast its loads."""
-    return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic)
+    and 8 + KiB more per stage buys nothing once a step's GEMMs outlast its loads.  ``mask_flags``:
+    the other compile-time mask fields (has_window, has_softcap, is_varlen)."""
+    return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
+                                  **mask_flags)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:
@@ -120,13 +125,34 @@ ENABLED = True
 
 
 # (head_dim, causal) whose Hopper kernel spills (ptxas of NVRTC 13.5, sm_90a); checked by the tests.
+# (120, False) spilled 372 B; since the mask options' rewrite of the range code it builds clean under
+# NVRTC 13.5 (2026-11, CPU), but stays on the mma.sync kernel until a GPU run (NVRTC 13.0 there)
+# shows it clean and correct.
 SPILLING = {(120, False)}
 
 
-def picks(head_dim: int, causal: bool) -> bool:
-    """The op's rule for a (head_dim, causal) on sm_90, before looking at the arrays: switched on,
-    head_dim <= 128 and not a spilling case."""
-    return ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING
+def picks(head_dim: int, causal: bool, mask_flags: tuple = (), dtype: str = "bfloat16",
+          deterministic: bool = False) -> bool:
+    """The op's rule for a (head_dim, causal, mask options) on sm_90, before looking at the arrays:
+    switched on, head_dim <= 128 and not a spilling case.  Masked variants: ptxas's report of the
+    build itself, compiled here on first use (it is the build the op then runs); a spilling one
+    keeps the mma.sync kernel.  NVRTC 13.5: softcap at d128 causal spills 12-20 B in the consumers
+    (one more live value per score than the 232 registers hold), and so do the three options
+    together at d128."""
+    if not (ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING):
+        return False
+    if not any(v for _, v in mask_flags):
+        return True
+    key = (head_dim, bool(causal), mask_flags, dtype, bool(deterministic))
+    if key not in _MASKED_CLEAN:
+        from ..kernel import get_kernel
+        cfg = choose_config(dtype, head_dim, causal, deterministic, **dict(mask_flags))
+        r = get_kernel(cfg, "attention_bwd_sm90", arch="sm_90a").resources
+        _MASKED_CLEAN[key] = not (r.spill_stores or r.spill_loads or r.stack_frame)
+    return _MASKED_CLEAN[key]
+
+
+_MASKED_CLEAN: dict = {}
 
 
 def runnable(arch: str, views, seqlen_k: int) -> bool:
@@ -134,9 +160,10 @@ def runnable(arch: str, views, seqlen_k: int) -> bool:
     return is_sm90(arch) and seqlen_k >= 1 and all(tma_strides(v) for v in views)
 
 
-def eligible(arch: str, views, seqlen_k: int, head_dim: int, causal: bool = False) -> bool:
+def eligible(arch: str, views, seqlen_k: int, head_dim: int, causal: bool = False, mask_flags: tuple = (),
+             dtype: str = "bfloat16", deterministic: bool = False) -> bool:
     """Whether rtk.attention_backward picks this kernel by itself: :func:`picks` and :func:`runnable`."""
-    return picks(head_dim, causal) and runnable(arch, views, seqlen_k)
+    return runnable(arch, views, seqlen_k) and picks(head_dim, causal, mask_flags, dtype, deterministic)
 
 
 _KERNELS: dict = {}
@@ -153,17 +180,23 @@ def kernels_for(cfg: AttentionBwdSm90Config, arch: str = "sm_90a"):
 
 
 def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, lse2, delta, dq_, dk_, dv_, strides,
-           softmax_scale: float, dot_grid, stream=None) -> None:
+           softmax_scale: float, dot_grid, stream=None, mask_args=(0, 0, 0.0), vl=None) -> None:
     """Pre-pass (delta and lse*log2e into lse2/delta, the op's padded buffers, on ``dot_grid``),
     main kernel and dQ conversion over CuPy views (bfloat16 as uint16).  ``strides``: the element
-    strides of o, do, dq, dk, dv."""
+    strides of o, do, dq, dk, dv; ``mask_args``: (window_left, window_right, softcap); ``vl``: the
+    checked cu_seqlens (rtkernels.ops.attention_mask.Varlen) of a varlen call, whose views are
+    (1, total, heads, head_dim) and whose lse2/delta are (heads, padded rows)."""
     import cupy
     from ..kernel import _StreamPtr
     from ..tma import tensor_map
+    from ._arrays import cupy_stream
+    from .attention import _schedule_for
     from .attention_bwd import _DOT_THREADS   # the template's DOT_THREADS
     kern, dot, convert = kernels_for(cfg, arch)
     s_o, s_do, s_dq, s_dk, s_dv = strides
-    dot.launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_, lse2, delta, q_.shape[1], *s_o[:3], *s_do[:3], stream=stream)
+    cu_q, cu_k, nb = (vl.cu_q, vl.cu_k, vl.batch) if vl else (None, None, q_.shape[0])
+    dot.launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_, lse2, delta, q_.shape[1], *s_o[:3], *s_do[:3], cu_q, nb,
+               stream=stream)
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     dt = cfg.dtype
@@ -172,19 +205,29 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
             tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n)),
             tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n)),
             tensor_map(do_, dt, do_.shape, _map_strides(do_), box(_BLOCK_M)))
-    m_tiles = -(-seqlen_q // _BLOCK_M)
+    # varlen: 64-row tiles of each head's padded rows (lse2.shape[-1], a multiple of 128)
+    m_tiles = lse2.shape[-1] // _BLOCK_M if vl else -(-seqlen_q // _BLOCK_M)
     # f32 dQ tiles in the consumers' fragment order, and (deterministic) 4 int32 per query tile for
     # the ordered additions (one 16-byte acquire load each); zeroed on the launch stream
-    dq_accum = cupy.empty((batch, nheads, m_tiles, _BLOCK_M * cfg.head_dim), cupy.float32)
-    count = cupy.empty((batch, nheads, m_tiles, 4), cupy.int32) if cfg.deterministic else None
+    with cupy_stream(stream):
+        dq_accum = cupy.empty((batch, nheads, m_tiles, _BLOCK_M * cfg.head_dim), cupy.float32)
+        count = cupy.empty((batch, nheads, m_tiles, 4), cupy.int32) if cfg.deterministic else None
     sptr = cupy.cuda.get_current_stream().ptr if stream is None else (
         stream.ptr if hasattr(stream, "ptr") else _StreamPtr(stream).ptr)
     for buf in (dq_accum, count):
         if buf is not None:
             cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, sptr)
-    kern.launch((-(-seqlen_k // cfg.block_n), nheads_kv, batch), (cfg.threads_per_block,), *maps,
+    if vl is None:
+        grid, sched = (-(-seqlen_k // cfg.block_n), nheads_kv, batch), None
+    else:   # key tiles of the packed sequences; descending where the deterministic causal order needs it
+        sched, slots = _schedule_for(vl, cfg.block_n, cfg.causal and cfg.deterministic, arch, stream,
+                                     cu_tiles=vl.cu_k, cu_other=vl.cu_q, totals=(vl.total_k, vl.total_q),
+                                     max_seqlen=vl.max_seqlen_k)
+        grid = (nheads_kv * slots,)
+    kern.launch(grid, (cfg.threads_per_block,), *maps,
                 lse2, delta, dq_accum, count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
-                *s_dk[:3], *s_dv[:3], float(softmax_scale), shared_mem=cfg.shared_mem_bytes, stream=stream)
-    convert.launch((m_tiles, nheads, batch), (128,), dq_accum, dq_, seqlen_q, *s_dq[:3], float(softmax_scale),
-                   stream=stream)
+                *s_dk[:3], *s_dv[:3], float(softmax_scale), cu_q, cu_k, sched, nb, *mask_args,
+                shared_mem=cfg.shared_mem_bytes, stream=stream)
+    convert.launch((m_tiles, nheads, batch), (128,), dq_accum, dq_, seqlen_q, *s_dq[:3], float(softmax_scale), cu_q,
+                   nb, stream=stream)
 

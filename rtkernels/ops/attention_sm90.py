@@ -81,7 +81,8 @@ class AttentionSm90Config(AttentionShape):
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
-                                params.get("causal", cls.causal))
+                                params.get("causal", cls.causal),
+                                **{f: params[f] for f in cls.MASK_FIELDS[1:] if f in params})
         except (ConfigError, TypeError, ValueError, KeyError):
             return {}   # the constructor then reports the bad field itself
         return {f: getattr(cfg, f) for f in _TILE_FIELDS}
@@ -184,11 +185,31 @@ def candidate(head_dim: int, causal: bool) -> Tile:
     raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
 
 
-def choose_config(dtype: str, head_dim: int, causal: bool) -> AttentionSm90Config:
-    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90."""
+def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> AttentionSm90Config:
+    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90; ``mask_flags``: the
+    other compile-time mask fields (has_window, has_softcap, is_varlen).  Masked variants take the
+    heuristic's tile unless ptxas spills it, then the first of :data:`_MASKED_FALLBACK` that fits
+    and does not (NVRTC 13.5: softcap spills 32-56 B in the 192x128 non-overlapped d120-128 tile;
+    all three options together also d96 causal and d112)."""
     t = candidate(head_dim, causal)
-    return AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
-                               **{f: getattr(t, f) for f in _TILE_FIELDS})
+    cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
+                              **{f: getattr(t, f) for f in _TILE_FIELDS}, **mask_flags)
+    if not any(mask_flags.values()):
+        return cfg
+    from .attention_mask import first_without_spills
+    options = [cfg]
+    for block_n in _MASKED_FALLBACK:
+        try:
+            options.append(AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=128,
+                                               block_n=block_n, intra_overlap=True, pingpong=True, **mask_flags))
+        except ConfigError:
+            pass   # does not fit shared memory
+    return first_without_spills(list(dict.fromkeys(options)), "sm_90a")
+
+
+# Key tiles of the masked fallback: two consumer warpgroups with 240 registers each (the causal
+# d104-256 shape), the widest tile that fits first.
+_MASKED_FALLBACK = (128, 112, 96, 80, 64)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Config]:
@@ -277,31 +298,52 @@ def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_, specs=None):
                  for a, (shape, strides, box) in zip((q_, k_, v_, o_), specs))
 
 
-def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float) -> Launch:
-    """The launch for q_, k_ shapes without its array arguments (the four tensor maps, then lse)."""
+_NO_MASK = (0, 0, 0.0)   # (window_left, window_right, softcap) of a config without those options
+
+
+def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float, mask_args=_NO_MASK) -> Launch:
+    """The launch for q_, k_ shapes without its array arguments (the four tensor maps, then lse);
+    ``mask_args``: (window_left, window_right, softcap) from AttentionMask.kernel_args."""
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
+    # o, its strides, cu_seqlens and the schedule are varlen's (launch_varlen)
     return Launch(kern, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
-                  cfg.shared_mem_bytes, (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale)))
+                  cfg.shared_mem_bytes, (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale),
+                                         None, 0, 0, None, None, None, nheads, *mask_args))
 
 
 def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None,
-           maps=None) -> None:
+           maps=None, mask_args=_NO_MASK) -> None:
     """One launch over CuPy views q_, k_, v_, o_ (bfloat16 as uint16) and lse_ (or None); ``maps``:
     their :func:`tensor_maps`, when the caller encoded them once for repeated launches."""
-    recorded_launch(kern, cfg, q_, k_, softmax_scale).run(
+    recorded_launch(kern, cfg, q_, k_, softmax_scale, mask_args).run(
         (*(maps or tensor_maps(cfg, q_, k_, v_, o_)), lse_), stream)
+
+
+def launch_varlen(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, mask_args, vl,
+                  sched, stream=None) -> None:
+    """Varlen launch: views (1, total, heads, head_dim), lse_ (heads, total_q) or None, ``vl`` the
+    checked cu_seqlens (rtkernels.ops.attention_mask.Varlen), ``sched`` = (schedule table, slots).
+    O leaves through plain stores (its tensor map is passed but not used)."""
+    table, slots = sched
+    _, total_q, nheads, _ = q_.shape
+    total_k, nheads_kv = k_.shape[1], k_.shape[2]
+    item = o_.itemsize
+    kern.launch((nheads * slots,), (cfg.threads_per_block,), *tensor_maps(cfg, q_, k_, v_, o_), lse_, total_q,
+                total_k, nheads // nheads_kv, float(softmax_scale), o_, o_.strides[1] // item, o_.strides[2] // item,
+                vl.cu_q, vl.cu_k, table, nheads, *mask_args, shared_mem=cfg.shared_mem_bytes, stream=stream)
 
 
 _KERNELS: dict = {}
 
 
-def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a"):
-    """(Kernel, config), memoized per (dtype, head_dim, causal, arch)."""
-    key = (dtype, head_dim, causal, arch)
+def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", mask_flags: tuple = ()):
+    """(Kernel, config), memoized per (dtype, head_dim, causal, arch, mask_flags): (name, value)
+    pairs of the other compile-time mask fields."""
+    key = (dtype, head_dim, causal, arch, mask_flags)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
-        cfg = choose_config(dtype, head_dim, causal)
+        cfg = choose_config(dtype, head_dim, causal, **dict(mask_flags))
         hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
     return hit

@@ -63,14 +63,13 @@ __device__ __forceinline__ float lse_log2_or_inf(float lse, bool valid) {
 // saw no key), both into rows padded to a multiple of lse_pad (padding rows: +inf and 0).
 // Shared by the mma.sync and the Hopper kernels' pre-pass entry points (which add their own
 // buffer zeroing); needs rtk/common.cuh.
+// rowsum(o * dout) of one row, over LANES lanes (every lane of the warp calls it: a shuffle).
 template <typename T, int HEAD_DIM, int LANES>
-__device__ __forceinline__ void bwd_dot_row(const T* __restrict__ o, const T* __restrict__ dout,
-                                            const float* __restrict__ lse, float* __restrict__ lse_log2,
-                                            float* __restrict__ delta, int seqlen_q, int lse_pad, long long hb,
-                                            int row, int c, long long o_row, long long do_row) {
+__device__ __forceinline__ float bwd_dot_sum(const T* __restrict__ o, const T* __restrict__ dout, bool exists, int c,
+                                             long long o_row, long long do_row) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     float acc = 0.f;
-    if (row < seqlen_q && c < CHUNKS) {
+    if (exists && c < CHUNKS) {
         const Vec<T, 8> x = *reinterpret_cast<const Vec<T, 8>*>(o + o_row + c * 8);
         const Vec<T, 8> y = *reinterpret_cast<const Vec<T, 8>*>(dout + do_row + c * 8);
 #pragma unroll
@@ -78,11 +77,37 @@ __device__ __forceinline__ void bwd_dot_row(const T* __restrict__ o, const T* __
     }
 #pragma unroll
     for (int w = LANES / 2; w >= 1; w /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, w);
+    return acc;
+}
+
+template <typename T, int HEAD_DIM, int LANES>
+__device__ __forceinline__ void bwd_dot_row(const T* __restrict__ o, const T* __restrict__ dout,
+                                            const float* __restrict__ lse, float* __restrict__ lse_log2,
+                                            float* __restrict__ delta, int seqlen_q, int lse_pad, long long hb,
+                                            int row, int c, long long o_row, long long do_row) {
+    const float acc = bwd_dot_sum<T, HEAD_DIM, LANES>(o, dout, row < seqlen_q, c, o_row, do_row);
     const int padded = (seqlen_q + lse_pad - 1) / lse_pad * lse_pad;
     if (c == 0 && row < padded) {
         const bool valid = row < seqlen_q;
         lse_log2[hb * padded + row] = lse_log2_or_inf(valid ? lse[hb * seqlen_q + row] : 0.f, valid);
         delta[hb * padded + row] = acc;   // 0 for padding rows
+    }
+}
+
+// The same for packed (varlen) rows: `row` of a sequence of `len` rows (padding rows past it get
+// +inf and 0), read from the packed lse at `lse_at`, written at padded row `out_at` - when `writes`
+// (a padded row that belongs to a sequence; every lane still joins the shuffle).
+template <typename T, int HEAD_DIM, int LANES>
+__device__ __forceinline__ void bwd_dot_packed_row(const T* __restrict__ o, const T* __restrict__ dout,
+                                                   const float* __restrict__ lse, float* __restrict__ lse_log2,
+                                                   float* __restrict__ delta, bool writes, int row, int len,
+                                                   long long lse_at, long long out_at, int c, long long o_row,
+                                                   long long do_row) {
+    const bool exists = writes && row < len;
+    const float acc = bwd_dot_sum<T, HEAD_DIM, LANES>(o, dout, exists, c, o_row, do_row);
+    if (c == 0 && writes) {
+        lse_log2[out_at] = lse_log2_or_inf(exists ? lse[lse_at] : 0.f, exists);
+        delta[out_at] = acc;   // 0 for padding rows
     }
 }
 
