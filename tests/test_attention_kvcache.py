@@ -115,13 +115,13 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
                     assert cfg.shared_mem_bytes <= arch.limits(a).max_smem_per_block_optin
                     warp_rows = 16 if cfg.warp_split == "rows" else cfg.rows
                     assert warp_rows * cfg.block_n <= 1024 or cfg.block_n == 16   # S in <= 32 registers
-                    assert cfg.warp_split == kw.get("warp_split", "rows" if rows_total > 16 else "keys")
+                    assert cfg.warp_split == kw.get("warp_split", "rows" if rows_total > kv_mod.ROWS_MODE_ABOVE else "keys")
                     if cfg.warp_split == "rows":   # the no-spill budget of the CTA-wide copy (see MAX_LOAD_ITERS)
                         iters = -(-cfg.kv_heads * cfg.block_n * (d // 8) // cfg.threads_per_block)
                         assert cfg.num_warps >= kv_mod.ROWS_MODE_MIN_WARPS and iters <= kv_mod.MAX_LOAD_ITERS, cfg
     # rows mode: 16 rows per warp, up to 8 warps; decoding packs up to 8 kv heads (dividing nheads_kv)
-    assert choose_config("bfloat16", 128, 64, False, True, "sm_90").num_warps == 4
-    assert choose_config("bfloat16", 128, 300, False, True, "sm_90").rows == 128
+    assert choose_config("bfloat16", 128, 64, False, True, "sm_90", warp_split="rows").num_warps == 4
+    assert choose_config("bfloat16", 128, 300, False, True, "sm_90", warp_split="rows").rows == 128
     for nkv, kv in ((8, 8), (12, 4), (6, 2), (5, 1), (32, 8)):
         assert choose_config("bfloat16", 128, 4, False, False, "sm_90", nheads_kv=nkv, warp_split="rows").kv_heads == kv
     assert rows_for(4 * 8, 128) == 32 and rows_for(16 * 8, 128) == 32 and rows_for(3 * 16, 64) == 48

@@ -140,9 +140,9 @@ class NcclComm(Comm):
                                    is_master=env["rank"] == 0 and not agent, timeout=timedelta(seconds=300))
             if env["rank"] == 0:
                 uid = nccl.get_unique_id()
-                store.set(uid_key, ",".join(map(str, uid)))
+                store.set(uid_key, _encode_uid(uid))
             else:
-                uid = tuple(int(x) for x in store.get(uid_key).decode().split(","))
+                uid = _decode_uid(store.get(uid_key).decode())
             comm = nccl.NcclCommunicator(env["world_size"], uid, env["rank"])
             return cls(comm, env["rank"], env["world_size"], env["local_rank"], keepalive=store)
         import cupyx.distributed
@@ -437,3 +437,19 @@ def resolve(comm) -> Comm:
             return hit
     raise TypeError(f"ring_attention: comm must be None, an rtkernels.dist.Comm or a torch.distributed "
                     f"ProcessGroup, got {type(comm).__name__}")
+
+
+def _encode_uid(uid) -> str:
+    """NCCL's unique id as text for a store: CuPy 14 hands out (and its NcclCommunicator takes)
+    bytes, older CuPy a tuple of ints; the type travels with the value (a tuple where bytes are
+    expected failed on the second rank: 2x H100, 2026-11-25)."""
+    if isinstance(uid, (bytes, bytearray)):
+        return "b:" + bytes(uid).hex()
+    return "t:" + ",".join(map(str, uid))
+
+
+def _decode_uid(text: str):
+    kind, _, data = text.partition(":")
+    if kind == "b":
+        return bytes.fromhex(data)
+    return tuple(int(x) for x in data.split(","))

@@ -304,6 +304,8 @@ def _elem_strides(view, name: str, op: str = FAMILY) -> tuple[int, ...]:
         if s % item:
             raise _bad(name, strides, f"{name} has stride {s} bytes in dim {dim}, not a whole number of elements", op)
         out.append(0 if n == 1 else s // item)   # a size-1 dim's stride is never used
+    if 0 in shape:   # an empty array (a varlen batch with no keys at all): no stride is ever used
+        return tuple(0 for _ in out)
     if shape[-1] > 1 and out[-1] != 1:
         raise _bad(name, strides, f"{name} must have a contiguous last dimension (stride 1), got strides "
                                   f"{tuple(s // item for s in strides)} elements; pass {name}.copy() or a "

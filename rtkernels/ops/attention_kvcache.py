@@ -220,11 +220,11 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
 ]
 
 # Which warp split serves which row count (rows = seqlen_q x GQA group per kv head).
-# Above 16 rows: "rows".  Measured (H100, 2026-11-25): keys mode at 64 rows (seqlen_q 16 x group
-# 4) split them into two 32-row tiles that each read K/V: 67% of copy against 86% at 4 rows; and
-# at 32 rows every keys-mode warp holds two m-tiles (231-246 registers at d128).  The rows mode
-# reads K/V once for up to 128 rows per head with 16 rows (one m-tile) per warp.
-ROWS_MODE_ABOVE = 16
+# Keys mode everywhere by default.  Measured (H100, 2026-11-25, seqlen_q 16 x group 4 = 64 rows,
+# B8 S8k 32/8 d128): keys mode with two 32-row tiles (each reading K/V) 67% of copy; the rows mode
+# (K/V read once for all 64 rows, one m-tile per warp, one __syncthreads per tile) only 51%, and
+# 22% paged.  The rows mode stays selectable for measurement until it beats keys mode.
+ROWS_MODE_ABOVE = 1 << 30   # rows mode is opt-in (RTKERNELS_DECODE_WARP_SPLIT=rows): see below
 # Decoding (<= 16 rows): "keys" until the rows mode's several-kv-heads-per-CTA variant (each CTA
 # reads a key's kv_heads x head_dim run contiguously, the DRAM-locality hypothesis of issue #15)
 # is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
@@ -240,6 +240,7 @@ MIN_KEYS_PER_SPLIT = 256
 # split, 86.5 / 84.4 / 82.1% at 4 / 8 / 16 splits; B64 S2k (512 CTAs) 94.8% at 1 split, 88.3% at 8.
 # 64 CTAs with 64 KB in flight each already pull the HBM's bandwidth.
 NO_SPLIT_FILL = 0.45
+PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
 # launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.
 # Reasoned: a CTA keeps ~32 KB of loads in flight, ~1 us each round trip.
@@ -361,7 +362,7 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
                       family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
-def choose_num_splits(ctas: int, capacity: int, sms: int) -> int:
+def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
     x row tiles) over a cache of ``capacity`` keys per sequence.
 
@@ -376,7 +377,14 @@ def choose_num_splits(ctas: int, capacity: int, sms: int) -> int:
     No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
     actual lengths): the plan must not read device data.
     """
-    if ctas <= 0 or ctas >= NO_SPLIT_FILL * sms:
+    if ctas <= 0:
+        return 1
+    if paged and NO_SPLIT_FILL * sms <= ctas < PAGED_FILL * sms:
+        # A paged CTA waits on a block-table read before each page's copies, so one CTA per SM
+        # leaves bandwidth idle: B8 S8k 32/8 d128 paged16 ran 61.8% of copy unsplit (64 CTAs) vs
+        # 83.8% at 4 splits (256 CTAs, two per SM), contiguous 87.5% / 86.1% (H100, 2026-11-25).
+        return max(1, min(PAGED_FILL * sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    if ctas >= NO_SPLIT_FILL * sms:
         return 1
     return max(1, min(sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
@@ -618,7 +626,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
-    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms))
+    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms, p.paged))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
