@@ -609,9 +609,11 @@ def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq,hkv", [(16, 4), (64, 4), (300, 8), (33, 2)])
-def test_gpu_rows_mode_many_rows(sq, hkv):
-    """Many query rows per kv head (speculative verification, chunked prefill): the rows mode,
-    one or several row tiles of up to 128 rows, causal bottom-right, with and without splits."""
+def test_gpu_rows_mode_many_rows(variant, sq, hkv):
+    """Many query rows per kv head (speculative verification, chunked prefill): the rows mode
+    (opt-in: keys mode is the default), one or several row tiles of up to 128 rows, causal
+    bottom-right, with and without splits."""
+    variant(dict(warp_split="rows"))
     for splits in (None, 3):
         x = _run(_seed(), 2, sq, 16, hkv, 128, "bfloat16", 16 if sq > 50 else None, True, min(sq, 8), 900,
                  num_splits=splits)
