@@ -352,19 +352,9 @@ def _upload(like, table: np.ndarray, dev: int):
     return d
 
 
-_RESIDENT: dict = {}
-
-
 def _resident_blocks(k, cfg) -> int:
-    got = _RESIDENT.get(k)
-    if got is None:
-        from ..arch import occupancy
-        from . import rowwise as rw
-        arch, sms = rw._arch_info()
-        r = k.resources
-        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static, 0)
-        got = _RESIDENT[k] = sms * max(1, occ.blocks_per_sm)
-    return got
+    from . import rowwise as rw
+    return rw.resident_on_device(k, cfg.block_size)
 
 
 # ---- float64 reference (host, NumPy) ------------------------------------------------------------

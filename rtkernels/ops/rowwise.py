@@ -647,18 +647,26 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, rows: int, op
 _RESIDENT: dict = {}
 
 
-def _resident_blocks(k, cfg) -> int | None:
-    """Blocks of this kernel resident on the whole device at once (prefetching and staged configs)."""
-    if not (getattr(cfg, "prefetch", False) or cfg.staged or cfg.persistent):
-        return None
-    got = _RESIDENT.get(k)
+def resident_on_device(k, block_size: int, shared_dynamic: int = 0, cluster_size: int = 1) -> int:
+    """Blocks (clusters of ``cluster_size`` blocks) of kernel ``k`` resident on the whole device at
+    once, from its ptxas resources; memoized per kernel and launch shape.  Shared by every family
+    that sizes a grid of workers to one wave (row ops, their backward, AdamW)."""
+    key = (k, block_size, shared_dynamic, cluster_size)
+    got = _RESIDENT.get(key)
     if got is None:
         from ..arch import occupancy
         arch, sms = _arch_info()
         r = k.resources
-        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static, cfg.shared_mem_bytes)
-        got = _RESIDENT[k] = sms * max(1, occ.blocks_per_sm)
+        occ = occupancy(arch, block_size, r.registers, r.shared_static, shared_dynamic, barriers=r.barriers)
+        got = _RESIDENT[key] = max(1, sms * max(1, occ.blocks_per_sm) // cluster_size)
     return got
+
+
+def _resident_blocks(k, cfg) -> int | None:
+    """Blocks of this kernel resident on the whole device at once (prefetching and staged configs)."""
+    if not (getattr(cfg, "prefetch", False) or cfg.staged or cfg.persistent):
+        return None
+    return resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes)
 
 
 # ---- per-signature launch plans --------------------------------------------------------------

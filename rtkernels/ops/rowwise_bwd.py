@@ -191,19 +191,9 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weig
     return config
 
 
-_WORKERS: dict = {}
-
-
 def _resident_workers(k, cfg) -> int:
     """Workers (blocks, or clusters) of this kernel resident on the whole device at once."""
-    got = _WORKERS.get(k)
-    if got is None:
-        from ..arch import occupancy
-        arch, sms = rw._arch_info()
-        r = k.resources
-        occ = occupancy(arch, cfg.block_size, r.registers, r.shared_static, 0, barriers=r.barriers)
-        got = _WORKERS[k] = max(1, sms * max(1, occ.blocks_per_sm) // cfg.cluster_size)
-    return got
+    return rw.resident_on_device(k, cfg.block_size, 0, cfg.cluster_size)
 
 
 # ---- array checks shared by the ops -------------------------------------------------------------
