@@ -232,8 +232,6 @@ def _max_diff(a, b, torch):
 
 
 def compile_times(dtype: str) -> dict:
-    import rtkernels as rtk
-    from rtkernels import cache, kernel
     from rtkernels import device
     from rtkernels.ops import attention_sm90
     from rtkernels.ops.attention import AttentionConfig
@@ -242,29 +240,7 @@ def compile_times(dtype: str) -> dict:
     else:
         cfg = AttentionConfig(dtype=dtype, head_dim=128, causal=False, block_m=128, block_n=64, num_warps=4,
                               num_stages=1)
-    with tempfile.TemporaryDirectory(prefix="rtk-attn-cold-") as d:
-        old = os.environ.get("RTKERNELS_CACHE_DIR")
-        os.environ["RTKERNELS_CACHE_DIR"] = d
-        try:
-            cache.clear_memory()
-            kernel._clear_memo()
-            t0 = time.perf_counter()
-            rtk.get_kernel(cfg)
-            cold = time.perf_counter() - t0
-            cache.clear_memory()
-            kernel._clear_memo()
-            t0 = time.perf_counter()
-            k = rtk.get_kernel(cfg)
-            k.function()   # module load into the context counts as part of a warm start
-            warm = time.perf_counter() - t0
-        finally:
-            if old is None:
-                del os.environ["RTKERNELS_CACHE_DIR"]
-            else:
-                os.environ["RTKERNELS_CACHE_DIR"] = old
-            cache.clear_memory()
-            kernel._clear_memo()
-    return {"config": cfg.key(), "cold_compile_s": cold, "warm_disk_load_s": warm}
+    return bu.compile_times(cfg)
 
 
 def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:

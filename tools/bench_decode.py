@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -316,40 +315,13 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
 
 def compile_time(dtype: str) -> dict:
     """Cold compile (empty disk cache) and warm load of a decode config for a head dim."""
-    import rtkernels as rtk
-    from rtkernels import cache, device, kernel
+    from rtkernels import device
     from rtkernels.ops.attention_kvcache import choose_config
     res = {}
     for name, cfg in (("keys", choose_config(dtype, 96, 8, True, False, device.current_arch())),
                       ("rows", choose_config(dtype, 96, 64, True, True, device.current_arch()))):
-        res[name] = _compile_time(rtk, cache, kernel, cfg)
+        res[name] = bu.compile_times(cfg)
     return res
-
-
-def _compile_time(rtk, cache, kernel, cfg) -> dict:
-    with tempfile.TemporaryDirectory(prefix="rtk-decode-cold-") as d:
-        old = os.environ.get("RTKERNELS_CACHE_DIR")
-        os.environ["RTKERNELS_CACHE_DIR"] = d
-        try:
-            cache.clear_memory()
-            kernel._clear_memo()
-            t0 = time.perf_counter()
-            k = rtk.get_kernel(cfg)
-            cold = time.perf_counter() - t0
-            cache.clear_memory()
-            kernel._clear_memo()
-            t0 = time.perf_counter()
-            k = rtk.get_kernel(cfg)
-            k.function()
-            warm = time.perf_counter() - t0
-        finally:
-            if old is None:
-                del os.environ["RTKERNELS_CACHE_DIR"]
-            else:
-                os.environ["RTKERNELS_CACHE_DIR"] = old
-            cache.clear_memory()
-            kernel._clear_memo()
-    return {"config": cfg.key(), "cold_compile_s": cold, "warm_disk_load_s": warm}
 
 
 def _fits(shape, free_bytes, sdpa) -> bool:

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -195,3 +196,29 @@ def attention_peers(env: dict):
         return None, {}
     env["torch"] = torch.__version__
     return torch, {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def compile_times(cfg) -> dict:
+    """Cold compile (an empty disk cache, nothing in memory) and warm start (the disk entry
+    read back and the module loaded into the context) of one config, in seconds."""
+    import rtkernels as rtk
+    from rtkernels import cache
+    with tempfile.TemporaryDirectory(prefix="rtk-cold-") as d:
+        old = os.environ.get("RTKERNELS_CACHE_DIR")
+        os.environ["RTKERNELS_CACHE_DIR"] = d
+        try:
+            cache.clear_memory()
+            t0 = time.perf_counter()
+            rtk.get_kernel(cfg)
+            cold = time.perf_counter() - t0
+            cache.clear_memory()
+            t0 = time.perf_counter()
+            rtk.get_kernel(cfg).function()   # module load into the context counts as part of a warm start
+            warm = time.perf_counter() - t0
+        finally:
+            if old is None:
+                del os.environ["RTKERNELS_CACHE_DIR"]
+            else:
+                os.environ["RTKERNELS_CACHE_DIR"] = old
+            cache.clear_memory()
+    return {"config": cfg.key(), "cold_compile_s": cold, "warm_disk_load_s": warm}
