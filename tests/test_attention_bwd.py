@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import rtkernels as rtk
-from conftest import FULL_SWEEP
+from sweep import FULL_SWEEP
 from rtkernels import inspect as rtk_inspect
 from rtkernels.errors import ConfigError
 from rtkernels.ops.attention_bwd import (AttentionBwdConfig, HEURISTICS, KERNELS, attention_backward, candidates,

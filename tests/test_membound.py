@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import FULL_SWEEP
+from sweep import FULL_SWEEP
 
 import rtkernels as rtk
 from rtkernels.errors import ConfigError
