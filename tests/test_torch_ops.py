@@ -310,13 +310,7 @@ def test_training_ops_pass_opcheck_cpu(rtk_cpu_kernels):
         (torch.ops.rtk.cross_entropy.default, (logits, target, -100, 0.1, "mean")),
         (torch.ops.rtk.cross_entropy_with_grad.default, (logits, target, -100, 0.0, "none")),
     ]
-    failures = []
-    for opov, args in cases:
-        res = torch.library.opcheck(opov, args, raise_exception=False)
-        bad = {k_: str(v_) for k_, v_ in res.items() if v_ != "SUCCESS"}
-        if bad:
-            failures.append(f"{opov}: {bad}")
-    assert not failures, "\n".join(failures)
+    _opcheck_all(torch, cases)
 
 
 def test_sdpa_helper_refuses_what_it_cannot_do():
@@ -570,13 +564,7 @@ def test_gpu_opcheck_every_op():
         (torch.ops.rtk.reduce.default, (x, "argmax")),
         (torch.ops.rtk.elementwise.default, ("y = a*x + 1", [x], [2.0], [0], None, None)),
     ]
-    failures = []
-    for opov, args in cases:
-        res = torch.library.opcheck(opov, args, raise_exception=False)
-        bad = {k_: str(v_) for k_, v_ in res.items() if v_ != "SUCCESS"}
-        if bad:
-            failures.append(f"{opov}: {bad}")
-    assert not failures, "\n".join(failures)
+    _opcheck_all(torch, cases)
 
 
 @pytest.mark.gpu
@@ -799,13 +787,7 @@ def test_gpu_opcheck_training_ops():
         (torch.ops.rtk.cross_entropy.default, (logits, target, -100, 0.1, "mean")),
         (torch.ops.rtk.cross_entropy_with_grad.default, (logits, target, -100, 0.0, "none")),
     ]
-    failures = []
-    for opov, args in cases:
-        res = torch.library.opcheck(opov, args, raise_exception=False)
-        bad = {k_: str(v_) for k_, v_ in res.items() if v_ != "SUCCESS"}
-        if bad:
-            failures.append(f"{opov}: {bad}")
-    assert not failures, "\n".join(failures)
+    _opcheck_all(torch, cases)
 
 
 @pytest.mark.gpu
@@ -921,3 +903,14 @@ def test_gpu_llama_generate_agrees_with_sdpa():
         margin, err = (top2[0] - top2[1]).item(), (s_ref - s_rtk).abs().max().item()
         assert margin <= 2 * err, (f"row {row}: tokens diverge at step {step} with SDPA's top-2 margin {margin:.3e} > "
                                    f"2 x the logit difference {err:.3e}\nsdpa {t_s[row].tolist()}\nrtk  {t_r[row].tolist()}")
+
+
+def _opcheck_all(torch, cases):
+    """torch.library.opcheck of each (op overload, args); every failing check reported at once."""
+    failures = []
+    for opov, args in cases:
+        res = torch.library.opcheck(opov, args, raise_exception=False)
+        bad = {k_: str(v_) for k_, v_ in res.items() if v_ != "SUCCESS"}
+        if bad:
+            failures.append(f"{opov}: {bad}")
+    assert not failures, "\n".join(failures)

@@ -47,9 +47,22 @@ def _check_plain_rows(cfg: _RowConfig) -> None:
                             "always one resident wave)")
 
 
+@dataclass(frozen=True)
+class _BwdRowConfig(_RowConfig):
+    """What the backward row families share: the two-pass switch and streaming stores, and no
+    forward staging knobs."""
+
+    def __post_init__(self):
+        for name in ("two_pass", "streaming"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
+        super().__post_init__()
+        _check_plain_rows(self)
+
+
 @register_family
 @dataclass(frozen=True)
-class NormBwdConfig(_RowConfig):
+class NormBwdConfig(_BwdRowConfig):
     """RMSNorm / LayerNorm backward (templates/norm_bwd.cu.j2): the rows kernel and the
     column sum of its partial dweight / dbias rows."""
 
@@ -61,17 +74,13 @@ class NormBwdConfig(_RowConfig):
     streaming: bool = True    # evict-first (.cs) loads of dy, x and stores of dx
 
     def __post_init__(self):
-        for name in ("two_pass", "streaming"):
-            if not isinstance(getattr(self, name), bool):
-                self._fail(name, "True or False")
         super().__post_init__()
-        _check_plain_rows(self)
         self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
 
 
 @register_family
 @dataclass(frozen=True)
-class SoftmaxBwdConfig(_RowConfig):
+class SoftmaxBwdConfig(_BwdRowConfig):
     """Softmax / log-softmax backward (templates/softmax_bwd.cu.j2)."""
 
     family: ClassVar[str] = "softmax_bwd"
@@ -79,13 +88,6 @@ class SoftmaxBwdConfig(_RowConfig):
     kernels: ClassVar[tuple[str, ...]] = ("softmax_bwd_rows", "log_softmax_bwd_rows")
     two_pass: bool = False
     streaming: bool = True    # evict-first (.cs) loads of dy, y and stores of dx
-
-    def __post_init__(self):
-        for name in ("two_pass", "streaming"):
-            if not isinstance(getattr(self, name), bool):
-                self._fail(name, "True or False")
-        super().__post_init__()
-        _check_plain_rows(self)
 
 
 # ---- heuristics -------------------------------------------------------------------------------
