@@ -451,6 +451,29 @@ def test_gpu_every_head_dim(prebuilt, launches, d, dtype, causal):
     assert launches and launches[-1].head_dim == d
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("poly", [3, 8])
+@pytest.mark.parametrize("sq,sk,d,causal,dtype", [(300, 200, 64, True, "bfloat16"), (113, 203, 128, False, "float16"),
+                                                  (77, 77, 256, True, "bfloat16")])
+def test_gpu_exp2_on_the_fma_pipe(launches, monkeypatch, poly, sq, sk, d, causal, dtype):
+    """exp2_poly: a share (3 of 8) or every exponential from rtk::poly_exp2; causal with
+    seqlen_q > seqlen_k leaves rows that see no key (output 0, lse -inf: exactly zero weights)."""
+    monkeypatch.setenv("RTKERNELS_SM90_EXP2_POLY", str(poly))
+    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_KERNELS", {})
+    _run(2, sq, sk, 4, 2, d, causal, dtype)
+    assert launches and launches[-1].exp2_poly == poly
+
+
+def test_exp2_poly_config_and_heuristic(monkeypatch):
+    with pytest.raises(ConfigError, match="exp2_poly"):
+        A90.AttentionSm90Config(dtype="bfloat16", head_dim=64, exp2_poly=9)
+    monkeypatch.delenv("RTKERNELS_SM90_EXP2_POLY", raising=False)
+    assert A90.choose_config("bfloat16", 128, False).exp2_poly == A90._EXP2_POLY_DENSE
+    assert A90.choose_config("bfloat16", 128, False, has_softcap=True).exp2_poly == A90._EXP2_POLY_SOFTCAP
+    monkeypatch.setenv("RTKERNELS_SM90_EXP2_POLY", "5")
+    assert A90.choose_config("bfloat16", 64, True).exp2_poly == 5
+
+
 SEQLENS = fwd_tests.SEQLENS + [(128, 128), (257, 384)]   # plus exact and ragged 128-row tiles
 
 

@@ -257,6 +257,31 @@ def bench_window(args, torch, warmup, repeat):
                   "dense_equal_flops_tflops", "vs_dense_time"]
 
 
+class _exp2_poly:
+    """RTKERNELS_SM90_EXP2_POLY set to ``poly`` while inside (the Hopper forward's exp2_poly knob),
+    with the memoized kernels and launch plans dropped on the way in and out."""
+
+    def __init__(self, poly: int):
+        self.poly, self.old = poly, None
+
+    def _drop(self):
+        from rtkernels.ops import attention as att
+        att._KERNELS.clear()
+        att._FORWARD_PLANS.clear()
+
+    def __enter__(self):
+        self.old = os.environ.get("RTKERNELS_SM90_EXP2_POLY")
+        os.environ["RTKERNELS_SM90_EXP2_POLY"] = str(self.poly)
+        self._drop()
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("RTKERNELS_SM90_EXP2_POLY", None)
+        else:
+            os.environ["RTKERNELS_SM90_EXP2_POLY"] = self.old
+        self._drop()
+
+
 def bench_softcap(args, torch, warmup, repeat):
     from rtkernels.ops.attention_mask import mask_spec
     fa4_dense, _ = _fa4()
@@ -276,6 +301,13 @@ def bench_softcap(args, torch, warmup, repeat):
             _time(plain, prow, "p", flops, warmup, repeat)
             row["rtk_nocap_tflops"] = prow["p_tflops"]
             row["softcap_ratio"] = row["rtk_tflops"] / prow["p_tflops"]
+            for poly in args.exp2_poly:   # the sm_90 forward's exp2_poly knob, softcap and plain
+                with _exp2_poly(poly):
+                    for name, kw in (("cap", {"softcap": args.softcap}), ("nocap", {})):
+                        r = {}
+                        made, _ = _rtk(q, k, v, args.dtype, torch, args.backward, causal=causal, **kw)
+                        _time(made, r, "x", flops, warmup, repeat)
+                        row[f"{name}_poly{poly}_tflops"] = r["x_tflops"]
             if torch is not None and fa4_dense is not None:
                 cap = args.softcap
                 fn = lambda a, b_, c: fa4_dense(a, b_, c, causal=causal, softcap=cap)  # noqa: E731
@@ -291,7 +323,8 @@ def bench_softcap(args, torch, warmup, repeat):
             print(row, flush=True)
             del q, k, v
     return rows, ["head_dim", "causal", "seqlen", "rtk_tflops", "rtk_nocap_tflops", "softcap_ratio", "fa4_tflops",
-                  "ratio_vs_fa4", "fa4_softcap_ratio"]
+                  "ratio_vs_fa4", "fa4_softcap_ratio"] + [f"{n}_poly{p}_tflops" for p in args.exp2_poly
+                                                          for n in ("cap", "nocap")]
 
 
 def main():
@@ -307,11 +340,14 @@ def main():
     p.add_argument("--tokens", default="16384,32768,65536", help="--varlen: packed tokens per batch")
     p.add_argument("--window-seqlen", type=int, default=32768)
     p.add_argument("--softcap-seqlen", type=int, default=4096)
+    p.add_argument("--exp2-poly", default="", help="--softcap: also time these exp2_poly values (0-8) of the "
+                   "Hopper forward, with and without softcap (columns cap_polyN / nocap_polyN)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
     if not (args.varlen or args.window or args.softcap):
         args.varlen, args.window, args.softcap = True, "4096,0", 50.0
     args.head_dims = [int(x) for x in args.head_dims.split(",")]
+    args.exp2_poly = [int(x) for x in args.exp2_poly.split(",") if x]
     args.tokens = [int(x) for x in args.tokens.split(",")]
     if args.window:
         args.window = tuple(int(x) for x in args.window.split(","))

@@ -9,6 +9,7 @@ everything else (sm_80/86/89, arrays TMA cannot address) keeps the mma.sync kern
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -41,6 +42,9 @@ class AttentionSm90Config(AttentionShape):
     softmax_under_pv : with intra_overlap, wait for P_{n-1} V_{n-1} only after tile n's softmax,
         so the exponentials run under that GEMM (off: wait before the softmax and release V_{n-1}
         one softmax earlier).
+    exp2_poly : of every 8 exponentials of the softmax, how many a polynomial computes on the FMA
+        pipe instead of the MUFU unit (0-8; ``rtk::poly_exp2``): for kernels the 16-per-clock MUFU
+        unit bounds, as softcap's extra tanh per score makes it.
     """
 
     family: ClassVar[str] = FAMILY
@@ -56,6 +60,7 @@ class AttentionSm90Config(AttentionShape):
     intra_overlap: bool = True
     pingpong: bool = False
     softmax_under_pv: bool = True
+    exp2_poly: int = 0
 
     def __post_init__(self):
         self._check_shape()
@@ -65,6 +70,7 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("intra_overlap", (False, True))
         self._check_choice("pingpong", (False, True))
         self._check_choice("softmax_under_pv", (False, True))
+        self._check_int("exp2_poly", 0, 8)
         if self.pingpong and self.consumers < 2:
             self._fail("pingpong", "False unless block_m >= 128 (two or three consumer warpgroups take turns)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
@@ -192,8 +198,9 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
     and does not (NVRTC 13.5: softcap spills 32-56 B in the 192x128 non-overlapped d120-128 tile;
     all three options together also d96 causal and d112)."""
     t = candidate(head_dim, causal)
+    poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
     cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
-                              **{f: getattr(t, f) for f in _TILE_FIELDS}, **mask_flags)
+                              **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly, **mask_flags)
     if not any(mask_flags.values()):
         return cfg
     from .attention_mask import first_without_spills
@@ -201,10 +208,29 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
     for block_n in _MASKED_FALLBACK:
         try:
             options.append(AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=128,
-                                               block_n=block_n, intra_overlap=True, pingpong=True, **mask_flags))
+                                               block_n=block_n, intra_overlap=True, pingpong=True, exp2_poly=poly,
+                                               **mask_flags))
         except ConfigError:
             pass   # does not fit shared memory
     return first_without_spills(list(dict.fromkeys(options)), "sm_90a")
+
+
+# Exponentials moved from the MUFU unit to the FMA pipe (AttentionSm90Config.exp2_poly), of every 8.
+# Per score the MUFU unit takes 1/16 SM clock per op; the tensor cores take (4 * head_dim FLOPs) /
+# ~4270 FLOP per clock (H100 dense bf16): 0.06 clock at d64, 0.12 at d128.  Softcap's tanh makes it
+# two MUFU ops (0.125 clock): MUFU-bound at d64 by 2x, even with the GEMMs at d128.  A polynomial
+# exp2 costs ~9 FMA/ALU-pipe ops (128 per clock) on top of the softmax's ~5.
+_EXP2_POLY_SOFTCAP = 4
+_EXP2_POLY_DENSE = 0
+
+
+def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
+    """The heuristic's exp2_poly; ``RTKERNELS_SM90_EXP2_POLY`` (0-8) overrides it for tuning runs
+    (read when a config is chosen: set it before the first call of a shape)."""
+    env = os.environ.get("RTKERNELS_SM90_EXP2_POLY")
+    if env:
+        return int(env)
+    return _EXP2_POLY_SOFTCAP if has_softcap else _EXP2_POLY_DENSE
 
 
 # Key tiles of the masked fallback: two consumer warpgroups with 240 registers each (the causal

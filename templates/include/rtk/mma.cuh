@@ -98,6 +98,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// 2^x on the FMA and integer pipes instead of the MUFU unit (which does 16 results per SM clock
+// against 128 FMAs): x = j + f with j = round(x) (the 1.5 * 2^23 trick: adding it leaves j in the
+// low mantissa bits), 2^f for f in [-0.5, 0.5] by a degree-3 polynomial (relative error 7.5e-5,
+// coefficients fitted for minimax relative error; below the 2^-11 rounding of an fp16 P), and j
+// added to the exponent field.  7 FMA-pipe and 1-2 integer instructions.  Kernels compute a share
+// of their exponentials here when the MUFU unit is their bottleneck (softcap's tanh takes a second
+// MUFU op per score).  x < -126 (masked scores: -inf) gives exactly 0 as fast_exp2 does; results
+// in (0, 2^-126] differ from fast_exp2's flush only below float's normal range.
+__device__ __forceinline__ float poly_exp2(float x) {
+    const float xc = fmaxf(x, -126.f);
+    const float t = xc + 12582912.f;            // 1.5 * 2^23: t's mantissa low bits hold round(xc)
+    const float f = xc - (t - 12582912.f);      // in [-0.5, 0.5]
+    float p = fmaf(0.0551727f, f, 0.242614f);
+    p = fmaf(p, f, 0.693261f);
+    p = fmaf(p, f, 0.9999278f);
+    const int bits = __float_as_int(p) + (__float_as_int(t) << 23);   // p * 2^j
+    return x < -126.f ? 0.f : __int_as_float(bits);
+}
+
 // Max/sum over the 4 lanes of a quad (the 4 threads that share fragment rows g and g+8).
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
