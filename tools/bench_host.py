@@ -200,6 +200,45 @@ def attention_breakdown(rows: Rows):
                  lambda: plan.replay((q, q, q, o, lse), default_stream(q, None), att._forward_args))
 
 
+def profile(out: str, calls: int = 20000) -> None:
+    """cProfile of the hot paths over ``calls`` calls each (the table of where host time goes):
+    CuPy rtk.softmax with a new output, rtk.attention and torch.ops.rtk.attention on torch
+    tensors.  Top entries by own time to ``$OUT/profile_<name>.txt``."""
+    import cProfile
+    import io
+    import pstats
+    import cupy as cp
+    import rtkernels as rtk
+    x = cp.random.standard_normal((4, 64), dtype=cp.float32).astype(cp.float16)
+    cases = {"cupy_softmax": lambda: rtk.softmax(x)}
+    try:
+        import torch
+        import rtkernels.torch  # noqa: F401
+        q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+        cases["torch_attention"] = lambda: rtk.attention(q, q, q, True)
+        cases["torch_ops_attention"] = lambda: torch.ops.rtk.attention.default(q, q, q, True)
+    except ImportError:
+        pass
+    os.makedirs(out, exist_ok=True)
+    for name, fn in cases.items():
+        for _ in range(100):
+            fn()
+        cp.cuda.Device().synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        per = (time.perf_counter() - t0) / calls * 1e6
+        cp.cuda.Device().synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
+            f.write(f"{calls} calls, {per:.2f} us per call under the profiler\n{buf.getvalue()}")
+        print(f"profile {name}: {per:.2f} us/call under cProfile -> {out}/profile_{name}.txt")
+
+
 TARGETS = [
     ("launch: rtk Kernel.launch", "launch: cupy RawKernel (int)", 1.0, "Kernel.launch <= RawKernel"),
     ("torch: rtk.attention(q, k, v)", "torch: F.scaled_dot_product_attention", 1.0, "rtk attention <= SDPA"),
@@ -215,7 +254,11 @@ def main() -> None:
     p.add_argument("--tree", help="time the rtkernels package under this folder instead (e.g. an older tree: "
                                   "git archive <commit> rtkernels templates | tar -x -C base)")
     p.add_argument("--name", default="bench_host", help="JSON file name under --out")
+    p.add_argument("--profile", action="store_true", help="only cProfile the hot paths (profile())")
     ns = p.parse_args()
+    if ns.profile:
+        profile(ns.out)
+        return
     if ns.tree:
         sys.path.insert(0, os.path.abspath(ns.tree))
     import cupy as cp
