@@ -459,7 +459,7 @@ def test_gpu_exp2_on_the_fma_pipe(launches, monkeypatch, poly, sq, sk, d, causal
     """exp2_poly: a share (3 of 8) or every exponential from rtk::poly_exp2; causal with
     seqlen_q > seqlen_k leaves rows that see no key (output 0, lse -inf: exactly zero weights)."""
     monkeypatch.setenv("RTKERNELS_SM90_EXP2_POLY", str(poly))
-    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_KERNELS", {})
+    monkeypatch.setattr(A90, "_KERNELS", {})   # the memoized (kernel, config) per shape
     _run(2, sq, sk, 4, 2, d, causal, dtype)
     assert launches and launches[-1].exp2_poly == poly
 

@@ -266,7 +266,9 @@ class _exp2_poly:
 
     def _drop(self):
         from rtkernels.ops import attention as att
+        from rtkernels.ops import attention_sm90 as sm90
         att._KERNELS.clear()
+        sm90._KERNELS.clear()
         att._FORWARD_PLANS.clear()
 
     def __enter__(self):

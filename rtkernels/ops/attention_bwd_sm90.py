@@ -136,9 +136,9 @@ def picks(head_dim: int, causal: bool, mask_flags: tuple = (), dtype: str = "bfl
     """The op's rule for a (head_dim, causal, mask options) on sm_90, before looking at the arrays:
     switched on, head_dim <= 128 and not a spilling case.  Masked variants: ptxas's report of the
     build itself, compiled here on first use (it is the build the op then runs); a spilling one
-    keeps the mma.sync kernel.  NVRTC 13.5: softcap at d128 causal spills 12-20 B in the consumers
-    (one more live value per score than the 232 registers hold), and so do the three options
-    together at d128."""
+    keeps the mma.sync kernel, except for the small bookkeeping spill :func:`bookkeeping_spill_only`
+    allows (softcap at d128 causal, NVRTC 13.5: 8 B).  The three options together at d128 spill more
+    and stay on the mma.sync kernel."""
     if not (ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING):
         return False
     if not any(v for _, v in mask_flags):
@@ -148,11 +148,22 @@ def picks(head_dim: int, causal: bool, mask_flags: tuple = (), dtype: str = "bfl
         from ..kernel import get_kernel
         cfg = choose_config(dtype, head_dim, causal, deterministic, **dict(mask_flags))
         r = get_kernel(cfg, "attention_bwd_sm90", arch="sm_90a").resources
-        _MASKED_CLEAN[key] = not (r.spill_stores or r.spill_loads or r.stack_frame)
+        _MASKED_CLEAN[key] = bookkeeping_spill_only(r)
     return _MASKED_CLEAN[key]
 
 
 _MASKED_CLEAN: dict = {}
+
+# A masked variant may spill at most this many bytes (two 32-bit values) and still run here.  Softcap at
+# d128 causal (NVRTC 13.5, 40 / 232 registers) stores two loop-bookkeeping integers once, in the prologue,
+# and reloads them about once per query tile (9 LDL in the SASS, none among the per-score math);
+# the alternative, the mma.sync backward, ran at 0.45x of the plain Hopper backward (H100, 2026-11-25).
+BOOKKEEPING_SPILL_BYTES = 8
+
+
+def bookkeeping_spill_only(resources) -> bool:
+    """No spill, or one of at most :data:`BOOKKEEPING_SPILL_BYTES` stored bytes (the softcap case)."""
+    return resources.spill_stores <= BOOKKEEPING_SPILL_BYTES and resources.stack_frame <= BOOKKEEPING_SPILL_BYTES
 
 
 def runnable(arch: str, views, seqlen_k: int) -> bool:
