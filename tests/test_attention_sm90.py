@@ -469,7 +469,8 @@ def test_exp2_poly_config_and_heuristic(monkeypatch):
         A90.AttentionSm90Config(dtype="bfloat16", head_dim=64, exp2_poly=9)
     monkeypatch.delenv("RTKERNELS_SM90_EXP2_POLY", raising=False)
     assert A90.choose_config("bfloat16", 128, False).exp2_poly == A90._EXP2_POLY_DENSE
-    assert A90.choose_config("bfloat16", 128, False, has_softcap=True).exp2_poly == A90._EXP2_POLY_SOFTCAP
+    for causal in (False, True):
+        assert A90.choose_config("bfloat16", 128, causal, has_softcap=True).exp2_poly == A90._EXP2_POLY_SOFTCAP[causal]
     monkeypatch.setenv("RTKERNELS_SM90_EXP2_POLY", "5")
     assert A90.choose_config("bfloat16", 64, True).exp2_poly == 5
 

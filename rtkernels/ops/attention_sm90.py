@@ -216,11 +216,17 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
 
 
 # Exponentials moved from the MUFU unit to the FMA pipe (AttentionSm90Config.exp2_poly), of every 8.
-# Per score the MUFU unit takes 1/16 SM clock per op; the tensor cores take (4 * head_dim FLOPs) /
-# ~4270 FLOP per clock (H100 dense bf16): 0.06 clock at d64, 0.12 at d128.  Softcap's tanh makes it
-# two MUFU ops (0.125 clock): MUFU-bound at d64 by 2x, even with the GEMMs at d128.  A polynomial
-# exp2 costs ~9 FMA/ALU-pipe ops (128 per clock) on top of the softmax's ~5.
-_EXP2_POLY_SOFTCAP = 4
+# Reasoning: per score the MUFU unit takes 1/16 SM clock per op, the tensor cores (4 * head_dim
+# FLOPs) / ~4270 FLOP per clock (H100 dense bf16): 0.06 clock at d64, 0.12 at d128, and softcap's
+# tanh makes two MUFU ops (0.125 clock).  Measured (H100, 2026-11-25, seqlen 4096, 16k tokens,
+# softcap 50, TFLOP/s for exp2_poly 0 / 2 / 4 / 6; bench_attention_masks --softcap --exp2-poly):
+#   d64 non-causal 289 / 310 / 288 / 268      d64 causal 281 / 277 / 261 / 226
+#   d128 non-causal 489 / 526 / 513 / 487     d128 causal 452 / 444 / 431 / 409
+# so MUFU is not what softcap mostly costs (the plain kernel: 509 / 430 / 654 / 578): 2 of 8 gains
+# 7% without a causal mask and nothing with one (its diagonal tiles' mask work competes for the
+# same FMA pipe).  The plain kernels keep 0: their tiles sit at the register limit, and 2 of 8
+# spilled the d64 192x128 tile (dense d64 fell from 509 to 394).
+_EXP2_POLY_SOFTCAP = {False: 2, True: 0}   # by causal
 _EXP2_POLY_DENSE = 0
 
 
@@ -230,7 +236,7 @@ def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
     env = os.environ.get("RTKERNELS_SM90_EXP2_POLY")
     if env:
         return int(env)
-    return _EXP2_POLY_SOFTCAP if has_softcap else _EXP2_POLY_DENSE
+    return _EXP2_POLY_SOFTCAP[bool(causal)] if has_softcap else _EXP2_POLY_DENSE
 
 
 # Key tiles of the masked fallback: two consumer warpgroups with 240 registers each (the causal
