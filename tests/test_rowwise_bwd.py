@@ -112,20 +112,38 @@ LOAD_AHEAD = {
     "ring3_1blk": dict(ring_rows=3, blocks_per_sm=1),
 }
 LOAD_AHEAD_CASES = [(1024, 3001), (4096, 1111), (16384, 301)]
+# the ring on row classes the heuristic does not pick: narrow lane groups with rows past the end of
+# a block's last group, a barrier cluster (RowTeam), an unaligned width (a ragged last vector slot)
+RING_CLASSES = [
+    (200, 1001, dict(threads_per_row=8, block_size=64, vecs_per_thread=4, ring_rows=3)),
+    (5000, 333, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2, ring_rows=2)),
+    (3000, 517, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, ring_rows=4, blocks_per_sm=2)),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(LOAD_AHEAD))
 @pytest.mark.parametrize("n, rows", LOAD_AHEAD_CASES)
 def test_norm_backward_load_ahead_gpu(n, rows, variant):
+    from rtkernels import device
+    arch = device.current_arch()
+    _check_config(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
+                  .replace(**LOAD_AHEAD[variant]), n, rows, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, rows, fields", RING_CLASSES)
+def test_norm_backward_ring_row_classes_gpu(n, rows, fields):
+    _check_config(NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, **fields), n, rows, str(fields))
+
+
+def _check_config(cfg, n, rows, variant):
     from test_training_ops import _close, _gpu, _rmsnorm_dx_scale, _row_rms
     from rtkernels import device
     from rtkernels.ops import rowwise as rw
     cp, random_array, to_f64, poison = _gpu()
     dtype = "bfloat16"
-    arch = device.current_arch()
-    cfg = rb.plan_bwd("norm_bwd", n, dtype, 8, arch, weight_dtype=dtype).replace(**LOAD_AHEAD[variant])
-    if cfg.cluster_size > 1 and rw._arch_number(arch) < 90:
+    if cfg.cluster_size > 1 and rw._arch_number(device.current_arch()) < 90:
         pytest.skip("clusters need sm_90")
     rng = np.random.default_rng(n + rows)
     x, x64 = random_array(rng, (rows, n), dtype, scale=2.0)
