@@ -399,15 +399,17 @@ def main():
             "rtk_loss_only_GBs", "torch_GBs", "x_torch", "torch_fused_GBs", "x_torch_fused", "torch_foreach_GBs",
             "torch_fused_bf16_states_GBs", "liger_GBs", "x_liger", "rtk_host_us", "torch_fused_host_us"]
     present = [c for c in cols if any(c in r for r in rows)]
-    print(benchutil.table(rows, present))
-    if args.variants:   # % of copy per variant, and what each ran
-        norm_rows = [r for r in rows if r["op"] in ("rmsnorm_bwd", "layernorm_bwd")]
-        vcols = ["op", "n", "rtk_%copy"] + [f"v_{k}_%copy" for k in NORM_VARIANTS]
-        print(benchutil.table(norm_rows, [c for c in vcols if any(c in r for r in norm_rows)]))
+    norm_rows = [r for r in rows if r["op"] in ("rmsnorm_bwd", "layernorm_bwd")]
+    if args.variants:   # what each variant ran, then (last) its % of copy
         for r in norm_rows:
             for k in ["rtk"] + [f"v_{v}" for v in NORM_VARIANTS]:
                 if f"{k}_cfg" in r:
                     print(f"  {r['op']} n={r['n']} {k}: {r[f'{k}_cfg']}")
+    print(benchutil.table(rows, present))
+    if args.variants:
+        vcols = ["op", "n", "rtk_%copy"] + [f"v_{k}_%copy" for k in NORM_VARIANTS]
+        print("\n% of the 1 GiB copy per variant (rtk = the heuristic config):")
+        print(benchutil.table(norm_rows, [c for c in vcols if any(c in r for r in norm_rows)]))
 
 
 if __name__ == "__main__":

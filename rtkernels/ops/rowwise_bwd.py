@@ -143,8 +143,9 @@ _BWD_TWO_PASS_BLOCK = 256
 # per SM lost on the heuristic tiles, tools/rtk_inspect.py); prefetch (a second register set)
 # costs 16-40 registers and a block per SM at 1k and 4k.  The ring needs 16-byte vectors; other
 # widths load directly.  bench_training.py --variants times direct / prefetch / ring 2-4 /
-# one block per SM in one run.
-_NORM_BWD_RING_ROWS = 2
+# one block per SM in one run; per row class (lane groups, a block, a cluster per row):
+_NORM_BWD_RING_ROWS = {"group": 2, "block": 2, "cluster": 2}
+_NORM_BWD_BLOCKS_PER_SM = {"group": 0, "block": 0, "cluster": 0}   # 0: every block that fits
 
 
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None) -> KernelConfig:
@@ -164,9 +165,11 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
     def make(block, **fields):
         # min_blocks=1: the register cap is what one block of `block` threads allows (128 at 512
         # threads: norm_bwd's 16-bit LayerNorm takes 95-135 registers and needs no more).
-        if family == "norm_bwd" and not fields.get("two_pass") and vec * size == 16:
-            fields["ring_rows"] = _NORM_BWD_RING_ROWS
-        return cls(**common, block_size=block, **fields)
+        cfg = cls(**common, block_size=block, **fields)
+        if family == "norm_bwd" and not cfg.two_pass:
+            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cfg.row_class] if vec * size == 16 else 0,
+                              blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cfg.row_class])
+        return cfg
 
     gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
     group = rw._pow2_ceil(-(-nvec // gmax))
