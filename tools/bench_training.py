@@ -12,6 +12,11 @@ Calls are queued behind a spin kernel (benchutil.time_queued: each call's own GP
 the host is slower) and the candidates of a case alternate over several rounds (median of rounds).
 
     PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
+        [--variants [NAME,...]]
+
+--variants: the norm backward's load-ahead variants (NORM_VARIANTS: direct loads, prefetch in
+registers, shared-memory rings of 2-4 rows, fewer blocks per SM, other tiles) timed beside the
+heuristic config in the same rounds, each as % of the same copy, with its tile and worker count.
 
 Targets (issue 21): norm / softmax backward >= 0.85x copy at widths 1k-16k and >= 1.5x torch
 eager; cross-entropy (loss + grad) >= 0.85x copy and >= 2x torch; AdamW >= 0.85x copy and >= 1.0x
@@ -34,6 +39,60 @@ QUICK_NORM_WIDTHS = (1024, 4096, 16384)
 ROW_BYTES = 64 << 20          # bytes of x per row-op case: dy + x + dx exceed the 50 MiB L2
 CE_CASES = ((8192, 32000), (8192, 50257), (8192, 128256), (2048, 256000))
 QUICK_CE_CASES = ((4096, 50257), (4096, 128256))
+
+
+# Overrides of the heuristic NormBwdConfig timed by --variants (invalid ones are skipped; "only"
+# limits one to the widths listed).  direct = the first version's rows kernel (nothing in flight
+# during a row's reduction and stores, one worker per resident block; the column sum is the new one).
+NORM_VARIANTS = {
+    "direct": dict(ring_rows=0, prefetch=False, balance=False),
+    "direct_balanced": dict(ring_rows=0, prefetch=False),
+    "prefetch": dict(ring_rows=0, prefetch=True),
+    "ring2": dict(ring_rows=2, prefetch=False),
+    "ring2_unbalanced": dict(ring_rows=2, prefetch=False, balance=False),
+    "ring3": dict(ring_rows=3, prefetch=False),
+    "ring2_2blk": dict(ring_rows=2, prefetch=False, blocks_per_sm=2),
+    "ring3_1blk": dict(ring_rows=3, prefetch=False, blocks_per_sm=1),
+    "ring4_1blk": dict(ring_rows=4, prefetch=False, blocks_per_sm=1),
+    # 1k: 256-thread blocks of lane groups (half the partial rows of 128-thread blocks)
+    "grp256_ring2": dict(block_size=256, ring_rows=2, prefetch=False, only=(1024, 2048)),
+    # 16k: 8 blocks of 256 threads x 1 vector (half the registers per thread, more blocks per SM)
+    "c8v1_ring2": dict(cluster_size=8, vecs_per_thread=1, ring_rows=2, prefetch=False, only=(8192, 16384)),
+    "c8v1_direct": dict(cluster_size=8, vecs_per_thread=1, ring_rows=0, prefetch=False, only=(8192, 16384)),
+}
+
+
+def _norm_variants(args, n):
+    """name -> NormBwdConfig for --variants at width n (bf16 rows and weights, 16-byte vectors)."""
+    if not args.variants:
+        return {}
+    from rtkernels.errors import ConfigError
+    from rtkernels.ops import rowwise as rw
+    from rtkernels.ops import rowwise_bwd as rb
+    arch, _ = rw._arch_info()
+    base = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
+    names = list(NORM_VARIANTS) if args.variants == "all" else args.variants.split(",")
+    out = {}
+    for name in names:
+        fields = dict(NORM_VARIANTS[name])
+        only = fields.pop("only", None)
+        if only and n not in only:
+            continue
+        try:
+            out[name] = base.replace(**fields)
+        except ConfigError as exc:
+            print(f"  variant {name} at n={n}: {exc}", flush=True)
+    return out
+
+
+def _describe(rtk, cfg, layer) -> str:
+    """A config's tile, load-ahead and worker count (what the kernel runs), for the JSON."""
+    from rtkernels.ops import rowwise_bwd as rb
+    k = rtk.get_kernel(cfg, "layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
+    r = k.resources
+    return (f"{cfg.threads_per_row}x{cfg.vecs_per_thread}v{cfg.vec} blk{cfg.block_size} cl{cfg.cluster_size} "
+            f"ring{cfg.ring_rows} pf{int(cfg.prefetch)} bps{cfg.blocks_per_sm} bal{int(cfg.balance)} "
+            f"regs{r.registers} smem{cfg.shared_mem_bytes} resident_workers{rb._resident_workers(k, cfg)}")
 
 
 def _torch():
@@ -68,12 +127,15 @@ def _row(case: dict, res: dict, nbytes: int, copy_gbs: float, copy_same: float |
             continue
         row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
         row[f"{name}_us"] = ms * 1e3
+    for name in res:
+        if name.startswith("v_") and row.get(f"{name}_GBs"):
+            row[f"{name}_%copy"] = 100 * row[f"{name}_GBs"] / copy_gbs
     if row.get("rtk_GBs"):
         row["rtk_%copy"] = 100 * row["rtk_GBs"] / copy_gbs
         if copy_same:
             row["rtk_%copy_same_size"] = 100 * row["rtk_GBs"] / copy_same
         for name in res:
-            if name != "rtk" and row.get(f"{name}_GBs"):
+            if name != "rtk" and not name.startswith("v_") and row.get(f"{name}_GBs"):
                 row[f"x_{name}"] = row["rtk_GBs"] / row[f"{name}_GBs"]
     return row
 
@@ -101,10 +163,14 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
             kw = {} if torch is not None else {"dtype": "bfloat16"}
             dx = x.clone() if torch is not None else x.copy()
             fns = {}
+            described = {}   # variant -> its tile and workers
             if op == "rmsnorm":
                 y, rstd = rtk.rmsnorm(x, w, eps=1e-6, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.rmsnorm_backward(dy, x, w, eps=1e-6, out=dx, **kw)
+                for name, cfg in _norm_variants(args, n).items():
+                    fns[f"v_{name}"] = lambda cfg=cfg: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, config=cfg, **kw)
+                    described[f"v_{name}"] = _describe(rtk, cfg, False)
                 nbytes = 3 * rows * n * 2 + 2 * n * 2 + rows * 4       # + weight read, dweight written, rstd
                 if torch is not None and hasattr(F, "rms_norm"):
                     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
@@ -115,6 +181,10 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 y, mean, rstd = rtk.layernorm(x, w, b, eps=1e-5, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.layernorm_backward(dy, x, w, b, eps=1e-5, out=dx, **kw)
+                for name, cfg in _norm_variants(args, n).items():
+                    fns[f"v_{name}"] = lambda cfg=cfg: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx,
+                                                                              config=cfg, **kw)
+                    described[f"v_{name}"] = _describe(rtk, cfg, True)
                 nbytes = 3 * rows * n * 2 + 3 * n * 2 + 2 * rows * 4   # + weight read, dweight + dbias written
                 if torch is not None:
                     xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
@@ -131,6 +201,12 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
             res = _interleaved(fns, [()], rounds=3 if args.quick else 5, repeat=10 if args.quick else 20)
             r = _row({"op": op + "_bwd", "n": n, "rows": rows, "MiB": round(nbytes / 2 ** 20)}, res, nbytes, copy_gbs,
                      copy_same)
+            if op != "softmax":
+                from rtkernels.ops import rowwise_bwd as rb
+                from rtkernels.ops import rowwise as rw
+                cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, rw._arch_info()[0], weight_dtype="bfloat16")
+                r["rtk_cfg"] = _describe(rtk, cfg, op == "layernorm")
+                r.update({f"{k}_cfg": v for k, v in described.items()})
             rows_out.append(r)
             print(_line(r), flush=True)
             del fns
@@ -299,6 +375,8 @@ def _line(r: dict) -> str:
 def main():
     p = benchutil.parser(__doc__.splitlines()[0])
     p.add_argument("--ops", default="rmsnorm,layernorm,softmax,ce,adamw")
+    p.add_argument("--variants", nargs="?", const="all", default="",
+                   help="time the norm backward's variants (NORM_VARIANTS names, comma-separated; no value: all)")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
@@ -321,7 +399,17 @@ def main():
             "rtk_loss_only_GBs", "torch_GBs", "x_torch", "torch_fused_GBs", "x_torch_fused", "torch_foreach_GBs",
             "torch_fused_bf16_states_GBs", "liger_GBs", "x_liger", "rtk_host_us", "torch_fused_host_us"]
     present = [c for c in cols if any(c in r for r in rows)]
+    norm_rows = [r for r in rows if r["op"] in ("rmsnorm_bwd", "layernorm_bwd")]
+    if args.variants:   # what each variant ran, then (last) its % of copy
+        for r in norm_rows:
+            for k in ["rtk"] + [f"v_{v}" for v in NORM_VARIANTS]:
+                if f"{k}_cfg" in r:
+                    print(f"  {r['op']} n={r['n']} {k}: {r[f'{k}_cfg']}")
     print(benchutil.table(rows, present))
+    if args.variants:
+        vcols = ["op", "n", "rtk_%copy"] + [f"v_{k}_%copy" for k in NORM_VARIANTS]
+        print("\n% of the 1 GiB copy per variant (rtk = the heuristic config):")
+        print(benchutil.table(norm_rows, [c for c in vcols if any(c in r for r in norm_rows)]))
 
 
 if __name__ == "__main__":

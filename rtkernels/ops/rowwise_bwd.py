@@ -11,7 +11,9 @@ any leading shape, rows reachable with one row stride (other views are copied), 
 weights of x's dtype or float32.  The row machinery is the forward's: lane groups, a block or (sm_90)
 a cluster of blocks per row, chosen on the host by :func:`plan_bwd` (same config fields as the
 forward: ``vec``, ``threads_per_row``, ``block_size``, ``vecs_per_thread``, ``cluster_size``,
-``cluster_push``, ``two_pass``).
+``cluster_push``, ``two_pass``; the norm backward's workers also ``ring_rows`` / ``prefetch``: the
+next rows in flight through a shared-memory ring or a second register set while one row is
+reduced and written, and ``blocks_per_sm`` / ``balance``: how many workers walk the rows).
 
 dweight / dbias are **deterministic**: the rows kernel runs one resident wave of workers, each adding
 its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and writing one
@@ -72,10 +74,32 @@ class NormBwdConfig(_BwdRowConfig):
     weight_dtype: str = "float16"
     two_pass: bool = False
     streaming: bool = True    # evict-first (.cs) loads of dy, x and stores of dx
+    # How a worker keeps its next rows in flight while it reduces and writes one (resident rows):
+    prefetch: bool = False    # the next row's dy, x (and statistics) in a second register set
+    ring_rows: int = 0        # > 0: this many rows ahead through shared memory (cp.async, 16-byte vectors)
+    blocks_per_sm: int = 0    # > 0: at most this many worker blocks per SM (fewer partial rows); 0: all resident
+    # The fewest workers that take no more rows each than a full wave would (8192 rows on 264
+    # resident workers: 256 x 32 rows, not 264 with 8 of them walking a 32nd row alone at the end):
+    # the same rows per worker on the critical path, no latency-bound last row, fewer partial rows.
+    balance: bool = True
 
     def __post_init__(self):
+        for name in ("prefetch", "balance"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
+        self._check_int("ring_rows", 0, 8)
+        self._check_int("blocks_per_sm", 0, 32)
         super().__post_init__()
         self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
+        if self.blocks_per_sm and self.blocks_per_sm * self.block_size > 2048:
+            self._fail("blocks_per_sm", f"at most {2048 // self.block_size} (2048 threads per SM) with "
+                                        f"block_size={self.block_size}, or 0")
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """Dynamic shared memory: ring_rows stages of dy and x (16 bytes per slot each) and the
+        saved statistics (two floats per thread)."""
+        return self.ring_rows * self.block_size * (32 * self.vecs_per_thread + 8)
 
 
 @register_family
@@ -109,6 +133,19 @@ _BWD_GROUP_BLOCK = {"softmax_bwd": 128, "norm_bwd": 128}
 _BWD_BLOCK_PREFERRED = 256     # as the forward: 4 blocks per SM overlap one block's barrier
 _BWD_BLOCK_MAX = {"softmax_bwd": 1024, "norm_bwd": 512}   # norm_bwd: 128 registers at 512 threads
 _BWD_TWO_PASS_BLOCK = 256
+# norm_bwd's resident workers walk their rows (the grid is one wave, for the partial dweight rows),
+# so nothing overlaps a row's reduction and stores but what the worker itself keeps in flight.
+# Measured (H100, 2026-11-25, bench_training.py --quick, bf16, direct loads): 78 / 84 / 49% of
+# copy (RMSNorm 1k / 4k / 16k), LayerNorm 77 / 77 / 46%, against softmax_bwd's 92-94% whose
+# non-persistent grid lets the block scheduler overlap rows.  Reasoned, not yet measured: a ring of
+# 2 rows ahead per thread through shared memory (ring_rows=2: cp.async, one commit group per row,
+# 36 KiB per 256-thread block) keeps the next rows' bytes in flight at +0-14 registers (no block
+# per SM lost on the heuristic tiles, tools/rtk_inspect.py); prefetch (a second register set)
+# costs 16-40 registers and a block per SM at 1k and 4k.  The ring needs 16-byte vectors; other
+# widths load directly.  bench_training.py --variants times direct / prefetch / ring 2-4 /
+# one block per SM in one run; per row class (lane groups, a block, a cluster per row):
+_NORM_BWD_RING_ROWS = {"group": 2, "block": 2, "cluster": 2}
+_NORM_BWD_BLOCKS_PER_SM = {"group": 0, "block": 0, "cluster": 0}   # 0: every block that fits
 
 
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None) -> KernelConfig:
@@ -128,7 +165,11 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
     def make(block, **fields):
         # min_blocks=1: the register cap is what one block of `block` threads allows (128 at 512
         # threads: norm_bwd's 16-bit LayerNorm takes 95-135 registers and needs no more).
-        return cls(**common, block_size=block, **fields)
+        cfg = cls(**common, block_size=block, **fields)
+        if family == "norm_bwd" and not cfg.two_pass:
+            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cfg.row_class] if vec * size == 16 else 0,
+                              blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cfg.row_class])
+        return cfg
 
     gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
     group = rw._pow2_ceil(-(-nvec // gmax))
@@ -193,9 +234,51 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weig
     return config
 
 
+_CLUSTERS: dict = {}
+
+
+def _cluster_capacity(k, cfg) -> int | None:
+    """Clusters of ``k`` the current device runs at once (cuOccupancyMaxActiveClusters: a cluster's
+    blocks share one GPC, so SMs x blocks per SM / cluster can overcount), or None where the driver
+    does not say.  Memoized per kernel, launch shape and device."""
+    from .. import device
+    dev = device.current_device()
+    key = (k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size, dev)
+    if key not in _CLUSTERS:
+        got = None
+        try:
+            from cuda.bindings import driver as cu
+            fn = k.function(dev)
+            if cfg.shared_mem_bytes > 48 * 1024:
+                k._raise_smem_limit(fn, dev, cfg.shared_mem_bytes)
+            lc = cu.CUlaunchConfig()
+            lc.gridDimX, lc.gridDimY, lc.gridDimZ = cfg.cluster_size, 1, 1
+            lc.blockDimX, lc.blockDimY, lc.blockDimZ = cfg.block_size, 1, 1
+            lc.sharedMemBytes = cfg.shared_mem_bytes
+            lc.numAttrs = 0   # the kernel's own __cluster_dims__
+            err, n = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn.ptr), lc)
+            if err == cu.CUresult.CUDA_SUCCESS and int(n) > 0:
+                got = int(n)
+        except Exception:   # noqa: BLE001 - an older driver / binding: the block count stands
+            got = None
+        _CLUSTERS[key] = got
+    return _CLUSTERS[key]
+
+
 def _resident_workers(k, cfg) -> int:
-    """Workers (blocks, or clusters) of this kernel resident on the whole device at once."""
-    return rw.resident_on_device(k, cfg.block_size, 0, cfg.cluster_size)
+    """Workers (blocks, or clusters) of the rows kernel in its one wave: every one resident on the
+    device at once, or ``blocks_per_sm`` per SM when that is fewer.  A worker that finds no room
+    waits for a whole worker to finish - a second wave that doubles the kernel's time - so clusters
+    are counted by the driver (which places them GPC by GPC), not by SMs x blocks per SM."""
+    workers = rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)
+    if cfg.cluster_size > 1:
+        clusters = _cluster_capacity(k, cfg)
+        if clusters:
+            workers = min(workers, clusters)
+    if getattr(cfg, "blocks_per_sm", 0):
+        _, sms = rw._arch_info()
+        workers = min(workers, max(1, sms * cfg.blocks_per_sm // cfg.cluster_size))
+    return workers
 
 
 # ---- array checks shared by the ops -------------------------------------------------------------
@@ -341,13 +424,17 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     cfg = _config_for("norm_bwd", config, n, dt, vec, op, weight_dtype=wdt)
     k = get_kernel(cfg, "layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
     units = -(-rows // cfg.rows_per_block)
-    workers = min(units, _resident_workers(k, cfg))
+    resident = _resident_workers(k, cfg)
+    workers = min(units, resident)
+    if cfg.balance and units > resident:
+        workers = -(-units // -(-units // resident))   # as many rows each as ceil(units / resident)
     ldp = -(-n // 4) * 4                       # float4-aligned partial rows
     nparts = (2 if layer else 1) * workers
-    rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), 0,
+    rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), cfg.shared_mem_bytes,
                          (rows, n, dys, xs, dxs, ldp, float(eps)))
-    colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // 32), 2 if dbias is not None else 1),
-                    (1024,), 0, (workers, n, ldp))
+    cols = _colsum_columns(n)
+    colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // cols), 2 if dbias is not None else 1),
+                    (1024,), 0, (workers, n, ldp, cols))
     plan = _NormBwdPlan(rows_launch, colsum, OutputPlan.of(rows_launch, out), (max(nparts, 1), ldp),
                         rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None)
     # launch
@@ -365,6 +452,17 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     if key is not None and same_memory(views, arrays) and rows:
         _PLANS.put(key, plan)
     return out, dweight, dbias
+
+
+def _colsum_columns(n: int) -> int:
+    """Columns per block of norm_bwd_colsum: 32 (128-byte rows of partials per lane) while that
+    still gives two blocks per SM, else 16 or 8 (n = 1k: 128 blocks of 8 columns, 128 lanes summing
+    ~4 partial rows each, instead of 32 blocks whose lanes sum ~16 in two dependent rounds)."""
+    _, sms = rw._arch_info()
+    for cols in (32, 16):
+        if -(-n // cols) >= 2 * sms:
+            return cols
+    return 8
 
 
 def _workspace(like, plan: _NormBwdPlan):

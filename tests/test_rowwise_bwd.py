@@ -1,0 +1,195 @@
+"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / blocks_per_sm).
+
+CPU: the knobs' validation, the heuristic's choice, a few configs compile without spills (one
+module each, shared through a module fixture; every heuristic config with
+RTKERNELS_TEST_FULL_SWEEP=1) and the ring's copies are cp.async (LDGSTS).
+GPU (-m gpu): every variant against the float64 references with several rows per worker (a ragged
+last wave), the saved statistics given and recomputed, poisoned outputs, and the same bits twice.
+"""
+import numpy as np
+import pytest
+
+import rtkernels as rtk
+from rtkernels.errors import ConfigError
+from rtkernels.inspect import sass_stats
+from rtkernels.ops import rowwise_bwd as rb
+from rtkernels.ops.rowwise_bwd import NormBwdConfig
+from sweep import FULL_SWEEP
+
+
+# ---- configs (CPU) --------------------------------------------------------------------------------
+@pytest.mark.parametrize("params, field", [
+    (dict(dtype="bfloat16", vec=4, threads_per_row=256, block_size=256, ring_rows=2), "ring_rows"),   # 8-byte vectors
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, ring_rows=2, prefetch=True), "ring_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, two_pass=True, prefetch=True), "prefetch"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, two_pass=True, ring_rows=2), "ring_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, ring_rows=9), "ring_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=512, block_size=512, vecs_per_thread=32, ring_rows=4),
+     "ring_rows"),                                                                      # > 227 KiB of ring
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, blocks_per_sm=9), "blocks_per_sm"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, prefetch=1), "prefetch"),
+])
+def test_load_ahead_config_errors_name_the_field(params, field):
+    with pytest.raises(ConfigError) as e:
+        NormBwdConfig(weight_dtype=params["dtype"], **params)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_ring_shared_memory():
+    cfg = NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, threads_per_row=256, block_size=256,
+                        vecs_per_thread=2, ring_rows=3)
+    # per stage: dy and x, 16 bytes a slot, 2 slots per thread, and two statistics per thread
+    assert cfg.shared_mem_bytes == 3 * 256 * (2 * 2 * 16 + 2 * 4)
+    assert cfg.replace(ring_rows=0).shared_mem_bytes == 0
+
+
+@pytest.mark.parametrize("n, dtype, vec, ring", [
+    (1024, "bfloat16", 8, 2), (4096, "bfloat16", 8, 2), (16384, "bfloat16", 8, 2), (65536, "bfloat16", 8, 2),
+    (4096, "float32", 4, 2), (1 << 20, "bfloat16", 8, 0),      # two passes: no ring
+    (4096, "bfloat16", 4, 0), (1000, "float16", 1, 0),         # narrower vectors load directly
+])
+def test_plan_bwd_loads_ahead_through_the_ring(n, dtype, vec, ring):
+    cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90")
+    assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm) == (ring, False, 0)
+
+
+# ---- a few configs compile without spills (CPU) ------------------------------------------------------
+COMPILED = [   # (label, config, arch): the heuristic's ring at each row class, prefetch, sm_80
+    ("1k group ring, float32 weights", rb.plan_bwd("norm_bwd", 1024, "bfloat16", 8, "sm_90", weight_dtype="float32"),
+     "sm_90"),
+    ("16k cluster ring", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90"), "sm_90"),
+    ("64k 512-thread cluster ring (128-register cap), float32 weights",
+     rb.plan_bwd("norm_bwd", 65536, "bfloat16", 8, "sm_90", weight_dtype="float32"), "sm_90"),
+    ("4k block prefetch", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(ring_rows=0, prefetch=True),
+     "sm_90"),
+    ("sm_80 16k 512-thread block ring", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_80"), "sm_80"),
+]
+ROWS_KERNELS = ("rmsnorm_bwd_rows", "layernorm_bwd_rows")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return {label: (cfg, {name: rtk.get_kernel(cfg, name, arch=arch) for name in ROWS_KERNELS})
+            for label, cfg, arch in COMPILED}
+
+
+def test_load_ahead_kernels_compile_without_spills(compiled):
+    bad = [(label, name, k.resources) for label, (_, ks) in compiled.items() for name, k in ks.items()
+           if k.resources.spill_stores or k.resources.spill_loads or sass_stats(k.sass)["ldl"]]
+    assert bad == []
+
+
+def test_ring_copies_by_cp_async(compiled):
+    for label, (cfg, ks) in compiled.items():
+        for name, k in ks.items():
+            assert ("LDGSTS" in k.sass) == (cfg.ring_rows > 0), (label, name)
+            if cfg.ring_rows == 0:
+                assert sass_stats(k.sass)["ldg_128"] >= 1, (label, name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL_SWEEP, reason="~300 configs; RTKERNELS_TEST_FULL_SWEEP=1 compiles every one")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_norm_bwd_heuristic_config_compiles_without_spills(arch):
+    bad = []
+    for family, cfg in rb.heuristic_configs(arch):
+        if family != "norm_bwd":
+            continue
+        for name in ROWS_KERNELS:
+            r = rtk.get_kernel(cfg, name, arch=arch).resources
+            if r.spill_stores or r.spill_loads:
+                bad.append((cfg.key(), name, r))
+    assert bad == []
+
+
+# ==== GPU =============================================================================================
+# Each width's heuristic tile with every way of loading ahead; rows chosen so that workers walk
+# several rows each and the last wave is ragged (blocks_per_sm=1: ~4x the rows per worker).
+LOAD_AHEAD = {
+    "direct": dict(ring_rows=0, prefetch=False),
+    "prefetch": dict(ring_rows=0, prefetch=True),
+    "ring2": dict(ring_rows=2),
+    "ring3_1blk": dict(ring_rows=3, blocks_per_sm=1),
+}
+LOAD_AHEAD_CASES = [(1024, 3001), (4096, 1111), (16384, 301)]
+# the ring on row classes the heuristic does not pick: narrow lane groups with rows past the end of
+# a block's last group, a barrier cluster (RowTeam), an unaligned width (a ragged last vector slot)
+RING_CLASSES = [
+    (200, 1001, dict(threads_per_row=8, block_size=64, vecs_per_thread=4, ring_rows=3)),
+    (5000, 333, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2, ring_rows=2)),
+    (3000, 517, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, ring_rows=4, blocks_per_sm=2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(LOAD_AHEAD))
+@pytest.mark.parametrize("n, rows", LOAD_AHEAD_CASES)
+def test_norm_backward_load_ahead_gpu(n, rows, variant):
+    from rtkernels import device
+    arch = device.current_arch()
+    _check_config(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
+                  .replace(**LOAD_AHEAD[variant]), n, rows, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, rows, fields", RING_CLASSES)
+def test_norm_backward_ring_row_classes_gpu(n, rows, fields):
+    _check_config(NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, **fields), n, rows, str(fields))
+
+
+def _check_config(cfg, n, rows, variant):
+    from test_training_ops import _close, _gpu, _rmsnorm_dx_scale, _row_rms
+    from rtkernels import device
+    from rtkernels.ops import rowwise as rw
+    cp, random_array, to_f64, poison = _gpu()
+    dtype = "bfloat16"
+    if cfg.cluster_size > 1 and rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("clusters need sm_90")
+    rng = np.random.default_rng(n + rows)
+    x, x64 = random_array(rng, (rows, n), dtype, scale=2.0)
+    dy, dy64 = random_array(rng, (rows, n), dtype)
+    w, w64 = random_array(rng, (n,), dtype)
+    b, _ = random_array(rng, (n,), dtype)
+    what = f"{variant} {cfg.key()} rows={rows}"
+    rstd = cp.asarray((1 / np.sqrt(np.mean(x64 ** 2, -1) + 1e-6)).astype(np.float32))
+    ref_dx, ref_dw = rb.rmsnorm_backward_reference(dy64, x64, w64, 1e-6)
+    for stats in (None, rstd):
+        dx = poison(cp.empty_like(x))
+        _, got_dw = rtk.rmsnorm_backward(dy, x, w, stats, eps=1e-6, out=dx, dtype=dtype, config=cfg)
+        _close(to_f64(dx, dtype), ref_dx, dtype, f"rmsnorm dx {what}",
+               row_scale=_rmsnorm_dx_scale(dy64, x64, w64, ref_dx), atol=1e-6)
+        _close(to_f64(got_dw, dtype), ref_dw, dtype, f"rmsnorm dweight {what}",
+               atol=1e-5 * np.abs(dy64 * x64).sum(0) * 2)
+    ref_dx, ref_dw, ref_db = rb.layernorm_backward_reference(dy64, x64, w64, 1e-5)
+    mean = cp.asarray(x64.mean(-1).astype(np.float32))
+    lrstd = cp.asarray((1 / np.sqrt(x64.var(-1) + 1e-5)).astype(np.float32))
+    for stats in ((None, None), (mean, lrstd)):
+        dx = poison(cp.empty_like(x))
+        _, got_dw, got_db = rtk.layernorm_backward(dy, x, w, b, *stats, eps=1e-5, out=dx, dtype=dtype, config=cfg)
+        tag = f"layernorm (stats {'given' if stats[0] is not None else 'recomputed'}) {what}"
+        _close(to_f64(dx, dtype), ref_dx, dtype, tag + " dx", row_scale=_row_rms(ref_dx), atol=1e-6)
+        _close(to_f64(got_dw, dtype), ref_dw, dtype, tag + " dweight", atol=2e-5 * np.abs(dy64).sum(0) * 4)
+        _close(to_f64(got_db, dtype), ref_db, dtype, tag + " dbias", atol=1e-5 * np.abs(dy64).sum(0))
+    a = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype, config=cfg)
+    c = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype, config=cfg)
+    for u, v in zip(a, c):
+        assert cp.array_equal(u, v), f"{what}: two runs differ"
+
+
+@pytest.mark.gpu
+def test_cluster_workers_fit_the_device_gpu():
+    """The 16k cluster grid is one wave: no more clusters than the driver says fit at once."""
+    from rtkernels import device
+    from rtkernels.ops import rowwise as rw
+    arch = device.current_arch()
+    if rw._arch_number(arch) < 90:
+        pytest.skip("clusters need sm_90")
+    for n in (8192, 16384, 65536):
+        cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
+        k = rtk.get_kernel(cfg, "layernorm_bwd_rows")
+        cap = rb._cluster_capacity(k, cfg)
+        workers = rb._resident_workers(k, cfg)
+        print(f"n={n} cluster={cfg.cluster_size} block={cfg.block_size} regs={k.resources.registers} "
+              f"smem={cfg.shared_mem_bytes}: driver clusters {cap}, workers {workers}, "
+              f"SMs x blocks/SM {rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)}")
+        assert cap is not None and 1 <= workers <= cap
