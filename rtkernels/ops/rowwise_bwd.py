@@ -115,7 +115,6 @@ class SoftmaxBwdConfig(_BwdRowConfig):
 
 
 # ---- heuristics -------------------------------------------------------------------------------
-# Reasoned, not yet measured (tools/bench_training.py times them against a same-run copy).
 # Elements of each input a thread holds per row.  softmax_bwd keeps dy and y packed (32 16-bit
 # elements of each = 32 registers, the forward norms' footprint).  norm_bwd also keeps two float32
 # accumulators per element it owns (dweight, dbias): 16 elements -> 16 packed + 32 accumulator
@@ -135,16 +134,18 @@ _BWD_BLOCK_MAX = {"softmax_bwd": 1024, "norm_bwd": 512}   # norm_bwd: 128 regist
 _BWD_TWO_PASS_BLOCK = 256
 # norm_bwd's resident workers walk their rows (the grid is one wave, for the partial dweight rows),
 # so nothing overlaps a row's reduction and stores but what the worker itself keeps in flight.
-# Measured (H100, 2026-11-25, bench_training.py --quick, bf16, direct loads): 78 / 84 / 49% of
-# copy (RMSNorm 1k / 4k / 16k), LayerNorm 77 / 77 / 46%, against softmax_bwd's 92-94% whose
-# non-persistent grid lets the block scheduler overlap rows.  Reasoned, not yet measured: a ring of
-# 2 rows ahead per thread through shared memory (ring_rows=2: cp.async, one commit group per row,
-# 36 KiB per 256-thread block) keeps the next rows' bytes in flight at +0-14 registers (no block
-# per SM lost on the heuristic tiles, tools/rtk_inspect.py); prefetch (a second register set)
-# costs 16-40 registers and a block per SM at 1k and 4k.  The ring needs 16-byte vectors; other
-# widths load directly.  bench_training.py --variants times direct / prefetch / ring 2-4 /
-# one block per SM in one run; per row class (lane groups, a block, a cluster per row):
-_NORM_BWD_RING_ROWS = {"group": 2, "block": 2, "cluster": 2}
+# Measured (H100, 2026-11-25, bench_training.py --quick --variants, bf16, 192 MiB per case, % of a
+# 1 GiB copy, RMSNorm / LayerNorm at 1k, 4k, 16k):
+#   direct loads, balanced workers   82.1 / 82.7   80.6 / 69.4   74.1 / 61.8
+#   prefetch (second register set)   83.8 / 79.0   76.7 / 70.1   72.1 / 66.5
+#   ring of 2 rows (cp.async, smem)  80.7 / 74.2   73.4 / 67.0   67.3 / 60.0
+#   ring 3 / ring 3-4 at 1 block/SM  78.9 / 74.1   74.2 / 65.1   ~57 / ~48
+# (the first version, before the cluster grid was sized by cuOccupancyMaxActiveClusters: 49 / 46% at
+# 16k - 66 clusters launched where 62 fit, a second wave).  Loading ahead does not pay: 2-3 resident
+# workers per SM already overlap each other's rows, and the ring's shared-memory round trip costs
+# more than it hides.  Direct loads everywhere; ring_rows / prefetch stay as tuning knobs.
+# Per row class (lane groups, a block, a cluster per row):
+_NORM_BWD_RING_ROWS = {"group": 0, "block": 0, "cluster": 0}
 _NORM_BWD_BLOCKS_PER_SM = {"group": 0, "block": 0, "cluster": 0}   # 0: every block that fits
 
 
