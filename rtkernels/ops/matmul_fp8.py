@@ -30,7 +30,6 @@ float32; ``bias`` (N,) in any of those three, added after the scales; the activa
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -201,7 +200,7 @@ TILES = (
 TUNE_ONLY = (
     _Tile(128, 192, 5, 0.96, "promote every 256 K: half the wgmma.wait 0 stalls, more error", promote_interval=2),
     _Tile(128, 128, 6, 0.91, "promote every 256 K", promote_interval=2),
-    _Tile(128, 128, 7, 0.91, "one stage deeper, 128-column... 64-column epilogue passes"),
+    _Tile(128, 192, 4, 0.96, "one 192-column epilogue pass, shallower ring"),
 )
 # Fast accumulation (promote_interval=0): the bf16 kernel's 128x256 tile fits again.  Never the
 # default (error up to ~2% at K = 4096, see MatmulFp8Config); the autotuner does not try it
@@ -365,38 +364,40 @@ def _bytes_view(x, name: str):
 
 
 def _float_view(x, name: str, allowed: tuple[str, ...]):
+    """(CuPy view, dtype name) of a float argument; a uint16 CuPy array counts as bfloat16 bits."""
     from ._arrays import dtype_name
-    v = as_device_array(x, "matmul", name)
+    try:
+        v = as_device_array(x, "matmul", name)
+    except TypeError:
+        raise ConfigError(f"matmul: {name} must be a device array ({' or '.join(allowed)}), got "
+                          f"{type(x).__name__}", field=name, value=type(x).__name__) from None
     d = dtype_name(x)
+    if d == "uint16" and "bfloat16" in allowed:
+        d = "bfloat16"
     if d not in allowed:
         raise ConfigError(f"matmul: {name} has dtype {d}; it must be " + " or ".join(allowed), field=name, value=d)
     return v, d
 
 
 def _scale_kind(x, name: str, per: str, length: int):
-    """(kind, contiguous float32 view) of a scale argument: per tensor (one element), or one per
-    row of A / column of B."""
+    """(kind, view) of a scale argument: "tensor" (one element), or one per row of A ("row": (M,)
+    or (M, 1)) / column of B ("col": (N,) or (1, N)) with unit stride; ("none", None) without one."""
     if x is None:
         return "none", None
     v, _ = _float_view(x, name, ("float32",))
     shape = tuple(v.shape)
-    row_shapes = ((length,), (length, 1)) if per == "row" else ((length,), (1, length))
     if v.size == 1 and len(shape) <= 2:
-        kind = "tensor"
-    elif shape in row_shapes:
-        kind = per
-    else:
-        what = f"({length},) or ({length}, 1)" if per == "row" else f"({length},) or (1, {length})"
+        return "tensor", v
+    want = ((length,), (length, 1)) if per == "row" else ((length,), (1, length))
+    if shape not in want:
+        what = " or ".join(map(str, want))
         raise ConfigError(f"matmul: {name} has shape {shape}; expected a per-tensor scale (shape () or (1,)) or "
                           f"one per {'row of a' if per == 'row' else 'column of b'}: {what}", field=name, value=shape)
-    if kind != "tensor" and v.ndim and not v.flags.c_contiguous and max(shape) > 1:
-        import cupy
-        flat = v.reshape(-1)
-        if flat.strides[0] != 4:
-            raise ConfigError(f"matmul: {name} must have unit stride (got strides {v.strides} bytes)", field=name,
-                              value=v.strides)
-        v = flat
-    return kind, v
+    step = v.strides[shape.index(length)]
+    if step != 4:
+        raise ConfigError(f"matmul: {name} must have unit stride (its {length} values are {step} bytes apart)",
+                          field=name, value=v.strides)
+    return per, v.reshape(-1)
 
 
 def _kmajor(v, name: str, stream):
@@ -480,10 +481,7 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
     if max(m, n, k) >= 2 ** 31:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
     if out_dtype is None:
-        od = "bfloat16"
-        if out is not None:
-            from ._arrays import dtype_name
-            od = dtype_name(out)
+        od = "bfloat16" if out is None else _float_view(out, "out", OUT_DTYPES)[1]
     else:
         from .. import dtypes
         od = dtypes.canonical(out_dtype, family="matmul", field="out_dtype", allowed=OUT_DTYPES)
@@ -501,10 +499,14 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
     else:
         biv, bias_dt = None, "bfloat16"
 
+    if not device.current_arch().startswith("sm_90"):
+        raise ConfigError(f"matmul: fp8 operands need an sm_90 GPU (Hopper wgmma); this is {device.current_arch()}",
+                          field="dtype", value=(ta, tb))
+
     from .. import dtypes
     from ._arrays import new_like
     if out is None:
-        out = new_like(a, (m, n), od) if fp8_dtype_of(a) is None else _new_torch(a, (m, n), od)
+        out = new_like(a, (m, n), od)
     cv, dc = _float_view(out, "out", OUT_DTYPES)
     if dc != od or cv.shape != (m, n):
         raise ConfigError(f"matmul: out is {dc} {cv.shape}; expected {od} {(m, n)}", field="out", value=(dc, cv.shape))
@@ -512,14 +514,12 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
     if n > 1 and cv.strides[1] != item or (m > 1 and (cv.strides[0] < n * item or cv.strides[0] % item)):
         raise ConfigError(f"matmul: out has byte strides {cv.strides}; it needs unit stride along N and rows that "
                           "do not overlap", field="out", value=cv.strides)
-    if not device.current_arch().startswith("sm_90"):
-        raise ConfigError(f"matmul: fp8 operands need an sm_90 GPU (Hopper wgmma); this is {device.current_arch()}",
-                          field="dtype", value=(ta, tb))
 
     # ---- plan: K-major operands (a transposed copy where needed), tensor maps, config
     ak, lda, copied_a = _kmajor(av, "a" + (" (after trans_a)" if trans_a else ""), stream)
     bk, ldb, copied_b = _kmajor(bv.T, "b" + (" (after trans_b)" if trans_b else ""), stream)
-    ldc = cv.strides[0] // item if m > 1 else n
+    # (one row: no real stride; the tensor map still wants a multiple of 16 bytes)
+    ldc = cv.strides[0] // item if m > 1 else -(-n * item // 16) * 16 // item
     tma_store = (od != "float32" and int(cv.data.ptr) % 16 == 0 and (ldc * item) % 16 == 0)
     c_aligned = int(int(cv.data.ptr) % (2 * item) == 0 and ldc % 2 == 0)
     layout = dict(a_dtype=ta, b_dtype=tb, out_dtype=od, has_bias=biv is not None, bias_dtype=bias_dt,
@@ -542,11 +542,6 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
     if not (copied_a or copied_b) and all(x is None or int(v.data.ptr) == address(x) for v, x in zip(views, arrays)):
         _LAUNCHES.put(key, OutputPlan.of(launch, out, maps, like=a))
     return out
-
-
-def _new_torch(like, shape, dtype: str):
-    import torch
-    return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
 
 
 def _tuned(default, m, n, k, layout, ak, lda, bk, ldb, biv, cv, ldc, sav, sbv, stream):
