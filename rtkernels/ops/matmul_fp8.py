@@ -338,6 +338,8 @@ def _operand_dtypes(a, b, dtype) -> tuple[str, str]:
                                   field=name, value=str(getattr(x, "dtype", None)))
         return da, db
     pair = tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype, dtype)
+    # torch dtype objects (torch.float8_e4m3fn) by their names
+    pair = tuple(d if isinstance(d, str) or d is None else str(d).rpartition(".")[2] for d in pair)
     if len(pair) != 2 or not all(isinstance(d, str) and d in _FP8_ALIASES for d in pair):
         raise ConfigError.bad_value("matmul", "dtype", dtype, allowed)
     out = []
