@@ -102,6 +102,7 @@ EXCLUDED_OPS = {
     "attention_backward_reference": "CuPy reference, as attention_reference",
     "attention_merge_reference": "float64 NumPy reference (host)",
     "attention_kvcache_reference": "float64 NumPy reference (host)",
+    "matmul_fp8_reference": "float64 NumPy reference (host)",
     "check_kvcache_inputs": "host-side check of cache_seqlens / block_table contents (copies them to the host, "
                             "launches nothing)",
 }
@@ -430,6 +431,46 @@ def _matmul_sm90_sync(ctx: Ctx):
 def _matmul_mma_sync(ctx: Ctx):
     for v in MATMUL_VARIANTS:
         _matmul_variant(ctx, v)
+
+
+# fp8 (CuPy uint8 bits): (label, a type, b type, M, N, K, b stored (K, N) row-major (the transpose8
+# pass) or (N, K) with trans_b, scale_a kind, scale_b kind, out dtype, bias, activation, quick)
+MATMUL_FP8 = (
+    ("e4m3 129x200x272 b (K, N): transpose8, tensor scales, bf16", "float8_e4m3fn", "float8_e4m3fn", 129, 200, 272,
+     True, "tensor", "tensor", "bfloat16", False, None, True),
+    ("e5m2 x e4m3 7x70x48 trans_b, row / col scales, f32, bias, gelu", "float8_e5m2", "float8_e4m3fn", 7, 70, 48,
+     False, "row", "col", "float32", True, "gelu", False),
+)
+
+
+def _fp8_bits(ctx: Ctx, shape, dtype: str):
+    """Random fp8 codes of moderate magnitude (no NaN / inf codes): |x| < 16."""
+    top = 0x58 if dtype == "float8_e4m3fn" else 0x4C
+    return (ctx.rng.integers(0, top, shape) | (ctx.rng.integers(0, 2, shape) << 7)).astype(np.uint8)
+
+
+@case("matmul_fp8", families=("matmul_fp8_sm90", "transpose8"), ops=("matmul",),
+      note="sm_90: fp8 operands (CuPy uint8 bits), the K-major transpose pass, scales, epilogues")
+def _matmul_fp8(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import matmul_fp8 as f8
+    ctx.require_sm90()
+    for label, ta, tb, M, N, K, b_kn, ska, skb, od, has_bias, act, quick in MATMUL_FP8:
+        if not ctx.variant(label, quick=quick):
+            continue
+        a8 = _fp8_bits(ctx, (M, K), ta)
+        b8 = _fp8_bits(ctx, (K, N), tb)
+        sa = ctx.rng.uniform(0.5, 2.0, 1 if ska == "tensor" else M).astype(np.float32)
+        sb = ctx.rng.uniform(0.5, 2.0, 1 if skb == "tensor" else N).astype(np.float32)
+        bias, bias64 = ctx.randn((N,), od) if has_bias else (None, None)
+        out = ctx.poisoned((M, N), od)
+        b_dev = ctx.cp.asarray(b8) if b_kn else ctx.cp.asarray(np.ascontiguousarray(b8.T))
+        rtk.matmul(ctx.cp.asarray(a8), b_dev, trans_b=not b_kn, dtype=(ta, tb), scale_a=ctx.cp.asarray(sa),
+                   scale_b=ctx.cp.asarray(sb), bias=bias, activation=act, out=out, out_dtype=od)
+        ref = lambda: f8.matmul_fp8_reference(a8, b8, a_dtype=ta, b_dtype=tb, scale_a=sa, scale_b=sb,  # noqa
+                                              bias=bias64, activation=act)
+        # f32 outputs: the tensor cores' reduced-precision sums inside each 128-deep K step
+        ctx.check("c", out, od, ref, 2 ** -10 if od == "float32" else 2 * TOL[od], exact_rerun=True)
 
 
 @case("pad_rows", families=("pad_rows",), ops=(),

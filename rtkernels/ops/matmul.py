@@ -28,6 +28,7 @@ from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
+from . import matmul_fp8 as _fp8
 from . import matmul_sm90 as m90
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
@@ -447,8 +448,10 @@ _plans: dict = {}
 
 
 def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a: bool = False,
-           trans_b: bool = False, dtype: str | None = None, stream=None):
-    """``activation(a @ b + bias)`` on the GPU, computed in float32 and stored in the input dtype.
+           trans_b: bool = False, dtype: str | tuple[str, str] | None = None, scale_a=None, scale_b=None,
+           out_dtype: str | None = None, stream=None):
+    """``activation(a @ b + bias)`` on the GPU, computed in float32 and stored in the input dtype
+    (fp8 operands: ``activation(scale_a * scale_b * (a @ b) + bias)`` stored in ``out_dtype``).
 
     Parameters
     ----------
@@ -459,11 +462,22 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     activation : None, "relu", "gelu" (erf form) or "silu".
     out : optional output of shape (M, N) / (B, M, N), same dtype, unit stride along N.
     trans_a, trans_b : use the transpose of the last two dims (no copy is made).
-    dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits.
+    dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits; "float8_e4m3fn" (or
+        "float8_e4m3") / "float8_e5m2", or a pair of them (a's, b's), to read uint8 CuPy arrays
+        as fp8 bits.
+    scale_a, scale_b : fp8 only: float32 device arrays, per tensor (one element) or per row of
+        ``a`` ((M,) or (M, 1)) / per column of ``b`` ((N,) or (1, N)); read by the kernel, never
+        on the host (CUDA-graph capturable).
+    out_dtype : fp8 only: "bfloat16" (default), "float16" or "float32"; ``bias`` may be any of
+        the three.
     stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
         current stream when a is a torch tensor).
 
-    float16 / bfloat16 use tensor cores, float32 a SIMT kernel.
+    float16 / bfloat16 use tensor cores, float32 a SIMT kernel.  float8 e4m3 / e5m2 operands (torch
+    float8 tensors, or uint8 arrays with ``dtype=``) run the Hopper fp8 kernel of
+    :mod:`rtkernels.ops.matmul_fp8` (sm_90 only, 2-D, K a multiple of 16; a ``b`` that is not the
+    transpose of a row-major (N, K) array, and an ``a`` that is not row-major, are transposed into
+    a K-major copy first, as 8-bit wgmma requires).
 
     Views (:mod:`rtkernels.ops.views`): an operand one of whose last two dims steps by one element
     is read in place, whatever its other strides - row / column slices, transposes, a batch
@@ -478,10 +492,16 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     on one element (an ``expand``-ed or overlapping output is rejected: its writes would race).
     Elements not aligned to their size are rejected.  Calls that copy keep no launch plan.
     """
+    if scale_a is not None or scale_b is not None or out_dtype is not None:
+        return _fp8.matmul_fp8(a, b, bias=bias, activation=activation, out=out, trans_a=trans_a, trans_b=trans_b,
+                               dtype=dtype, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, stream=stream)
     plan_key = _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype)
     launch = _LAUNCHES.get(plan_key)
     if launch is not None:
         return _replay(launch, a, b, bias, out, stream)
+    if _fp8.wants_fp8(a, b, dtype, None, None, None):
+        return _fp8.matmul_fp8(a, b, bias=bias, activation=activation, out=out, trans_a=trans_a, trans_b=trans_b,
+                               dtype=dtype, stream=stream)
     if activation not in (None, *ACTIVATIONS):
         raise ConfigError.bad_value("matmul", "activation", activation, "None, 'relu', 'gelu' or 'silu'")
     act = activation or "none"
