@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (one module per line: parallel work merges cleanl
     elementwise,
     matmul,
     matmul_sm90,
+    quant_matmul,
     rowwise,
     rowwise_bwd,
     vector_add,
@@ -37,4 +38,5 @@ PUBLIC = {
     "rowwise_bwd": ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "NormBwdConfig", "SoftmaxBwdConfig"),
     "cross_entropy": ("cross_entropy", "CrossEntropyConfig"),
     "adamw": ("adamw_step", "AdamWConfig"),
+    "quant_matmul": ("quantized_matmul", "quantize_weight", "quantized_matmul_reference", "QuantGemvConfig"),
 }
