@@ -52,6 +52,14 @@ GROUP_MULTIPLE = 64         # group scales apply per 64-element block of K (4 la
 _E4M3_MAX = 448.0
 
 
+_LOAD_REGS = 80   # registers an iteration's loads may hold (see QuantGemvConfig.__post_init__)
+
+
+def max_unroll(row_tiles: int, m_tiles: int) -> int:
+    """The most 64-element blocks per iteration whose loads fit the register budget."""
+    return max(1, _LOAD_REGS // (8 * (row_tiles + m_tiles)))
+
+
 @register_family
 @dataclass(frozen=True)
 class QuantGemvConfig(KernelConfig):
@@ -80,7 +88,7 @@ class QuantGemvConfig(KernelConfig):
     activation: str = "none"
     m_tiles: int = 1
     row_tiles: int = 2
-    unroll: int = 4
+    unroll: int = 3
     num_warps: int = 8
     warps_k: int = 8
     split_k: int = 1
@@ -112,17 +120,18 @@ class QuantGemvConfig(KernelConfig):
         self._check_int("unroll", 1, 8)
         # the weight registers of one iteration: 2 * row_tiles * unroll * 4; beyond 64 they spill
         # beside the accumulators and the x fragments (reasoned from the register count, 255 max)
-        # The kernel asks for 2 CTAs of up to 8 warps per SM (<= 128 registers per thread).  ptxas
-        # (NVRTC 13.5, sm_90): the weight registers of an iteration (8 per row tile and block) with
-        # the accumulators fit while row_tiles * unroll * m_tiles <= 8 and row_tiles * m_tiles <= 4;
+        # The kernel asks for 2 CTAs of up to 8 warps per SM (<= 128 registers per thread) and holds an
+        # iteration's loads in registers: 8 per row tile and block (weights) plus 8 per m tile and
+        # block (x).  ptxas (NVRTC 13.5, sm_90): up to 80 such registers fit beside the
+        # accumulators (96 - row_tiles 2, unroll 4, one m tile, bias + GELU - spilled 4 bytes), and
         # row_tiles 4 with two m tiles spilled 20-96 bytes even at unroll 1.
         if self.row_tiles * self.m_tiles > 4:
             self._fail("row_tiles", f"at most {4 // self.m_tiles} with m_tiles={self.m_tiles} (the accumulators "
                                     "of row_tiles * m_tiles tiles would spill at 128 registers)")
-        if self.row_tiles * self.unroll * self.m_tiles > 8:
-            self._fail("unroll", f"at most {max(1, 8 // (self.row_tiles * self.m_tiles))} with row_tiles="
-                                 f"{self.row_tiles}, m_tiles={self.m_tiles} (row_tiles * unroll * m_tiles <= 8: "
-                                 "the weight loads in flight fit in registers)")
+        if self.unroll * (self.row_tiles + self.m_tiles) > _LOAD_REGS // 8:
+            self._fail("unroll", f"at most {max_unroll(self.row_tiles, self.m_tiles)} with row_tiles={self.row_tiles}, "
+                                 f"m_tiles={self.m_tiles} (8 * unroll * (row_tiles + m_tiles) <= {_LOAD_REGS}: the "
+                                 "loads in flight fit in registers)")
         self._check_int("num_warps", 1, 16, power_of_two=True)
         self._check_int("warps_k", 1, self.num_warps, power_of_two=True)
         self._check_int("split_k", 1, 64)
@@ -165,11 +174,11 @@ class QuantGemvConfig(KernelConfig):
 # Reasoned (to be replaced by the measurements of tools/bench_quant_matmul.py --sweep):
 # * 8 warps per CTA, all along K (warps_k = 8): a CTA covers row_tiles * 16 rows and the whole of K,
 #   so no second kernel is needed while N / (16 row_tiles) CTAs cover the SMs;
-# * row_tiles * unroll = 8 (4 with two m tiles): each warp keeps 16 (8) 16-byte loads per lane,
-#   8 (4) KiB, in flight; the kernel's launch bounds ask for 2 CTAs of 8 warps per SM (<= 128
-#   registers: with 8 loads in flight the two-m-tile kernels spilled 40-600 bytes at 128), so an SM
-#   holds 64-128 KiB in flight, 4-7x what Little's law asks of it at an H100's 3.35 TB/s and ~700 ns
-#   of loaded latency (17.8 KiB);
+# * the deepest unroll the register budget allows (max_unroll: 2 blocks at row_tiles 4, 3 at
+#   row_tiles 2 with M <= 8, 2 with two m tiles): a warp keeps 2 * row_tiles * unroll 16-byte
+#   weight loads per lane (4-6 KiB) in flight; the launch bounds ask for 2 CTAs of 8 warps per SM
+#   (<= 128 registers), so an SM holds 64-96 KiB in flight, 3.5-5x what Little's law asks of it at
+#   an H100's 3.35 TB/s and ~700 ns of loaded latency (17.8 KiB);
 # * the largest row_tiles (4, 2, 1; 2 at most with two m tiles, see the config's register rule)
 #   whose CTAs still give every SM one: more rows per warp reuse
 #   each x fragment more (x read from L2 per weight byte: 2 * 8 * m_tiles / (16 * row_tiles) bytes,
@@ -178,9 +187,9 @@ class QuantGemvConfig(KernelConfig):
 # * split_k only when even row_tiles = 1 leaves SMs without a CTA (N < ~2100 on 132 SMs), and only
 #   as far as every warp keeps two 64-element blocks: the partials cost a second launch and
 #   4 * split_k * M * N bytes.
+_TILE_FIELDS = ("row_tiles", "unroll", "num_warps", "warps_k", "split_k")   # what config= overrides
 _WARPS = 8
 _WARPS_K = 8
-_ROWS_IN_FLIGHT = 8      # row_tiles * unroll
 _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 4096: 128 of 132)
 
 
@@ -194,7 +203,7 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     need = math.ceil(_FILL * sm_count)
     m_tiles = 1 if m <= 8 else 2
     row_tiles = next((r for r in (4, 2) if r * m_tiles <= 4 and -(-n // (16 * r)) >= need), 1)
-    unroll = max(1, _ROWS_IN_FLIGHT // (row_tiles * m_tiles))
+    unroll = max_unroll(row_tiles, m_tiles)
     ctas = -(-n // (16 * row_tiles))
     nblk = -(-k // 64)
     split = 1
@@ -209,8 +218,10 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
 def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
     """Tile variants of ``base`` for the benchmark's sweep (same dtypes, widths and epilogue)."""
     out = []
-    for row_tiles, unroll in ((1, 4), (1, 8), (2, 2), (2, 4), (4, 1), (4, 2)):
-        for num_warps, warps_k in ((8, 8), (8, 4), (4, 4), (16, 8)):
+    tiles = sorted({(r, u) for r in (1, 2, 4) for u in (max_unroll(r, base.m_tiles), max_unroll(r, base.m_tiles) // 2)
+                    if u >= 1})
+    for row_tiles, unroll in tiles:
+        for num_warps, warps_k in ((8, 8), (8, 4), (4, 4)):
             for split in sorted({1, base.split_k}):
                 try:
                     out.append(base.replace(row_tiles=row_tiles, unroll=unroll, num_warps=num_warps,
@@ -460,7 +471,7 @@ class _SplitPlan:
 
 def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=None, bias=None,
                      activation: str | None = None, out=None, weight_dtype: str | None = None,
-                     dtype: str | None = None, stream=None):
+                     dtype: str | None = None, stream=None, config: QuantGemvConfig | None = None):
     """``activation(x @ dequant(w_q)^T + bias)`` with w_q (N, K) quantized (int8 / uint8 / float8 e4m3).
 
     Parameters
@@ -482,13 +493,15 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
     dtype : "bfloat16" to read uint16 CuPy x as bfloat16 bits.
     stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
         current one for torch x).
+    config : a :class:`QuantGemvConfig` whose tiling (row_tiles, unroll, num_warps, warps_k,
+        split_k) replaces the heuristic's (benchmarks, tuning); the rest follows the inputs.
 
     M <= 16 runs the quant_gemv kernel (fp32 accumulation on tensor cores, the weight read once;
     float32 partials and a second small kernel when N is too small to fill the GPU).  M > 16
     dequantizes w_q into an (N, K) workspace of x's dtype and runs :func:`rtkernels.matmul` on its
     transpose: a correctness path, not tuned (and the dequantized weight is rounded to x's dtype).
     """
-    key = _PLANS.key((x, w_q, scales, zeros, bias, out), (group_size, activation, weight_dtype, dtype))
+    key = _PLANS.key((x, w_q, scales, zeros, bias, out), (group_size, activation, weight_dtype, dtype, config))
     plan = _PLANS.get(key)
     if plan is not None:
         return _replay(plan, (w_q, x, scales, zeros, bias), out, stream)
@@ -574,6 +587,11 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
     x_vec = _vec_width(k, xv.data.ptr, ldx if m > 1 else None, 2, 8)
     cfg = heuristic_config(dx, m, n, k, has_bias=bv is not None, activation=act, w_vec=w_vec, x_vec=x_vec,
                            sm_count=device.sm_count(), **common)
+    if config is not None:
+        if not isinstance(config, QuantGemvConfig):
+            raise ConfigError(f"{OP}: config must be a QuantGemvConfig, got {type(config).__name__}", field="config",
+                              value=config)
+        cfg = cfg.replace(**{f: getattr(config, f) for f in _TILE_FIELDS})
     _launch(key, cfg, m, n, k, ldx, ldo, ngroups, (wv, xv, ss, zv, bv, ov), (w_q, x, scales, zeros, bias, out),
             stream)
     return out
