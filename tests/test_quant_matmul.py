@@ -44,7 +44,6 @@ def test_config_derived():
     assert c.grid(4097) == (65, 1, 1)
     assert QuantGemvConfig(warps_k=1).shared_mem_bytes == 0
     assert QuantGemvConfig(activation=None).activation == "none"
-    assert QuantGemvConfig().expected_global_width == 128 and QuantGemvConfig(w_vec=4).expected_global_width is None
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
