@@ -575,10 +575,11 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
         raise ConfigError(f"{OP}: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape", value=(m, n, k))
     ngroups = -(-k // group) if group else 0
     w_vec = _vec_width(k, wv.data.ptr, None, 1, 16)
-    common = dict(dtype=dx, weight_dtype=wdt, scale_dtype=ds, group_size=group, has_zeros=zv is not None)
+    common = dict(weight_dtype=wdt, scale_dtype=ds, group_size=group, has_zeros=zv is not None)
 
     if m > GEMV_MAX_ROWS:
-        _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, w_vec, common, act, stream)
+        _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, QuantGemvConfig(
+            dtype=dx, w_vec=w_vec, **common), act, stream)
         return out
 
     # plan: the heuristic's config for this shape and the load widths the alignments allow
@@ -642,14 +643,14 @@ def _replay(plan, inputs, out, stream):
     return out
 
 
-def _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, w_vec, common, act, stream) -> None:
-    """M > 16: dequantize w into an (N, K) workspace of x's dtype, then rtk.matmul(x, wd, trans_b=True)
-    (a correctness path: 5 bytes of traffic per weight element, not tuned)."""
+def _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, cfg, act, stream) -> None:
+    """M > 16: dequantize w into an (N, K) workspace of x's dtype (``cfg``'s dequantize kernel), then
+    rtk.matmul(x, wd, trans_b=True) (a correctness path: 5 bytes of traffic per weight element, not
+    tuned)."""
     import cupy
     from .matmul import matmul
-    cfg = QuantGemvConfig(w_vec=w_vec, **common)
     with cupy_stream(stream):
-        wd = cupy.empty((n, k), dtype=np.uint16 if common["dtype"] == "bfloat16" else np.float16)
+        wd = cupy.empty((n, k), dtype=np.uint16 if cfg.dtype == "bfloat16" else np.float16)
     if k:
         chunks = n * (-(-k // 16))
         get_kernel(cfg, "quant_dequantize").launch((-(-chunks // 256),), (256,), wv, ss, zv, wd, n, k, ngroups,
@@ -658,4 +659,4 @@ def _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, w_ve
     x2 = cupy.lib.stride_tricks.as_strided(xv, (m, k), (ldx * item, item))
     o2 = cupy.lib.stride_tricks.as_strided(ov, (m, n), (ldo * item, item))
     matmul(x2, wd, bias=bv, activation=None if act == "none" else act, out=o2, trans_b=True,
-           dtype=common["dtype"], stream=stream)
+           dtype=cfg.dtype, stream=stream)
