@@ -288,9 +288,13 @@ KINDS = [("int8", None, False), ("int8", 64, False), ("int8", 128, True), ("uint
          ("float8_e4m3", None, False), ("float8_e4m3", 128, False)]
 
 
+# each shape with every other weight kind (alternating by shape): each kind meets about half the
+# shapes, and the GPU host compiles ~30 kernels instead of ~60
+CASES = [(*shape, *kind) for i, shape in enumerate(SHAPES) for j, kind in enumerate(KINDS) if (i + j) % 2 == 0]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind, group, zeros", KINDS)
-@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("m, n, k, kind, group, zeros", CASES)
 def test_quantized_matmul_gpu(m, n, k, kind, group, zeros):
     import cupy as cp
     from gpu_util import poison
