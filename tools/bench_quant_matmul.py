@@ -176,19 +176,29 @@ def main():
     env["torch"] = torch.__version__
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
-    rows, cache = [], {}
+    rows, cache, failed = [], {}, []
     ms_list = [int(v) for v in args.ms.split(",")]
     for n, k in SHAPES:
         for kind in args.kinds.split(","):
             for m in ms_list:
-                r = run_case(args, torch, rtk, qm, n, k, m, kind, copy_gbs, cache)
+                try:
+                    r = run_case(args, torch, rtk, qm, n, k, m, kind, copy_gbs, cache)
+                except Exception as e:   # noqa: BLE001  (report it, keep the other cases' numbers)
+                    print(f"N={n} K={k} M={m} {kind}: FAILED {type(e).__name__}: {e}"[:300], flush=True)
+                    failed.append({"N": n, "K": k, "M": m, "kind": kind, "error": f"{type(e).__name__}: {e}"})
+                    continue
                 rows.append(r)
                 print(f"N={n} K={k} M={m} {kind}: {r['rtk_us']:.1f} us {r['%copy']:.1f}% copy, cuBLAS bf16 "
                       f"{r['cublas_bf16_us']:.1f} us ({r['vs_cublas']:.2f}x), err {r['rel_err']:.1e}", flush=True)
     cache.clear()
     sweep_rows = sweep(args, torch, rtk, qm, copy_gbs) if args.sweep else []
     path = benchutil.save(args.out, "quant_matmul", {"environment": env, "copy_GBs": copy_gbs, "rows": rows,
-                                                     "sweep": sweep_rows, "seconds": time.time() - t0})
+                                                     "failed": failed, "sweep": sweep_rows,
+                                                     "seconds": time.time() - t0})
+    if failed:
+        print(f"\n{len(failed)} cases FAILED (first: {failed[0]})")
+    if not rows:
+        return
     if sweep_rows:
         print("\nsweep (fastest first per shape):")
         print(benchutil.table(sweep_rows, ["N", "K", "M", "tiles", "us", "GBs", "%copy", "default"]))
