@@ -191,7 +191,12 @@ def main():
                 print(f"N={n} K={k} M={m} {kind}: {r['rtk_us']:.1f} us {r['%copy']:.1f}% copy, cuBLAS bf16 "
                       f"{r['cublas_bf16_us']:.1f} us ({r['vs_cublas']:.2f}x), err {r['rel_err']:.1e}", flush=True)
     cache.clear()
-    sweep_rows = sweep(args, torch, rtk, qm, copy_gbs) if args.sweep else []
+    sweep_rows = []
+    if args.sweep:
+        try:
+            sweep_rows = sweep(args, torch, rtk, qm, copy_gbs)
+        except Exception as e:   # noqa: BLE001  (keep the main table)
+            print(f"sweep FAILED: {type(e).__name__}: {e}"[:300])
     path = benchutil.save(args.out, "quant_matmul", {"environment": env, "copy_GBs": copy_gbs, "rows": rows,
                                                      "failed": failed, "sweep": sweep_rows,
                                                      "seconds": time.time() - t0})
