@@ -103,6 +103,8 @@ EXCLUDED_OPS = {
     "attention_merge_reference": "float64 NumPy reference (host)",
     "attention_kvcache_reference": "float64 NumPy reference (host)",
     "matmul_fp8_reference": "float64 NumPy reference (host)",
+    "quantized_matmul_reference": "float64 NumPy reference (host)",
+    "quantize_weight": "NumPy / CuPy array arithmetic (CuPy's own kernels), no rtkernels kernel",
     "check_kvcache_inputs": "host-side check of cache_seqlens / block_table contents (copies them to the host, "
                             "launches nothing)",
 }
@@ -494,6 +496,44 @@ def _pad_rows(ctx: Ctx):
         # uninitialized bytes (initcheck: 179 host-access reports, H100, 2026-11-25)
         rows_only = ctx.host(buf[:, :, :cols].copy(), "uint16")
         ctx.check("rows", rows_only, "uint16", want, 0, "exact")
+
+
+# ---- cases: weight-only quantized matmul -------------------------------------------------------
+# (label, dtype, M, N, K, weight kind, group, zeros, bias, activation, quick).  K = 2100 with N = 7:
+# split-K (float32 partials + the reduce kernel) and 4-byte loads; K = 129: byte loads and a tail
+# inside a 16-byte chunk; M = 20: the dequantize kernel + rtk.matmul.
+QUANT_VARIANTS = (
+    ("bf16 int8 3x129x129 per-row bias gelu", "bfloat16", 3, 129, 129, "int8", None, False, True, "gelu", True),
+    ("f16 uint8 16x7x2100 g128 zeros split-K", "float16", 16, 7, 2100, "uint8", 128, True, False, None, False),
+    ("bf16 fp8 1x40x200 g64 silu", "bfloat16", 1, 40, 200, "float8_e4m3", 64, False, True, "silu", False),
+    ("f16 int8 20x33x72 g64 zeros dequantized + matmul", "float16", 20, 33, 72, "int8", 64, True, True, "relu",
+     True),
+)
+
+
+@case("quant_gemv", families=("quant_gemv", "matmul_sm90", "matmul"), ops=("quantized_matmul",),
+      note="the GEMV (per-row / group scales, zeros, split-K, narrow loads) and the M > 16 dequantize path")
+def _quant_gemv(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import quant_matmul as qm
+    for label, dt, M, N, K, kind, group, zeros, has_bias, act, quick in QUANT_VARIANTS:
+        if not ctx.variant(label, quick=quick):
+            continue
+        w = ctx.rng.standard_normal((N, K)).astype(np.float32)
+        res = qm.quantize_weight(w, dtype=kind, group_size=group)   # on the host (NumPy)
+        q, s = res[0], res[1]
+        z = res[2] if len(res) == 3 else None
+        if zeros and kind == "int8":
+            z = ctx.rng.integers(-20, 20, s.shape).astype(np.int8)
+        x, x64 = ctx.randn((M, K), dt)
+        bias, b64 = ctx.randn((N,), dt) if has_bias else (None, None)
+        out = ctx.poisoned((M, N), dt)
+        rtk.quantized_matmul(x, ctx.cp.asarray(q), ctx.cp.asarray(s), group_size=group,
+                             zeros=None if z is None else ctx.cp.asarray(z), bias=bias, activation=act, out=out,
+                             weight_dtype="float8_e4m3" if kind == "float8_e4m3" else None, **_bf(dt))
+        ref = lambda: qm.quantized_matmul_reference(x64, q, s, group_size=group, zeros=z, bias=b64,  # noqa: E731
+                                                    activation=act, weight_dtype=kind)
+        ctx.check("y", out, dt, ref, 2 * TOL[dt], exact_rerun=True)
 
 
 # ---- cases: attention forward ------------------------------------------------------------------

@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (one module per line: parallel work merges cleanl
     matmul,
     matmul_fp8,
     matmul_sm90,
+    quant_matmul,
     rowwise,
     rowwise_bwd,
     vector_add,
@@ -39,4 +40,5 @@ PUBLIC = {
     "rowwise_bwd": ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "NormBwdConfig", "SoftmaxBwdConfig"),
     "cross_entropy": ("cross_entropy", "CrossEntropyConfig"),
     "adamw": ("adamw_step", "AdamWConfig"),
+    "quant_matmul": ("quantized_matmul", "quantize_weight", "quantized_matmul_reference", "QuantGemvConfig"),
 }

@@ -1,0 +1,662 @@
+"""quantized_matmul: weight-only int8 / uint8 / float8-e4m3 matmul, dequantized in registers.
+
+>>> w_q, scales = rtk.quantize_weight(w, dtype="int8", group_size=128)     # w: (N, K), as nn.Linear
+>>> y = rtk.quantized_matmul(x, w_q, scales, group_size=128)               # x (..., K) -> y (..., N)
+>>> y = rtk.quantized_matmul(x, w_q, scales, bias=b, activation="silu")    # act(x @ w^T + b), fused
+
+Decode-time GEMMs (a few rows of x against a large weight) are bound by reading the weight: one
+byte per element instead of bf16's two halves the time.  For M <= 16 rows of x (the leading dims
+flattened) the ``quant_gemv`` kernel (templates/quant_gemv.cu.j2) reads every weight byte once with
+16-byte loads, dequantizes in registers and multiplies on tensor cores (mma.sync, fp32
+accumulate), every row of x reusing the same weight registers, so M = 16 costs about the bytes of
+M = 1.  For M > 16 the weight is dequantized into an (N, K) workspace of x's dtype and
+:func:`rtkernels.matmul` runs on its transpose: a correctness path, not tuned (it moves 1 + 2 + 2
+bytes per weight element against the GEMV's 1, and rounds the dequantized weight to x's dtype).
+
+Quantization (:func:`quantize_weight`; the kernels take any values of this form):
+
+* ``int8``: symmetric, w = q * scale, q in [-127, 127] (zeros optional: w = (q - zero) * scale,
+  zero int8);
+* ``uint8``: asymmetric, w = (q - zero) * scale, zero uint8 of scales' shape;
+* ``float8_e4m3`` (e4m3fn; torch.float8_e4m3fn tensors, or uint8 arrays with
+  ``weight_dtype="float8_e4m3"``): w = q * scale, q's value.  Its NaN encodings (0x7F, 0xFF) are
+  not supported (they read as +-480);
+* scales per output row (``group_size=None``: shape (N,)) or per group of ``group_size``
+  consecutive k of a row (a multiple of 64: shape (N, ceil(K / group_size))), float32, float16 or
+  bfloat16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .. import device, dtypes
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+from ..kernel import get_kernel
+from . import views
+from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, cupy_stream, default_stream,
+                      dtype_name, new_like, same_memory)
+from .matmul import ACTIVATIONS, _act_np
+from .rowwise import _row_layout
+
+OP = "quantized_matmul"
+WEIGHT_DTYPES = ("int8", "uint8", "float8_e4m3")
+SCALE_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPES = ("float16", "bfloat16")
+GEMV_MAX_ROWS = 16          # rows of x the GEMV kernel takes (two m16n8k16 column tiles)
+GROUP_MULTIPLE = 64         # group scales apply per 64-element block of K (4 lanes x 16 bytes)
+_E4M3_MAX = 448.0
+
+
+_LOAD_REGS = 80   # registers an iteration's loads may hold (see QuantGemvConfig.__post_init__)
+
+
+def max_unroll(row_tiles: int, m_tiles: int) -> int:
+    """The most 64-element blocks per iteration whose loads fit the register budget."""
+    return max(1, _LOAD_REGS // (8 * (row_tiles + m_tiles)))
+
+
+@register_family
+@dataclass(frozen=True)
+class QuantGemvConfig(KernelConfig):
+    """One quantized-GEMV specialization (templates/quant_gemv.cu.j2; its header explains the layout).
+
+    ``dtype``: x, bias and out; ``weight_dtype``: int8, uint8 or float8_e4m3; ``scale_dtype``;
+    ``group_size``: 0 for one scale per row, else a multiple of 64; ``has_zeros``: integer weights
+    with zero points.  Tiling: a warp owns ``row_tiles`` * 16 weight rows and a slice of K,
+    ``unroll`` 64-element blocks (2 * row_tiles * unroll 16-byte loads per lane) per iteration; a
+    CTA has ``num_warps`` warps, ``warps_k`` of them along K (partials summed in shared memory) and
+    the rest along N; ``split_k`` CTAs along K (float32 partials, a second kernel adds them in
+    order).  ``m_tiles``: 1 for up to 8 rows of x, 2 for up to 16.  ``w_vec`` bytes per weight
+    load and ``x_vec`` elements per x load, lowered by the host when K, a stride or a base is not
+    aligned for 16 bytes.
+    """
+
+    family: ClassVar[str] = "quant_gemv"
+    template: ClassVar[str] = "quant_gemv.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("quant_gemv", "quant_gemv_reduce", "quant_dequantize")
+    dtype: str = "bfloat16"
+    weight_dtype: str = "int8"
+    scale_dtype: str = "float32"
+    group_size: int = 0
+    has_zeros: bool = False
+    has_bias: bool = False
+    activation: str = "none"
+    m_tiles: int = 1
+    row_tiles: int = 2
+    unroll: int = 3
+    num_warps: int = 8
+    warps_k: int = 8
+    split_k: int = 1
+    w_vec: int = 16
+    x_vec: int = 8
+
+    expects_tensor_cores: ClassVar[bool] = True
+    # (no expected_global_width: inspect holds loads and stores to it, and the outputs are M x N
+    # scalar stores; tests/test_quant_matmul.py checks the 128-bit weight and x loads instead)
+
+    def __post_init__(self):
+        if self.activation is None:
+            object.__setattr__(self, "activation", "none")
+        self._check_dtype("dtype", _DTYPES)
+        self._check_choice("weight_dtype", WEIGHT_DTYPES)
+        self._check_dtype("scale_dtype", SCALE_DTYPES)
+        self._check_choice("activation", ACTIVATIONS)
+        for f in ("has_zeros", "has_bias"):
+            if not isinstance(getattr(self, f), bool):
+                self._fail(f, "True or False")
+        if self.group_size != 0:
+            self._check_int("group_size", GROUP_MULTIPLE, 1 << 30, multiple_of=GROUP_MULTIPLE)
+        if self.has_zeros and self.weight_dtype == "float8_e4m3":
+            self._fail("has_zeros", "False for float8_e4m3 weights (zero points are for integer weights)")
+        self._check_choice("m_tiles", (1, 2))
+        self._check_choice("row_tiles", (1, 2, 4))
+        self._check_int("unroll", 1, 8)
+        # the weight registers of one iteration: 2 * row_tiles * unroll * 4; beyond 64 they spill
+        # beside the accumulators and the x fragments (reasoned from the register count, 255 max)
+        # The kernel asks for 2 CTAs of up to 8 warps per SM (<= 128 registers per thread) and holds an
+        # iteration's loads in registers: 8 per row tile and block (weights) plus 8 per m tile and
+        # block (x).  ptxas (NVRTC 13.5, sm_90): up to 80 such registers fit beside the
+        # accumulators (96 - row_tiles 2, unroll 4, one m tile, bias + GELU - spilled 4 bytes), and
+        # row_tiles 4 with two m tiles spilled 20-96 bytes even at unroll 1.
+        if self.row_tiles * self.m_tiles > 4:
+            self._fail("row_tiles", f"at most {4 // self.m_tiles} with m_tiles={self.m_tiles} (the accumulators "
+                                    "of row_tiles * m_tiles tiles would spill at 128 registers)")
+        if self.unroll * (self.row_tiles + self.m_tiles) > _LOAD_REGS // 8:
+            self._fail("unroll", f"at most {max_unroll(self.row_tiles, self.m_tiles)} with row_tiles={self.row_tiles}, "
+                                 f"m_tiles={self.m_tiles} (8 * unroll * (row_tiles + m_tiles) <= {_LOAD_REGS}: the "
+                                 "loads in flight fit in registers)")
+        self._check_int("num_warps", 1, 16, power_of_two=True)
+        self._check_int("warps_k", 1, self.num_warps, power_of_two=True)
+        self._check_int("split_k", 1, 64)
+        self._check_choice("w_vec", (1, 2, 4, 8, 16))
+        self._check_choice("x_vec", (1, 2, 4, 8))
+        if self.shared_mem_bytes > 48 * 1024:
+            self._fail("warps_k", f"such that the cross-warp sums fit 48 KiB of shared memory "
+                                  f"(needs {self.shared_mem_bytes} bytes)")
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def warps_n(self) -> int:
+        return self.num_warps // self.warps_k
+
+    @property
+    def cta_rows(self) -> int:
+        """Weight rows (outputs along N) per CTA."""
+        return 16 * self.row_tiles * self.warps_n
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """The partial sums of warps 1.. along K, float32 accumulator fragments of 32 lanes."""
+        return (self.warps_k - 1) * self.warps_n * self.row_tiles * self.m_tiles * 4 * 32 * 4
+
+    def template_params(self):
+        p = super().template_params()
+        p.update(weight_kind_id=WEIGHT_DTYPES.index(self.weight_dtype),
+                 zero_ctype="signed char" if self.weight_dtype == "int8" else "unsigned char",
+                 activation_id=ACTIVATIONS.index(self.activation))
+        return p
+
+    def grid(self, n: int) -> tuple[int, int, int]:
+        return (-(-n // self.cta_rows), self.split_k, 1)
+
+
+# ---- heuristics ---------------------------------------------------------------------------------
+# Reasoned (to be replaced by the measurements of tools/bench_quant_matmul.py --sweep):
+# * 8 warps per CTA, all along K (warps_k = 8): a CTA covers row_tiles * 16 rows and the whole of K,
+#   so no second kernel is needed while N / (16 row_tiles) CTAs cover the SMs;
+# * the deepest unroll the register budget allows (max_unroll: 2 blocks at row_tiles 4, 3 at
+#   row_tiles 2 with M <= 8, 2 with two m tiles): a warp keeps 2 * row_tiles * unroll 16-byte
+#   weight loads per lane (4-6 KiB) in flight; the launch bounds ask for 2 CTAs of 8 warps per SM
+#   (<= 128 registers), so an SM holds 64-96 KiB in flight, 3.5-5x what Little's law asks of it at
+#   an H100's 3.35 TB/s and ~700 ns of loaded latency (17.8 KiB);
+# * the largest row_tiles (4, 2, 1; 2 at most with two m tiles, see the config's register rule)
+#   whose CTAs still give every SM one: more rows per warp reuse
+#   each x fragment more (x read from L2 per weight byte: 2 * 8 * m_tiles / (16 * row_tiles) bytes,
+#   i.e. 1.0 at M = 16 with row_tiles 2), and the Llama-3 shapes then run one CTA per row group
+#   (N = 4096: 128 CTAs of 32 rows; 6144: 192 of 32; 8192 .. 28672, M <= 8: 128 .. 448 of 64);
+# * split_k only when even row_tiles = 1 leaves SMs without a CTA (N < ~2100 on 132 SMs), and only
+#   as far as every warp keeps two 64-element blocks: the partials cost a second launch and
+#   4 * split_k * M * N bytes.
+_TILE_FIELDS = ("row_tiles", "unroll", "num_warps", "warps_k", "split_k")   # what config= overrides
+_WARPS = 8
+_WARPS_K = 8
+_FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 4096: 128 of 132)
+
+
+def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
+                     scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
+                     has_bias: bool = False, activation: str = "none", w_vec: int = 16, x_vec: int = 8,
+                     sm_count: int | None = None) -> QuantGemvConfig:
+    """The config the op runs for (M <= 16, N, K) and the given layout."""
+    if sm_count is None:
+        sm_count = device.sm_count() if device.has_gpu() else 132
+    need = math.ceil(_FILL * sm_count)
+    m_tiles = 1 if m <= 8 else 2
+    row_tiles = next((r for r in (4, 2) if r * m_tiles <= 4 and -(-n // (16 * r)) >= need), 1)
+    unroll = max_unroll(row_tiles, m_tiles)
+    ctas = -(-n // (16 * row_tiles))
+    nblk = -(-k // 64)
+    split = 1
+    if ctas < need:
+        split = max(1, min(-(-need // ctas), nblk // (2 * _WARPS_K), 16))
+    return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
+                           has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
+                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=_WARPS,
+                           warps_k=_WARPS_K, split_k=split, w_vec=w_vec, x_vec=x_vec)
+
+
+def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
+    """Tile variants of ``base`` for the benchmark's sweep (same dtypes, widths and epilogue)."""
+    out = []
+    tiles = sorted({(r, u) for r in (1, 2, 4) for u in (max_unroll(r, base.m_tiles), max_unroll(r, base.m_tiles) // 2)
+                    if u >= 1})
+    for row_tiles, unroll in tiles:
+        for num_warps, warps_k in ((8, 8), (8, 4), (4, 4)):
+            for split in sorted({1, base.split_k}):
+                try:
+                    out.append(base.replace(row_tiles=row_tiles, unroll=unroll, num_warps=num_warps,
+                                            warps_k=warps_k, split_k=split))
+                except ConfigError:
+                    pass
+    return out
+
+
+def _vec_width(k: int, ptr: int, stride: int | None, itemsize: int, widest: int) -> int:
+    """Widest load (elements) dividing K, the row stride (when rows > 1) and the base address."""
+    v = widest
+    while v > 1 and (k % v or ptr % (v * itemsize) or (stride is not None and stride % v)):
+        v //= 2
+    return v
+
+
+# ---- quantization -------------------------------------------------------------------------------
+def _e4m3_table() -> np.ndarray:
+    """float64 value of each of the 256 e4m3fn encodings (NaN for 0x7F and 0xFF)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, b & 7
+    v = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * 2.0 ** (e - 7.0))
+    v[(e == 15) & (m == 7)] = np.nan
+    return np.where(b & 0x80, -v, v)
+
+
+E4M3_VALUES = _e4m3_table()
+
+
+def encode_e4m3(xp, v):
+    """float8 e4m3fn bits (uint8) of ``v`` (NumPy or CuPy, any float): round to nearest even,
+    saturating at +-448.  NaN input is not supported."""
+    a = xp.minimum(xp.abs(v.astype(xp.float64)), _E4M3_MAX)
+    _, ex = xp.frexp(a)                                   # a = f * 2^ex, f in [0.5, 1)
+    e = xp.maximum(ex - 1, -6)                            # exponent of a's binade (subnormals: -6)
+    r = xp.rint(a / xp.ldexp(1.0, e - 3)) * xp.ldexp(1.0, e - 3)   # 3 mantissa bits, ties to even
+    _, er = xp.frexp(r)
+    er = er - 1
+    normal = r >= 2.0 ** -6
+    mant = xp.where(normal, (r / xp.ldexp(1.0, xp.where(normal, er, 0)) - 1.0) * 8.0, r * 2.0 ** 9)
+    bits = xp.where(normal, ((er + 7) << 3) + xp.rint(mant).astype(xp.int64), xp.rint(mant).astype(xp.int64))
+    bits = bits | xp.where(v < 0, 0x80, 0)
+    return bits.astype(xp.uint8)
+
+
+def _quantize(xp, w, kind: str, group: int):
+    """(q, scales float32, zeros or None) of a float32 (N, K) array in module ``xp``."""
+    n, k = w.shape
+    if k == 0:
+        raise ConfigError(f"quantize_weight: w has shape {w.shape}; K must be at least 1", field="w", value=w.shape)
+    g = group or k
+    ng = -(-k // g)
+    wp = xp.zeros((n, ng * g), dtype=xp.float32)
+    wp[:, :k] = w
+    wp = wp.reshape(n, ng, g)
+    zeros = None
+    if kind == "uint8":
+        lo = xp.minimum(wp.min(axis=-1), 0.0)
+        hi = xp.maximum(wp.max(axis=-1), 0.0)
+        scale = ((hi - lo) / 255.0).astype(xp.float32)
+        scale = xp.where(scale > 0, scale, xp.float32(1.0))
+        zero = xp.clip(xp.rint(-lo / scale), 0, 255)
+        q = xp.clip(xp.rint(wp / scale[..., None]) + zero[..., None], 0, 255).astype(xp.uint8)
+        zeros = zero.astype(xp.uint8)
+    else:
+        amax = xp.abs(wp).max(axis=-1)
+        top = 127.0 if kind == "int8" else _E4M3_MAX
+        scale = (amax / top).astype(xp.float32)
+        scale = xp.where(scale > 0, scale, xp.float32(1.0))
+        y = wp / scale[..., None]
+        q = xp.clip(xp.rint(y), -127, 127).astype(xp.int8) if kind == "int8" else encode_e4m3(xp, y)
+    q = q.reshape(n, ng * g)[:, :k]
+    q = xp.ascontiguousarray(q)
+    if not group:
+        scale = scale[:, 0]
+        zeros = None if zeros is None else zeros[:, 0]
+    return q, xp.ascontiguousarray(scale), None if zeros is None else xp.ascontiguousarray(zeros)
+
+
+def quantize_weight(w, *, dtype: str = "int8", group_size: int | None = None):
+    """Quantize a weight matrix w (N, K) (as nn.Linear stores it) for :func:`quantized_matmul`.
+
+    Parameters
+    ----------
+    w : (N, K) float array: NumPy (quantized on the host), CuPy float16/float32 or torch (any
+        float dtype, CPU or CUDA); the result is of the same kind.
+    dtype : ``"int8"`` (symmetric: scale = max|w| / 127, q = round(w / scale) in [-127, 127]),
+        ``"uint8"`` (asymmetric: scale = (max - min) / 255 over a range that includes 0, zero =
+        round(-min / scale), q = round(w / scale) + zero in [0, 255]) or ``"float8_e4m3"`` (scale =
+        max|w| / 448, q = e4m3(w / scale), round to nearest even).  Rounding is half to even.
+    group_size : None for one scale per row, else a multiple of 64: one per group of that many
+        consecutive k of a row (the last group of a row may be shorter).
+
+    Returns
+    -------
+    (w_q, scales) or, for ``"uint8"``, (w_q, scales, zeros): w_q (N, K) int8 / uint8 (float8 as
+    uint8 bits for NumPy and CuPy, torch.float8_e4m3fn for torch); scales float32 (N,) or
+    (N, ceil(K / group_size)); zeros uint8 of the scales' shape.  A row (group) of zeros gets
+    scale 1.
+    """
+    if dtype not in WEIGHT_DTYPES:
+        raise ConfigError.bad_value("quantize_weight", "dtype", dtype, "one of " + ", ".join(WEIGHT_DTYPES))
+    group = _group(group_size, "quantize_weight")
+    if _is_torch(w):
+        import torch
+        if w.dim() != 2:
+            raise ConfigError(f"quantize_weight: w has shape {tuple(w.shape)}; expected (N, K)", field="w")
+        w32 = w.detach().to(torch.float32).contiguous()
+        if w32.is_cuda:
+            import cupy
+            with cupy.cuda.Device(w32.get_device()):
+                res = _quantize(cupy, cupy.from_dlpack(w32), dtype, group)
+            res = tuple(None if a is None else torch.from_dlpack(a) for a in res)
+        else:
+            res = tuple(None if a is None else torch.from_numpy(a) for a in _quantize(np, w32.numpy(), dtype, group))
+        q, s, z = res
+        if dtype == "float8_e4m3":
+            q = q.view(torch.float8_e4m3fn)
+        return (q, s) if z is None else (q, s, z)
+    if isinstance(w, np.ndarray) or not hasattr(w, "__cuda_array_interface__"):
+        xp, w32 = np, np.asarray(w, dtype=np.float32)
+    else:
+        import cupy
+        xp = cupy
+        if dtype_name(w) not in ("float16", "float32", "float64"):
+            raise ConfigError(f"quantize_weight: w is a CuPy {dtype_name(w)} array; pass float16/float32/float64 "
+                              "(bfloat16 bits: convert to float32 first)", field="w", value=dtype_name(w))
+        w32 = cupy.asarray(w).astype(cupy.float32)
+    if w32.ndim != 2:
+        raise ConfigError(f"quantize_weight: w has shape {w32.shape}; expected (N, K)", field="w", value=w32.shape)
+    q, s, z = _quantize(xp, w32, dtype, group)
+    return (q, s) if z is None else (q, s, z)
+
+
+# ---- references ---------------------------------------------------------------------------------
+def _host(a):
+    if a is None:
+        return None
+    if _is_torch(a):
+        import torch
+        if a.dtype == torch.float8_e4m3fn:
+            a = a.view(torch.uint8)
+        if a.dtype == torch.bfloat16:
+            return a.detach().float().cpu().numpy()
+        return a.detach().cpu().numpy()
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def dequantize_reference(w_q, scales, *, group_size: int | None = None, zeros=None,
+                         weight_dtype: str | None = None) -> np.ndarray:
+    """float64 (N, K): (q - zero) * scale, or e4m3(q) * scale (host or device arrays, torch too;
+    ``weight_dtype="float8_e4m3"`` for uint8 bits, implied by torch float8 tensors)."""
+    if _is_torch(w_q) and "float8" in str(w_q.dtype):
+        weight_dtype = "float8_e4m3"
+    q = _host(w_q)
+    s = np.asarray(_host(scales), dtype=np.float64)
+    n, k = q.shape
+    if weight_dtype == "float8_e4m3":
+        v = E4M3_VALUES[q.view(np.uint8)]
+    else:
+        v = q.astype(np.float64)
+        if zeros is not None:
+            z = np.asarray(_host(zeros), dtype=np.float64)
+            v = v - (z[:, None] if not group_size else np.repeat(z, group_size, axis=1)[:, :k])
+    s = s[:, None] if not group_size else np.repeat(s, group_size, axis=1)[:, :k]
+    return v * s
+
+
+def quantized_matmul_reference(x, w_q, scales, *, group_size: int | None = None, zeros=None, bias=None,
+                               activation: str | None = None, weight_dtype: str | None = None) -> np.ndarray:
+    """float64 NumPy reference of :func:`quantized_matmul`: act(x @ dequant(w)^T + bias), x (..., K)
+    as float64 values (bfloat16 bits already converted by the caller)."""
+    w = dequantize_reference(w_q, scales, group_size=group_size, zeros=zeros, weight_dtype=weight_dtype)
+    y = np.asarray(_host(x), dtype=np.float64) @ w.T
+    if bias is not None:
+        y = y + np.asarray(_host(bias), dtype=np.float64)
+    return _act_np(y, activation)
+
+
+# ---- the op -------------------------------------------------------------------------------------
+def _group(group_size, op: str) -> int:
+    if group_size is None or group_size == 0:
+        return 0
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size <= 0 \
+            or group_size % GROUP_MULTIPLE:
+        raise ConfigError.bad_value(op, "group_size", group_size,
+                                    f"None (one scale per row) or a positive multiple of {GROUP_MULTIPLE}")
+    return int(group_size)
+
+
+def _weight_kind(w_q, weight_dtype):
+    """(CuPy view of w_q's bytes, weight dtype name)."""
+    if _is_torch(w_q) and "float8_e4m3fn" in str(w_q.dtype):
+        import torch
+        if weight_dtype not in (None, "float8_e4m3"):
+            raise ConfigError(f"{OP}: w_q is a torch.float8_e4m3fn tensor but weight_dtype={weight_dtype!r}",
+                              field="weight_dtype", value=weight_dtype, allowed="None, 'float8_e4m3'")
+        return as_device_array(w_q.view(torch.uint8), OP, "w_q"), "float8_e4m3"
+    if _is_torch(w_q) and "float8" in str(w_q.dtype):
+        raise ConfigError(f"{OP}: w_q has dtype {w_q.dtype}; float8 weights must be float8_e4m3fn",
+                          field="w_q", value=str(w_q.dtype), allowed="int8, uint8, float8_e4m3fn")
+    wv = as_device_array(w_q, OP, "w_q")
+    have = dtype_name(wv)
+    if weight_dtype is None:
+        weight_dtype = have
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError.bad_value(OP, "weight_dtype", weight_dtype, "one of " + ", ".join(WEIGHT_DTYPES))
+    if have not in ("int8", "uint8") or (weight_dtype != "float8_e4m3" and have != weight_dtype):
+        raise ConfigError(f"{OP}: w_q has dtype {have} (weight_dtype={weight_dtype!r}); allowed: int8, uint8, or "
+                          "uint8 bits with weight_dtype='float8_e4m3' (torch: float8_e4m3fn)",
+                          field="w_q", value=have, allowed="int8, uint8, float8_e4m3")
+    return wv, weight_dtype
+
+
+def _x_dtype(x, xv, dtype) -> str:
+    have = dtype_name(xv) if not _is_torch(x) else dtype_name(x)
+    if dtype is not None:
+        want = dtypes.canonical(dtype, family=OP, field="dtype", allowed=_DTYPES)
+        if not (have == want or (have == "uint16" and want == "bfloat16")):
+            raise ConfigError(f"{OP}: x has dtype {have}, but dtype={dtype!r} was given", field="dtype", value=have)
+        return want
+    if have not in _DTYPES:
+        raise ConfigError(f"{OP}: x has dtype {have}; allowed: float16, bfloat16 (uint16 bfloat16 bits need "
+                          "dtype='bfloat16')", field="x", value=have, allowed="float16, bfloat16")
+    return have
+
+
+def _dense(name: str, arr, stream):
+    """A C-contiguous CuPy view of a small operand (scales, zeros, bias): itself, or a copy."""
+    v = as_device_array(arr, OP, name)
+    v, _ = views.read_view(OP, name, v, stream, lambda i: i.kind in (views.CONTIGUOUS, views.EMPTY))
+    return v
+
+
+_PLANS = LaunchPlans()
+
+
+@dataclass(frozen=True)
+class _SplitPlan:
+    """A split-K launch pair: the GEMV writes float32 partials, the reduce adds them in order."""
+    main: Launch
+    reduce: Launch
+    ws_shape: tuple
+    out: OutputPlan    # for allocating the output (its launch is ``reduce``)
+
+
+def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=None, bias=None,
+                     activation: str | None = None, out=None, weight_dtype: str | None = None,
+                     dtype: str | None = None, stream=None, config: QuantGemvConfig | None = None):
+    """``activation(x @ dequant(w_q)^T + bias)`` with w_q (N, K) quantized (int8 / uint8 / float8 e4m3).
+
+    Parameters
+    ----------
+    x : (..., K) float16 or bfloat16 (CuPy, torch, CAI / DLPack); the leading dims flatten to M rows.
+        Rows one stride apart with unit stride along K are read in place (row slices, broadcast
+        rows); any other view is copied first on the call's stream.
+    w_q : (N, K) C-contiguous int8, uint8, torch.float8_e4m3fn, or uint8 bits with
+        ``weight_dtype="float8_e4m3"``.  Any N and K (16-byte loads when K is a multiple of 16 and
+        w_q 16-byte aligned; narrower loads otherwise).
+    scales : (N,) (``group_size=None``) or (N, ceil(K / group_size)); float32, float16 or bfloat16
+        (CuPy uint16: bfloat16 bits).  Copied first if not contiguous (so are zeros and bias).
+    group_size : None, or the group length along K (a multiple of 64) of ``scales``.
+    zeros : optional zero points of ``scales``' shape, w_q's integer dtype: w = (q - zero) * scale.
+    bias : optional (N,) in x's dtype, added before the activation.
+    activation : None, "relu", "gelu" (erf) or "silu" (:func:`rtkernels.matmul`'s epilogue set).
+    out : optional (..., N) output in x's dtype (rows one stride apart, unit stride along N).
+    weight_dtype : "float8_e4m3" to read uint8 w_q as e4m3 bits; else w_q's own dtype.
+    dtype : "bfloat16" to read uint16 CuPy x as bfloat16 bits.
+    stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
+        current one for torch x).
+    config : a :class:`QuantGemvConfig` whose tiling (row_tiles, unroll, num_warps, warps_k,
+        split_k) replaces the heuristic's (benchmarks, tuning); the rest follows the inputs.
+
+    M <= 16 runs the quant_gemv kernel (fp32 accumulation on tensor cores, the weight read once;
+    float32 partials and a second small kernel when N is too small to fill the GPU).  M > 16
+    dequantizes w_q into an (N, K) workspace of x's dtype and runs :func:`rtkernels.matmul` on its
+    transpose: a correctness path, not tuned (and the dequantized weight is rounded to x's dtype).
+    """
+    key = _PLANS.key((x, w_q, scales, zeros, bias, out), (group_size, activation, weight_dtype, dtype, config))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return _replay(plan, (w_q, x, scales, zeros, bias), out, stream)
+    if activation not in (None, *ACTIVATIONS):
+        raise ConfigError.bad_value(OP, "activation", activation, "None, 'relu', 'gelu' or 'silu'")
+    act = activation or "none"
+    group = _group(group_size, OP)
+    stream = default_stream(x, stream)
+
+    # checks: w_q (N, K) bytes, x (..., K), scales / zeros / bias, out (..., N)
+    wv, wdt = _weight_kind(w_q, weight_dtype)
+    if wv.ndim != 2:
+        raise ConfigError(f"{OP}: w_q has shape {wv.shape}; expected (N, K) as nn.Linear stores a weight",
+                          field="w_q", value=wv.shape)
+    n, k = (int(d) for d in wv.shape)
+    winfo = views.of(wv)
+    if winfo.kind not in (views.CONTIGUOUS, views.EMPTY):
+        raise views.reject(OP, "w_q", winfo, "is not C-contiguous", "pass the (N, K) weight as stored "
+                           "(w_q.contiguous() once, outside the hot path)")
+    xv = as_device_array(x, OP, "x")
+    dx = _x_dtype(x, xv, dtype)
+    if xv.ndim < 1 or xv.shape[-1] != k:
+        raise ConfigError(f"{OP}: x has shape {xv.shape}; expected (..., K) with K = {k} (w_q is {n} x {k})",
+                          field="x", value=xv.shape)
+    views.check_readable(OP, "x", views.of(xv))
+    lay = _row_layout(xv)
+    if lay is None:
+        xv = views.compact(xv, stream)
+        lay = _row_layout(xv)
+    m, _, ldx = lay
+    ss = _dense("scales", scales, stream)
+    ds = dtype_name(ss)
+    ds = "bfloat16" if ds == "uint16" else ds
+    if _is_torch(scales):
+        ds = dtype_name(scales)
+    want_s = (n,) if not group else (n, -(-k // group))
+    if ds not in SCALE_DTYPES or tuple(ss.shape) != want_s:
+        raise ConfigError(f"{OP}: scales is {ds} {tuple(ss.shape)}; expected float32/float16/bfloat16 of shape "
+                          f"{want_s} (group_size={group_size})", field="scales", value=(ds, tuple(ss.shape)))
+    zv = None
+    if zeros is not None:
+        if wdt == "float8_e4m3":
+            raise ConfigError(f"{OP}: zeros apply to integer weights, not float8_e4m3", field="zeros")
+        zv = _dense("zeros", zeros, stream)
+        if dtype_name(zv) != wdt or tuple(zv.shape) != want_s:
+            raise ConfigError(f"{OP}: zeros is {dtype_name(zv)} {tuple(zv.shape)}; expected {wdt} of shape {want_s}",
+                              field="zeros", value=(dtype_name(zv), tuple(zv.shape)))
+    bv = None
+    if bias is not None:
+        bv = _dense("bias", bias, stream)
+        db = dtype_name(bias) if _is_torch(bias) else dtype_name(bv)
+        if not (db == dx or (db == "uint16" and dx == "bfloat16")) or tuple(bv.shape) != (n,):
+            raise ConfigError(f"{OP}: bias is {db} {tuple(bv.shape)}; expected {dx} of shape ({n},)",
+                              field="bias", value=(db, tuple(bv.shape)))
+    out_shape = (*xv.shape[:-1], n)
+    if out is None:
+        out = new_like(x, out_shape, dx)
+    ov = as_device_array(out, OP, "out")
+    do = dtype_name(out) if _is_torch(out) else dtype_name(ov)
+    if tuple(ov.shape) != out_shape or not (do == dx or (do == "uint16" and dx == "bfloat16")):
+        raise ConfigError(f"{OP}: out is {do} {tuple(ov.shape)}; expected {dx} {out_shape}", field="out",
+                          value=(do, tuple(ov.shape)))
+    oinfo = views.of(ov)
+    accepted = "pass rows one stride apart with unit stride along N"
+    views.check_output(OP, "out", oinfo, accepted)
+    olay = _row_layout(ov)
+    if olay is None:
+        raise views.reject(OP, "out", oinfo, "cannot be written by rows", accepted)
+    ldo = olay[2]
+    if m == 0 or n == 0:
+        return out
+    if max(m, n, k) >= 2 ** 31:
+        raise ConfigError(f"{OP}: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape", value=(m, n, k))
+    ngroups = -(-k // group) if group else 0
+    w_vec = _vec_width(k, wv.data.ptr, None, 1, 16)
+    common = dict(weight_dtype=wdt, scale_dtype=ds, group_size=group, has_zeros=zv is not None)
+
+    if m > GEMV_MAX_ROWS:
+        _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, QuantGemvConfig(
+            dtype=dx, w_vec=w_vec, **common), act, stream)
+        return out
+
+    # plan: the heuristic's config for this shape and the load widths the alignments allow
+    x_vec = _vec_width(k, xv.data.ptr, ldx if m > 1 else None, 2, 8)
+    cfg = heuristic_config(dx, m, n, k, has_bias=bv is not None, activation=act, w_vec=w_vec, x_vec=x_vec,
+                           sm_count=device.sm_count(), **common)
+    if config is not None:
+        if not isinstance(config, QuantGemvConfig):
+            raise ConfigError(f"{OP}: config must be a QuantGemvConfig, got {type(config).__name__}", field="config",
+                              value=config)
+        cfg = cfg.replace(**{f: getattr(config, f) for f in _TILE_FIELDS})
+    _launch(key, cfg, m, n, k, ldx, ldo, ngroups, (wv, xv, ss, zv, bv, ov), (w_q, x, scales, zeros, bias, out),
+            stream)
+    return out
+
+
+def _launch(key, cfg, m, n, k, ldx, ldo, ngroups, views_, arrays, stream) -> None:
+    """Launch cfg on the views (w, x, scales, zeros, bias, out) and keep the plan when no view is a copy."""
+    kern = get_kernel(cfg, "quant_gemv")
+    grid, block = cfg.grid(n), (cfg.threads_per_block, 1, 1)
+    ints = (m, n, k, ldx, ldo, ngroups)
+    keep = key is not None and same_memory(views_, arrays)
+    if cfg.split_k == 1:
+        launch = Launch(kern, grid, block, cfg.shared_mem_bytes, (None, *ints))
+        launch.run(views_, stream)
+        if keep:
+            _PLANS.put(key, OutputPlan.of(launch, arrays[5], like=arrays[1]))
+        return
+    ws_shape = (cfg.split_k, m, n)
+    ws = _workspace(arrays[1], ws_shape, "float32", stream)
+    main = Launch(kern, grid, block, cfg.shared_mem_bytes, ints)
+    main.run((*views_, ws), stream)
+    red = Launch(get_kernel(cfg, "quant_gemv_reduce"), (-(-m * n // 256), 1, 1), (256, 1, 1), 0, (m, n, ldo))
+    red.run((ws, views_[4], views_[5]), stream)
+    if keep:
+        _PLANS.put(key, _SplitPlan(main, red, ws_shape, OutputPlan.of(red, arrays[5], like=arrays[1])))
+
+
+def _workspace(like, shape, dtype: str, stream):
+    """Scratch memory ordered with the call's stream: a torch tensor for torch inputs (torch's
+    allocator), else CuPy's pool under ``stream`` (a block is handed back only on that stream)."""
+    if _is_torch(like):
+        return new_like(like, shape, dtype)
+    import cupy
+    with cupy_stream(stream):
+        return cupy.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
+
+
+def _replay(plan, inputs, out, stream):
+    """Replay a recorded plan on ``inputs`` (w_q, x, scales, zeros, bias) and ``out``."""
+    x = inputs[1]
+    if isinstance(plan, OutputPlan):
+        out = plan.output(x, out)
+        plan.replay((*inputs, out), default_stream(x, stream) if plan.torch else stream)
+        return out
+    out = plan.out.output(x, out)
+    stream = default_stream(x, stream)
+    ws = _workspace(x, plan.ws_shape, "float32", stream)
+    plan.main.run((*inputs, out, ws), stream)
+    plan.reduce.run((ws, inputs[4], out), stream)
+    return out
+
+
+def _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, cfg, act, stream) -> None:
+    """M > 16: dequantize w into an (N, K) workspace of x's dtype (``cfg``'s dequantize kernel), then
+    rtk.matmul(x, wd, trans_b=True) (a correctness path: 5 bytes of traffic per weight element, not
+    tuned)."""
+    import cupy
+    from .matmul import matmul
+    with cupy_stream(stream):
+        wd = cupy.empty((n, k), dtype=np.uint16 if cfg.dtype == "bfloat16" else np.float16)
+    if k:
+        chunks = n * (-(-k // 16))
+        get_kernel(cfg, "quant_dequantize").launch((-(-chunks // 256),), (256,), wv, ss, zv, wd, n, k, ngroups,
+                                                   stream=stream)
+    item = xv.itemsize
+    x2 = cupy.lib.stride_tricks.as_strided(xv, (m, k), (ldx * item, item))
+    o2 = cupy.lib.stride_tricks.as_strided(ov, (m, n), (ldo * item, item))
+    matmul(x2, wd, bias=bv, activation=None if act == "none" else act, out=o2, trans_b=True,
+           dtype=cfg.dtype, stream=stream)

@@ -1,0 +1,422 @@
+"""quantized_matmul / quantize_weight: config validation, the heuristic, compile without spills, a
+NumPy model of the kernel's dequantization bit tricks, quantization against brute-force references,
+and on a GPU the op against the float64 dequantized product over awkward shapes."""
+import numpy as np
+import pytest
+
+from rtkernels.errors import ConfigError
+from rtkernels.ops import quant_matmul as qm
+from rtkernels.ops.quant_matmul import QuantGemvConfig
+
+LLAMA = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (28672, 8192),
+         (8192, 28672))
+
+
+# ---- config and heuristic ------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, field", [
+    (dict(dtype="float32"), "dtype"),
+    (dict(weight_dtype="int4"), "weight_dtype"),
+    (dict(scale_dtype="int8"), "scale_dtype"),
+    (dict(group_size=32), "group_size"),
+    (dict(group_size=96), "group_size"),
+    (dict(weight_dtype="float8_e4m3", has_zeros=True), "has_zeros"),
+    (dict(activation="tanh"), "activation"),
+    (dict(m_tiles=3), "m_tiles"),
+    (dict(row_tiles=3), "row_tiles"),
+    (dict(row_tiles=4, m_tiles=2, unroll=1), "row_tiles"),
+    (dict(row_tiles=2, unroll=8), "unroll"),
+    (dict(num_warps=6), "num_warps"),
+    (dict(num_warps=8, warps_k=16), "warps_k"),
+    (dict(w_vec=3), "w_vec"),
+    (dict(x_vec=16), "x_vec"),
+    (dict(split_k=0), "split_k"),
+])
+def test_config_errors(bad, field):
+    with pytest.raises(ConfigError) as e:
+        QuantGemvConfig(**bad)
+    assert e.value.field == field and "quant_gemv" in str(e.value)
+
+
+def test_config_derived():
+    c = QuantGemvConfig(row_tiles=2, num_warps=8, warps_k=4, m_tiles=2, unroll=2)
+    assert c.warps_n == 2 and c.cta_rows == 64 and c.threads_per_block == 256
+    assert c.shared_mem_bytes == 3 * 2 * 2 * 2 * 4 * 32 * 4
+    assert c.grid(4097) == (65, 1, 1)
+    assert QuantGemvConfig(warps_k=1).shared_mem_bytes == 0
+    assert QuantGemvConfig(activation=None).activation == "none"
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n, k", LLAMA)
+def test_heuristic_llama_shapes(m, n, k):
+    """Every target shape fills 132 SMs with one kernel (no split-K), each warp with work."""
+    c = qm.heuristic_config("bfloat16", m, n, k, sm_count=132)
+    assert c.split_k == 1
+    ctas = c.grid(n)[0]
+    assert ctas >= 0.95 * 132, (n, c.key())
+    assert -(-k // 64) >= c.warps_k * c.unroll, "every warp has a full iteration"
+    assert c.m_tiles == (1 if m <= 8 else 2)
+
+
+def test_heuristic_small_n_splits_k():
+    c = qm.heuristic_config("float16", 1, 1024, 4096, sm_count=132)
+    assert c.split_k >= 2 and c.grid(1024)[0] * c.split_k >= 0.95 * 132
+    tiny = qm.heuristic_config("float16", 3, 7, 72, sm_count=132)
+    assert tiny.split_k == 1   # too little K to split
+
+
+def test_vec_width():
+    assert qm._vec_width(4096, 256, None, 1, 16) == 16
+    assert qm._vec_width(4104, 256, None, 1, 16) == 8
+    assert qm._vec_width(129, 256, None, 1, 16) == 1
+    assert qm._vec_width(4096, 258, 4096, 2, 8) == 1        # x base 2 bytes off 16
+    assert qm._vec_width(4096, 256, 4100, 2, 8) == 4        # row stride 4100 elements
+    assert qm._vec_width(72, 256, 0, 2, 8) == 8             # broadcast rows (stride 0)
+
+
+# ---- compile: the heuristic's configs, no spills ---------------------------------------------------
+def _compiled_configs():
+    h = qm.heuristic_config
+    return [
+        h("bfloat16", 1, 14336, 4096, weight_dtype="int8", sm_count=132),                     # row_tiles 4
+        h("float16", 16, 4096, 4096, weight_dtype="int8", group_size=128, has_zeros=True, has_bias=True,
+          activation="gelu", sm_count=132),                                                  # m_tiles 2
+        h("bfloat16", 16, 8192, 8192, weight_dtype="float8_e4m3", group_size=64, scale_dtype="bfloat16",
+          sm_count=132),
+        h("bfloat16", 4, 4096, 4096, weight_dtype="uint8", has_zeros=True, has_bias=True, activation="silu",
+          sm_count=132),
+        h("float16", 1, 6144, 4096, weight_dtype="float8_e4m3", scale_dtype="float16", activation="relu",
+          sm_count=132),
+        h("bfloat16", 3, 129, 4096, weight_dtype="int8", w_vec=1, x_vec=1, group_size=64, has_zeros=True,
+          has_bias=True, sm_count=132),                                                      # split-K, scalar loads
+    ]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    import rtkernels as rtk
+    return [(cfg, {name: rtk.get_kernel(cfg, name, arch="sm_90") for name in QuantGemvConfig.kernels})
+            for cfg in _compiled_configs()]
+
+
+def test_heuristic_configs_compile_clean(compiled):
+    from rtkernels.inspect import sass_stats
+    assert any(c.split_k > 1 for c, _ in compiled) and any(c.row_tiles == 4 for c, _ in compiled)
+    for cfg, kernels in compiled:
+        for name, k in kernels.items():
+            r = k.resources
+            assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (cfg.key(), name, r)
+        main = kernels["quant_gemv"]
+        assert main.resources.registers <= 128, cfg.key()   # two CTAs of 8 warps per SM
+        s = sass_stats(main.sass)
+        assert s["hmma"] >= 4 * cfg.row_tiles * cfg.m_tiles, cfg.key()
+        if cfg.w_vec == 16:
+            # 2 * row_tiles * unroll weight loads + 2 * m_tiles x loads per block, all 16 bytes wide
+            assert s["ldg_128"] >= 2 * cfg.row_tiles * cfg.unroll + 2 * cfg.m_tiles * cfg.unroll, cfg.key()
+            assert "LDG.E.128.CONSTANT" in main.sass or "L1::no_allocate" in main.ptx
+
+
+# ---- a NumPy model of the kernel's dequantization (the constants of templates/quant_gemv.cu.j2) ------
+def _prmt(a, b, sel):
+    by = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(by[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_e4m3_bit_trick_model(half):
+    """All 256 e4m3 encodings through prmt + shift/mask + one multiply by 2^8 (half) / 2^120 (bf16)
+    equal their values (NaN encodings read as +-480)."""
+    shift, mask = (1, 0x3F803F80) if half else (4, 0x07F007F0)
+    got = []
+    for b in range(0, 256, 4):
+        w = b | (b + 1) << 8 | (b + 2) << 16 | (b + 3) << 24
+        for sel in (0x1404, 0x3424):
+            t = _prmt(w, 0, sel)
+            r = ((t >> shift) & mask) | (t & 0x80008000)
+            for lane in (r & 0xFFFF, r >> 16):
+                if half:
+                    got.append(float(np.array([lane], np.uint16).view(np.float16)[0]) * 2.0 ** 8)
+                else:
+                    got.append(float(np.array([lane << 16], np.uint32).view(np.float32)[0]) * 2.0 ** 120)
+    want = qm.E4M3_VALUES.copy()
+    want[0x7F], want[0xFF] = 480.0, -480.0
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+@pytest.mark.parametrize("kind", ["int8", "uint8"])
+def test_integer_exponent_trick_model(kind):
+    """Every byte and zero point: half(0x64XX) - (1024 + offset) and float(0x4B0000XX) - (2^23 +
+    offset) give q - zero exactly (offset = zero, plus 128 for int8 after the byte flip)."""
+    zs = range(-128, 128, 17) if kind == "int8" else range(0, 256, 17)
+    for z in zs:
+        off = (128 if kind == "int8" else 0) + z
+        for q in (range(-128, 128) if kind == "int8" else range(256)):
+            u = ((q & 0xFF) ^ 0x80) if kind == "int8" else q
+            h = np.array([_prmt(u, 0x64646464, 0x4140) & 0xFFFF], np.uint16).view(np.float16)[0]
+            hoff = np.float16(1024 + off)
+            assert float(np.float16(h - hoff)) == q - z
+            f = np.array([_prmt(u, 0x4B000000, 0x7440)], np.uint32).view(np.float32)[0]
+            assert float(np.float32(f - np.float32(8388608 + off))) == q - z
+
+
+# ---- quantization against brute-force references --------------------------------------------------
+def test_encode_e4m3_is_nearest_even():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(5000) * 60, rng.standard_normal(2000) * 0.02,
+                        [0.0, -0.0, 448, 460, 500, -1e6, 2 ** -10, 1.5 * 2 ** -9, 2.5 * 2 ** -9, 1.0625, 1.1875,
+                         -1.0625, 2 ** -6 * 1.0625]])
+    bits = qm.encode_e4m3(np, x)
+    vals = qm.E4M3_VALUES[bits]
+    finite = np.where(np.isnan(qm.E4M3_VALUES), np.inf, qm.E4M3_VALUES)
+    xc = np.clip(x, -448, 448)
+    dist = np.abs(finite[None, :] - xc[:, None])
+    best = dist.min(axis=1)
+    assert np.all(np.abs(vals - xc) == best)
+    # ties go to the even mantissa: 1.0625 lies between 1.0 (m=0) and 1.125 (m=1)
+    assert vals[-4] == 1.0 and vals[-3] == 1.25 and vals[-2] == -1.0
+    assert not np.any(np.isnan(vals))
+
+
+@pytest.mark.parametrize("kind", ["int8", "uint8", "float8_e4m3"])
+@pytest.mark.parametrize("group", [None, 64, 128])
+def test_quantize_weight_numpy(kind, group):
+    rng = np.random.default_rng(2)
+    n, k = 37, 200                        # k not a multiple of the group: a short last group
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.1, 3, (n, 1)).astype(np.float32)
+    w[3] = 0.0                            # an all-zero row: scale 1
+    res = qm.quantize_weight(w, dtype=kind, group_size=group)
+    q, s = res[:2]
+    z = res[2] if kind == "uint8" else None
+    assert len(res) == (3 if kind == "uint8" else 2)
+    ng = -(-k // group) if group else None
+    assert s.dtype == np.float32 and s.shape == ((n,) if group is None else (n, ng))
+    assert q.shape == (n, k) and q.dtype == (np.int8 if kind == "int8" else np.uint8)
+    g = group or k
+    for r in range(n):
+        for j in range(0, k, g):
+            blk = w[r, j:j + g].astype(np.float64)
+            sc = float(s[r] if group is None else s[r, j // g])
+            if not np.any(blk):
+                assert sc == 1.0
+                continue
+            if kind == "int8":
+                assert np.isclose(sc, np.abs(blk).max() / 127, rtol=1e-6)
+                qi = q[r, j:j + g].astype(np.int64)
+                np.testing.assert_array_equal(qi, np.clip(np.rint(blk / sc), -127, 127))
+            elif kind == "uint8":
+                lo, hi = min(blk.min(), 0.0), max(blk.max(), 0.0)
+                assert np.isclose(sc, (hi - lo) / 255, rtol=1e-6)
+                zz = int(z[r] if group is None else z[r, j // g])
+                assert zz == np.clip(np.rint(-lo / sc), 0, 255)
+                deq = (q[r, j:j + g].astype(np.float64) - zz) * sc
+                assert np.all(np.abs(deq - blk) <= 0.5 * sc * (1 + 1e-5))
+            else:
+                assert np.isclose(sc, np.abs(blk).max() / 448, rtol=1e-6)
+                deq = qm.E4M3_VALUES[q[r, j:j + g]] * sc
+                # round to nearest e4m3 of blk / sc: within half a step (2^-4 relative, 2^-10 absolute)
+                y = blk / sc
+                assert np.all(np.abs(deq / sc - y) <= np.maximum(np.abs(y) * 2.0 ** -4, 2.0 ** -10) * (1 + 1e-6))
+    ref = qm.dequantize_reference(q, s, group_size=group, zeros=z, weight_dtype=kind)
+    assert ref.shape == (n, k)
+
+
+def test_quantize_weight_errors():
+    w = np.ones((4, 64), np.float32)
+    with pytest.raises(ConfigError) as e:
+        qm.quantize_weight(w, dtype="int4")
+    assert e.value.field == "dtype"
+    with pytest.raises(ConfigError) as e:
+        qm.quantize_weight(w, group_size=32)
+    assert e.value.field == "group_size" and "multiple of 64" in str(e.value)
+    with pytest.raises(ConfigError):
+        qm.quantize_weight(np.ones(8, np.float32))
+
+
+def test_reference_matches_manual():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((5, 130)).astype(np.float32)
+    q, s, z = qm.quantize_weight(w, dtype="uint8", group_size=64)
+    x = rng.standard_normal((3, 130))
+    b = rng.standard_normal(5)
+    deq = np.empty((5, 130))
+    for r in range(5):
+        for j in range(130):
+            deq[r, j] = (float(q[r, j]) - float(z[r, j // 64])) * float(s[r, j // 64])
+    want = np.maximum(x @ deq.T + b, 0)
+    got = qm.quantized_matmul_reference(x, q, s, group_size=64, zeros=z, bias=b, activation="relu")
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.abs(deq - w).max() < 0.05 * np.abs(w).max()
+
+
+# ---- GPU -------------------------------------------------------------------------------------------
+TOL = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def _case(rng, m, n, k, dtype, kind, group, zeros, lead=None):
+    """(x device, x float64, w_q, scales, zeros-or-None) with x (m, k) (or lead + (k,))."""
+    from gpu_util import random_array
+    import cupy as cp
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    res = qm.quantize_weight(w, dtype=kind, group_size=group)   # uint8: with zeros
+    q, s = res[0], res[1]
+    z = res[2] if len(res) == 3 else None
+    if zeros and kind == "int8":   # int8 with zero points: w = (q - z) * s
+        z = rng.integers(-20, 20, s.shape).astype(np.int8)
+    x, x64 = random_array(rng, (lead or (m,)) + (k,), dtype)
+    return x, x64, cp.asarray(q), cp.asarray(s), None if z is None else cp.asarray(z), q, s, z
+
+
+def _check(got_dev, x64, q, s, z, group, kind, dtype, bias64=None, act=None, what=""):
+    from gpu_util import to_f64
+    got = got_dev if isinstance(got_dev, np.ndarray) else to_f64(got_dev, dtype)
+    ref = qm.quantized_matmul_reference(x64, q, s, group_size=group, zeros=z, bias=bias64, activation=act,
+                                        weight_dtype=kind)
+    w = qm.dequantize_reference(q, s, group_size=group, zeros=z, weight_dtype=kind)
+    scale = np.sqrt((x64 ** 2) @ (w ** 2).T)      # size of the sum's terms
+    err = np.abs(got - ref)
+    bound = TOL[dtype] * (np.abs(ref) + 4 * scale) + 1e-30
+    assert not np.any(np.isnan(got)), f"{what}: NaN in the output"
+    worst = float((err / bound).max()) if err.size else 0.0
+    where = np.unravel_index(np.argmax(err / bound), err.shape) if err.size else ()
+    assert worst <= 1.0, f"{what}: max error {err.max():.3g} at {where} ({worst:.2f}x the bound; " \
+                         f"max |ref| {np.abs(ref).max():.3g})"
+
+
+SHAPES = [(1, 4096, 4096), (3, 7, 72), (16, 129, 129), (17, 129, 72), (33, 4096, 8), (1, 1, 8), (16, 4096, 129),
+          (3, 129, 4096), (4, 7, 4096), (16, 1, 72), (1, 129, 4104)]
+KINDS = [("int8", None, False), ("int8", 64, False), ("int8", 128, True), ("uint8", 128, True),
+         ("float8_e4m3", None, False), ("float8_e4m3", 128, False)]
+
+
+# each shape with every other weight kind (alternating by shape): each kind meets about half the
+# shapes, and the GPU host compiles ~30 kernels instead of ~60
+CASES = [(*shape, *kind) for i, shape in enumerate(SHAPES) for j, kind in enumerate(KINDS) if (i + j) % 2 == 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, kind, group, zeros", CASES)
+def test_quantized_matmul_gpu(m, n, k, kind, group, zeros):
+    import cupy as cp
+    from gpu_util import poison
+    import rtkernels as rtk
+    dtype = "bfloat16" if (m + n + k) % 2 else "float16"
+    rng = np.random.default_rng(m * 1000003 + n * 101 + k)
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, dtype, kind, group, zeros)
+    wdt = "float8_e4m3" if kind == "float8_e4m3" else None
+    out = poison(cp.empty((m, n), dtype=x.dtype))
+    rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, weight_dtype=wdt, dtype=dtype)
+    cfg = qm.heuristic_config(dtype, min(m, 16), n, k, weight_dtype=kind, group_size=group or 0,
+                              has_zeros=zeros, sm_count=132)
+    _check(out, x64, q, s, z, group, kind, dtype,
+           what=f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} ({cfg.key()})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (16, 129, 4096), (33, 7, 72)])
+def test_bias_activation_gpu(m, n, k, act):
+    from gpu_util import random_array
+    import rtkernels as rtk
+    dtype = "bfloat16"
+    rng = np.random.default_rng(7 + m + n)
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, dtype, "int8", 128, False)
+    b, b64 = random_array(rng, (n,), dtype)
+    y = rtk.quantized_matmul(x, qd, sd, group_size=128, bias=b, activation=act, dtype=dtype)
+    _check(y, x64, q, s, z, 128, "int8", dtype, bias64=b64, act=act, what=f"{act} M={m} N={n} K={k}")
+
+
+@pytest.mark.gpu
+def test_strided_views_and_batch_gpu():
+    """x as a row slice (read in place), a column-strided view (copied), batched leading dims; out as a
+    row slice of a wider poisoned array whose other columns stay untouched."""
+    import cupy as cp
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    rng = np.random.default_rng(11)
+    n, k = 129, 4096
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q, s = qm.quantize_weight(w, dtype="int8", group_size=64)
+    qd, sd = cp.asarray(q), cp.asarray(s)
+    big, big64 = random_array(rng, (5, k + 24), "float16")
+    outbig = poison(cp.empty((5, n + 9), dtype=cp.float16))
+    rtk.quantized_matmul(big[:, 8:8 + k], qd, sd, group_size=64, out=outbig[:, :n])
+    _check(outbig[:, :n], big64[:, 8:8 + k], q, s, None, 64, "int8", "float16", what="row slice")
+    assert np.all(np.isnan(to_f64(outbig[:, n:], "float16"))), "columns past N were written"
+    wide, wide64 = random_array(rng, (3, 2 * k), "float16")
+    y = rtk.quantized_matmul(wide[:, ::2], qd, sd, group_size=64)
+    _check(y, wide64[:, ::2], q, s, None, 64, "int8", "float16", what="column-strided x")
+    xb, xb64 = random_array(rng, (2, 3, k), "float16")
+    yb = rtk.quantized_matmul(xb, qd, sd, group_size=64)
+    assert yb.shape == (2, 3, n)
+    _check(yb.reshape(6, n), xb64.reshape(6, k), q, s, None, 64, "int8", "float16", what="batched x")
+
+
+@pytest.mark.gpu
+def test_deterministic_and_replay_gpu():
+    """Split-K (N = 129) runs twice bit-identically, through the recorded plan the second time."""
+    import cupy as cp
+    import rtkernels as rtk
+    rng = np.random.default_rng(12)
+    x, x64, qd, sd, zd, q, s, z = _case(rng, 4, 129, 8192, "bfloat16", "int8", None, False)
+    y1 = rtk.quantized_matmul(x, qd, sd, dtype="bfloat16")
+    n_plans = len(qm._PLANS)
+    y2 = rtk.quantized_matmul(x, qd, sd, dtype="bfloat16")
+    assert len(qm._PLANS) == n_plans
+    assert qm.heuristic_config("bfloat16", 4, 129, 8192, sm_count=cp.cuda.Device().attributes[
+        "MultiProcessorCount"]).split_k > 1
+    assert cp.array_equal(y1, y2)
+    _check(y2, x64, q, s, z, None, "int8", "bfloat16", what="split-K replay")
+
+
+@pytest.mark.gpu
+def test_errors_gpu():
+    import cupy as cp
+    import rtkernels as rtk
+    x = cp.zeros((2, 128), cp.float16)
+    q = cp.zeros((8, 128), cp.int8)
+    s = cp.ones((8,), cp.float32)
+    for kwargs, field in ((dict(group_size=48), "group_size"), (dict(activation="tanh"), "activation"),
+                          (dict(zeros=cp.zeros((8,), cp.uint8)), "zeros"),
+                          (dict(bias=cp.zeros((7,), cp.float16)), "bias"),
+                          (dict(out=cp.zeros((2, 9), cp.float16)), "out")):
+        with pytest.raises(ConfigError) as e:
+            rtk.quantized_matmul(x, q, s, **kwargs)
+        assert e.value.field == field, (kwargs, e.value)
+    with pytest.raises(ConfigError) as e:
+        rtk.quantized_matmul(x, q, cp.ones((8, 2), cp.float32))          # group scales without group_size
+    assert e.value.field == "scales"
+    with pytest.raises(ConfigError) as e:
+        rtk.quantized_matmul(x, q[:, ::2], s)
+    assert e.value.field == "w_q"
+    with pytest.raises(ConfigError) as e:
+        rtk.quantized_matmul(cp.zeros((2, 64), cp.float16), q, s)
+    assert e.value.field == "x"
+    with pytest.raises(ConfigError) as e:
+        rtk.quantized_matmul(x.astype(cp.float32), q, s)
+    assert e.value.field == "x"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_torch_inputs_gpu(m):
+    torch = pytest.importorskip("torch")
+    import rtkernels as rtk
+    n, k = 4096, 4096
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16)
+    for kind, group in (("float8_e4m3", 128), ("int8", None)):
+        q, s = qm.quantize_weight(w, dtype=kind, group_size=group)
+        assert q.is_cuda and (q.dtype == torch.float8_e4m3fn if kind == "float8_e4m3" else q.dtype == torch.int8)
+        for _ in range(2):   # the second call replays the plan
+            y = rtk.quantized_matmul(x, q, s, group_size=group, bias=b, activation="silu")
+        assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and y.shape == (m, n)
+        x64 = x.double().cpu().numpy()
+        qh = q.view(torch.uint8).cpu().numpy() if kind == "float8_e4m3" else q.cpu().numpy()
+        _check(y.float().cpu().numpy().astype(np.float64), x64, qh, s.cpu().numpy(), None, group, kind, "bfloat16",
+               bias64=b.double().cpu().numpy(), act="silu", what=f"torch {kind} M={m}")
+        # the same quantization on the host
+        qn = qm.quantize_weight(w.float().cpu().numpy(), dtype=kind, group_size=group)
+        np.testing.assert_array_equal(qh, qn[0])
+        np.testing.assert_array_equal(s.cpu().numpy(), qn[1])

@@ -1,0 +1,219 @@
+"""Weight-only quantized matmul at decode batch sizes: rtk.quantized_matmul vs cuBLAS bf16.
+
+For each (N, K) of the Llama-3 8B / 70B projections and M in {1, 4, 16}: the time of
+rtk.quantized_matmul (int8 per-channel, int8 group 128, float8 e4m3 group 128), its GB/s over the
+quantized weight bytes (N * K, one byte each: the scales add 1/32 .. 1/128 more and are not
+counted), that rate as % of the device copy measured in the same run (bytes read + written per
+second, benchutil.copy_bandwidth), cuBLAS bf16 on the same shape (torch.matmul(x, w.T), bf16
+weights) and rtk's speedup over it.  Calls are queued behind a spin kernel (benchutil.time_queued:
+kernel time back to back, host cost hidden), rtk and cuBLAS interleaved in two rounds (the better
+median of each kept), and each candidate rotates among weight copies totalling >= 256 MiB so no
+call finds its weight in L2 (50 MiB).  Targets (issue 20): >= 85% of copy and >= 1.0x cuBLAS at
+M in {1, 4, 16}.
+
+    PYTHONPATH=. python tools/bench_quant_matmul.py [--out DIR] [--kinds int8,int8_g128,fp8_g128]
+        [--ms 1,4,16] [--sweep]   # --sweep: tile candidates at 3 shapes (M = 1, 16), ~1 min more
+
+Each case also checks rtk against torch's float32 product of the dequantized weight (max error
+relative to max |y|).  About 1-1.5 minutes on an H100.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchutil  # noqa: E402
+
+SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (28672, 8192),
+          (8192, 28672))
+KINDS = {"int8": ("int8", None), "int8_g128": ("int8", 128), "fp8_g128": ("float8_e4m3", 128),
+         "fp8": ("float8_e4m3", None), "uint8_g128": ("uint8", 128)}
+SET_BYTES = 256 << 20
+
+
+def _weights(cp, n, k, kind, group, count):
+    """``count`` (w_q, scales, zeros) sets of random codes (no e4m3 NaN encodings)."""
+    sets = []
+    ng = -(-k // group) if group else None
+    for _ in range(count):
+        if kind == "int8":
+            q = cp.random.randint(-127, 128, (n, k), dtype=cp.int8)
+        else:
+            q = cp.random.randint(0, 256, (n, k), dtype=cp.uint8)
+            if kind == "float8_e4m3":
+                q[(q & 0x7F) == 0x7F] ^= 1
+        shape = (n,) if group is None else (n, ng)
+        s = (cp.random.random_sample(shape, dtype=cp.float32) * 0.01 + 0.001).astype(cp.float32)
+        z = cp.random.randint(100, 156, shape, dtype=cp.uint8) if kind == "uint8" else None
+        sets.append((q, s, z))
+    return sets
+
+
+def _as_torch(torch, sets, kind):
+    """The CuPy sets as torch tensors (zero copy; float8 weights as torch.float8_e4m3fn)."""
+    out = []
+    for q, s, z in sets:
+        tq = torch.from_dlpack(q)
+        if kind == "float8_e4m3":
+            tq = tq.view(torch.float8_e4m3fn)
+        out.append((tq, torch.from_dlpack(s), None if z is None else torch.from_dlpack(z)))
+    return out
+
+
+def _dequant_t(torch, qm, q, s, z, group, kind):
+    """float32 torch (N, K) of a set's weight: the reference's formula (dequantize_reference),
+    evaluated on the GPU with CuPy."""
+    import cupy as cp
+    if kind == "float8_e4m3":
+        table = cp.asarray(qm.E4M3_VALUES, dtype=cp.float32)
+        v = table[q]
+    else:
+        v = q.astype(cp.float32)
+        if z is not None:
+            v -= (z[:, None] if group is None else cp.repeat(z, group, axis=1)[:, :q.shape[1]]).astype(cp.float32)
+    sc = s[:, None] if group is None else cp.repeat(s, group, axis=1)[:, :q.shape[1]]
+    return torch.from_dlpack(v * sc)
+
+
+def run_case(args, torch, rtk, qm, n, k, m, kind_name, copy_gbs, tsets_cache):
+    import cupy as cp
+    from benchutil import time_queued
+    kind, group = KINDS[kind_name]
+    count = max(2, -(-SET_BYTES // (n * k)))
+    sets = _weights(cp, n, k, kind, group, count)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    inputs = _as_torch(torch, sets, kind)   # all-torch calls replay their launch plan
+
+    def call(q, s, z):
+        rtk.quantized_matmul(x, q, s, group_size=group, zeros=z, out=out)
+
+    # correctness: the first set against torch's float32 product of its dequantized weight
+    call(*inputs[0])
+    ref = x.float() @ _dequant_t(torch, qm, *sets[0], group, kind).T
+    err = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+    key = (n, k)
+    if key not in tsets_cache:
+        tsets_cache.clear()
+        torch.cuda.empty_cache()
+        tcount = max(2, -(-SET_BYTES // (2 * n * k)))
+        tsets_cache[key] = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16),) for _ in range(tcount)]
+    tsets = tsets_cache[key]
+    tout = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def cublas(w):
+        torch.matmul(x, w.T, out=tout)
+
+    rtk_ms, cublas_ms = [], []
+    for _ in range(2):
+        rtk_ms.append(time_queued(call, inputs, repeat=args.repeat)[0])
+        cublas_ms.append(time_queued(cublas, tsets, repeat=args.repeat)[0])
+    ms, ms_c = min(rtk_ms), min(cublas_ms)
+    gbs = n * k / (ms * 1e-3) / 1e9
+    cfg = qm.heuristic_config("bfloat16", m, n, k, weight_dtype=kind, group_size=group or 0,
+                              has_zeros=kind == "uint8")
+    del sets, inputs
+    return {"N": n, "K": k, "M": m, "kind": kind_name, "rtk_us": ms * 1e3, "GBs": gbs,
+            "%copy": 100 * gbs / copy_gbs, "cublas_bf16_us": ms_c * 1e3, "vs_cublas": ms_c / ms,
+            "cublas_GBs": 2 * n * k / (ms_c * 1e-3) / 1e9, "rel_err": err,
+            "tiles": f"r{cfg.row_tiles}u{cfg.unroll}w{cfg.num_warps}k{cfg.warps_k}s{cfg.split_k}"}
+
+
+def sweep(args, torch, rtk, qm, copy_gbs):
+    """Tile candidates (QuantGemvConfig's tiling through config=) at a few shapes, int8 per-channel."""
+    import cupy as cp
+    from benchutil import time_queued
+    rows = []
+    for (n, k) in ((4096, 4096), (14336, 4096), (1024, 4096)):
+        count = max(2, -(-SET_BYTES // (n * k)))
+        sets = _as_torch(torch, _weights(cp, n, k, "int8", None, count), "int8")
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            base = qm.heuristic_config("bfloat16", m, n, k)
+            cands = qm.candidate_configs(base)
+            res = []
+            for cfg in cands:
+                def call(q, s, z, cfg=cfg):
+                    rtk.quantized_matmul(x, q, s, out=out, config=cfg)
+                try:
+                    ms = time_queued(call, sets, repeat=args.repeat)[0]
+                except Exception as e:   # noqa: BLE001  (a candidate that does not fit is skipped)
+                    print(f"  skip {cfg.key()}: {type(e).__name__}: {e}"[:160])
+                    continue
+                gbs = n * k / (ms * 1e-3) / 1e9
+                tag = f"r{cfg.row_tiles}u{cfg.unroll}w{cfg.num_warps}k{cfg.warps_k}s{cfg.split_k}"
+                res.append({"N": n, "K": k, "M": m, "tiles": tag, "us": ms * 1e3, "GBs": gbs,
+                            "%copy": 100 * gbs / copy_gbs,
+                            "default": all(getattr(cfg, f) == getattr(base, f) for f in qm._TILE_FIELDS)})
+            res.sort(key=lambda r: r["us"])
+            rows += res
+            best, dflt = res[0], next((r for r in res if r["default"]), None)
+            print(f"sweep N={n} K={k} M={m}: best {best['tiles']} {best['%copy']:.1f}% copy; default "
+                  f"{dflt['tiles'] if dflt else '?'} {dflt['%copy'] if dflt else float('nan'):.1f}%", flush=True)
+        del sets
+    return rows
+
+
+def main():
+    p = benchutil.parser(__doc__.splitlines()[0])
+    p.add_argument("--kinds", default="int8,int8_g128,fp8_g128")
+    p.add_argument("--ms", default="1,4,16")
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--sweep", action="store_true", help="also time tile candidates at 3 shapes")
+    args = p.parse_args()
+    import cupy as cp  # noqa: F401
+    import torch
+    import rtkernels as rtk
+    from rtkernels.ops import quant_matmul as qm
+    t0 = time.time()
+    env = benchutil.environment()
+    env["torch"] = torch.__version__
+    copy_gbs = benchutil.copy_bandwidth(1 << 30)
+    print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
+    rows, cache, failed = [], {}, []
+    ms_list = [int(v) for v in args.ms.split(",")]
+    for n, k in SHAPES:
+        for kind in args.kinds.split(","):
+            for m in ms_list:
+                try:
+                    r = run_case(args, torch, rtk, qm, n, k, m, kind, copy_gbs, cache)
+                except Exception as e:   # noqa: BLE001  (report it, keep the other cases' numbers)
+                    print(f"N={n} K={k} M={m} {kind}: FAILED {type(e).__name__}: {e}"[:300], flush=True)
+                    failed.append({"N": n, "K": k, "M": m, "kind": kind, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                rows.append(r)
+                print(f"N={n} K={k} M={m} {kind}: {r['rtk_us']:.1f} us {r['%copy']:.1f}% copy, cuBLAS bf16 "
+                      f"{r['cublas_bf16_us']:.1f} us ({r['vs_cublas']:.2f}x), err {r['rel_err']:.1e}", flush=True)
+    cache.clear()
+    sweep_rows = []
+    if args.sweep:
+        try:
+            sweep_rows = sweep(args, torch, rtk, qm, copy_gbs)
+        except Exception as e:   # noqa: BLE001  (keep the main table)
+            print(f"sweep FAILED: {type(e).__name__}: {e}"[:300])
+    path = benchutil.save(args.out, "quant_matmul", {"environment": env, "copy_GBs": copy_gbs, "rows": rows,
+                                                     "failed": failed, "sweep": sweep_rows,
+                                                     "seconds": time.time() - t0})
+    if failed:
+        print(f"\n{len(failed)} cases FAILED (first: {failed[0]})")
+    if not rows:
+        return
+    if sweep_rows:
+        print("\nsweep (fastest first per shape):")
+        print(benchutil.table(sweep_rows, ["N", "K", "M", "tiles", "us", "GBs", "%copy", "default"]))
+    worst = min(rows, key=lambda r: r["%copy"])
+    print(f"\n{env['gpu']} ({env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; {time.time() - t0:.0f} s; "
+          f"lowest %copy {worst['%copy']:.1f} (N={worst['N']} K={worst['K']} M={worst['M']} {worst['kind']}), "
+          f"lowest vs cuBLAS {min(r['vs_cublas'] for r in rows):.2f}x")
+    print(benchutil.table(rows, ["N", "K", "M", "kind", "tiles", "rtk_us", "GBs", "%copy", "cublas_bf16_us",
+                                 "vs_cublas", "rel_err"]))
+
+
+if __name__ == "__main__":
+    main()
