@@ -8,8 +8,8 @@ every operand read inside its tile), the chosen configs compile for sm_90a witho
 memory, and the SASS holds the HGMMAs, TMA loads (UTMALDG) and 16-byte dQ reductions it is built on.
 GPU (``-m gpu``, sm_90 only): tests/test_attention_bwd.py's reference and 2x error rule through this
 kernel explicitly: head dims 136..256, odd seqlens (1, 77, 1000) with seqlen_q != seqlen_k, causal,
-GQA/MQA, strided views and a custom scale, windows and softcap, deterministic runs bit-identical.
-(Varlen with window + softcap at d192/d256 runs through it in tests/test_attention_varlen.py.)
+GQA/MQA, strided views and a custom scale, windows and softcap, deterministic runs bit-identical
+(and, varlen with window + softcap, tests/test_attention_varlen.py's runner).
 """
 from __future__ import annotations
 
@@ -235,6 +235,22 @@ def test_gpu_window_and_softcap(d, causal, window, softcap):
             err, err_low = bwd_tests._rel_gpu(g64, r), bwd_tests._rel_gpu(lo, r)
             assert err <= 2 * err_low + 2 ** -7, f"sq={sq} sk={sk} d={d} {mask}: {name} rel err {err:.3e} vs " \
                                                  f"reference-in-bf16 {err_low:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,det", [("float16", 192, False), ("bfloat16", 256, True), ("bfloat16", 152, False)])
+def test_gpu_varlen_window_softcap(dtype, d, det):
+    """Packed sequences (lengths 0, 1, 17, 128, 200, ...), causal with a window and a softcap, GQA:
+    tests/test_attention_varlen.py's case runner through the default dispatch (this kernel where
+    the masked build is clean, asserted)."""
+    _require_sm90()
+    import numpy as np
+    import test_attention_varlen as vl_tests
+    flags = (("has_window", True), ("has_softcap", True), ("is_varlen", True))
+    assert B90.picks(d, True, flags, dtype, det), "the masked build spills: the op would not pick it"
+    rng = np.random.default_rng(d)
+    vl_tests._varlen_backward(rng, vl_tests.SHORT_Q, vl_tests.SHORT_K, 6, 2, d, dtype, True, (100, 0), 30.0,
+                              deterministic=det)
 
 
 @pytest.mark.gpu

@@ -10,6 +10,10 @@ Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's
     PYTHONPATH=. python tools/bench_attention_bwd.py --out results/ [--quick] [--dtype bfloat16]
     PYTHONPATH=. python tools/bench_attention_bwd.py --sweep [--quick]   # every tile candidate
     PYTHONPATH=. python tools/bench_attention_bwd.py --quick --head-dims 64,128 --template old.cu.j2
+    PYTHONPATH=. python tools/bench_attention_bwd.py --head-dims 192,256 --seqlens 4096,16384 --with-mma
+
+--with-mma adds a column timing the mma.sync kernel (the Hopper kernels switched off) in the same
+run: head dims 136..256 ran on it before attention_bwd_sm90_big.
 
 --template times the Hopper backward compiled from another version of its template (before /
 after a change: ``git show BASE:templates/attention_bwd_sm90.cu.j2 > old.cu.j2``), same grid;
@@ -240,6 +244,8 @@ def main():
                    help="time the mma.sync kernel on sm_90 too (rtk.attention_backward's Hopper kernel off)")
     p.add_argument("--sweep", "--tune", action="store_true",
                    help="time every tile candidate (d 64/128, seqlens 2k/4k/8k) beside the peers")
+    p.add_argument("--with-mma", action="store_true",
+                   help="also time the mma.sync kernel (Hopper kernels off) in each cell: column rtk_mma_tflops")
     p.add_argument("--template", default=None,
                    help="compile the Hopper backward from this template file (before/after timings)")
     args = p.parse_args()
@@ -281,6 +287,16 @@ def main():
                 dbwd, _, _, _ = _ours(q, k, v, do, causal, args.dtype, True, torch)
                 row["rtk_det_tflops"] = 2.5 * fl / (bu.time_cuda(dbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                 row["det_ratio"] = row["rtk_det_tflops"] / row["rtk_tflops"]
+                if args.with_mma:
+                    H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
+                    H.ENABLED = False
+                    try:
+                        mbwd, _, _, mcfg = _ours(q, k, v, do, causal, args.dtype, False, torch)
+                        row["rtk_mma_tflops"] = 2.5 * fl / (bu.time_cuda(mbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["speedup_vs_mma"] = row["rtk_tflops"] / row["rtk_mma_tflops"]
+                    finally:
+                        H.ENABLED = True
+                    del mbwd
                 for name, backend in peers.items():
                     fns, pgrads, note = _sdpa(q, k, v, do, causal, backend, torch)
                     if fns is None:
@@ -315,6 +331,8 @@ def main():
         bu.plot(args.out, f"bench_attention_bwd_d{d}", series, "seqlen", "TFLOP/s (backward)",
                 f"attention backward {args.dtype} head_dim={d} ({env['gpu']})")
     cols = ["head_dim", "causal", "seqlen", "config", "rtk_tflops", "rtk_det_tflops", "det_ratio"]
+    if args.with_mma:
+        cols += ["rtk_mma_tflops", "speedup_vs_mma"]
     for name in peers:
         cols += [f"{name}_tflops", f"ratio_vs_{name}"]
     cols += ["rtk_fwdbwd_tflops"] + [f"{n}_fwdbwd_tflops" for n in peers]
