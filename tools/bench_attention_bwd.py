@@ -216,15 +216,21 @@ def _print_sweep(rows, summary, env, args):
     print(bu.table(summary, cols))
 
 
-def _use_template(path: str) -> None:
+def _use_template(path: str, big: bool = False) -> None:
     """The Hopper backward's kernels compiled from the template file ``path`` (same config
-    parameters and options) wherever the op would use the tree's templates/attention_bwd_sm90.cu.j2."""
+    parameters and options) wherever the op would use the tree's templates/attention_bwd_sm90.cu.j2
+    (``big``: templates/attention_bwd_sm90_big.cu.j2, head dims 136..256); the other family's
+    configs keep the tree's template."""
     from rtkernels.kernel import Kernel, build_module, resolve_arch
     from rtkernels.render import Template
     H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
+    BIG = importlib.import_module("rtkernels.ops.attention_bwd_sm90_big")
     tpl = Template.from_file(path)
+    tree_kernels_for = H.kernels_for
 
     def kernels_for(cfg, arch="sm_90a"):
+        if isinstance(cfg, BIG.AttentionBwdSm90BigConfig) != big:
+            return tree_kernels_for(cfg, arch)
         key = ("template", str(path), cfg, arch)
         hit = H._KERNELS.get(key)
         if hit is None:
@@ -248,9 +254,13 @@ def main():
                    help="also time the mma.sync kernel (Hopper kernels off) in each cell: column rtk_mma_tflops")
     p.add_argument("--template", default=None,
                    help="compile the Hopper backward from this template file (before/after timings)")
+    p.add_argument("--template-big", default=None,
+                   help="the same for head dims 136..256 (a version of templates/attention_bwd_sm90_big.cu.j2)")
     args = p.parse_args()
     if args.template:
         _use_template(args.template)
+    if args.template_big:
+        _use_template(args.template_big, big=True)
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
     if args.no_sm90:
