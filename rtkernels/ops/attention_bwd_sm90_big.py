@@ -63,6 +63,12 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
 
+    @classmethod
+    def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
+        """head_dim 192 when not given (the inherited default, 64, is attention_bwd_sm90's range):
+        ``rtk.compile("attention_bwd_sm90_big")`` builds a config the op runs."""
+        return {} if "head_dim" in params else {"head_dim": 192}
+
     @property
     def block_n(self) -> int:
         return _BLOCK_N
