@@ -174,6 +174,8 @@ GPU_COMBINED = [   # batch, sq, sk, h, hkv, d, causal, dtype, deterministic
     (1, 2048, 2048, 2, 2, 200, True, "bfloat16", True),
     (2, 17, 4097, 4, 1, 256, True, "float16", False),
     (1, 4097, 1000, 2, 1, 136, True, "bfloat16", True),
+    (2, 300, 301, 4, 2, 224, False, "bfloat16", False),    # d160, d224: a tile block past the head dim
+    (1, 301, 300, 2, 1, 160, True, "float16", True),       # is never loaded (LOAD_BLOCKS)
 ]
 
 
