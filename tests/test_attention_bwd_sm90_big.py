@@ -103,9 +103,13 @@ def built():
 
 
 def test_chosen_configs_compile_without_spills(built):
+    """No spills, and no wgmma pipeline serialized by ptxas (C7514-C7517: an accumulator touched by
+    ordinary instructions while its wgmma is in flight, or a wait the compiler had to inject)."""
     for (d, causal), (cfg, k) in built.items():
         r = k.resources
         assert not (r.spill_stores or r.spill_loads or r.stack_frame), (d, causal, cfg.deterministic, r)
+        notes = [line for line in k.module.log.splitlines() if "wgmma" in line]
+        assert not notes, (d, causal, notes)
 
 
 @pytest.mark.parametrize("d,causal", [(136, True), (192, False), (256, True)])
