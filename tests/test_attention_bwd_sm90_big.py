@@ -28,7 +28,8 @@ CHECKED_DIMS = [136, 144, 176, 192, 200, 248, 256]   # compiled on the CPU, caus
 
 
 @pytest.mark.parametrize("bad", [dict(head_dim=128), dict(head_dim=264), dict(head_dim=140), dict(dtype="float32"),
-                                 dict(num_stages=3), dict(deterministic="yes")])
+                                 dict(num_stages=3), dict(deterministic="yes"), dict(dq_mode="atomic"),
+                                 dict(dq_mode="bulk", deterministic=True), dict(head_dim=256, dq_mode="bulk")])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
         AttentionBwdSm90BigConfig(**{"head_dim": 192, **bad})
@@ -124,6 +125,16 @@ def test_sass_has_wgmma_tma_and_reductions(built, d, causal):
     assert "UTMALDG" in sass and "LDL" not in sass and "STL" not in sass
 
 
+def test_dq_bulk_mode_compiles_to_bulk_reductions():
+    from rtkernels.kernel import get_kernel
+    cfg = B90.choose_config("bfloat16", 192, True, False).replace(dq_mode="bulk")
+    assert cfg.shared_mem_bytes == AttentionBwdSm90BigConfig(head_dim=192).shared_mem_bytes + 64 * 192 * 4
+    k = get_kernel(cfg, arch="sm_90a")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    assert "UBLKRED" in k.sass and "REDG.E.ADD.F32x4" not in k.sass
+
+
 def test_dq_convert_and_dot_compile_clean():
     from rtkernels.kernel import get_kernel
     cfg = B90.choose_config("bfloat16", 256, True, False)
@@ -187,6 +198,17 @@ GPU_COMBINED = [   # batch, sq, sk, h, hkv, d, causal, dtype, deterministic
 @pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,det", GPU_COMBINED)
 def test_gpu_combined(batch, sq, sk, h, hkv, d, causal, dtype, det):
     _case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype", [
+    (2, 113, 203, 4, 2, 136, True, "bfloat16"), (1, 1000, 77, 2, 1, 176, False, "float16"),
+    (3, 255, 255, 16, 2, 192, True, "bfloat16"), (1, 77, 1000, 2, 2, 192, False, "float16")])
+def test_gpu_dq_bulk_mode(batch, sq, sk, h, hkv, d, causal, dtype):
+    """dq_mode="bulk": dQ halves staged in shared memory and added by TMA bulk reductions."""
+    _require_sm90()
+    cfg = BIG.choose_config(dtype, d, causal, False).replace(dq_mode="bulk")
+    bwd_tests._gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, hopper=cfg)
 
 
 @pytest.mark.gpu

@@ -43,6 +43,10 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         in [136, 256].
     deterministic : add each query tile's dQ partials in key-tile order (bit-identical runs).
     num_stages : depth of the Q/dO/lse/delta ring (1 or 2; 2 fits every head dim up to 256).
+    dq_mode : "red" - each thread adds its dQ fragments with 16-byte reductions (red.global.add.v4);
+        "bulk" - each consumer warpgroup stages its half of the f32 dQ tile in shared memory and one
+        thread adds it with a TMA bulk reduction (cp.reduce.async.bulk; +64 x head_dim x 4 B of
+        shared memory: two ring stages fit up to head_dim 192).  Not with ``deterministic``.
     """
 
     family: ClassVar[str] = FAMILY
@@ -52,6 +56,8 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     tma_box_cols: ClassVar[int] = 32   # 64-byte swizzled column blocks (attention_bwd_sm90: 64, 128 B)
     tma_swizzle: ClassVar[int] = 64
 
+    dq_mode: str = "red"
+
     def __post_init__(self):
         self._check_shape()
         if not MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM:
@@ -59,6 +65,9 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
                                    "attention_bwd_sm90)")
         self._check_choice("deterministic", (False, True))
         self._check_choice("num_stages", (1, 2))
+        self._check_choice("dq_mode", ("red", "bulk"))
+        if self.dq_mode == "bulk" and self.deterministic:
+            self._fail("dq_mode", '"red" with deterministic=True (the ordered flush adds from registers)')
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
@@ -86,12 +95,14 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     @property
     def shared_mem_bytes(self) -> int:
         """K and V (64 rows), num_stages x (Q, dO tiles of 64 rows + 64 lse and delta values), two
-        P^T and two dS^T buffers (64 x 64 x 2 B), the mbarriers and 1 KiB to align the base."""
+        P^T and two dS^T buffers (64 x 64 x 2 B), the f32 dQ staging tile (dq_mode "bulk"), the
+        mbarriers and 1 KiB to align the base."""
         kv = 2 * self.d_blocks * _BLOCK_N * 64
         ring = self.num_stages * (2 * self.d_blocks * _BLOCK_M * 64 + 2 * _BLOCK_M * 4)
         pds = 4 * _BLOCK_N * 128
+        dq = _BLOCK_M * self.head_dim * 4 if self.dq_mode == "bulk" else 0
         bars = 8 * (1 + 2 * self.num_stages)
-        return kv + ring + pds + bars + _ALIGN_SLACK
+        return kv + ring + pds + dq + bars + _ALIGN_SLACK
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
