@@ -102,20 +102,27 @@ def _attention_bwd_sm90_runs(params: dict) -> bool:
     return attention_bwd_sm90.picks(int(params.get("head_dim", 64)), bool(params.get("causal", False)))
 
 
+def _attention_bwd_sm90_family(params: dict) -> str:
+    from .ops import attention_bwd_sm90
+    return "attention_bwd_sm90_big" if int(params.get("head_dim", 64)) > attention_bwd_sm90.MAX_HEAD_DIM \
+        else "attention_bwd_sm90"
+
+
 def _matmul_sm90_runs(params: dict) -> bool:
     from .ops import matmul
     return matmul.USE_SM90 and params.get("dtype", "bfloat16") in ("float16", "bfloat16")
 
 
 OP_FAMILIES = {
-    # op (= its mma.sync family): (sm_90 family, the op's call-level parameters, rule, what runs)
+    # op (= its mma.sync family): (sm_90 family or a function of the parameters naming it, the op's
+    # call-level parameters, rule, what runs)
     "attention": ("attention_sm90", ("dtype", "head_dim", "causal"), _attention_sm90_runs,
                   "rtk.attention runs attention_sm90 (TMA + wgmma) on sm_90 for arrays TMA can address "
                   "(contiguous ones, packed-qkv slices)"),
-    "attention_backward": ("attention_bwd_sm90", ("dtype", "head_dim", "causal", "deterministic"),
+    "attention_backward": (_attention_bwd_sm90_family, ("dtype", "head_dim", "causal", "deterministic"),
                            _attention_bwd_sm90_runs,
                            "rtk.attention_backward runs attention_bwd_sm90 on sm_90 for head_dim <= 128 "
-                           "(larger head dims keep the mma.sync kernel)"),
+                           "and attention_bwd_sm90_big for 136..256"),
     "matmul": ("matmul_sm90", ("dtype", "a_kmajor", "b_kmajor", "has_bias", "activation"), _matmul_sm90_runs,
                "rtk.matmul runs matmul_sm90 (TMA + wgmma) on sm_90 for float16/bfloat16 (float32 keeps matmul)"),
 }
@@ -137,6 +144,8 @@ def dispatch(name: str, params: dict, arch: str | None) -> tuple[str, str | None
     if entry is None or not _is_sm90(arch):
         return name, None
     family, call_params, runs, what = entry
+    if callable(family):
+        family = family(params)
     extra = sorted(set(params) - set(call_params))
     if extra:
         return name, (f"{what}; reporting the {name} family as named, because {', '.join(extra)} "

@@ -7,7 +7,7 @@ GPU (``-m gpu``, sm_90 only): the backward's reference and 2x error rule (tests/
 through the Hopper kernel explicitly: every head dim 8..128, ragged and causal seqlens with
 seqlen_q != seqlen_k, GQA/MQA, strided views, deterministic runs bit-identical (also under
 random shapes beside a concurrent kernel: the stress test of issue 22); the mma.sync fall-backs
-(head dim > 128, the switch off) still give the same answers.
+(the switch off) still give the same answers; head dims 136..256: tests/test_attention_bwd_sm90_big.py.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_dispatch_rules():
     views = (V((1 << 20, 2048, 128, 2)),)
     assert not B90.runnable("sm_90", (V((0, 2048, 128, 2)),), 100)   # a batch broadcast: tensor maps have no stride 0
     assert B90.eligible("sm_90", views, 100, 128)
-    assert not B90.eligible("sm_90", views, 100, 136)     # head dims > 128: the mma.sync kernel
+    assert B90.eligible("sm_90", views, 100, 136)         # head dims > 128: attention_bwd_sm90_big
     assert not B90.eligible("sm_80", views, 100, 64)
     assert not B90.eligible("sm_90", views, 0, 64)        # no key: nothing for a tensor map to address
     assert not B90.eligible("sm_90", views, 100, 120, False) and B90.eligible("sm_90", views, 100, 120, True)
@@ -242,8 +242,9 @@ def test_gpu_deterministic_stress_bit_identical():
 
 @pytest.mark.gpu
 def test_gpu_default_dispatch_and_fallbacks(monkeypatch):
-    """Default calls reach the Hopper kernel for d <= 128 (same answers as the explicit config);
-    with the switch off, or d > 128, the mma.sync kernel answers within the same error rule."""
+    """Default calls reach the Hopper kernel for d <= 128 (same answers as the explicit config) and
+    attention_bwd_sm90_big for d 136; with the switch off the mma.sync kernel answers within the
+    same error rule."""
     _require_sm90()
     bwd_tests._gpu_case(1, 300, 257, 4, 2, 128, True, "bfloat16")
     bwd_tests._gpu_case(1, 300, 257, 4, 2, 136, True, "float16")

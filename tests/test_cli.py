@@ -143,7 +143,7 @@ def test_dispatch_by_op_and_arch():
     family, note = cli.dispatch("attention", {"head_dim": 64, "block_m": 64}, "sm_90")
     assert family == "attention" and "block_m" in note          # a tile of the mma.sync kernel, as named
     assert cli.dispatch("attention_backward", {"head_dim": 128}, "sm_90")[0] == "attention_bwd_sm90"
-    assert cli.dispatch("attention_backward", {"head_dim": 256}, "sm_90")[0] == "attention_backward"
+    assert cli.dispatch("attention_backward", {"head_dim": 256}, "sm_90")[0] == "attention_bwd_sm90_big"
     assert cli.dispatch("matmul", {"dtype": "bfloat16"}, "sm_90")[0] == "matmul_sm90"
     assert cli.dispatch("matmul", {"dtype": "float32"}, "sm_90")[0] == "matmul"
     assert cli.dispatch("vector_add", {}, "sm_90") == ("vector_add", None)

@@ -10,6 +10,12 @@ Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's
     PYTHONPATH=. python tools/bench_attention_bwd.py --out results/ [--quick] [--dtype bfloat16]
     PYTHONPATH=. python tools/bench_attention_bwd.py --sweep [--quick]   # every tile candidate
     PYTHONPATH=. python tools/bench_attention_bwd.py --quick --head-dims 64,128 --template old.cu.j2
+    PYTHONPATH=. python tools/bench_attention_bwd.py --head-dims 192,256 --seqlens 4096,16384 --with-mma
+
+--with-mma adds a column timing the mma.sync kernel (the Hopper kernels switched off) in the same
+run: head dims 136..256 ran on it before attention_bwd_sm90_big.  --alt dq_mode=bulk adds a column
+timing the dispatched config with those fields replaced (cells whose config has no such field or
+rejects the value are left empty), e.g. the big kernel's dQ bulk reductions against its default.
 
 --template times the Hopper backward compiled from another version of its template (before /
 after a change: ``git show BASE:templates/attention_bwd_sm90.cu.j2 > old.cu.j2``), same grid;
@@ -212,15 +218,44 @@ def _print_sweep(rows, summary, env, args):
     print(bu.table(summary, cols))
 
 
-def _use_template(path: str) -> None:
+def _alt_config(cfg, spec: str):
+    """``cfg`` with the fields of ``spec`` ("name=value,...") replaced (with one ring stage where
+    two no longer fit, unless num_stages is given); None where it has no such field or rejects
+    the value."""
+    import dataclasses
+    from rtkernels.errors import ConfigError
+    names = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in names:
+            return None
+        changes[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    for extra in ({}, {"num_stages": 1}):
+        if extra and ("num_stages" in changes or "num_stages" not in names):
+            break
+        try:
+            return cfg.replace(**changes, **extra)
+        except ConfigError:
+            continue
+    return None
+
+
+def _use_template(path: str, big: bool = False) -> None:
     """The Hopper backward's kernels compiled from the template file ``path`` (same config
-    parameters and options) wherever the op would use the tree's templates/attention_bwd_sm90.cu.j2."""
+    parameters and options) wherever the op would use the tree's templates/attention_bwd_sm90.cu.j2
+    (``big``: templates/attention_bwd_sm90_big.cu.j2, head dims 136..256); the other family's
+    configs keep the tree's template."""
     from rtkernels.kernel import Kernel, build_module, resolve_arch
     from rtkernels.render import Template
     H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
+    BIG = importlib.import_module("rtkernels.ops.attention_bwd_sm90_big")
     tpl = Template.from_file(path)
+    tree_kernels_for = H.kernels_for
 
     def kernels_for(cfg, arch="sm_90a"):
+        if isinstance(cfg, BIG.AttentionBwdSm90BigConfig) != big:
+            return tree_kernels_for(cfg, arch)
         key = ("template", str(path), cfg, arch)
         hit = H._KERNELS.get(key)
         if hit is None:
@@ -240,11 +275,19 @@ def main():
                    help="time the mma.sync kernel on sm_90 too (rtk.attention_backward's Hopper kernel off)")
     p.add_argument("--sweep", "--tune", action="store_true",
                    help="time every tile candidate (d 64/128, seqlens 2k/4k/8k) beside the peers")
+    p.add_argument("--with-mma", action="store_true",
+                   help="also time the mma.sync kernel (Hopper kernels off) in each cell: column rtk_mma_tflops")
+    p.add_argument("--alt", default=None,
+                   help="NAME=VALUE[,NAME=VALUE]: also time the dispatched config with these fields (rtk_alt_tflops)")
     p.add_argument("--template", default=None,
                    help="compile the Hopper backward from this template file (before/after timings)")
+    p.add_argument("--template-big", default=None,
+                   help="the same for head dims 136..256 (a version of templates/attention_bwd_sm90_big.cu.j2)")
     args = p.parse_args()
     if args.template:
         _use_template(args.template)
+    if args.template_big:
+        _use_template(args.template_big, big=True)
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
     if args.no_sm90:
@@ -281,6 +324,25 @@ def main():
                 dbwd, _, _, _ = _ours(q, k, v, do, causal, args.dtype, True, torch)
                 row["rtk_det_tflops"] = 2.5 * fl / (bu.time_cuda(dbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                 row["det_ratio"] = row["rtk_det_tflops"] / row["rtk_tflops"]
+                if args.alt:
+                    alt = _alt_config(cfg, args.alt)
+                    if alt is not None:
+                        abwd, _, agrads, _ = _ours(q, k, v, do, causal, args.dtype, False, torch, config=alt)
+                        row["alt_config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(alt)
+                        row["alt_maxdiff"] = _max_diff(grads, agrads, torch)
+                        row["rtk_alt_tflops"] = 2.5 * fl / (bu.time_cuda(abwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["alt_ratio"] = row["rtk_alt_tflops"] / row["rtk_tflops"]
+                        del abwd, agrads
+                if args.with_mma:
+                    H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
+                    H.ENABLED = False
+                    try:
+                        mbwd, _, _, mcfg = _ours(q, k, v, do, causal, args.dtype, False, torch)
+                        row["rtk_mma_tflops"] = 2.5 * fl / (bu.time_cuda(mbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["speedup_vs_mma"] = row["rtk_tflops"] / row["rtk_mma_tflops"]
+                    finally:
+                        H.ENABLED = True
+                    del mbwd
                 for name, backend in peers.items():
                     fns, pgrads, note = _sdpa(q, k, v, do, causal, backend, torch)
                     if fns is None:
@@ -315,6 +377,10 @@ def main():
         bu.plot(args.out, f"bench_attention_bwd_d{d}", series, "seqlen", "TFLOP/s (backward)",
                 f"attention backward {args.dtype} head_dim={d} ({env['gpu']})")
     cols = ["head_dim", "causal", "seqlen", "config", "rtk_tflops", "rtk_det_tflops", "det_ratio"]
+    if args.alt:
+        cols += ["alt_config", "rtk_alt_tflops", "alt_ratio"]
+    if args.with_mma:
+        cols += ["rtk_mma_tflops", "speedup_vs_mma"]
     for name in peers:
         cols += [f"{name}_tflops", f"ratio_vs_{name}"]
     cols += ["rtk_fwdbwd_tflops"] + [f"{n}_fwdbwd_tflops" for n in peers]

@@ -611,8 +611,17 @@ ATTN_BWD_SM90_VARIANTS = (
     (1, 200, 64, 4, 1, 96, False, "bfloat16", True, False),
     (1, 65, 65, 2, 2, 72, True, "float16", False, False),
 )
-# The mma.sync backward: head dims above 128 as dispatched; up to 128 through its heuristic configs
-# (dQ modes red / staged / pass).
+# head dims 136..256 on sm_90: attention_bwd_sm90_big (the head dim split between its consumer
+# warpgroups; P^T / dS^T through shared memory; dQ by register reductions, ordered when deterministic)
+ATTN_BWD_SM90_BIG_VARIANTS = (
+    (1, 130, 200, 2, 1, 256, True, "bfloat16", False, True),
+    (1, 130, 200, 2, 1, 192, True, "bfloat16", True, True),
+    (1, 70, 33, 2, 2, 136, True, "float16", True, True),         # Sq > Sk: rows with no key
+    (2, 113, 203, 4, 2, 200, False, "float16", False, False),
+    (1, 77, 77, 2, 2, 248, False, "bfloat16", True, False),
+)
+# The mma.sync backward through its heuristic configs at every head dim (dQ modes red / staged /
+# pass; above 128 the op dispatches to attention_bwd_sm90_big on sm_90).
 ATTN_BWD_MMA_VARIANTS = (
     (1, 130, 200, 2, 1, 256, True, "bfloat16", False, True),
     (1, 70, 90, 4, 2, 160, False, "float16", True, False),
@@ -664,14 +673,20 @@ def _attention_bwd_sm90(ctx: Ctx):
     _attention_backward(ctx, ATTN_BWD_SM90_VARIANTS, lambda dt, d, c, det: B90.choose_config(dt, d, c, det))
 
 
+@case("attention_bwd_sm90_big", families=("attention_bwd_sm90_big", "attention_sm90"), ops=("attention_backward",))
+def _attention_bwd_sm90_big(ctx: Ctx):
+    from rtkernels.ops import attention_bwd_sm90_big as BIG
+    ctx.require_sm90()
+    _attention_backward(ctx, ATTN_BWD_SM90_BIG_VARIANTS, lambda dt, d, c, det: BIG.choose_config(dt, d, c, det))
+
+
 @case("attention_bwd_mma", families=("attention_backward", "attention_sm90"), ops=("attention_backward",),
-      note="the mma.sync backward: d > 128 as dispatched, d <= 128 through its own heuristic configs")
+      note="the mma.sync backward through its own heuristic configs at every head dim")
 def _attention_bwd_mma(ctx: Ctx):
     from rtkernels import device
     from rtkernels.ops import attention_bwd as B
     arch = device.current_arch()
-    _attention_backward(ctx, ATTN_BWD_MMA_VARIANTS,
-                        lambda dt, d, c, det: B.choose_config(dt, d, c, det, arch) if d <= 128 else None)
+    _attention_backward(ctx, ATTN_BWD_MMA_VARIANTS, lambda dt, d, c, det: B.choose_config(dt, d, c, det, arch))
 
 
 # ---- cases: attention masks (varlen, sliding windows, softcap) --------------------------------

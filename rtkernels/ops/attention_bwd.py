@@ -346,7 +346,8 @@ def tile_space(dtype: str, head_dim: int, causal: bool, deterministic: bool, arc
 def describe(cfg) -> str:
     """Short tile label for tables: ``64x128 w8 staged kv`` (``sm90 s2`` for the Hopper kernel)."""
     if isinstance(cfg, _sm90.AttentionBwdSm90Config):
-        return f"sm90 64x{cfg.block_n} s{cfg.num_stages}" + (" det" if cfg.deterministic else "")
+        split = f" cols {cfg.split}/{cfg.head_dim - cfg.split}" if hasattr(cfg, "split") else ""   # the big kernel
+        return f"sm90 64x{cfg.block_n} s{cfg.num_stages}{split}" + (" det" if cfg.deterministic else "")
     return (f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} {cfg.dq_mode}" + (" kv" if cfg.kv_regs else "")
             + (" ds2" if cfg.ds_stages == 2 else "") + (" pair" if cfg.layout == "pair" else "")
             + (f" dq{cfg.dq_block_n}w{cfg.dq_num_warps}" if cfg.dq_mode == "pass" else ""))
@@ -393,7 +394,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     q, k, v, o : as for :func:`rtkernels.ops.attention.attention` (o its output); float16 or
         bfloat16 (torch tensors, or uint16 CuPy arrays with ``dtype="bfloat16"``).  Read in place:
         last dimension contiguous, other strides non-negative multiples of 8 elements, 16-byte
-        aligned start; on sm_90 (head_dim <= 128, the Hopper kernel) also no stride 0 or overlap
+        aligned start; on sm_90 (the Hopper kernels, head_dim <= 256) also no stride 0 or overlap
         (K/V ``expand``-ed over heads or batch).  Every other view of do, q, k, v, o and lse is
         copied to a compact array on the call's stream first (the call then keeps no launch
         plan).  K/V broadcast over heads are not folded into GQA here: dk and dv keep one gradient

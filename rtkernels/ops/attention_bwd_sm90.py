@@ -4,9 +4,10 @@ Same contract as :mod:`rtkernels.ops.attention_bwd` (layouts, GQA, bottom-right 
 fp16/bf16, ``deterministic``); the main kernel differs (templates/attention_bwd_sm90.cu.j2): a
 producer warpgroup streams Q, dO, lse and delta tiles by TMA, two consumer warpgroups own 64 keys
 each and compute S^T, dP^T, dV, dK and (alternating) dQ with wgmma.  The pre-pass (delta,
-lse*log2e, zeroed dQ accumulator) and the dQ conversion are the mma.sync family's kernels.
+lse*log2e) and the dQ conversion are this module's own entry points (rtk/attn_bwd_sm90.cuh).
 Head dims up to 128: beyond that, dK and dV alone would need 256 accumulator registers per
-thread; the mma.sync kernel (which splits the head dim between warps) keeps those.
+thread; head dims 136..256 run attention_bwd_sm90_big (the head dim split between the consumer
+warpgroups) through this module's :func:`picks`, :func:`choose_config` and :func:`launch`.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class AttentionBwdSm90Config(AttentionShape):
     needs_arch_specific: ClassVar[bool] = True
     expects_tensor_cores: ClassVar[bool] = True
     expected_global_width: ClassVar[int | None] = None   # TMA loads; dK/dV/dQ leave from mma registers
+    tma_box_cols: ClassVar[int] = 64   # Q/dO/K/V tiles in column blocks of 64 (128-byte swizzle)
+    tma_swizzle: ClassVar[int] = 128
 
     deterministic: bool = False
     num_stages: int = 2
@@ -107,9 +110,14 @@ class AttentionBwdSm90Config(AttentionShape):
 
 # ---- heuristics ---------------------------------------------------------------------------
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90Config:
-    """The config the op runs.  Two ring stages: Q/dO of the next tile land while this one computes,
-    and 8 + KiB more per stage buys nothing once a step's GEMMs outlast its loads.  ``mask_flags``:
-    the other compile-time mask fields (has_window, has_softcap, is_varlen)."""
+    """The config the op runs: head dims <= 128 this family's kernel, 136..256 attention_bwd_sm90_big's
+    (:mod:`rtkernels.ops.attention_bwd_sm90_big`, which splits the head dim between the consumer
+    warpgroups).  Two ring stages: Q/dO of the next tile land while this one computes, and 8+ KiB
+    more per stage buys nothing once a step's GEMMs outlast its loads.  ``mask_flags``: the other
+    compile-time mask fields (has_window, has_softcap, is_varlen)."""
+    if head_dim > MAX_HEAD_DIM:
+        from . import attention_bwd_sm90_big as big
+        return big.choose_config(dtype, head_dim, causal, deterministic, **mask_flags)
     return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
                                   **mask_flags)
 
@@ -133,13 +141,19 @@ SPILLING = {(120, False)}
 
 def picks(head_dim: int, causal: bool, mask_flags: tuple = (), dtype: str = "bfloat16",
           deterministic: bool = False) -> bool:
-    """The op's rule for a (head_dim, causal, mask options) on sm_90, before looking at the arrays:
-    switched on, head_dim <= 128 and not a spilling case.  Masked variants: ptxas's report of the
-    build itself, compiled here on first use (it is the build the op then runs); a spilling one
-    keeps the mma.sync kernel, except for the small bookkeeping spill :func:`bookkeeping_spill_only`
-    allows (softcap at d128 causal, NVRTC 13.5: 8 B).  The three options together at d128 spill more
-    and stay on the mma.sync kernel."""
-    if not (ENABLED and head_dim <= MAX_HEAD_DIM and (head_dim, bool(causal)) not in SPILLING):
+    """The op's rule for a (head_dim, causal, mask options) on sm_90, before looking at the arrays -
+    the one place that sends a backward to a Hopper kernel: switched on, head_dim <= 128 (this
+    family) or 136..256 (attention_bwd_sm90_big, switched by its own ``ENABLED``), and not a
+    spilling case.  Masked variants: ptxas's report of the build itself, compiled here on first
+    use (it is the build the op then runs); a spilling one keeps the mma.sync kernel, except for
+    the small bookkeeping spill :func:`bookkeeping_spill_only` allows (softcap at d128 causal,
+    NVRTC 13.5: 8 B).  The three options together at d128 spill more and stay on the mma.sync
+    kernel; no head dim > 128 spills."""
+    if head_dim > MAX_HEAD_DIM:
+        from . import attention_bwd_sm90_big as big
+        if not (ENABLED and big.ENABLED and head_dim <= big.MAX_HEAD_DIM):
+            return False
+    elif not (ENABLED and (head_dim, bool(causal)) not in SPILLING):
         return False
     if not any(v for _, v in mask_flags):
         return True
@@ -147,7 +161,7 @@ def picks(head_dim: int, causal: bool, mask_flags: tuple = (), dtype: str = "bfl
     if key not in _MASKED_CLEAN:
         from ..kernel import get_kernel
         cfg = choose_config(dtype, head_dim, causal, deterministic, **dict(mask_flags))
-        r = get_kernel(cfg, "attention_bwd_sm90", arch="sm_90a").resources
+        r = get_kernel(cfg, cfg.kernels[0], arch="sm_90a").resources
         _MASKED_CLEAN[key] = bookkeeping_spill_only(r)
     return _MASKED_CLEAN[key]
 
@@ -211,11 +225,13 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     dt = cfg.dtype
-    box = lambda rows: (1, rows, 1, 64)   # noqa: E731  (64 columns = 128 bytes, the SW128 span)
-    maps = (tensor_map(q_, dt, q_.shape, _map_strides(q_), box(_BLOCK_M)),
-            tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n)),
-            tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n)),
-            tensor_map(do_, dt, do_.shape, _map_strides(do_), box(_BLOCK_M)))
+    # boxes one swizzle span wide: 64 columns = 128 bytes (SW128), or 32 = 64 bytes (the big kernel's SW64)
+    box = lambda rows: (1, rows, 1, cfg.tma_box_cols)   # noqa: E731
+    sw = cfg.tma_swizzle
+    maps = (tensor_map(q_, dt, q_.shape, _map_strides(q_), box(_BLOCK_M), swizzle=sw),
+            tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n), swizzle=sw),
+            tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n), swizzle=sw),
+            tensor_map(do_, dt, do_.shape, _map_strides(do_), box(_BLOCK_M), swizzle=sw))
     # varlen: 64-row tiles of each head's padded rows (lse2.shape[-1], a multiple of 128)
     m_tiles = lse2.shape[-1] // _BLOCK_M if vl else -(-seqlen_q // _BLOCK_M)
     # f32 dQ tiles in the consumers' fragment order, and (deterministic) 4 int32 per query tile for
