@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import register_family
+from ..errors import ConfigError
 from .attention_bwd_sm90 import AttentionBwdSm90Config, SMEM_LIMIT_SM90, _ALIGN_SLACK, _BLOCK_M
 
 FAMILY = "attention_bwd_sm90_big"
@@ -120,9 +121,20 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
 
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90BigConfig:
     """Two ring stages (the next tile's 64 KiB of Q/dO at d256 land while this one computes; it
-    fits up to d256: 226 KiB)."""
-    return AttentionBwdSm90BigConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
-                                     num_stages=2, **mask_flags)
+    fits up to d256: 226 KiB).  dQ: the bulk reduction where two stages still fit it and the call
+    is neither deterministic nor masked, else the threads' 16-byte reductions.  Measured (H100,
+    2026-11-25, bf16, TFLOP/s red / bulk, tools/bench_attention_bwd.py --alt dq_mode=bulk):
+    d192 S 4k / 16k non-causal 318 / 366, 351 / 398; causal 282 / 318, 347 / 391 (+13%: one TMA
+    reduction per tile instead of 64 x head_dim / 4 red.global ops through L2); d256 bulk fits one
+    stage only: non-causal 342 / 342, 364 / 374, causal 288 / 253, 368 / 289."""
+    cfg = AttentionBwdSm90BigConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
+                                    num_stages=2, **mask_flags)
+    if deterministic or any(mask_flags.values()):
+        return cfg
+    try:
+        return cfg.replace(dq_mode="bulk")
+    except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
+        return cfg
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90BigConfig]:
