@@ -182,6 +182,107 @@ def test_argument_errors_on_cpu():
     assert not f8.wants_fp8(x, x, "bfloat16", None, None, None)
 
 
+# ---- operand layouts and the tensor maps they become (no GPU: the driver's encode is intercepted) --
+_BASE = 1 << 24   # a 512-byte aligned stand-in for a device allocation
+
+
+def _operand(view, offset=0):
+    """views.classify of a NumPy uint8 view as if its buffer started at _BASE + offset: (info, the
+    byte address of every element, (rows, K) in C order)."""
+    from rtkernels.ops import views
+    base = view.base if view.base is not None else view
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    start = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    addr = _BASE + offset + start
+    rows, k = view.shape
+    every = addr + np.arange(rows)[:, None] * view.strides[0] + np.arange(k)[None, :] * view.strides[1]
+    return views.classify(view.shape, view.strides, 1, addr), every
+
+
+@pytest.fixture
+def encoded(monkeypatch):
+    """Records the arguments of every cuTensorMapEncodeTiled call (fresh tensor-map memo)."""
+    from collections import OrderedDict
+    from cuda.bindings import driver as drv
+    from rtkernels import tma
+    calls = []
+
+    class _Map:
+        opaque = [0] * 16
+
+    def fake(dtype, rank, ptr, dims, strides, box, elem, *rest):
+        calls.append(dict(ptr=int(ptr), dims=[int(d) for d in dims], strides=[int(s) for s in strides],
+                          box=[int(b) for b in box]))
+        return drv.CUresult.CUDA_SUCCESS, _Map()
+    monkeypatch.setattr(drv, "cuTensorMapEncodeTiled", fake)
+    monkeypatch.setattr(tma, "_memo", OrderedDict())
+    monkeypatch.setattr(tma, "LAUNCH_ARGS", {})
+    return calls
+
+
+def _addressed(call, rows, k):
+    """The byte address a tensor map names for each (row, k) in bounds (the driver's order is
+    innermost first: dims [K, rows], strides [row stride])."""
+    assert call["dims"] == [k, rows]
+    return call["ptr"] + np.arange(rows)[:, None] * call["strides"][0] + np.arange(k)[None, :]
+
+
+def _kernel_reads(a_view, a_off, b_nk_view, b_off, encoded):
+    """What matmul_fp8's plan makes of a (M, K) and b's (N, K) transpose: the layouts, and for
+    in-place operands the tensor maps it encodes, checked against every element's address."""
+    m, k = a_view.shape
+    n = b_nk_view.shape[0]
+    (ia, every_a), (ib, every_b) = _operand(a_view, a_off), _operand(b_nk_view, b_off)
+    (how_a, lda), (how_b, ldb) = f8.operand_layout(ia), f8.operand_layout(ib)
+    cfg = f8.heuristic_config(m, n, k, tma_store=False)
+    maps = f8.operand_maps(cfg, m, n, k, lda, ldb, ldc=n)
+    # in place: the view's own address; a copy: a fresh (here: _BASE) dense buffer of row stride ld
+    pa = ia.address if how_a == f8.IN_PLACE else _BASE
+    pb = ib.address if how_b == f8.IN_PLACE else _BASE
+    from rtkernels import tma
+    tma._memo.clear()   # (the fixture's own memo) every map encoded anew
+    encoded.clear()
+    f8.tensor_maps(cfg, (pa, *maps[1]), (pb, *maps[2]), None)
+    assert len(encoded) == 2   # a's, b's (no TMA store: c reuses a's)
+    ca, cb = encoded
+    for how, every, call, rows in ((how_a, every_a, ca, m), (how_b, every_b, cb, n)):
+        got = _addressed(call, rows, k)
+        if how == f8.IN_PLACE:
+            assert (got == every).all(), (how, call)
+        else:   # the copy is dense, K-major, rows of K bytes
+            assert (got == _BASE + np.arange(rows)[:, None] * k + np.arange(k)[None, :]).all(), (how, call)
+    assert ca["box"] == [cfg.block_k, cfg.block_m] and cb["box"] == [cfg.block_k, cfg.block_n]
+    return how_a, how_b
+
+
+def test_padded_and_offset_views_encode_their_own_strides(encoded):
+    """The layouts of test_layouts_and_views (GPU) through the plan to the driver's arguments: a
+    padded row slice big[:, 16:16 + K] is read in place with its K + 32 byte row stride and its base
+    16 bytes in; so is b = w.t() of a padded w; an unaligned slice, expand-ed rows, a column-major
+    operand and a view with no unit stride are copied (their maps then read the dense copy)."""
+    m, n, k = 257, 130, 528
+    big = np.zeros((m, k + 32), np.uint8)
+    bigw = np.zeros((n, k + 32), np.uint8)
+    w = np.zeros((n, k), np.uint8)
+    a = np.zeros((m, k), np.uint8)
+    # b = w.t(): the op reads b.T, i.e. w itself
+    assert _kernel_reads(big[:, 16:16 + k], 0, w, 0, encoded) == (f8.IN_PLACE, f8.IN_PLACE)
+    assert encoded[0]["ptr"] == _BASE + 16 and encoded[0]["strides"] == [k + 32]
+    assert encoded[1]["ptr"] == _BASE and encoded[1]["strides"] == [k]
+    assert _kernel_reads(a, 0, bigw[:, 32:32 + k], 0, encoded) == (f8.IN_PLACE, f8.IN_PLACE)
+    assert encoded[1]["ptr"] == _BASE + 32 and encoded[1]["strides"] == [k + 32]
+    assert _kernel_reads(big[:, 1:1 + k], 0, w, 0, encoded)[0] == f8.COPY                  # base off 16
+    assert _kernel_reads(big[:, 16:16 + k], 8, w, 0, encoded)[0] == f8.COPY                # allocation off 16
+    assert _kernel_reads(np.zeros((m, k + 8), np.uint8)[:, :k], 0, w, 0, encoded)[0] == f8.COPY   # K + 8
+    assert _kernel_reads(np.broadcast_to(a[:1], (m, k)), 0, w, 0, encoded)[0] == f8.COPY  # expand(M, K)
+    assert _kernel_reads(a, 0, np.broadcast_to(w[:1], (n, k)), 0, encoded)[1] == f8.COPY
+    assert _kernel_reads(np.zeros((k, m), np.uint8).T, 0, w, 0, encoded)[0] == f8.TRANSPOSE   # column-major
+    assert _kernel_reads(np.zeros((m, 2 * k), np.uint8)[:, ::2], 0, w, 0, encoded)[0] == f8.COPY
+    assert _kernel_reads(a[::-1], 0, w, 0, encoded)[0] == f8.COPY                           # CuPy flip
+    assert _kernel_reads(a[:1], 16, w[:1], 32, encoded) == (f8.IN_PLACE, f8.IN_PLACE)       # one row
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 def _torch():
     torch = pytest.importorskip("torch")
@@ -365,8 +466,12 @@ def test_types_bias_activation(ta, tb, act):
 
 @pytest.mark.gpu
 def test_layouts_and_views():
-    """A row-major (K, N) b and a column-major a (the transpose pass), trans_b, a K-major slice that is
-    not 16-byte aligned (an aligned copy), a padded row stride read in place, an output row stride."""
+    """Every way operand_layout reads a view: in place (padded rows of a, b = w.t() of a padded w,
+    bases 16 / 32 bytes into their buffers, trans_b), the transpose pass (a row-major (K, N) b, a
+    column-major a, one with an odd row stride, trans_a), a copy (a base off 16 bytes, rows K + 8
+    bytes apart, rows broadcast by expand, no unit stride); an output row stride; empty M / N.
+    Each case has its own buffer, checked to hold the intended values just before the call (an
+    earlier version built two cases in one buffer, so the second overwrote the first's bytes)."""
     torch = _torch()
     import rtkernels as rtk
     rng = np.random.default_rng(3)
@@ -374,24 +479,49 @@ def test_layouts_and_views():
     a = _fp8(torch, rng, (m, k), "float8_e4m3fn")
     w = _fp8(torch, rng, (n, k), "float8_e4m3fn")
     sa, sb = _scale(torch, rng, "tensor", m, "row"), _scale(torch, rng, "col", n, "col")
+
+    def padded(x, lead, pad):
+        """x's values in a view whose rows are x.shape[1] + pad bytes apart, starting lead bytes in."""
+        big = _fp8(torch, rng, (x.shape[0], x.shape[1] + pad), "float8_e4m3fn")
+        big[:, lead:lead + x.shape[1]] = x
+        return big[:, lead:lead + x.shape[1]]
+
+    a_col_odd = padded(a.t(), 0, 2).t()                     # column-major, row stride M + 2 = 259 (odd)
+    a_step = _fp8(torch, rng, (m, 2 * k), "float8_e4m3fn")
+    a_step[:, ::2] = a
+    a_row = a[:1].expand(m, k)
+    # name: (a operand, b operand, kwargs, a's values, b's values as (N, K), how a and b are read)
     cases = {
-        "b row-major (K, N)": (a, w.t().contiguous(), {}),
-        "a column-major": (a.t().contiguous().t(), w.t(), {}),
-        "trans_b": (a, w, {"trans_b": True}),
-        "trans_a of (K, M)": (a.t().contiguous(), w.t(), {"trans_a": True}),
+        "contiguous": (a, w.t(), {}, a, w, "in place"),
+        "b row-major (K, N)": (a, w.t().contiguous(), {}, a, w, "b transposed"),
+        "a column-major": (a.t().contiguous().t(), w.t(), {}, a, w, "a transposed"),
+        "a column-major, row stride M + 2": (a_col_odd, w.t(), {}, a, w, "a transposed (byte loads)"),
+        "trans_b": (a, w, {"trans_b": True}, a, w, "in place"),
+        "trans_a of (K, M)": (a.t().contiguous(), w.t(), {"trans_a": True}, a, w, "a transposed"),
+        "a padded rows (stride K + 32, base + 16)": (padded(a, 16, 32), w.t(), {}, a, w, "in place"),
+        "b = w.t(), w padded (stride K + 32, base + 32)": (a, padded(w, 32, 32).t(), {}, a, w, "in place"),
+        "a base off 16 bytes (base + 1)": (padded(a, 1, 32), w.t(), {}, a, w, "a copied"),
+        "a rows K + 8 bytes apart": (padded(a, 0, 8), w.t(), {}, a, w, "a copied"),
+        "a rows expand-ed (stride 0)": (a_row, w.t(), {}, a_row, w, "a copied"),
+        "b columns expand-ed": (a, w[:1].expand(n, k).t(), {}, a, w[:1].expand(n, k), "b copied"),
+        "a[:, ::2] (no unit stride)": (a_step[:, ::2], w.t(), {}, a, w, "a copied"),
     }
-    big = _fp8(torch, rng, (m, k + 32), "float8_e4m3fn")
-    big[:, 16:16 + k] = a
-    cases["padded rows (stride K + 32)"] = (big[:, 16:16 + k], w.t(), {})
-    big[:, 1:1 + k] = a
-    cases["base off 16 bytes"] = (big[:, 1:1 + k], w.t(), {})
-    for what, (x, y, kw) in cases.items():
+    u8 = torch.uint8
+    for what, (x, y, kw, a_ref, w_ref, how) in cases.items():
+        # the fixture itself: the operands hold the values the reference is computed from
+        xa = x.t() if kw.get("trans_a") else x
+        yb = y if kw.get("trans_b") else y.t()
+        assert torch.equal(xa.view(u8), a_ref.view(u8)) and torch.equal(yb.view(u8), w_ref.view(u8)), what
         c = rtk.matmul(x, y, scale_a=sa, scale_b=sb, **kw)
-        _check(torch, c, a, w, sa, sb, None, None, "bfloat16", what)
+        err, err_t, label = _check(torch, c, a_ref.contiguous(), w_ref.contiguous(), sa, sb, None, None, "bfloat16",
+                                   f"{what} ({how}; a strides {tuple(x.stride())}, b strides {tuple(y.stride())})")
+        print(f"{what:48s} {how:26s} err {err:.3g}, {label} {err_t:.3g}")
     wide = torch.full((m, n + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
     rtk.matmul(a, w.t(), scale_a=sa, scale_b=sb, out=wide[:, :n])
     _check(torch, wide[:, :n], a, w, sa, sb, None, None, "bfloat16", "out row stride N + 8")
     assert torch.isnan(wide[:, n:].float()).all()    # nothing written past the view
+    assert tuple(rtk.matmul(a[:0], w.t(), scale_a=sa, scale_b=sb).shape) == (0, n)
+    assert tuple(rtk.matmul(a, w[:0].t(), scale_a=sa).shape) == (m, 0)
 
 
 @pytest.mark.gpu
@@ -413,6 +543,11 @@ def test_cupy_uint8_operands():
         got = torch.from_numpy(f32_from_bf16_bits(out.get()).astype(np.float32))
         _check(torch, got, a, w, None, torch.from_dlpack(sb).reshape(1, n), None, None, "bfloat16",
                f"CuPy uint8 {spelling}")
+        if dt == "float8_e4m3fn":   # CuPy's negative strides (rows reversed): a compact copy
+            c = rtk.matmul(a8[::-1], b8, dtype=spelling, out_dtype="float32")
+            a_flip = a.view(torch.uint8).flip(0).view(a.dtype)
+            _check(torch, torch.from_dlpack(c), a_flip, w, None, None, None, None, "float32",
+                   "CuPy a[::-1] (negative row stride)")
         # the same bits through trans_b and a (K-major) pair of dtypes
         c = rtk.matmul(a8, cp.from_dlpack(w.view(torch.uint8)), trans_b=True, dtype=(spelling, spelling),
                        out_dtype="float32")

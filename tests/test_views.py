@@ -1,9 +1,10 @@
 """The view classification every op reads (rtkernels/ops/views.py), checked against the addresses
 the strides actually produce, and the op layouts built on it (matmul's K-/M-major choice,
-the row ops' row stride): property tests over random shapes, strides, item sizes and offsets (no
-GPU, no compile), plus the views NumPy makes with expand, transpose, steps, offsets and
-as_strided.  Issue 26: matmul read an ``expand``-ed operand as if its stride-0 dim were the
-contiguous one; the layout properties below fail on that code."""
+the row ops' row stride, fp8 matmul's in-place / transpose / copy choice): property tests over
+random shapes, strides, item sizes and offsets (no GPU, no compile), plus the views NumPy makes
+with expand, transpose, steps, offsets and as_strided.  Issue 26: matmul read an ``expand``-ed
+operand as if its stride-0 dim were the contiguous one; the layout properties below fail on that
+code."""
 import itertools
 
 import numpy as np
@@ -192,6 +193,32 @@ def test_matmul_layout_of_issue_26_operands():
     assert _matmul_claim_holds((64, 256), (0, 1)) == (True, 0)     # a[:1].expand: one row for every m
     assert _matmul_claim_holds((64, 256), (1, 0)) == (False, 0)    # a[:, :1].expand: one column for every k
     assert _matmul_claim_holds((64, 256), (256, 1)) == (True, 256)
+
+
+@FAST
+@given(st.integers(1, 5), st.sampled_from((16, 32, 48)), st.tuples(st.integers(-64, 96), st.integers(-2, 70)),
+       st.sampled_from((0, 0, 16, 32, 1, 8)), st.booleans())
+def test_fp8_matmul_layout_in_place_only_what_its_tensor_map_addresses(rows, k, estrides, offset, padded):
+    """matmul_fp8 reads a (rows, K) 8-bit operand in place only when the tensor map it encodes -
+    (base, shape (rows, K), strides (ld, 1)) - names every element's address and the driver accepts
+    it; it transposes only views whose rows dim is contiguous; everything else is copied."""
+    from rtkernels.ops import matmul_fp8 as f8
+    s0, s1 = estrides
+    if padded:   # the common in-place candidates: K contiguous, rows K + 16 * j bytes apart
+        s0, s1 = k + 16 * (abs(s0) % 4), 1
+    info = views.classify((rows, k), (s0, s1), 1, BASE + offset)
+    how, ld = f8.operand_layout(info)
+    if how == f8.IN_PLACE:
+        real = BASE + offset + np.arange(rows)[:, None] * s0 + np.arange(k)[None, :] * s1
+        claim = BASE + offset + np.arange(rows)[:, None] * ld + np.arange(k)[None, :]
+        assert (real == claim).all(), (rows, k, (s0, s1), offset, ld)
+        assert len(np.unique(real)) == real.size          # no two indices on one byte
+        check_tensor_map(BASE + offset, "uint8", (rows, k), (ld, 1), (128, 128), swizzle=128)   # raises if illegal
+    elif how == f8.TRANSPOSE:
+        assert rows > 1 and s0 == 1 and s1 >= 0 and ld == k
+    else:
+        assert how == f8.COPY and ld == k and ld % 16 == 0
+        assert not info.tma
 
 
 @FAST

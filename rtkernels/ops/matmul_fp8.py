@@ -18,8 +18,13 @@ transpose rather than refuse because the result is correct for every layout the 
 store weights as (N, K) to skip the copy.
 
 TMA addresses rows by 16-byte strides, so K must be a positive multiple of 16 (the row stride of
-a contiguous fp8 operand is K bytes) and K-major operands need 16-byte aligned bases and row
-strides; anything else is a ConfigError that says so (``torch._scaled_mm`` has the same rule).
+a contiguous fp8 operand is K bytes; a ConfigError otherwise, ``torch._scaled_mm`` has the same
+rule).  A K-major view is read in place when a tensor map can address it: 16-byte aligned base,
+a row stride that is a positive multiple of 16 bytes (padded rows, a column slice starting on a
+16-byte boundary), no broadcast or overlapping rows.  Other views are copied to a dense K-major
+buffer first (:func:`operand_layout`: an unaligned slice, ``expand``-ed rows, ``as_strided``
+overlaps, CuPy's negative strides, no unit-stride dim).  Operands are 2-D: batched (3-D) ones are
+a ConfigError (fold the batch into M).
 M and N are free: boxes past the edges are zero-filled on load and clipped on store.
 
 Scales are float32 device arrays: per tensor (shape () or (1,)), per row of A (``scale_a``: (M,)
@@ -40,6 +45,7 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
+from . import views
 from ._arrays import Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream
 
 # Canonical names (torch's) and the spellings the ``dtype=`` argument accepts for uint8 arrays.
@@ -402,31 +408,49 @@ def _scale_kind(x, name: str, per: str, length: int):
     return per, v.reshape(-1)
 
 
-def _kmajor(v, name: str, stream):
-    """(view, row stride in bytes, copied) of operand ``v`` ((outer, K), uint8) as the kernel reads it:
-    K contiguous, 16-byte aligned base and row stride.  ``v`` itself when it is so; a transposed
-    copy (see the module docstring) when its outer dim is the contiguous one; an aligned copy of a
-    K-major view whose base or row stride is not 16-byte aligned (a slice starting off a 16-byte
-    boundary)."""
-    rows, cols = v.shape
-    s_outer, s_k = v.strides
-    if any(s < 0 for s in v.strides):
-        raise ConfigError(f"matmul: {name} has a negative stride {v.strides}; pass a view with non-negative "
-                          "strides", field=name, value=v.strides)
-    if cols == 1 or s_k == 1:
-        if rows > 1 and s_outer < cols:
-            raise ConfigError(f"matmul: {name} has overlapping rows (byte strides {v.strides})", field=name,
-                              value=v.strides)
-        ld = s_outer if rows > 1 else -(-cols // 16) * 16
-        if int(v.data.ptr) % 16 == 0 and ld % 16 == 0:
-            return v, ld, False
+# What the op does with a (rows, K) uint8 operand view (rows: M for a, N for b's transpose).
+IN_PLACE, TRANSPOSE, COPY = "in place", "transpose", "copy"
+
+
+def operand_layout(info: views.ViewInfo) -> tuple[str, int]:
+    """(how, row stride in bytes of what the kernel's tensor map then reads) for the
+    :func:`views.classify` of a (rows, K) 8-bit operand (K >= 16, so K is never a unit extent).
+
+    * ``IN_PLACE``: the view as it is, when a tensor map addresses it (``info.tma``: 16-byte
+      aligned base, K contiguous, a positive row stride that is a multiple of 16 bytes, nothing
+      broadcast or overlapping); the stride is its row stride (one row: any multiple of 16 --
+      the map never steps it -- we pass K).
+    * ``TRANSPOSE``: its rows dim is the contiguous one (a column-major a, a row-major (K, N) b),
+      non-negative strides: transposed into a K-major buffer with rows of K bytes (K % 16 == 0).
+    * ``COPY``: anything else -- K contiguous but a base or row stride off 16 bytes, rows
+      broadcast by ``expand`` (stride 0) or overlapping (``as_strided``), negative strides, no
+      unit-stride dim -- is copied element by element into a dense (rows, K) buffer.
+    Pure (no device): the CPU tests check every in-place claim against the view's addresses."""
+    rows, k = info.shape
+    if info.tma:
+        return IN_PLACE, (info.strides[0] if rows > 1 else k)
+    if rows > 1 and info.unit(0) and info.kind != views.NEGATIVE:
+        return TRANSPOSE, k
+    return COPY, k
+
+
+def _kmajor(v, stream):
+    """(view, row stride in bytes, copied) of operand ``v`` ((rows, K), uint8) as the kernel reads
+    it (see :func:`operand_layout`)."""
+    how, ld = operand_layout(views.of(v))
+    if how == IN_PLACE:
+        return v, ld, False
+    if how == TRANSPOSE:
+        buf, ld = _transpose(v.T, stream)
+    else:
         buf, ld = _aligned_copy(v, stream)
-        return buf, ld, True
-    if not (rows == 1 or s_outer == 1):
-        raise ConfigError(f"matmul: {name} has byte strides {v.strides}; one of its two matrix dims must be "
-                          "contiguous", field=name, value=v.strides)
-    buf, ld = _transpose(v.T, stream)
     return buf, ld, True
+
+
+def operand_maps(cfg: MatmulFp8Config, m: int, n: int, k: int, lda: int, ldb: int, ldc: int):
+    """The tensor-map descriptions (cfg, a's, b's, c's or None) a launch encodes with each call's
+    addresses (:func:`_args`): (shape, strides in elements), outermost first."""
+    return (cfg, ((m, k), (lda, 1)), ((n, k), (ldb, 1)), ((m, n), (ldc, 1)) if cfg.tma_store else None)
 
 
 _LAUNCHES = LaunchPlans()
@@ -512,14 +536,16 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
     cv, dc = _float_view(out, "out", OUT_DTYPES)
     if dc != od or cv.shape != (m, n):
         raise ConfigError(f"matmul: out is {dc} {cv.shape}; expected {od} {(m, n)}", field="out", value=(dc, cv.shape))
+    if m == 0 or n == 0:   # nothing to write (and an empty array's strides are arbitrary)
+        return out
     item = dtypes.itemsize(od)
     if n > 1 and cv.strides[1] != item or (m > 1 and (cv.strides[0] < n * item or cv.strides[0] % item)):
         raise ConfigError(f"matmul: out has byte strides {cv.strides}; it needs unit stride along N and rows that "
                           "do not overlap", field="out", value=cv.strides)
 
-    # ---- plan: K-major operands (a transposed copy where needed), tensor maps, config
-    ak, lda, copied_a = _kmajor(av, "a" + (" (after trans_a)" if trans_a else ""), stream)
-    bk, ldb, copied_b = _kmajor(bv.T, "b" + (" (after trans_b)" if trans_b else ""), stream)
+    # ---- plan: K-major operands (a transposed or compact copy where needed), tensor maps, config
+    ak, lda, copied_a = _kmajor(av, stream)
+    bk, ldb, copied_b = _kmajor(bv.T, stream)
     # (one row: no real stride; the tensor map still wants a multiple of 16 bytes)
     ldc = cv.strides[0] // item if m > 1 else -(-n * item // 16) * 16 // item
     tma_store = (od != "float32" and int(cv.data.ptr) % 16 == 0 and (ldc * item) % 16 == 0)
@@ -536,12 +562,12 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
             cfg = _tuned(cfg, m, n, k, layout, ak, lda, bk, ldb, biv, cv, ldc, sav, sbv, stream)
         hit = _plans[memo] = (get_kernel(cfg), cfg, grid_size(m, n, cfg, sms))
     kern, cfg, grid = hit
-    maps = (cfg, ((m, k), (lda, 1)), ((n, k), (ldb, 1)), ((m, n), (ldc, 1)) if tma_store else None)
+    maps = operand_maps(cfg, m, n, k, lda, ldb, ldc)
     launch = Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, (m, n, k, ldc, c_aligned))
-    views = (ak, bk, biv, cv, sav, sbv)
-    launch.run(_args(maps, views), stream)
+    operands = (ak, bk, biv, cv, sav, sbv)
+    launch.run(_args(maps, operands), stream)
     arrays = (a, b, bias, out, scale_a, scale_b)
-    if not (copied_a or copied_b) and all(x is None or int(v.data.ptr) == address(x) for v, x in zip(views, arrays)):
+    if not (copied_a or copied_b) and all(x is None or int(v.data.ptr) == address(x) for v, x in zip(operands, arrays)):
         _LAUNCHES.put(key, OutputPlan.of(launch, out, maps, like=a))
     return out
 
@@ -555,7 +581,7 @@ def _tuned(default, m, n, k, layout, ak, lda, bk, ldb, biv, cv, ldc, sav, sbv, s
     c_aligned = int(int(scratch.data.ptr) % (2 * item) == 0 and ldc % 2 == 0)
 
     def run(cfg):
-        maps = (cfg, ((m, k), (lda, 1)), ((n, k), (ldb, 1)), ((m, n), (ldc, 1)) if cfg.tma_store else None)
+        maps = operand_maps(cfg, m, n, k, lda, ldb, ldc)
         get_kernel(cfg).launch((grid_size(m, n, cfg, sms), 1, 1), (cfg.threads_per_block, 1, 1),
                                *_args(maps, (ak, bk, biv, scratch, sav, sbv)), m, n, k, ldc, c_aligned,
                                shared_mem=cfg.shared_mem_bytes, stream=stream)
