@@ -134,13 +134,7 @@ class MatmulFp8Config(KernelConfig):
                                   f"{self.block_m}, promote_interval={self.promote_interval}: {acc}; more would spill)")
         if self.tma_store and self.out_dtype == "float32":
             self._fail("tma_store", "False with out_dtype='float32' (the TMA-store epilogue writes 16-bit outputs)")
-        if self.epilogue_n:
-            self._check_int("epilogue_n", 64, self.block_n, multiple_of=64)
-            if self.block_n % self.epilogue_n:
-                self._fail("epilogue_n", f"0 or a divisor of block_n={self.block_n} that is a multiple of 64")
-        if self.shared_mem_bytes > _SMEM_LIMIT:
-            self._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
-                                     f"{self.shared_mem_bytes} with the smallest epilogue staging)")
+        m90.check_epilogue_and_smem(self)
 
     @property
     def threads_per_block(self) -> int:

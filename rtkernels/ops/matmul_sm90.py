@@ -26,6 +26,18 @@ _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1
 
 @register_family
 @dataclass(frozen=True)
+def check_epilogue_and_smem(cfg) -> None:
+    """The checks the Hopper matmul configs share (bf16/fp16 and fp8): epilogue_n divides the tile
+    in 64-column steps, and the ring with the smallest epilogue staging fits shared memory."""
+    if cfg.epilogue_n:
+        cfg._check_int("epilogue_n", 64, cfg.block_n, multiple_of=64)
+        if cfg.block_n % cfg.epilogue_n:
+            cfg._fail("epilogue_n", f"0 or a divisor of block_n={cfg.block_n} that is a multiple of 64")
+    if cfg.shared_mem_bytes > _SMEM_LIMIT:
+        cfg._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
+                                f"{cfg.shared_mem_bytes} with the smallest epilogue staging)")
+
+
 class MatmulSm90Config(KernelConfig):
     """One Hopper matmul specialization.
 
@@ -80,13 +92,7 @@ class MatmulSm90Config(KernelConfig):
                                   "(128 accumulators per consumer thread; more would spill)")
         if self.mma == "sync" and self.tma_store:
             self._fail("tma_store", "False with mma='sync' (its warps store C directly)")
-        if self.epilogue_n:
-            self._check_int("epilogue_n", 64, self.block_n, multiple_of=64)
-            if self.block_n % self.epilogue_n:
-                self._fail("epilogue_n", f"0 or a divisor of block_n={self.block_n} that is a multiple of 64")
-        if self.shared_mem_bytes > _SMEM_LIMIT:
-            self._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
-                                     f"{self.shared_mem_bytes} with the smallest epilogue staging)")
+        check_epilogue_and_smem(self)
 
     @property
     def threads_per_block(self) -> int:
