@@ -305,6 +305,10 @@ def cmd_prebuild(ns: argparse.Namespace) -> int:
     for r in rows:
         if r.get("status") == "compile_error":
             print(f"  compile error: {r.get('params')}: {r.get('error')}")
+        elif r.get("spills"):
+            res = r.get("resources") or {}
+            print(f"  spills: {r.get('params')}: {res.get('spill_stores')} B stored, {res.get('spill_loads')} B loaded, "
+                  f"{res.get('registers')} registers")
     print(f"cache: {cache.root()}")
     return _exit_status(rows, ns.fail_on_spill)
 
