@@ -24,8 +24,6 @@ _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin   # 227 KiB opt-
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
 
 
-@register_family
-@dataclass(frozen=True)
 def check_epilogue_and_smem(cfg) -> None:
     """The checks the Hopper matmul configs share (bf16/fp16 and fp8): epilogue_n divides the tile
     in 64-column steps, and the ring with the smallest epilogue staging fits shared memory."""
@@ -38,6 +36,8 @@ def check_epilogue_and_smem(cfg) -> None:
                                 f"{cfg.shared_mem_bytes} with the smallest epilogue staging)")
 
 
+@register_family
+@dataclass(frozen=True)
 class MatmulSm90Config(KernelConfig):
     """One Hopper matmul specialization.
 
