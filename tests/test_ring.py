@@ -304,3 +304,37 @@ def test_launcher_leaves_the_command_arguments_alone():
         (["-n2", "--timeout=5"], ["-m", "pytest", "-x", "-n", "4"])
     assert _split(["--nproc", "2", "--master-port", "1234", "b.py"]) == (["--nproc", "2", "--master-port", "1234"],
                                                                          ["b.py"])
+
+
+def test_torch_ring_attention_autograd_wiring(monkeypatch):
+    """rtkernels.torch.ring_attention's autograd (CPU, float64): the ring's NumPy reference kernels on
+    one rank stand in for the CUDA ones, and loss.backward()'s gradients equal torch autograd
+    through plain attention."""
+    torch = pytest.importorskip("torch")
+    import rtkernels.torch.dist as td
+
+    def fwd(q, k, v, **kw):
+        o, lse = rd.ring_attention(q.numpy(), k.numpy(), v.numpy(), **kw)
+        return torch.from_numpy(o), torch.from_numpy(lse)
+
+    def bwd(do, q, k, v, o, lse, **kw):
+        return tuple(torch.from_numpy(x) for x in rd.ring_attention_backward(
+            *(t.numpy() for t in (do, q, k, v, o, lse)), **kw))
+
+    monkeypatch.setattr(td, "_ring_forward", fwd)
+    monkeypatch.setattr(td, "_ring_backward", bwd)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(2, 9, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2, 4))
+    for causal in (False, True):
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        o, lse = td.ring_attention(a, b, c, causal=causal, softmax_scale=0.3, comm=rd.SingleComm())
+        o.backward(do)
+        assert not lse.requires_grad
+        ra, rb, rc = (t.clone().requires_grad_(True) for t in (q, k, v))
+        s = torch.einsum("bqhd,bkhd->bhqk", ra, rb.repeat_interleave(2, dim=2)) * 0.3
+        if causal:
+            s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+        ro = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), rc.repeat_interleave(2, dim=2))
+        ro.backward(do)
+        for x, y in ((o, ro), (a.grad, ra.grad), (b.grad, rb.grad), (c.grad, rc.grad)):
+            assert torch.allclose(x, y, atol=1e-10), float((x - y).abs().max())

@@ -105,6 +105,8 @@ def rank_main(argv) -> int:
             cp.cuda.get_current_stream().synchronize()
             check_ring(tag, {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, q, k, v, do, causal, scale, dtype,
                        part=part)
+            if "--torch" in argv:   # the same case through autograd: the same kernels, the same bits
+                _check_autograd(tag, (qs, ks, vs, dos), (o, dq, dk, dv), causal, scale, layout, comm, dtype)
         except Exception as exc:  # noqa: BLE001 - every case runs on every rank (the ring needs all of them)
             failures.append(f"{tag}: {type(exc).__name__}: {exc}")
             print(f"FAIL {failures[-1]}", flush=True)
@@ -113,6 +115,29 @@ def rank_main(argv) -> int:
         import torch.distributed as dist
         dist.destroy_process_group()
     return 1 if failures else 0
+
+
+def _check_autograd(tag, inputs, expected, causal, scale, layout, comm, dtype):
+    """rtkernels.torch.ring_attention's o and its gradients (loss.backward() with do) equal the
+    CuPy-path results bit for bit."""
+    import cupy as cp
+    import torch
+    import rtkernels.torch as rtt
+
+    def to_torch(x):
+        t = torch.from_dlpack(x)
+        return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+    q, k, v, do = (to_torch(x).clone() for x in inputs)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    o, _ = rtt.ring_attention(q, k, v, causal=causal, softmax_scale=scale, layout=layout, comm=comm)
+    o.backward(do)
+    torch.cuda.synchronize()
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, q.grad, k.grad, v.grad), expected):
+        cp.cuda.get_current_stream().synchronize()
+        assert torch.equal(got.detach(), to_torch(want)), f"{tag}: autograd {name} differs from the direct call"
+    print(f"{tag}: autograd o, dq, dk, dv equal the direct call", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ from typing import Sequence
 from ._library import LIB, REGISTERED, op
 from ._ops import attention_layout, elementwise_function, matmul_operand
 from .hf import register_transformers
+from .dist import ring_attention
 from .sdpa import scaled_dot_product_attention
 
 __all__ = ["attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
            "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
-           "scaled_dot_product_attention", "register_transformers", "op", "LIB", "REGISTERED"]
+           "scaled_dot_product_attention", "register_transformers", "ring_attention", "op", "LIB", "REGISTERED"]
 
 _rtk_ops = torch.ops.rtk
 
