@@ -53,12 +53,13 @@ _E4M3_MAX = 448.0
 
 
 def register_estimate(row_tiles: int, unroll: int, m_tiles: int, group: bool, zeros: bool) -> int:
-    """Registers the quant_gemv kernel needs per thread, from its arrays (reasoned, then checked
-    against ptxas in tests/test_quant_matmul.py): the slots' weights (8 per row tile and slot), their
-    group scales / zero points (2 per row tile and slot each), x of the current and the next item
-    (2 x 8 per m tile), the accumulators (4 per row tile and m tile; twice with group scales: the
-    block's own sum), plus about 40 for addresses, loop state and the dequantization temporaries
-    (ptxas, NVRTC 13.5, sm_90: 82-118 registers over the heuristic's configs under a cap of 128)."""
+    """Registers the quant_gemv kernel needs per thread at least, from its arrays: the slots'
+    weights (8 per row tile and slot), their group scales / zero points (2 per row tile and slot
+    each), x of the current and the next item (2 x 8 per m tile), the accumulators (4 per row tile
+    and m tile; twice with group scales: the block's own sum), plus about 40 for addresses, loop
+    state and the dequantization temporaries.  A floor that rejects configs bound to spill: ptxas
+    (NVRTC 13.5, sm_90) gave the heuristic's configs 100-128 registers under a cap of 128 (this
+    estimate: 88-112), and none of them spills under 112 (tests/test_quant_matmul.py, HEADROOM)."""
     slot = 8 * row_tiles + (2 * row_tiles if group else 0) + (2 * row_tiles if zeros else 0)
     acc = 4 * row_tiles * m_tiles * (2 if group else 1)
     return unroll * slot + 16 * m_tiles + acc + 40
@@ -228,6 +229,7 @@ _WARPS_K = 8
 _CTAS_PER_SM = 2
 _UNROLL = 4
 _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 4096: 128 of 132)
+_X_L1_BYTES = 128 * 1024  # x that stays in L1 (256 KiB less shared memory and the weight stream)
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
@@ -247,15 +249,25 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     # Narrower loads (K, a stride or a base not 16-byte aligned: a byte-by-byte weight load builds
     # each register from 4 loads and shifts) spilled 8 bytes at unroll 4 under 112: unroll 2 there.
     unroll = _UNROLL if (m_tiles == 1 or not group_size) and w_vec == 16 else 2
-    tiles = -(-n // (16 * row_tiles))
+    # M > 8 (two m tiles): a warp of 16 weight rows reads 2 bytes of x per weight byte (16 x rows x
+    # 2 B against 16 rows x 1 B).  While x (M x K x 2 bytes) stays in L1 beside the weight stream
+    # (<= 128 KiB: K <= 4096 at M = 16) a tile's re-reads hit L1; past that every tile reads x from
+    # L2, twice the weight traffic.  Two warps along N (warps_k 4) read each x slice together, the
+    # second from L1: x at 1x the weight bytes, which the earlier kernel ran at (its row_tiles 2;
+    # M = 16 was at or above M = 1 at every large shape).  Only where the 32-row tiles still give
+    # every SM two CTAs.  (Reasoned; the sweep times w8k4 beside w8k8 at M = 16.)
+    warps_k = _WARPS_K
+    if m_tiles == 2 and m * k * 2 > _X_L1_BYTES and -(-n // 32) >= 2 * need:
+        warps_k = _WARPS_K // 2
+    tiles = -(-n // (16 * row_tiles * (_WARPS // warps_k)))
     nblk = -(-k // 64)
     split = 1
     if tiles < need:
-        split = max(1, min(-(-need // tiles), nblk // (2 * _WARPS_K), 16))
+        split = max(1, min(-(-need // tiles), nblk // (2 * warps_k), 16))
     return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
                            has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
                            m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=_WARPS,
-                           warps_k=_WARPS_K, split_k=split, ctas_per_sm=_CTAS_PER_SM, persistent=True,
+                           warps_k=warps_k, split_k=split, ctas_per_sm=_CTAS_PER_SM, persistent=True,
                            w_vec=w_vec, x_vec=x_vec)
 
 
