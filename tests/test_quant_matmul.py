@@ -343,12 +343,14 @@ def test_quantized_matmul_gpu(m, n, k, kind, group, zeros):
            what=f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} ({cfg.key()})")
 
 
-# tilings through config=: several tiles per CTA (persistent, 1 CTA per SM: 313 tiles over 132 or
-# so SMs), K slices of 8 or 9 blocks against 3 slots (padded groups), warps along N and K, 16 warps,
-# one CTA per tile, row_tiles 2, split-K beside persistence
+# tilings through config=: several tiles per CTA (persistent, 1 CTA per SM: 138 tiles of 16 rows
+# over 132 SMs, the last tile 8 rows), K slices of 8 or 9 blocks against 3 slots (padded groups),
+# warps along N and K, 16 warps, one CTA per tile, row_tiles 2, split-K beside persistence
 TILINGS = [dict(), dict(ctas_per_sm=1, unroll=3), dict(num_warps=8, warps_k=4, unroll=3),
            dict(num_warps=16, warps_k=16, ctas_per_sm=1, unroll=2), dict(persistent=False, unroll=6),
            dict(row_tiles=2, unroll=2, ctas_per_sm=1), dict(split_k=3, ctas_per_sm=1, unroll=4)]
+TILING_KINDS = [("int8", 128, True, "bfloat16"), ("float8_e4m3", None, False, "float16"),
+                ("uint8", 64, True, "bfloat16")]
 
 
 @pytest.mark.gpu
@@ -357,12 +359,11 @@ def test_tilings_gpu(m):
     import cupy as cp
     from gpu_util import poison
     import rtkernels as rtk
-    n, k = 5003, 4160 + 64 * 9   # 313 tiles of 16 rows (the last one 11); 74 blocks of 64
+    n, k = 2200, 4160   # 65 blocks of 64 over 8 warps
     rng = np.random.default_rng(40 + m)
+    cases = [(kd, _case(rng, m, n, k, kd[3], *kd[:3])) for kd in TILING_KINDS]
     for i, t in enumerate(TILINGS):
-        kind, group, zeros = (("int8", 128, True), ("float8_e4m3", None, False), ("uint8", 64, True))[i % 3]
-        dtype = ("bfloat16", "float16")[i % 2]
-        x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, dtype, kind, group, zeros)
+        (kind, group, zeros, dtype), (x, x64, qd, sd, zd, q, s, z) = cases[i % len(cases)]
         base = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group or 0, has_zeros=zeros)
         cfg = base.replace(**t)
         wdt = "float8_e4m3" if kind == "float8_e4m3" else None
@@ -375,6 +376,29 @@ def test_tilings_gpu(m):
         what = f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} tiling {cfg.tag()}"
         assert cp.array_equal(outs[0], outs[1]), f"{what}: two runs differ"
         _check(outs[1], x64, q, s, z, group, kind, dtype, what=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, group, zeros, dtype", [("int8", None, False, "bfloat16"), ("uint8", 64, True, "float16")])
+def test_many_tiles_per_cta_gpu(kind, group, zeros, dtype):
+    """Persistent CTAs walking 4-5 tiles each (563 tiles over 132 or so CTAs), K = 1088: 17 blocks
+    over 8 warps (2-3 each) against 4 slots, so every tile's group is padded and the slots run on
+    into the next tile's items; against the heuristic's own tiling bit for bit where they agree."""
+    import cupy as cp
+    from gpu_util import poison
+    import rtkernels as rtk
+    m, n, k = 3, 9000, 1088
+    rng = np.random.default_rng(77)
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, dtype, kind, group, zeros)
+    cfg = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group or 0, has_zeros=zeros)
+    outs = {}
+    for c in (cfg.replace(ctas_per_sm=1), cfg.replace(persistent=False)):
+        out = poison(cp.empty((m, n), dtype=x.dtype))
+        rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, dtype=dtype, config=c)
+        _check(out, x64, q, s, z, group, kind, dtype, what=f"M={m} N={n} K={k} {kind} {dtype} tiling {c.tag()}")
+        outs[c.tag()] = out
+    a, b = outs.values()
+    assert cp.array_equal(a, b), "the same K slices summed in the same order must agree bit for bit"
 
 
 @pytest.mark.gpu
