@@ -271,14 +271,14 @@ def main():
         print(f"\n{len(failed)} cases FAILED (first: {failed[0]})")
     if not rows:
         return
-    if sweep_rows:
-        print(sweep_table(sweep_rows))
     worst = min(rows, key=lambda r: r["%copy"])
     print(f"\n{env['gpu']} ({env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; {time.time() - t0:.0f} s; "
           f"lowest %copy {worst['%copy']:.1f} (N={worst['N']} K={worst['K']} M={worst['M']} {worst['kind']}), "
           f"lowest vs cuBLAS {min(r['vs_cublas'] for r in rows):.2f}x")
     print(benchutil.table(rows, ["N", "K", "M", "kind", "tiles", "rtk_us", "GBs", "%copy", "%read", "cublas_bf16_us",
                                  "vs_cublas", "rel_err"]))
+    if sweep_rows:
+        print(sweep_table(sweep_rows))
     print(compact_table(rows, reads, copy_gbs))
 
 
