@@ -555,7 +555,8 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
     stream : CuPy stream, torch stream or raw handle (default: CuPy's current stream, or torch's
         current one for torch x).
     config : a :class:`QuantGemvConfig` whose tiling (row_tiles, unroll, num_warps, warps_k,
-        split_k) replaces the heuristic's (benchmarks, tuning); the rest follows the inputs.
+        split_k, ctas_per_sm, persistent, max_registers) replaces the heuristic's (benchmarks,
+        tuning); the rest follows the inputs.
 
     M <= 16 runs the quant_gemv kernel (fp32 accumulation on tensor cores, the weight read once;
     float32 partials and a second small kernel when N is too small to fill the GPU).  M > 16
