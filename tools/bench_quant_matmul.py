@@ -15,7 +15,11 @@ M in {1, 4, 16}.
         [--ms 1,4,16] [--sweep]   # --sweep: tile candidates at 3 shapes (M = 1, 16), ~1 min more
 
 Each case also checks rtk against torch's float32 product of the dequantized weight (max error
-relative to max |y|).  About 1-1.5 minutes on an H100.
+relative to max |y|).  A plain read of the same N * K bytes (a streaming kernel with 64 bytes in
+flight per thread, 2048 threads per SM, timed the same way) gives what any kernel can reach at that
+size ("read %copy": launch and DRAM ramp-up cost several us, a large share at 16 MB).  The run ends
+with a compact table: %copy per shape for each kind and M, beside the read's.  About 1.5-2 minutes
+on an H100 with --sweep.
 """
 from __future__ import annotations
 
@@ -32,7 +36,13 @@ SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (8192, 8192)
           (8192, 28672))
 KINDS = {"int8": ("int8", None), "int8_g128": ("int8", 128), "fp8_g128": ("float8_e4m3", 128),
          "fp8": ("float8_e4m3", None), "uint8_g128": ("uint8", 128)}
+SWEEP_SHAPES = ((4096, 4096), (14336, 4096), (8192, 28672))
 SET_BYTES = 256 << 20
+
+
+def device_sms() -> int:
+    from rtkernels import device
+    return device.sm_count()
 
 
 def _weights(cp, n, k, kind, group, count):
@@ -79,6 +89,52 @@ def _dequant_t(torch, qm, q, s, z, group, kind):
     return torch.from_dlpack(v * sc)
 
 
+_READ = None
+
+
+def _read_kernel(cp):
+    """A streaming read of n16 16-byte words: grid-stride, four loads issued before use, XOR-folded
+    so the loads stay live (the fold never equals the sentinel for our inputs' sizes)."""
+    global _READ
+    if _READ is None:
+        _READ = cp.RawKernel(r'''
+extern "C" __global__ void __launch_bounds__(256) read_bytes(const uint4* __restrict__ p, long long n16,
+                                                             unsigned* out) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        uint4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = __ldg(p + i + j * stride);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    }
+    for (; i < n16; i += stride) { const uint4 v = __ldg(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+    if (acc == 0x9E3779B9u) out[0] = acc;
+}''', "read_bytes")
+    return _READ
+
+
+def read_case(args, n, k):
+    """us to read N * K bytes (rotating copies, like the rtk cases) with the streaming read kernel."""
+    import cupy as cp
+    from benchutil import time_queued
+    from rtkernels import device
+    count = max(2, -(-SET_BYTES // (n * k)))
+    bufs = [cp.zeros(n * k // 16 * 16, dtype=cp.uint8) for _ in range(count)]
+    sink = cp.zeros(1, dtype=cp.uint32)
+    kern = _read_kernel(cp)
+    grid = device.sm_count() * 8
+
+    def call(b):
+        kern((grid,), (256,), (b, cp.int64(b.size // 16), sink))
+
+    ms = time_queued(call, [(b,) for b in bufs], repeat=args.repeat)[0]
+    del bufs
+    return ms * 1e3
+
+
 def run_case(args, torch, rtk, qm, n, k, m, kind_name, copy_gbs, tsets_cache):
     import cupy as cp
     from benchutil import time_queued
@@ -116,12 +172,12 @@ def run_case(args, torch, rtk, qm, n, k, m, kind_name, copy_gbs, tsets_cache):
     ms, ms_c = min(rtk_ms), min(cublas_ms)
     gbs = n * k / (ms * 1e-3) / 1e9
     cfg = qm.heuristic_config("bfloat16", m, n, k, weight_dtype=kind, group_size=group or 0,
-                              has_zeros=kind == "uint8")
+                              has_zeros=kind == "uint8", sm_count=device_sms())
     del sets, inputs
     return {"N": n, "K": k, "M": m, "kind": kind_name, "rtk_us": ms * 1e3, "GBs": gbs,
             "%copy": 100 * gbs / copy_gbs, "cublas_bf16_us": ms_c * 1e3, "vs_cublas": ms_c / ms,
             "cublas_GBs": 2 * n * k / (ms_c * 1e-3) / 1e9, "rel_err": err,
-            "tiles": f"r{cfg.row_tiles}u{cfg.unroll}w{cfg.num_warps}k{cfg.warps_k}s{cfg.split_k}"}
+            "tiles": cfg.tag()}
 
 
 def sweep(args, torch, rtk, qm, copy_gbs):
@@ -129,13 +185,13 @@ def sweep(args, torch, rtk, qm, copy_gbs):
     import cupy as cp
     from benchutil import time_queued
     rows = []
-    for (n, k) in ((4096, 4096), (14336, 4096), (1024, 4096)):
+    for (n, k) in SWEEP_SHAPES:
         count = max(2, -(-SET_BYTES // (n * k)))
         sets = _as_torch(torch, _weights(cp, n, k, "int8", None, count), "int8")
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            base = qm.heuristic_config("bfloat16", m, n, k)
+            base = qm.heuristic_config("bfloat16", m, n, k, sm_count=device_sms())
             cands = qm.candidate_configs(base)
             res = []
             for cfg in cands:
@@ -147,7 +203,7 @@ def sweep(args, torch, rtk, qm, copy_gbs):
                     print(f"  skip {cfg.key()}: {type(e).__name__}: {e}"[:160])
                     continue
                 gbs = n * k / (ms * 1e-3) / 1e9
-                tag = f"r{cfg.row_tiles}u{cfg.unroll}w{cfg.num_warps}k{cfg.warps_k}s{cfg.split_k}"
+                tag = cfg.tag()
                 res.append({"N": n, "K": k, "M": m, "tiles": tag, "us": ms * 1e3, "GBs": gbs,
                             "%copy": 100 * gbs / copy_gbs,
                             "default": all(getattr(cfg, f) == getattr(base, f) for f in qm._TILE_FIELDS)})
@@ -178,7 +234,14 @@ def main():
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
     rows, cache, failed = [], {}, []
     ms_list = [int(v) for v in args.ms.split(",")]
+    reads = {}
     for n, k in SHAPES:
+        try:
+            reads[(n, k)] = read_case(args, n, k)
+            print(f"N={n} K={k} read of the same bytes: {reads[(n, k)]:.1f} us "
+                  f"{100 * n * k / (reads[(n, k)] * 1e-6) / 1e9 / copy_gbs:.1f}% copy", flush=True)
+        except Exception as e:   # noqa: BLE001
+            print(f"N={n} K={k} read: FAILED {type(e).__name__}: {e}"[:300], flush=True)
         for kind in args.kinds.split(","):
             for m in ms_list:
                 try:
@@ -187,6 +250,9 @@ def main():
                     print(f"N={n} K={k} M={m} {kind}: FAILED {type(e).__name__}: {e}"[:300], flush=True)
                     failed.append({"N": n, "K": k, "M": m, "kind": kind, "error": f"{type(e).__name__}: {e}"})
                     continue
+                if (n, k) in reads:
+                    r["read_us"] = reads[(n, k)]
+                    r["%read"] = 100 * reads[(n, k)] / r["rtk_us"]
                 rows.append(r)
                 print(f"N={n} K={k} M={m} {kind}: {r['rtk_us']:.1f} us {r['%copy']:.1f}% copy, cuBLAS bf16 "
                       f"{r['cublas_bf16_us']:.1f} us ({r['vs_cublas']:.2f}x), err {r['rel_err']:.1e}", flush=True)
@@ -198,21 +264,54 @@ def main():
         except Exception as e:   # noqa: BLE001  (keep the main table)
             print(f"sweep FAILED: {type(e).__name__}: {e}"[:300])
     path = benchutil.save(args.out, "quant_matmul", {"environment": env, "copy_GBs": copy_gbs, "rows": rows,
+                                                     "read_us": {f"{n}x{k}": v for (n, k), v in reads.items()},
                                                      "failed": failed, "sweep": sweep_rows,
                                                      "seconds": time.time() - t0})
     if failed:
         print(f"\n{len(failed)} cases FAILED (first: {failed[0]})")
     if not rows:
         return
-    if sweep_rows:
-        print("\nsweep (fastest first per shape):")
-        print(benchutil.table(sweep_rows, ["N", "K", "M", "tiles", "us", "GBs", "%copy", "default"]))
     worst = min(rows, key=lambda r: r["%copy"])
     print(f"\n{env['gpu']} ({env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; {time.time() - t0:.0f} s; "
           f"lowest %copy {worst['%copy']:.1f} (N={worst['N']} K={worst['K']} M={worst['M']} {worst['kind']}), "
           f"lowest vs cuBLAS {min(r['vs_cublas'] for r in rows):.2f}x")
-    print(benchutil.table(rows, ["N", "K", "M", "kind", "tiles", "rtk_us", "GBs", "%copy", "cublas_bf16_us",
+    print(benchutil.table(rows, ["N", "K", "M", "kind", "tiles", "rtk_us", "GBs", "%copy", "%read", "cublas_bf16_us",
                                  "vs_cublas", "rel_err"]))
+    if sweep_rows:
+        print(sweep_table(sweep_rows))
+    print(compact_table(rows, reads, copy_gbs))
+
+
+def sweep_table(rows) -> str:
+    """%copy of each tile candidate (rows, the tag; * marks the heuristic's) at each sweep shape and M."""
+    cols = sorted({(r["N"], r["K"], r["M"]) for r in rows}, key=lambda c: (SWEEP_SHAPES.index(c[:2]), c[2]))
+    tags = sorted({r["tiles"] for r in rows})
+    by = {(r["tiles"], r["N"], r["K"], r["M"]): r for r in rows}
+    head = ["tiles"] + [f"{n}x{k} M={m}" for n, k, m in cols]
+    lines = ["\nsweep, % of device copy (int8 per-channel; * the heuristic's choice; "
+             "tag r row_tiles u unroll w warps k warps_k s split_k c ctas_per_sm p persistent):",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in tags:
+        cells = [t]
+        for n, k, m in cols:
+            r = by.get((t, n, k, m))
+            cells.append("-" if r is None else f"{r['%copy']:.1f}{'*' if r['default'] else ''}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compact_table(rows, reads, copy_gbs) -> str:
+    """%copy per shape (rows) for each kind and M (columns), and the same-bytes read's %copy."""
+    cols = sorted({(r["kind"], r["M"]) for r in rows}, key=lambda c: (list(KINDS).index(c[0]), c[1]))
+    head = ["N x K", "read"] + [f"{kd} M={m}" for kd, m in cols]
+    lines = ["\n% of device copy (target 85):", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {(r["N"], r["K"], r["kind"], r["M"]): r["%copy"] for r in rows}
+    for n, k in SHAPES:
+        rd = reads.get((n, k))
+        cells = [f"{n}x{k}", f"{100 * n * k / (rd * 1e-6) / 1e9 / copy_gbs:.0f}" if rd else "-"]
+        cells += [f"{by[(n, k, kd, m)]:.0f}" if (n, k, kd, m) in by else "-" for kd, m in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
