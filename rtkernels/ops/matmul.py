@@ -15,7 +15,6 @@ the autotuner with ``RTKERNELS_AUTOTUNE=1``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,6 +28,7 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_fp8 as _fp8
+from .matmul_common import activation_reference, tune_bucket
 from . import matmul_sm90 as m90
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
@@ -323,14 +323,7 @@ def candidate_configs(dtype: str, k: int | None = None, **layout) -> list[Matmul
     return out
 
 
-def _bucket(x: int) -> int:
-    """Shape bucket of the tuning key: powers of two up to 512, then multiples of 256.
-
-    Fine enough that 1792 and 1793 (different wave counts) tune separately.
-    """
-    if x <= 512:
-        return 1 << max(0, (x - 1).bit_length())
-    return -(-x // 256) * 256
+_bucket = tune_bucket
 
 
 # ---- the op -----------------------------------------------------------------------------
@@ -797,20 +790,7 @@ def _tuned(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, ints, stream
 
 
 # ---- reference ----------------------------------------------------------------------------
-def _act_np(x: np.ndarray, activation: str | None) -> np.ndarray:
-    if activation in (None, "none"):
-        return x
-    if activation == "relu":
-        return np.maximum(x, 0.0)
-    if activation == "gelu":
-        try:
-            from scipy.special import erf
-        except ImportError:
-            erf = np.vectorize(math.erf, otypes=[np.float64])
-        return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
-    if activation == "silu":
-        return x / (1.0 + np.exp(-x))
-    raise ConfigError.bad_value("matmul", "activation", activation, "None, 'relu', 'gelu' or 'silu'")
+_act_np = activation_reference
 
 
 def matmul_reference(a: np.ndarray, b: np.ndarray, *, bias: np.ndarray | None = None, activation: str | None = None,

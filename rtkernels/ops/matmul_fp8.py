@@ -46,6 +46,7 @@ from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import matmul_sm90 as m90
 from . import views
+from .matmul_common import activation_reference, tune_bucket
 from ._arrays import Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream
 
 # Canonical names (torch's) and the spellings the ``dtype=`` argument accepts for uint8 arrays.
@@ -567,8 +568,7 @@ def matmul_fp8(a, b, *, bias=None, activation=None, out=None, trans_a: bool = Fa
 
 
 def _tuned(default, m, n, k, layout, ak, lda, bk, ldb, biv, cv, ldc, sav, sbv, stream):
-    from .matmul import _bucket
-    key = {"m": _bucket(m), "n": _bucket(n), "k": _bucket(k), **layout}
+    key = {"m": tune_bucket(m), "n": tune_bucket(n), "k": tune_bucket(k), **layout}
     scratch = autotune._clone(cv, autotune._span(cv))
     sms = device.sm_count()
     item = cv.itemsize
@@ -609,7 +609,6 @@ def matmul_fp8_reference(a, b, *, a_dtype: str = "float8_e4m3fn", b_dtype: str |
     """float64 NumPy reference of the fp8 matmul: ``a`` (M, K) and ``b`` (K, N) as uint8 bits (or
     float values), scales as float arrays (scalar, (M,) / (N,)), bias (N,)."""
     import numpy as np
-    from .matmul import _act_np
     a = np.asarray(a)
     b = np.asarray(b)
     a64 = fp8_to_float(a, a_dtype) if a.dtype == np.uint8 else a.astype(np.float64)
@@ -621,4 +620,4 @@ def matmul_fp8_reference(a, b, *, a_dtype: str = "float8_e4m3fn", b_dtype: str |
         c = c * np.asarray(scale_b, dtype=np.float64).reshape(1, -1)
     if bias is not None:
         c = c + np.asarray(bias, dtype=np.float64)
-    return _act_np(c, activation)
+    return activation_reference(c, activation)

@@ -40,7 +40,9 @@ from ..kernel import get_kernel
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, cupy_stream, default_stream,
                       dtype_name, new_like, same_memory)
-from .matmul import ACTIVATIONS, _act_np
+from .matmul import matmul
+from .matmul_common import activation_reference
+from .matmul_sm90 import ACTIVATIONS
 from .rowwise import _row_layout
 
 OP = "quantized_matmul"
@@ -460,7 +462,7 @@ def quantized_matmul_reference(x, w_q, scales, *, group_size: int | None = None,
     y = np.asarray(_host(x), dtype=np.float64) @ w.T
     if bias is not None:
         y = y + np.asarray(_host(bias), dtype=np.float64)
-    return _act_np(y, activation)
+    return activation_reference(y, activation)
 
 
 # ---- the op -------------------------------------------------------------------------------------
@@ -712,7 +714,6 @@ def _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, cfg,
     rtk.matmul(x, wd, trans_b=True) (a correctness path: 5 bytes of traffic per weight element, not
     tuned)."""
     import cupy
-    from .matmul import matmul
     with cupy_stream(stream):
         wd = cupy.empty((n, k), dtype=np.uint16 if cfg.dtype == "bfloat16" else np.float16)
     if k:
