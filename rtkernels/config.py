@@ -32,8 +32,10 @@ def register_family(cls: type["KernelConfig"]) -> type["KernelConfig"]:
 
 
 def families() -> dict[str, type["KernelConfig"]]:
-    """All registered families, name -> config class (imports the built-in ops first)."""
-    from . import ops  # noqa: F401  (registers the built-in families)
+    """All registered families, name -> config class.  The built-in ones register when
+    ``rtkernels`` is imported (its ``__init__`` imports ``rtkernels.ops``, and importing any
+    ``rtkernels.*`` module imports the package first), so this module imports no op: the
+    config -> ops back-edge of the import graph is gone."""
     return dict(_FAMILIES)
 
 
