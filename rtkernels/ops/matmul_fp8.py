@@ -55,14 +55,13 @@ _FP8_ALIASES = {"float8_e4m3fn": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn"
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 SCALE_A_KINDS = ("none", "tensor", "row")
 SCALE_B_KINDS = ("none", "tensor", "col")
-_SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin
-_PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # as matmul_sm90: 40 + 2 * 232 = 3 * 168
+_PRODUCER_REGS, _CONSUMER_REGS = m90._PRODUCER_REGS, m90._CONSUMER_REGS   # 40 + 2 * 232 = 3 * 168
 _ACC_LIMIT = 192   # f32 accumulators (plus promoted sums) per consumer thread that fit in 232 registers
 
 
 @register_family
 @dataclass(frozen=True)
-class MatmulFp8Config(KernelConfig):
+class MatmulFp8Config(m90.HopperMatmulTile, KernelConfig):
     """One Hopper fp8 matmul specialization (both operands K-major; see the module docstring).
 
     ``a_dtype`` / ``b_dtype``: "float8_e4m3fn" or "float8_e5m2" (all four pairs are wgmma types).
@@ -135,33 +134,11 @@ class MatmulFp8Config(KernelConfig):
                                   f"{self.block_m}, promote_interval={self.promote_interval}: {acc}; more would spill)")
         if self.tma_store and self.out_dtype == "float32":
             self._fail("tma_store", "False with out_dtype='float32' (the TMA-store epilogue writes 16-bit outputs)")
-        m90.check_epilogue_and_smem(self)
-
-    @property
-    def threads_per_block(self) -> int:
-        return 384
+        self._check_epilogue_and_smem()
 
     @property
     def stage_bytes(self) -> int:
         return (self.block_m + self.block_n) * self.block_k
-
-    def _smem(self, epi_n: int) -> int:
-        c = self.block_m * epi_n * 2 if self.tma_store else 0
-        return 1024 + self.num_stages * self.stage_bytes + c + 16 * self.num_stages
-
-    @property
-    def epi_n(self) -> int:
-        if self.epilogue_n or not self.tma_store:
-            return self.epilogue_n or self.block_n
-        n = self.block_n
-        while n > 64 and (self.block_n % n or self._smem(n) > _SMEM_LIMIT):
-            n -= 64
-        return n
-
-    @property
-    def shared_mem_bytes(self) -> int:
-        """1 KiB of alignment slack, the ring, the C staging buffer, 2 mbarriers per stage."""
-        return self._smem(self.epi_n)
 
     def template_params(self):
         p = super().template_params()

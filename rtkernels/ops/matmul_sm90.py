@@ -24,21 +24,50 @@ _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin   # 227 KiB opt-
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
 
 
-def check_epilogue_and_smem(cfg) -> None:
-    """The checks the Hopper matmul configs share (bf16/fp16 and fp8): epilogue_n divides the tile
-    in 64-column steps, and the ring with the smallest epilogue staging fits shared memory."""
-    if cfg.epilogue_n:
-        cfg._check_int("epilogue_n", 64, cfg.block_n, multiple_of=64)
-        if cfg.block_n % cfg.epilogue_n:
-            cfg._fail("epilogue_n", f"0 or a divisor of block_n={cfg.block_n} that is a multiple of 64")
-    if cfg.shared_mem_bytes > _SMEM_LIMIT:
-        cfg._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
-                                f"{cfg.shared_mem_bytes} with the smallest epilogue staging)")
+class HopperMatmulTile:
+    """What the Hopper matmul configs share (bf16/fp16 here, fp8 in matmul_fp8): three warpgroups,
+    the C staging buffer's width and the shared-memory total.  Needs the fields block_m, block_n,
+    num_stages, tma_store, epilogue_n and the property stage_bytes."""
+
+    def _check_epilogue_and_smem(self) -> None:
+        """epilogue_n divides the tile in 64-column steps, and the ring with the smallest epilogue
+        staging fits shared memory."""
+        if self.epilogue_n:
+            self._check_int("epilogue_n", 64, self.block_n, multiple_of=64)
+            if self.block_n % self.epilogue_n:
+                self._fail("epilogue_n", f"0 or a divisor of block_n={self.block_n} that is a multiple of 64")
+        if self.shared_mem_bytes > _SMEM_LIMIT:
+            self._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
+                                     f"{self.shared_mem_bytes} with the smallest epilogue staging)")
+
+    @property
+    def threads_per_block(self) -> int:
+        return 384
+
+    def _smem(self, epi_n: int) -> int:
+        c = self.block_m * epi_n * 2 if self.tma_store else 0
+        return 1024 + self.num_stages * self.stage_bytes + c + 16 * self.num_stages
+
+    @property
+    def epi_n(self) -> int:
+        """Columns per epilogue pass: ``epilogue_n``, or the widest divisor of block_n (>= 64)
+        whose staging buffer fits beside the ring."""
+        if self.epilogue_n or not self.tma_store:
+            return self.epilogue_n or self.block_n
+        n = self.block_n
+        while n > 64 and (self.block_n % n or self._smem(n) > _SMEM_LIMIT):
+            n -= 64
+        return n
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """1 KiB of alignment slack, the ring, the C staging buffer, 2 mbarriers per stage."""
+        return self._smem(self.epi_n)
 
 
 @register_family
 @dataclass(frozen=True)
-class MatmulSm90Config(KernelConfig):
+class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     """One Hopper matmul specialization.
 
     ``block_m`` x ``block_n``: the output tile of one CTA; two consumer warpgroups own
@@ -92,35 +121,11 @@ class MatmulSm90Config(KernelConfig):
                                   "(128 accumulators per consumer thread; more would spill)")
         if self.mma == "sync" and self.tma_store:
             self._fail("tma_store", "False with mma='sync' (its warps store C directly)")
-        check_epilogue_and_smem(self)
-
-    @property
-    def threads_per_block(self) -> int:
-        return 384
+        self._check_epilogue_and_smem()
 
     @property
     def stage_bytes(self) -> int:
         return (self.block_m + self.block_n) * self.block_k * 2
-
-    def _smem(self, epi_n: int) -> int:
-        c = self.block_m * epi_n * 2 if self.tma_store else 0
-        return 1024 + self.num_stages * self.stage_bytes + c + 16 * self.num_stages
-
-    @property
-    def epi_n(self) -> int:
-        """Columns per epilogue pass: ``epilogue_n``, or the widest divisor of block_n (>= 64)
-        whose staging buffer fits beside the ring."""
-        if self.epilogue_n or not self.tma_store:
-            return self.epilogue_n or self.block_n
-        n = self.block_n
-        while n > 64 and (self.block_n % n or self._smem(n) > _SMEM_LIMIT):
-            n -= 64
-        return n
-
-    @property
-    def shared_mem_bytes(self) -> int:
-        """1 KiB of alignment slack, the ring, the C staging buffer, 2 mbarriers per stage."""
-        return self._smem(self.epi_n)
 
     def template_params(self):
         p = super().template_params()
