@@ -235,35 +235,9 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weig
     return config
 
 
-_CLUSTERS: dict = {}
-
-
 def _cluster_capacity(k, cfg) -> int | None:
-    """Clusters of ``k`` the current device runs at once (cuOccupancyMaxActiveClusters: a cluster's
-    blocks share one GPC, so SMs x blocks per SM / cluster can overcount), or None where the driver
-    does not say.  Memoized per kernel, launch shape and device."""
-    from .. import device
-    dev = device.current_device()
-    key = (k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size, dev)
-    if key not in _CLUSTERS:
-        got = None
-        try:
-            from cuda.bindings import driver as cu
-            fn = k.function(dev)
-            if cfg.shared_mem_bytes > 48 * 1024:
-                k._raise_smem_limit(fn, dev, cfg.shared_mem_bytes)
-            lc = cu.CUlaunchConfig()
-            lc.gridDimX, lc.gridDimY, lc.gridDimZ = cfg.cluster_size, 1, 1
-            lc.blockDimX, lc.blockDimY, lc.blockDimZ = cfg.block_size, 1, 1
-            lc.sharedMemBytes = cfg.shared_mem_bytes
-            lc.numAttrs = 0   # the kernel's own __cluster_dims__
-            err, n = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn.ptr), lc)
-            if err == cu.CUresult.CUDA_SUCCESS and int(n) > 0:
-                got = int(n)
-        except Exception:   # noqa: BLE001 - an older driver / binding: the block count stands
-            got = None
-        _CLUSTERS[key] = got
-    return _CLUSTERS[key]
+    """Clusters of the rows kernel the driver runs at once (:func:`rowwise.driver_clusters`)."""
+    return rw.driver_clusters(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)
 
 
 def _resident_workers(k, cfg) -> int:
@@ -272,10 +246,6 @@ def _resident_workers(k, cfg) -> int:
     waits for a whole worker to finish - a second wave that doubles the kernel's time - so clusters
     are counted by the driver (which places them GPC by GPC), not by SMs x blocks per SM."""
     workers = rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)
-    if cfg.cluster_size > 1:
-        clusters = _cluster_capacity(k, cfg)
-        if clusters:
-            workers = min(workers, clusters)
     if getattr(cfg, "blocks_per_sm", 0):
         _, sms = rw._arch_info()
         workers = min(workers, max(1, sms * cfg.blocks_per_sm // cfg.cluster_size))
