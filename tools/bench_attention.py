@@ -1,5 +1,7 @@
 """Attention forward benchmark: rtk.attention against a Triton FA2-style forward (written here,
-the kernel a user would write) and PyTorch SDPA (flash and cuDNN backends), all in one run.
+the kernel a user would write), PyTorch SDPA (flash and cuDNN backends) and FlashAttention-4
+(``flash_attn.cute.flash_attn_func``, when importable: ../shared/anchors/README.md), all in one run.
+``ratio_vs_best`` = rtk over the faster of FA4 and SDPA cuDNN (the target is >= 1.0).
 
 On sm_90, rtk.attention runs the Hopper kernel (TMA + wgmma, rtkernels.ops.attention_sm90); the
 mma.sync kernel it replaces there is timed beside it as ``fa2``.
@@ -10,6 +12,9 @@ TFLOP/s = 4 * batch * seqlen_q * seqlen_k * nheads * head_dim / time, halved for
 Also: cold compile time of one config and its warm (disk-cache) load time.  Run on the GPU:
 
     PYTHONPATH=. python tools/bench_attention.py --out results/ [--quick] [--dtype bfloat16]
+    PYTHONPATH=. python tools/bench_attention.py --grid fa [--backward] --out results/
+        # the issue's grid, rtk / FA4 / SDPA only (forward: head dims 64, 80, 128, 256 x seqlens
+        # 512, 1k, 4k, 16k; backward: 64, 128, 192, 256 x 2k, 4k, 16k; causal and not), compact table last
     PYTHONPATH=. python tools/bench_attention.py --backward [...]    # = tools/bench_attention_bwd.py [...]
     PYTHONPATH=. python tools/bench_attention.py --varlen|--window|--softcap [--backward] [...]
                                                   # = tools/bench_attention_masks.py [...]
@@ -224,6 +229,30 @@ def _sdpa(q, k, v, causal, backend, torch):
     return run, out.transpose(1, 2)
 
 
+def _fa4(q, k, v, causal, torch):
+    """FlashAttention-4's forward as (run, out), or (None, why) when absent or refusing the cell.
+    The call here compiles its kernel for this configuration (2-6 s), outside the timing."""
+    fn = bu.fa4()[0]
+    if fn is None or torch is None:
+        return None, "FA4 not importable"
+
+    def run():
+        return fn(q, k, v, causal=causal)
+    try:
+        out = bu.first(run())
+    except Exception as exc:   # noqa: BLE001  (a head dim, dtype or GPU it refuses)
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+    return run, out
+
+
+# FlashAttention's benchmark grid as issue 24 sets its targets (16k tokens, hidden 2048), per direction
+FA_GRID = {"forward": {"head_dims": "64,80,128,256", "seqlens": "512,1024,4096,16384"},
+           "backward": {"head_dims": "64,128,192,256", "seqlens": "2048,4096,16384"}}
+# the compact table printed last with --grid fa
+COMPACT = ["head_dim", "causal", "seqlen", "rtk_tflops", "fa4_tflops", "sdpa_cudnn_tflops", "best_peer",
+           "ratio_vs_best"]
+
+
 def _max_diff(a, b, torch):
     import cupy as cp
     if torch is not None:
@@ -408,7 +437,15 @@ def main():
                                                             "last --seqlens) instead of the peer comparison")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
+    p.add_argument("--grid", choices=["fa"], default=None,
+                   help="fa: FlashAttention's grid of issue 24 (head dims 64,80,128,256 x seqlens 512,1k,4k,16k), "
+                        "rtk / FA4 / SDPA only (no Triton, fa2 or compile time), compact table last")
     args = p.parse_args()
+    if args.grid:
+        args.head_dims = FA_GRID["forward"]["head_dims"] if "--head-dims" not in sys.argv else args.head_dims
+        args.seqlens = FA_GRID["forward"]["seqlens"] if "--seqlens" not in sys.argv else args.seqlens
+        args.no_triton = args.no_fa2 = args.no_compile_time = True
+        args.tag = args.tag or args.grid
     t_start = time.perf_counter()
     env = bu.environment()
     torch, peers = bu.attention_peers(env)
@@ -484,6 +521,17 @@ def main():
                     pms = bu.time_batched(prun, warmup=warmup, repeat=repeat)
                     row[f"{name}_tflops"] = flops / (pms * 1e-3) / 1e12
                     row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
+                if torch is not None and not args.no_sdpa:   # FA4 beside SDPA; "—" where absent
+                    frun, fout = _fa4(q, k, v, causal, torch)
+                    if frun is None:
+                        row["fa4_tflops"], row["fa4_note"] = None, fout
+                    else:
+                        row["fa4_maxdiff"] = _max_diff(o_ours, fout, torch)
+                        fms = bu.time_batched(frun, warmup=warmup, repeat=repeat)
+                        row["fa4_tflops"] = flops / (fms * 1e-3) / 1e12
+                        row["ratio_vs_fa4"] = row["rtk_tflops"] / row["fa4_tflops"]
+                        del fout
+                    bu.ratio_vs_best(row)
                 rows.append(row)
                 print(row, flush=True)
                 del q, k, v, o_ours
@@ -494,7 +542,7 @@ def main():
             sel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
             tag = "causal" if causal else "non-causal"
             series[f"rtk {tag}"] = ([r["seqlen"] for r in sel], [r["rtk_tflops"] for r in sel])
-            for name in ["fa2", "triton", *peers]:
+            for name in ["fa2", "triton", *peers, "fa4"]:
                 pts = [(r["seqlen"], r[f"{name}_tflops"]) for r in sel if r.get(f"{name}_tflops")]
                 if pts:
                     series[f"{name} {tag}"] = tuple(map(list, zip(*pts)))
@@ -502,15 +550,21 @@ def main():
                 f"attention fwd {args.dtype} head_dim={d} ({env['gpu']})")
 
     cols = ["head_dim", "causal", "seqlen", "batch", "config", "rtk_tflops"]
-    for name in ["fa2", "triton", *peers]:
+    for name in ["fa2", "triton", *peers, "fa4"]:
         if any(f"{name}_tflops" in r for r in rows):
             cols += [f"{name}_tflops", f"ratio_vs_{name}"]
+    if any("ratio_vs_best" in r for r in rows):
+        cols += ["best_peer", "ratio_vs_best"]
     print(f"\n{env['gpu']} ({env['arch']}, {env['sms']} SMs), driver {env['driver']}, NVRTC {env['nvrtc']}, "
-          f"{args.dtype}, {env['date']}" + (f", torch {env['torch']}" if torch else " (torch absent: no peers)"))
+          f"{args.dtype}, {env['date']}" + (f", torch {env['torch']}" if torch else " (torch absent: no peers)")
+          + (", FA4" if bu.fa4()[0] is not None else ", no FA4"))
     if ct:
         print(f"cold compile ({ct['config']}): {ct['cold_compile_s'] * 1e3:.0f} ms; "
               f"warm disk load: {ct['warm_disk_load_s'] * 1e3:.1f} ms")
     print(bu.table(rows, cols))
+    if args.grid:
+        print("\nforward TFLOP/s; ratio_vs_best = rtk / max(FA4, SDPA cuDNN) (target >= 1.0, >= 0.95 at S=512)")
+        print(bu.table(rows, COMPACT))
     print(f"({time.perf_counter() - t_start:.0f} s)")
 
 

@@ -1,4 +1,7 @@
-"""Attention backward benchmark: rtk.attention_backward against PyTorch SDPA (flash, cuDNN) backward.
+"""Attention backward benchmark: rtk.attention_backward against PyTorch SDPA (flash, cuDNN) backward and
+FlashAttention-4's (``flash_attn.cute.flash_attn_func`` through autograd, when importable:
+../shared/anchors/README.md), timed the same way as SDPA's.  ``ratio_vs_best`` = rtk over the faster of FA4
+and SDPA cuDNN (the target is >= 1.0).
 
 FlashAttention's grid: 16k tokens per batch (batch = 16384 / seqlen), hidden 2048 (nheads =
 2048 / head_dim), head dims 64 and 128 (+256), seqlen 1k..16k, causal and not.
@@ -8,6 +11,7 @@ Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's
 (FLOPs 3.5 x forward) for rtk and peers.  Run on the GPU host:
 
     PYTHONPATH=. python tools/bench_attention_bwd.py --out results/ [--quick] [--dtype bfloat16]
+    PYTHONPATH=. python tools/bench_attention_bwd.py --grid fa --out results/   # issue 24's grid, compact table
     PYTHONPATH=. python tools/bench_attention_bwd.py --sweep [--quick]   # every tile candidate
     PYTHONPATH=. python tools/bench_attention_bwd.py --quick --head-dims 64,128 --template old.cu.j2
     PYTHONPATH=. python tools/bench_attention_bwd.py --head-dims 192,256 --seqlens 4096,16384 --with-mma
@@ -36,7 +40,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 import benchutil as bu  # noqa: E402
-from bench_attention import HIDDEN, TOKENS, _flops, _inputs  # noqa: E402  (the forward's grid and inputs)
+from bench_attention import COMPACT, FA_GRID, HIDDEN, TOKENS, _flops, _inputs  # noqa: E402  (the forward's grid)
 
 
 def _fwd_flops(b, s, h, d, causal):
@@ -70,29 +74,33 @@ def _ours(q, k, v, do, causal, dtype, deterministic, torch, config=None):
 
 
 def _sdpa(q, k, v, do, causal, backend, torch):
+    """((backward, forward+backward), grads, None), or (None, None, why) where SDPA refuses the cell."""
     from torch.nn.attention import sdpa_kernel
     F = torch.nn.functional
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    dot = do.transpose(1, 2)
-    try:
+    leaves = tuple(x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+
+    def fwd(qt, kt, vt):
         with sdpa_kernel(backend):
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        out.backward(dot, retain_graph=True)
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    try:
+        bwd, fwd_bwd, grads = bu.autograd_timers(fwd, leaves, do.transpose(1, 2))
     except RuntimeError as exc:
         return None, None, str(exc).splitlines()[0][:80]
+    return (bwd, fwd_bwd), tuple(g.transpose(1, 2) for g in grads), None
 
-    def bwd():
-        for t in (qt, kt, vt):
-            t.grad = None
-        out.backward(dot, retain_graph=True)
 
-    def fwd_bwd():
-        for t in (qt, kt, vt):
-            t.grad = None
-        with sdpa_kernel(backend):
-            o2 = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        o2.backward(dot)
-    grads = tuple(t.grad.transpose(1, 2) for t in (qt, kt, vt))
+def _fa4(q, k, v, do, causal, torch):
+    """FlashAttention-4's backward through autograd, timed like SDPA's (backward alone on the kept
+    graph; forward+backward): ((backward, forward+backward), grads, None), or (None, None, why).  Its
+    forward and backward compile here (2-6 s each per configuration), outside the timing."""
+    fn = bu.fa4()[0]
+    if fn is None:
+        return None, None, "FA4 not importable"
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    try:
+        bwd, fwd_bwd, grads = bu.autograd_timers(lambda a, b, c: fn(a, b, c, causal=causal), leaves, do)
+    except Exception as exc:   # noqa: BLE001  (a head dim, dtype or GPU it refuses)
+        return None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
     return (bwd, fwd_bwd), grads, None
 
 
@@ -283,7 +291,16 @@ def main():
                    help="compile the Hopper backward from this template file (before/after timings)")
     p.add_argument("--template-big", default=None,
                    help="the same for head dims 136..256 (a version of templates/attention_bwd_sm90_big.cu.j2)")
+    p.add_argument("--grid", choices=["fa"], default=None,
+                   help="fa: FlashAttention's grid of issue 24 (head dims 64,128,192,256 x seqlens 2k,4k,16k), "
+                        "compact table (rtk, FA4, cuDNN, rtk / best) last")
+    p.add_argument("--tag", default="", help="suffix of the JSON/PNG names")
     args = p.parse_args()
+    if args.grid:
+        args.head_dims = FA_GRID["backward"]["head_dims"] if "--head-dims" not in sys.argv else args.head_dims
+        args.seqlens = FA_GRID["backward"]["seqlens"] if "--seqlens" not in sys.argv else args.seqlens
+        args.tag = args.tag or args.grid
+    sfx = f"_{args.tag}" if args.tag else ""
     if args.template:
         _use_template(args.template)
     if args.template_big:
@@ -355,6 +372,19 @@ def main():
                         bu.time_cuda(fns[1], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                     row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
                     del fns, pgrads
+                if torch is not None:   # FA4 beside SDPA, same timing; "—" where absent
+                    fns, pgrads, note = _fa4(q, k, v, do, causal, torch)
+                    if fns is None:
+                        row["fa4_tflops"], row["fa4_note"] = None, note
+                    else:
+                        row["fa4_maxdiff"] = _max_diff(grads, pgrads, torch)
+                        row["fa4_tflops"] = 2.5 * fl / (
+                            bu.time_cuda(fns[0], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["fa4_fwdbwd_tflops"] = 3.5 * fl / (
+                            bu.time_cuda(fns[1], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row["ratio_vs_fa4"] = row["rtk_tflops"] / row["fa4_tflops"]
+                        del fns, pgrads
+                    bu.ratio_vs_best(row)
                 rows.append(row)
                 print(row, flush=True)
                 del q, k, v, do, grads, bwd, fwd_bwd, dbwd
@@ -362,7 +392,7 @@ def main():
                     torch.cuda.empty_cache()
                 cp.get_default_memory_pool().free_all_blocks()
 
-    bu.save(args.out, "bench_attention_bwd", {"env": env, "dtype": args.dtype, "rows": rows})
+    bu.save(args.out, "bench_attention_bwd" + sfx, {"env": env, "dtype": args.dtype, "rows": rows})
     for d in head_dims:
         series = {}
         for causal in (False, True):
@@ -370,24 +400,31 @@ def main():
             tag = "causal" if causal else "non-causal"
             series[f"rtk {tag}"] = ([r["seqlen"] for r in sel], [r["rtk_tflops"] for r in sel])
             series[f"rtk det {tag}"] = ([r["seqlen"] for r in sel], [r["rtk_det_tflops"] for r in sel])
-            for name in peers:
+            for name in [*peers, "fa4"]:
                 pts = [(r["seqlen"], r[f"{name}_tflops"]) for r in sel if r.get(f"{name}_tflops")]
                 if pts:
                     series[f"{name} {tag}"] = tuple(map(list, zip(*pts)))
-        bu.plot(args.out, f"bench_attention_bwd_d{d}", series, "seqlen", "TFLOP/s (backward)",
+        bu.plot(args.out, f"bench_attention_bwd{sfx}_d{d}", series, "seqlen", "TFLOP/s (backward)",
                 f"attention backward {args.dtype} head_dim={d} ({env['gpu']})")
     cols = ["head_dim", "causal", "seqlen", "config", "rtk_tflops", "rtk_det_tflops", "det_ratio"]
     if args.alt:
         cols += ["alt_config", "rtk_alt_tflops", "alt_ratio"]
     if args.with_mma:
         cols += ["rtk_mma_tflops", "speedup_vs_mma"]
-    for name in peers:
+    fa4 = ["fa4"] if any("fa4_tflops" in r for r in rows) else []
+    for name in [*peers, *fa4]:
         cols += [f"{name}_tflops", f"ratio_vs_{name}"]
-    cols += ["rtk_fwdbwd_tflops"] + [f"{n}_fwdbwd_tflops" for n in peers]
+    if fa4 or peers:
+        cols += ["best_peer", "ratio_vs_best"]
+    cols += ["rtk_fwdbwd_tflops"] + [f"{n}_fwdbwd_tflops" for n in [*peers, *fa4]]
     print(f"\n{env['gpu']} ({env['arch']}, {env['sms']} SMs), driver {env['driver']}, NVRTC {env['nvrtc']}, "
-          f"{args.dtype}, {env['date']}" + (f", torch {env['torch']}" if torch else " (torch absent: no peers)"))
+          f"{args.dtype}, {env['date']}" + (f", torch {env['torch']}" if torch else " (torch absent: no peers)")
+          + (", FA4" if bu.fa4()[0] is not None else ", no FA4"))
     print("backward TFLOP/s = 2.5 x forward FLOPs / time; fwd+bwd = 3.5 x forward FLOPs / time")
     print(bu.table(rows, cols))
+    if args.grid:
+        print("\nbackward TFLOP/s; ratio_vs_best = rtk / max(FA4, SDPA cuDNN) (target >= 1.0)")
+        print(bu.table(rows, COMPACT))
 
 
 if __name__ == "__main__":

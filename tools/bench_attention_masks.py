@@ -87,20 +87,14 @@ def _rtk(q, k, v, dtype, torch, backward, **kw):
 
 
 def _torch_autograd(fn, q, k, v, torch, backward):
-    """(run, output) of a torch attention function, forward or forward + backward (the backward
-    timed alone: the forward's graph is kept and replayed with retain_graph)."""
+    """(run, output) of a torch attention function, forward or backward (the backward timed alone on
+    the kept graph: benchutil.autograd_timers)."""
     try:
         if not backward:
-            out = fn(q, k, v)
-            out = out[0] if isinstance(out, tuple) else out
+            out = bu.first(fn(q, k, v))
             return (lambda: fn(q, k, v)), out
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        out = fn(qg, kg, vg)
-        out = out[0] if isinstance(out, tuple) else out
-        do = torch.randn_like(out)
-        out.backward(do, retain_graph=True)
-        dq = qg.grad.clone()
-        return (lambda: out.backward(do, retain_graph=True)), dq
+        bwd, _, grads = bu.autograd_timers(fn, tuple(x.detach().requires_grad_() for x in (q, k, v)))
+        return bwd, grads[0]
     except Exception as exc:   # a peer that refuses the shape, dtype, GPU or option
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:90] if str(exc) else ''}"
 
@@ -120,14 +114,6 @@ def _torch_varlen(torch, cu_q, cu_k, max_q, max_k, causal, window=None):
     elif "is_causal" in params:
         kw["is_causal"] = causal
     return lambda q, k, v: varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
-
-
-def _fa4():
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except Exception:   # absent, or its CuTe DSL runtime is
-        return None, None
-    return flash_attn_func, flash_attn_varlen_func
 
 
 def _time(run, row, name, flops, warmup, repeat):
@@ -152,7 +138,7 @@ def _peer(row, name, made, ref_out, torch, flops, warmup, repeat):
 def bench_varlen(args, torch, warmup, repeat):
     import numpy as np
     from rtkernels.ops.attention_mask import mask_spec
-    _, fa4_varlen = _fa4()
+    _, fa4_varlen = bu.fa4()
     rows = []
     for d in args.head_dims:
         h = HIDDEN // d
@@ -219,7 +205,7 @@ def bench_varlen(args, torch, warmup, repeat):
 
 def bench_window(args, torch, warmup, repeat):
     from rtkernels.ops.attention_mask import mask_spec
-    fa4_dense, _ = _fa4()
+    fa4_dense, _ = bu.fa4()
     rows = []
     s, (left, right) = args.window_seqlen, args.window
     for d in args.head_dims:
@@ -286,7 +272,7 @@ class _exp2_poly:
 
 def bench_softcap(args, torch, warmup, repeat):
     from rtkernels.ops.attention_mask import mask_spec
-    fa4_dense, _ = _fa4()
+    fa4_dense, _ = bu.fa4()
     rows = []
     s = args.softcap_seqlen
     b = max(1, 16384 // s)
@@ -359,7 +345,7 @@ def main():
     t0 = time.perf_counter()
     env = bu.environment()
     torch, _ = bu.attention_peers(env)
-    fa4 = _fa4()[0] is not None
+    fa4 = bu.fa4()[0] is not None
     env["fa4"] = fa4
     import cupy as cp
     cp.cuda.Device().synchronize()

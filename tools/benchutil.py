@@ -10,6 +10,7 @@ behind a spin kernel: each call's own kernel time even when the host is slower t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -145,6 +146,8 @@ def environment() -> dict:
 def table(rows: list[dict], columns: list[str]) -> str:
     """A markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant figures)."""
     def fmt(v):
+        if v is None:   # a peer that is absent or refused the cell
+            return "—"
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
         return str(v)
@@ -196,6 +199,61 @@ def attention_peers(env: dict):
         return None, {}
     env["torch"] = torch.__version__
     return torch, {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+@functools.lru_cache(maxsize=None)   # a failed import of the CuTe DSL runtime is not retried per cell
+def fa4():
+    """FlashAttention-4's ``(flash_attn_func, flash_attn_varlen_func)`` (CuTe DSL, an optional peer
+    brought to the GPU machine as in ../shared/anchors/README.md), or ``(None, None)`` when it or its
+    CuTe DSL runtime is absent.  Its first call per configuration compiles for 2-6 s: call it once
+    before timing."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception:   # absent, or its CuTe DSL runtime is
+        return None, None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def first(out):
+    """The output of an attention call that returns it alone or as ``(out, lse, ...)`` (FA4's
+    return differs between versions)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def autograd_timers(fn, leaves, do=None):
+    """``(backward, forward_backward, grads)`` of a torch attention function ``fn(*leaves)``.
+
+    ``leaves``: tensors with requires_grad; ``do``: the output's gradient (random when None).  One
+    forward and backward run here (a peer's compile, and the gradients to compare, stay outside the
+    timing); ``backward`` replays the backward alone on the kept graph (``retain_graph``),
+    ``forward_backward`` runs both.  Both clear the leaves' grads first, so no accumulation kernel is
+    timed.  Raises whatever ``fn`` raises for a shape it refuses."""
+    import torch
+    out = first(fn(*leaves))
+    if do is None:
+        do = torch.randn_like(out)
+    out.backward(do, retain_graph=True)
+    grads = tuple(t.grad for t in leaves)
+
+    def backward():
+        for t in leaves:
+            t.grad = None
+        out.backward(do, retain_graph=True)
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        first(fn(*leaves)).backward(do)
+    return backward, forward_backward, grads
+
+
+def ratio_vs_best(row: dict, peers=("fa4", "sdpa_cudnn")) -> None:
+    """``row["ratio_vs_best"]`` = rtk over the fastest of ``peers`` that ran (the attention issue's
+    target: >= 1.0x the faster of FA4 and cuDNN), ``row["best_peer"]`` its name; None without one."""
+    ran = {n: row[f"{n}_tflops"] for n in peers if row.get(f"{n}_tflops")}
+    best = max(ran, key=ran.get) if ran else None
+    row["best_peer"] = best
+    row["ratio_vs_best"] = row["rtk_tflops"] / ran[best] if best else None
 
 
 def compile_times(cfg) -> dict:
