@@ -57,19 +57,28 @@ __device__ __forceinline__ int padded_start(int start, int b) {
 
 // The tile a CTA computes.  Dense: (blockIdx.x, blockIdx.y, blockIdx.z) = (tile, head, batch),
 // tiles optionally in reverse (heaviest first for the causal forward).  Varlen: blockIdx.x runs
-// over heads x schedule slots, heads fastest (the heads of a slot start together, so a GQA group
-// shares K/V in L2), and the slot's (sequence, tile) comes from the schedule the pre-kernel wrote
-// (templates/attention_schedule.cu.j2; it already holds the order).  False: an unused slot.
+// over heads x schedule slots as (kv head, slot, head within the GQA group), group fastest, then
+// the slots: the CTAs resident together are a few kv heads' consecutive tiles, so the K/V (forward)
+// or Q/dO (backward) rows they stream are the same few heads' and are shared in L2, as in the
+// dense grid (tile fastest) - with heads fastest the ~132 resident CTAs spanned every head of a
+// long sequence (16 heads x 4 MB of K/V at 7.8k keys, d128), and the varlen forward ran at 0.84x
+// FA4's (H100, 2026-11-25).  The slot's (sequence, tile) comes from the schedule the pre-kernel
+// wrote (templates/attention_schedule.cu.j2: heaviest first within each head's slots).  ``group``:
+// query heads per kv head among the ``heads`` of the grid (1 where a CTA owns a kv head's whole
+// group, the backward).  False: an unused slot.
 struct TileCoord {
     int tile, head, batch;
 };
 
 template <bool VARLEN, bool REVERSE>
-__device__ __forceinline__ bool tile_coord(const int2* __restrict__ schedule, int heads, TileCoord& c) {
+__device__ __forceinline__ bool tile_coord(const int2* __restrict__ schedule, int heads, TileCoord& c,
+                                           int group = 1) {
     if constexpr (VARLEN) {
         const int i = blockIdx.x;
-        const int slot = i / heads;
-        c.head = i - slot * heads;
+        const int slots = gridDim.x / heads;
+        const int g = i % group, r = i / group;   // r = kv head * slots + slot
+        const int kvh = r / slots, slot = r - kvh * slots;
+        c.head = kvh * group + g;
         const int2 e = __ldg(schedule + slot);
         c.batch = e.x;
         c.tile = e.y;
