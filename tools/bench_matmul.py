@@ -33,10 +33,24 @@ the fused bias + GELU of each config; prints one compact table last and writes
 matmul_sweep.json.  --sweep-sm90 does the same for the Hopper kernel's SWEEP_SM90.
 They are how the heuristics tables are set.  --ceiling: the mma.sync ceilings of the device
 (HMMA from registers, and fed by the kernel's ldmatrix pattern), one 8-warp CTA per SM.
+
+--grid llm (issue 20's grid): M in --ms (default 128, 512, 2048, 8192, 16384; --quick 128, 512, 2048)
+x the (N, K) of Llama-3 8B / 70B projections (LLM_NK: qkv, o, gate+up, down; K 128 / 256 rows too)
+plus 1793^3, 4095^3 and 3000x5000x2000; activations x (M, K) times weights W (N, K) as a linear
+layer does (x @ W.T; --layout nn: B (K, N) row-major).  Columns, every candidate interleaved in
+--passes passes (median): rtk and cuBLAS (torch.matmul) TFLOP/s and their ratio (kernel time,
+calls queued behind a spin: benchutil.time_queued), per-call latency of each (the stream
+synchronized after every call, host time included: benchutil.time_synced), fused bias + GELU
+(rtk) vs torch.addmm + gelu, and the config rtk.matmul chose (tile/stages, split_k).  Writes
+matmul_grid_llm.json.  --splitk-sweep: a few few-tile shapes (SPLITK_SHAPES) with the Hopper
+kernel launched directly at split_k in SPLITK_SPLITS for its 128x256 and 128x128 tiles, beside
+cuBLAS and the heuristic's choice and the split-K cost model's estimate (to refit the model's
+constants in ops/matmul_sm90.py); writes matmul_splitk_sweep.json.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -131,7 +145,19 @@ def main() -> None:
     p.add_argument("--fused", action="store_true", help="--sweep: also the fused bias + GELU of each config")
     p.add_argument("--repeat", type=int, default=20, help="--sweep: timed calls per config")
     p.add_argument("--passes", type=int, default=3, help="--sweep: passes over all configs (median shown)")
+    p.add_argument("--grid", choices=("llm",), default=None, help="the LLM projection grid of issue 20")
+    p.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="--grid: comma-separated M values")
+    p.add_argument("--layout", choices=("nt", "nn"), default="nt",
+                   help="--grid: B as a linear layer's weight (N, K) (nt) or row-major (K, N) (nn)")
+    p.add_argument("--splitk-sweep", action="store_true", help="only the split-K sweep of SPLITK_SHAPES")
     args = p.parse_args()
+    if args.grid == "llm":
+        grid_llm(args)
+        return
+    if args.splitk_sweep:
+        splitk_sweep(args)
+        return
     if args.sweep:
         sweep(args)
         return
@@ -329,6 +355,190 @@ def main() -> None:
                                     "fused_tflops", "max_rel_err"] +
                           (["mma_sync_fused_ms", "mma_sync_plain_ms", "mma_sync_speedup", "mma_sync_tma_fused_ms",
                             "mma_sync_tma_speedup"] if with_mma else [])))
+
+
+# (N, K) of the Llama-3 8B / 70B projections: qkv (q + 2 GQA kv heads of 8), o, gate + up (fused)
+# and gate or up alone, down; then short K (rank-128/256 factors, attention heads' width).
+LLM_NK = [(6144, 4096), (4096, 4096), (14336, 4096), (28672, 4096), (4096, 14336),
+          (10240, 8192), (8192, 8192), (28672, 8192), (8192, 28672),
+          (4096, 128), (4096, 256), (16384, 128)]
+LLM_MS = [128, 512, 2048, 8192, 16384]
+LLM_MS_QUICK = [128, 512, 2048]
+LLM_ODD = [(1793, 1793, 1793), (4095, 4095, 4095), (3000, 5000, 2000)]   # M, N, K
+
+
+def _chosen(mm, m, n, k, has_bias):
+    """'tile/stages sS' of the Hopper plan rtk.matmul made for this shape (or 'mma.sync')."""
+    for key, plan in reversed(list(mm._plans90.items())):
+        if key[1:5] == (m, n, k, 1) and key[7] == has_bias:
+            c = plan[1]
+            return f"{c.block_m}x{c.block_n}/{c.num_stages} s{c.split_k}"
+    return "mma.sync"
+
+
+def grid_llm(args) -> None:
+    import torch
+    import rtkernels as rtk
+    from rtkernels import device
+    from rtkernels.ops import matmul as mm
+
+    tdt = getattr(torch, args.dtype)
+    sms = device.sm_count()
+    repeat = 10 if args.quick else 20
+    passes = 2 if args.quick else max(2, args.passes)
+    ms_list = args.ms or (LLM_MS_QUICK if args.quick else LLM_MS)
+    shapes = [(m, n, k) for m in ms_list for n, k in LLM_NK] + LLM_ODD
+    nt = args.layout == "nt"
+    l2 = 50 << 20
+    sync = torch.cuda.current_stream().synchronize
+    rows = []
+    for m, n, k in shapes:
+        per = 2 * (m * k + n * k + m * n)
+        count = max(1, min(4, -(-2 * l2 // per)))
+        sets = [(torch.randn(m, k, device="cuda", dtype=tdt),
+                 torch.randn(*((n, k) if nt else (k, n)), device="cuda", dtype=tdt) / k ** 0.5,
+                 torch.randn(n, device="cuda", dtype=tdt)) for _ in range(count)]
+        out = torch.empty(m, n, device="cuda", dtype=tdt)
+        if nt:
+            rtk_mm = lambda a, w, bias: rtk.matmul(a, w, trans_b=True, out=out)  # noqa: E731
+            rtk_fused = lambda a, w, bias: rtk.matmul(a, w, bias=bias, activation="gelu",  # noqa: E731
+                                                      trans_b=True, out=out)
+            t_mm = lambda a, w, bias: torch.matmul(a, w.T)  # noqa: E731
+            t_fused = lambda a, w, bias: torch.nn.functional.gelu(torch.addmm(bias, a, w.T))  # noqa: E731
+        else:
+            rtk_mm = lambda a, w, bias: rtk.matmul(a, w, out=out)  # noqa: E731
+            rtk_fused = lambda a, w, bias: rtk.matmul(a, w, bias=bias, activation="gelu", out=out)  # noqa: E731
+            t_mm = lambda a, w, bias: torch.matmul(a, w)  # noqa: E731
+            t_fused = lambda a, w, bias: torch.nn.functional.gelu(torch.addmm(bias, a, w))  # noqa: E731
+        cands = {"rtk": rtk_mm, "torch": t_mm, "rtk_fused": rtk_fused, "torch_fused": t_fused}
+        kern = {c: [] for c in cands}
+        lat = {c: [] for c in ("rtk", "torch")}
+        for _ in range(passes):
+            for c, fn in cands.items():
+                kern[c].append(benchutil.time_queued(fn, sets, repeat=repeat)[0])
+            for c in lat:
+                lat[c].append(benchutil.time_synced(cands[c], sets, repeat=repeat, sync=sync))
+        med = {c: statistics.median(v) for c, v in kern.items()}
+        lmed = {c: statistics.median(v) for c, v in lat.items()}
+        a, w, bias = sets[0]
+        ref = t_mm(a, w, bias).float()
+        err = float(((rtk_mm(a, w, bias).float() - ref).abs().max() / ref.abs().max()).item())
+        flops = 2.0 * m * n * k
+        row = {"M": m, "N": n, "K": k, "rtk_tflops": flops / med["rtk"] / 1e9,
+               "cublas_tflops": flops / med["torch"] / 1e9, "vs_cublas": med["torch"] / med["rtk"],
+               "rtk_lat_us": lmed["rtk"], "torch_lat_us": lmed["torch"], "lat_ratio": lmed["rtk"] / lmed["torch"],
+               "fused_ms": med["rtk_fused"], "addmm_gelu_ms": med["torch_fused"],
+               "fused_vs_torch": med["torch_fused"] / med["rtk_fused"],
+               "config": _chosen(mm, m, n, k, False), "max_rel_err": err}
+        rows.append(row)
+        print(f"  {m}x{n}x{k}: {row['rtk_tflops']:.0f} vs {row['cublas_tflops']:.0f} TFLOP/s "
+              f"({row['vs_cublas']:.2f}x), latency {row['rtk_lat_us']:.0f}/{row['torch_lat_us']:.0f} us, "
+              f"fused {row['fused_vs_torch']:.2f}x, {row['config']}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    ratios = [r["vs_cublas"] for r in rows]
+    summary = {"geomean_vs_cublas": float(statistics.geometric_mean(ratios)), "min_vs_cublas": min(ratios),
+               "below_0.95": sum(r < 0.95 for r in ratios), "shapes": len(rows),
+               "max_lat_ratio": max(r["lat_ratio"] for r in rows),
+               "min_fused_vs_torch": min(r["fused_vs_torch"] for r in rows)}
+    env = benchutil.environment()
+    env["torch"] = torch.__version__
+    benchutil.save(args.out, "matmul_grid_llm", {"environment": env, "dtype": args.dtype, "layout": args.layout,
+                                                 "passes": passes, "repeat": repeat, "rows": rows,
+                                                 "summary": summary})
+    print(f"{env['gpu']}  {args.dtype}  ({sms} SMs)  --grid llm, layout {args.layout}: kernel time (queued), "
+          "latency = one synchronized call incl. host")
+    print(benchutil.table(rows, ["M", "N", "K", "rtk_tflops", "cublas_tflops", "vs_cublas", "rtk_lat_us",
+                                 "torch_lat_us", "lat_ratio", "fused_vs_torch", "config", "max_rel_err"]))
+    print(" ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in summary.items()))
+
+
+# --splitk-sweep: few-tile shapes (M, N, K) with W (N, K) as a linear layer's weight.
+SPLITK_SHAPES = [(128, 4096, 4096), (128, 6144, 4096), (128, 4096, 14336), (512, 4096, 4096), (128, 14336, 4096),
+                 (512, 8192, 8192), (128, 8192, 28672), (2048, 4096, 4096)]
+SPLITK_SPLITS = (1, 2, 3, 4, 6, 8)
+SPLITK_TILES = ((128, 256, 4), (128, 128, 6))
+
+
+def splitk_sweep(args) -> None:
+    import torch
+    import rtkernels as rtk
+    from rtkernels import device
+    from rtkernels.ops import matmul_sm90 as m90
+    from rtkernels.ops.workspace import stream_workspace
+
+    tdt = getattr(torch, args.dtype)
+    sms = device.sm_count()
+    dev = torch.cuda.current_device()
+    repeat = 10 if args.quick else 20
+    passes = 2 if args.quick else max(2, args.passes)
+    rows = []
+    for m, n, k in SPLITK_SHAPES:
+        count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
+        sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
+                for _ in range(count)]
+        out = torch.empty(m, n, device="cuda", dtype=tdt)
+        ref = torch.matmul(sets[0][0], sets[0][1].T).float()
+        heur = m90.heuristic_config(args.dtype, m, n, k, sm_count=sms, b_kmajor=True)
+        cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T)}
+        labels = {}
+        for bm, bn, st in SPLITK_TILES:
+            tile = next(t for t in m90.TILES if (t.block_m, t.block_n, t.num_stages) == (bm, bn, st))
+            for s in SPLITK_SPLITS:
+                if s > m90.k_blocks(k):
+                    continue
+                cfg = m90.MatmulSm90Config(dtype=args.dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
+                                           split_k=s)
+                kern = rtk.get_kernel(cfg)
+                grid = m90.grid_size(m, n, 1, cfg, sms, k)
+                sizes = (m90.workspace_bytes(cfg, m, n, k, 1), m90.counter_bytes(cfg, m, n, 1))
+
+                def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes):
+                    maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)),
+                                           (w.data_ptr(), (1, n, k), (n * k, k, 1)),
+                                           (out.data_ptr(), (1, m, n), (m * n, n, 1)))
+                    ws = stream_workspace(a, dev, None, *sizes) if cfg.split_k > 1 else ()
+                    kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1,
+                                shared_mem=cfg.shared_mem_bytes)
+                label = f"{bm}x{bn} s{s}"
+                cands[label] = run
+                labels[label] = (tile, s)
+        times = {c: [] for c in cands}
+        for _ in range(passes):
+            for c, fn in cands.items():
+                times[c].append(benchutil.time_queued(fn, sets, repeat=repeat)[0])
+        med = {c: statistics.median(v) for c, v in times.items()}
+        flops = 2.0 * m * n * k
+        best = min((c for c in med if c != "cuBLAS"), key=med.get)
+        for c, ms in med.items():
+            row = {"shape": f"{m}x{n}x{k}", "config": c, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                   "vs_cublas": med["cuBLAS"] / ms, "best": c == best}
+            if c in labels:
+                tile, s = labels[c]
+                row["model"] = m90.split_cost(tile, m, n, k, 1, sms, s)
+                cands[c](*sets[0])
+                row["err"] = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
+                row["heuristic"] = (tile.block_m, tile.block_n, s) == (heur.block_m, heur.block_n, heur.split_k)
+            rows.append(row)
+        # the model's estimates relative to its own pick, for comparing with the measured ranking
+        lo = min(r["model"] for r in rows if r["shape"] == f"{m}x{n}x{k}" and "model" in r)
+        for r in rows:
+            if r["shape"] == f"{m}x{n}x{k}" and "model" in r:
+                r["model_rel"] = r["model"] / lo
+        print(f"  {m}x{n}x{k}: cuBLAS {med['cuBLAS'] * 1e3:.1f} us, best {best} {med[best] * 1e3:.1f} us, heuristic "
+              f"{heur.block_m}x{heur.block_n} s{heur.split_k} "
+              f"{med.get(f'{heur.block_m}x{heur.block_n} s{heur.split_k}', float('nan')) * 1e3:.1f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    env = benchutil.environment()
+    benchutil.save(args.out, "matmul_splitk_sweep", {"environment": env, "dtype": args.dtype, "rows": rows,
+                                                     "model": {"PARTIAL_BYTE_MACS": m90.PARTIAL_BYTE_MACS,
+                                                               "SPLIT_FILL_KBLOCKS": m90.SPLIT_FILL_KBLOCKS,
+                                                               "MIN_KBLOCKS_PER_SPLIT": m90.MIN_KBLOCKS_PER_SPLIT}})
+    print(f"{env['gpu']}  {args.dtype}  ({sms} SMs)  split-K sweep (kernel launched directly, W (N, K)); "
+          "model_rel = the cost model's estimate / its best")
+    print(benchutil.table(rows, ["shape", "config", "us", "tflops", "vs_cublas", "best", "heuristic", "model_rel",
+                                 "err"]))
 
 
 def argparse_suppress():

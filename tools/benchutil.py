@@ -111,6 +111,24 @@ def time_queued(fn, inputs, *, warmup: int = 3, repeat: int = 20):
     return statistics.median(times), host_s / repeat * 1e6, host_s * 1e9 > spin_ns
 
 
+def time_synced(fn, inputs, *, warmup: int = 3, repeat: int = 20, sync=None) -> float:
+    """Median microseconds of one call of ``fn(*inputs[i % len])`` as a caller waiting for its result
+    sees it: host time (checks, launch) plus kernel time, the stream synchronized after each call
+    (``sync``: how, default CuPy's current stream)."""
+    import cupy as cp
+    sync = sync or cp.cuda.get_current_stream().synchronize
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    sync()
+    times = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        fn(*inputs[i % len(inputs)])
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def time_host(fn, calls: int) -> float:
     """Microseconds per call of a host loop of ``calls`` calls, ending with a device synchronize."""
     import cupy as cp

@@ -37,8 +37,9 @@ import numpy as np
 from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
-from ._arrays import Launch, LaunchPlans, _is_torch, as_device_array, default_stream, dtype_name, empty_as
+from ._arrays import Launch, LaunchPlans, _is_torch, address, as_device_array, default_stream, dtype_name, empty_as
 from .attention import AttentionShape, _device_arch, _device_of, _dtype_of, _elem_strides, _smem_limit
+from .workspace import stream_workspace
 
 FAMILY = "attention_decode"
 OP = "attention_kvcache"
@@ -661,77 +662,11 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                 lse_off, counter_bytes, torch, p.device)
 
 
-# ---- workspace (split-KV partials, fused-merge counters) per (device, stream) -------------------
-class _Workspace:
-    """One stream's buffers: partials (any contents) and counters (zero between launches)."""
-    __slots__ = ("parts", "part_bytes", "counters", "counter_bytes")
-
-    def __init__(self):
-        self.parts = self.counters = 0
-        self.part_bytes = self.counter_bytes = 0
-
-
-_WORKSPACES: dict = {}   # (device, stream handle) -> _Workspace
-_KEEP: list = []         # every buffer ever made: graphs may hold their addresses, so none is freed
-
-
-def _stream_handle(stream) -> int:
-    if stream is None:
-        import cupy
-        return cupy.cuda.get_current_stream().ptr
-    if type(stream) is int:
-        return stream
-    ptr = getattr(stream, "ptr", None)
-    return int(stream.cuda_stream if ptr is None else ptr)
-
-
-def _capturing(handle: int) -> bool:
-    import cupy
-    try:
-        return cupy.cuda.ExternalStream(handle).is_capturing()
-    except Exception:   # noqa: BLE001 - e.g. the legacy stream while another captures: treat as capturing
-        return True
-
-
-def _buffer(like, nbytes: int, handle: int, zero: bool) -> int:
-    """A new device buffer of ``nbytes`` (the inputs' library allocates it, so a torch graph
-    capture takes it from the graph's pool), zeroed on the launch stream when asked."""
-    import cupy
-    if _is_torch(like):
-        buf = __import__("torch").empty(nbytes, dtype=__import__("torch").uint8, device=like.device)
-        ptr = buf.data_ptr()
-    else:
-        buf = cupy.empty(nbytes, cupy.uint8)
-        ptr = buf.data.ptr
-    if zero:
-        cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, handle)
-    _KEEP.append(buf)
-    return ptr
-
-
+# ---- workspace (split-KV partials, fused-merge counters) per (device, stream): ops/workspace.py ----
 def _workspace(plan: Plan, like, stream) -> tuple[int, int]:
-    """(partials address, counters address) for a launch on ``stream``.  Kept per (device,
-    stream), grown by doubling (the old buffers kept); one made while the stream is being
-    captured into a CUDA graph serves only the call being captured (its zeroing is captured
-    with it, so every replay starts from zero counters) and is not reused by eager calls."""
-    handle = _stream_handle(stream)
-    key = (plan.device, handle)
-    ws = _WORKSPACES.get(key)
-    if ws is not None and ws.part_bytes >= plan.part_bytes and ws.counter_bytes >= plan.counter_bytes:
-        return ws.parts, ws.counters
-    if _capturing(handle):
-        parts = _buffer(like, plan.part_bytes, handle, zero=False) if plan.part_bytes else 0
-        counters = _buffer(like, plan.counter_bytes, handle, zero=True) if plan.counter_bytes else 0
-        return parts, counters
-    ws = ws or _Workspace()
-    if ws.part_bytes < plan.part_bytes:
-        ws.part_bytes = max(plan.part_bytes, 2 * ws.part_bytes)
-        ws.parts = _buffer(like, ws.part_bytes, handle, zero=False)
-    if ws.counter_bytes < plan.counter_bytes:
-        ws.counter_bytes = max(plan.counter_bytes, 2 * ws.counter_bytes, 4096)
-        ws.counters = _buffer(like, ws.counter_bytes, handle, zero=True)
-    _WORKSPACES[key] = ws
-    return ws.parts, ws.counters
+    """(partials address, counters address) for a launch on ``stream`` (see ops/workspace.py)."""
+    parts, counters = stream_workspace(like, plan.device, stream, plan.part_bytes, plan.counter_bytes)
+    return (address(parts) if parts is not None else 0), (address(counters) if counters is not None else 0)
 
 
 def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, stream):

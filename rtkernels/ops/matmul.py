@@ -31,8 +31,9 @@ from . import matmul_fp8 as _fp8
 from .matmul_common import activation_reference, tune_bucket
 from . import matmul_sm90 as m90
 from . import views
-from ._arrays import (Launch, LaunchPlans, OutputPlan, address, as_device_array, cupy_stream, default_stream,
-                      dtype_name, new_like, same_memory)
+from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, address, as_device_array, cupy_stream,
+                      default_stream, dtype_name, new_like, same_memory)
+from .workspace import stream_workspace
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -46,6 +47,10 @@ USE_SM90 = os.environ.get("RTKERNELS_MATMUL_SM90", "1") != "0"
 # "sync" (RTKERNELS_MATMUL_SM90_MMA=sync): ldmatrix + mma.sync m16n8k16 fed by the same TMA
 # producer, to measure the sm_80 instruction on Hopper without cp.async's issue cost.
 SM90_MMA = os.environ.get("RTKERNELS_MATMUL_SM90_MMA", "wgmma")
+# RTKERNELS_MATMUL_SPLIT_K=S: the Hopper kernel (wgmma consumers) splits K S ways (clamped to the
+# k-blocks; 1: never) instead of as its heuristic chooses; a measurement and test knob, read when a
+# call signature is first planned (it is part of the plan keys).
+SPLIT_K_ENV = "RTKERNELS_MATMUL_SPLIT_K"
 
 
 @register_family
@@ -406,34 +411,51 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH")))
+                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH"),
+                                             getenv(SPLIT_K_ENV)))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
     """Run ``launch`` on the views and keep it as the signature's plan when no view is a copy.
     ``views``, ``arrays``: A, B, bias, C; ``maps``: see :func:`_args`."""
+    same = same_memory(views, arrays)
+    if maps is not None and maps[4] is not None:   # split-K: the stream's workspace follows C
+        ws = _split_workspace(maps[4], arrays[0], stream)
+        views, arrays = (*views, *ws), (*arrays, *ws)
     launch.run(_args(maps, views), stream)
-    if key is not None and same_memory(views, arrays):
+    if key is not None and same:
         _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps, like=arrays[0]))
 
 
-def _args(maps, abc):
-    """The kernel's array arguments for (A, B, bias, C): with ``maps`` (the Hopper kernel's config
-    and A, B, C tensor maps without addresses; C None for direct stores) the three encoded maps,
-    bias and C; else the four arrays."""
+def _split_workspace(sizes, like, stream):
+    """(partials, counters) of a split-K launch on ``stream``: ops/workspace.py's buffers of that
+    (device, stream), of ``like``'s kind (so a plan's replays hand the launch arrays of one kind);
+    ``sizes``: (partial bytes, counter bytes)."""
+    dev = like.get_device() if _is_torch(like) else device.current_device()
+    return stream_workspace(like, dev, stream, *sizes)
+
+
+def _args(maps, arrays):
+    """The kernel's array arguments for (A, B, bias, C[, partials, counters]): with ``maps`` (the
+    Hopper kernel's config, A, B, C tensor maps without addresses (C None for direct stores) and
+    the split-K workspace sizes or None) the three encoded maps, bias, C and the workspace; else
+    the four arrays."""
     if maps is None:
-        return list(abc)
-    cfg, a_map, b_map, c_map = maps
-    a, b, bias, c = abc
+        return list(arrays)
+    cfg, a_map, b_map, c_map, _ = maps
+    a, b, bias, c = arrays[:4]
     return [*m90.tensor_maps(cfg, (address(a), *a_map), (address(b), *b_map),
-                             None if c_map is None else (address(c), *c_map)), bias, c]
+                             None if c_map is None else (address(c), *c_map)), bias, c, *arrays[4:]]
 
 
 def _replay(plan: OutputPlan, a, b, bias, out, stream):
     out = plan.output(a, out)
+    stream = default_stream(a, stream) if plan.torch else stream
+    arrays = (a, b, bias, out)
+    if plan.extra is not None and plan.extra[4] is not None:   # split-K: this stream's workspace
+        arrays += _split_workspace(plan.extra[4], a, stream)
     # the launch bound once per plan; the Hopper kernel's tensor maps converted once per address set
-    plan.replay((a, b, bias, out), default_stream(a, stream) if plan.torch else stream,
-                None if plan.extra is None else _args)
+    plan.replay(arrays, stream, None if plan.extra is None else _args)
     return out
 
 
@@ -729,8 +751,9 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
     c_map = m90.operand_maps(cv.data.ptr, m, n, ldc, batch if batch_c else 1, batch_c)
     tma_store = c_map is not None and SM90_MMA == "wgmma"
     dev = device.current_device()
+    forced = _forced_split_k()
     key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, SM90_MMA, dev,
-           autotune.enabled())
+           autotune.enabled(), forced)
     plan = _plans90.get(key)
     if plan is None:
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
@@ -739,15 +762,39 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
             return None
+        if forced is not None and SM90_MMA == "wgmma":
+            cfg = dataclasses.replace(cfg, split_k=min(forced, m90.k_blocks(k)))
         if autotune.enabled():
             cfg = _tuned_sm90(cfg, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc,
                               batch_c, stream)
-        plan = _plans90[key] = (get_kernel(cfg), cfg, m90.grid_size(m, n, batch, cfg, sms))
-    kern, cfg, grid = plan
+        # ... and work units (tiles x splits)
+        if arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch, split_k=cfg.split_k) > 2 ** 31 - 1:
+            return None
+        # a split kernel takes the workspace arguments even where K leaves one split (then null)
+        split = None
+        if cfg.split_k > 1:
+            split = (m90.workspace_bytes(cfg, m, n, k, batch), m90.counter_bytes(cfg, m, n, batch))
+        plan = _plans90[key] = (get_kernel(cfg), cfg, m90.grid_size(m, n, batch, cfg, sms, k), split)
+    kern, cfg, grid, split = plan
     c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
     scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned)
     return (Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, scalars),
-            (cfg, a_map, b_map, c_map if tma_store else None))
+            (cfg, a_map, b_map, c_map if tma_store else None, split))
+
+
+def _forced_split_k() -> int | None:
+    """RTKERNELS_MATMUL_SPLIT_K as an int (None when unset)."""
+    v = getenv(SPLIT_K_ENV)
+    if v is None or v == "":
+        return None
+    try:
+        s = int(v)
+    except ValueError:
+        s = 0
+    if not 1 <= s <= m90.MAX_SPLIT_K:
+        raise ConfigError(f"matmul: {SPLIT_K_ENV}={v!r}; expected an integer in [1, {m90.MAX_SPLIT_K}]",
+                          field=SPLIT_K_ENV, value=v, allowed=f"1..{m90.MAX_SPLIT_K}")
+    return s
 
 
 def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc, batch_c,
@@ -764,11 +811,16 @@ def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, 
         counter[0] += 1
         ma, mb, mc = m90.tensor_maps(cfg, (a_.data.ptr, *a_map), (b_.data.ptr, *b_map),
                                      (scratch.data.ptr, *c_map) if cfg.tma_store else None)
-        get_kernel(cfg).launch((m90.grid_size(m, n, batch, cfg, sms), 1, 1), (cfg.threads_per_block, 1, 1), ma, mb,
-                               mc, biv, scratch, m, n, k, batch, int(a_map[0][0] > 1), int(b_map[0][0] > 1), ldc,
-                               batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes, stream=stream)
+        ws = ()
+        if cfg.split_k > 1:
+            ws = _split_workspace((m90.workspace_bytes(cfg, m, n, k, batch), m90.counter_bytes(cfg, m, n, batch)),
+                                  scratch, stream)
+        get_kernel(cfg).launch((m90.grid_size(m, n, batch, cfg, sms, k), 1, 1), (cfg.threads_per_block, 1, 1), ma,
+                               mb, mc, biv, scratch, *ws, m, n, k, batch, int(a_map[0][0] > 1), int(b_map[0][0] > 1),
+                               ldc, batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes, stream=stream)
 
-    return autotune.pick("matmul_sm90", key, m90.candidate_configs(dtype, **layout), run, default)
+    cands = m90.candidate_configs(dtype, **layout) + m90.split_candidates(dtype, m, n, k, batch, sms, **layout)
+    return autotune.pick("matmul_sm90", key, cands, run, default)
 
 
 def _tuned(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, ints, stream):

@@ -22,6 +22,7 @@ _DTYPES = ("float16", "bfloat16")
 MMA_KINDS = ("wgmma", "sync")
 _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin   # 227 KiB opt-in per block
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
+MAX_SPLIT_K = 16   # the workspace is split_k tiles of float32 per output tile: more is memory, not speed
 
 
 class HopperMatmulTile:
@@ -80,6 +81,11 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     ``mma``: "wgmma", or "sync": the consumers multiply with ldmatrix + mma.sync m16n8k16 (the
     sm_80 instruction, fed by the same TMA producer; see ``SM90_MMA`` in matmul.py) and store C
     directly (``tma_store`` False).
+    ``split_k``: K-splits per output tile (1: one CTA-unit per tile, the unsplit kernel).  Above 1
+    the persistent walk runs (tile, split) units, each over a contiguous range of k-blocks; the
+    last split of a tile to finish sums the float32 partials of all splits in split order (a
+    workspace of :func:`workspace_bytes`, counters of :func:`counter_bytes`) and runs the epilogue,
+    in the same launch.  wgmma consumers only.  The kernel uses min(split_k, k-blocks) splits.
     """
 
     family: ClassVar[str] = "matmul_sm90"
@@ -101,6 +107,7 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     tma_store: bool = True
     epilogue_n: int = 0
     mma: str = "wgmma"
+    split_k: int = 1
 
     def __post_init__(self):
         if self.activation is None:
@@ -116,6 +123,9 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
         self._check_int("block_k", 64, 64)
         self._check_int("num_stages", 2, 8)
         self._check_int("group_m", 1, 64)
+        self._check_int("split_k", 1, MAX_SPLIT_K)
+        if self.split_k > 1 and self.mma != "wgmma":
+            self._fail("split_k", "1 with mma='sync' (the partials are stored from wgmma accumulators)")
         if (self.block_m // 2) * self.block_n // 128 > 128:
             self._fail("block_n", f"at most {128 * 128 // (self.block_m // 2)} for block_m={self.block_m} "
                                   "(128 accumulators per consumer thread; more would spill)")
@@ -175,9 +185,77 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
     return rounds * tile.block_m * tile.block_n / tile.efficiency
 
 
-def _config(tile: _Tile, dtype: str, **layout) -> MatmulSm90Config:
+# ---- split-K ------------------------------------------------------------------------------------
+# With fewer output tiles than SMs (M = 128 x N = 4096: 16 tiles of 128 x 256 on 132 SMs) most SMs
+# idle; splitting each tile's K range over ``split_k`` work units fills them, at the price of a
+# float32 partial per unit that the tile's last unit reads back.  The cost model extends
+# rounds x tile area / efficiency with K (the unsplit choice is unchanged: for split_k = 1 the
+# cost is the old one times (k-blocks + SPLIT_FILL_KBLOCKS), the same for every tile):
+#   rounds(units = tiles x split_k) x [tile MACs of ceil(k-blocks / split_k) + fill) / efficiency
+#                                      + PARTIAL_BYTE_MACS x partial bytes x (1 + split_k)]
+# (one partial written by each unit, split_k read by a tile's last one, on the round's critical path).
+# The constants are reasoned, not yet measured (tools/bench_matmul.py --splitk-sweep refits them):
+# * PARTIAL_BYTE_MACS = 32: an SM's tensor cores do 2048 bf16 MACs per clock (989 TFLOP/s over 132
+#   SMs at 1.83 GHz) and it moves ~64 bytes per clock to or from L2, where the partials live.
+# * SPLIT_FILL_KBLOCKS = 1: a unit's fixed cost (the ring's first TMA round trip, ~1 us, against
+#   ~0.5 us per 128 x 256 k-block at full rate; the epilogue is paid once per tile either way).
+# * MIN_KBLOCKS_PER_SPLIT = 4: the ring is 4-6 stages deep; a unit shorter than its ring never
+#   reaches steady state, and its fill and partial outweigh its main loop.
+# * splits are considered only when the tiles alone leave SMs idle (tiles < SMs): above one round
+#   a split only trades the last round's quantization for partial traffic.
+SPLITS = (1, 2, 3, 4, 6, 8)
+PARTIAL_BYTE_MACS = 32.0
+SPLIT_FILL_KBLOCKS = 1.0
+MIN_KBLOCKS_PER_SPLIT = 4
+
+
+def k_blocks(k: int) -> int:
+    """64-deep k-blocks of K (the last one zero-filled by TMA)."""
+    return max(1, -(-k // 64))
+
+
+def split_cost(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int, split_k: int) -> float:
+    """Relative time of ``tile`` with ``split_k`` splits (see the model above)."""
+    kb = k_blocks(k)
+    split_k = min(split_k, kb)
+    units = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch, split_k=split_k)
+    rounds = -(-units // sm_count)
+    area = tile.block_m * tile.block_n
+    unit = area * 64 * (-(-kb // split_k) + SPLIT_FILL_KBLOCKS) / tile.efficiency
+    if split_k > 1:
+        unit += PARTIAL_BYTE_MACS * area * 4 * (1 + split_k)
+    return rounds * unit
+
+
+def splits_for(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -> tuple[int, ...]:
+    """The split counts the heuristic weighs for ``tile``: 1, and more only while the tiles leave
+    SMs idle and each split keeps MIN_KBLOCKS_PER_SPLIT k-blocks."""
+    tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
+    if tiles >= sm_count:
+        return (1,)
+    most = k_blocks(k) // MIN_KBLOCKS_PER_SPLIT
+    return tuple(s for s in SPLITS if s == 1 or s <= most)
+
+
+def workspace_bytes(cfg: "MatmulSm90Config", m: int, n: int, k: int, batch: int) -> int:
+    """Split-K partials: one float32 tile per (tile, split); 0 for split_k = 1."""
+    splits = min(cfg.split_k, k_blocks(k))
+    if splits == 1:
+        return 0
+    return arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch, split_k=splits) * \
+        cfg.block_m * cfg.block_n * 4
+
+
+def counter_bytes(cfg: "MatmulSm90Config", m: int, n: int, batch: int) -> int:
+    """Split-K counters: one int32 per (tile, consumer warpgroup); 0 for split_k = 1."""
+    if cfg.split_k == 1:
+        return 0
+    return arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch) * 2 * 4
+
+
+def _config(tile: _Tile, dtype: str, split_k: int = 1, **layout) -> MatmulSm90Config:
     return MatmulSm90Config(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, num_stages=tile.num_stages,
-                            **layout)
+                            split_k=split_k, **layout)
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
@@ -185,9 +263,13 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
     # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
-    tiles = TILES if layout.get("mma", "wgmma") == "wgmma" else [t for t in TILES if t.block_m == 128]
-    tile = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
-    return _config(tile, dtype, **layout)
+    wgmma = layout.get("mma", "wgmma") == "wgmma"
+    tiles = TILES if wgmma else [t for t in TILES if t.block_m == 128]
+    # ties go to fewer splits, then to the smaller tile (less work wasted on the zero-filled border)
+    choices = [(split_cost(t, m, n, k, batch, sm_count, s), s, t.block_m * t.block_n, i)
+               for i, t in enumerate(tiles) for s in (splits_for(t, m, n, k, batch, sm_count) if wgmma else (1,))]
+    _, split_k, _, i = min(choices)
+    return _config(tiles[i], dtype, split_k, **layout)
 
 
 def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
@@ -197,6 +279,20 @@ def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
             out.append(_config(t, dtype, **layout))
         except ConfigError:
             pass
+    return out
+
+
+def split_candidates(dtype: str, m: int, n: int, k: int, batch: int, sm_count: int, **layout) -> list[MatmulSm90Config]:
+    """Split-K configs the autotuner adds for this shape: each heuristic tile with the split count
+    the model likes best for it (none where no split is weighed, or for mma.sync consumers)."""
+    if layout.get("mma", "wgmma") != "wgmma":
+        return []
+    out = []
+    for t in TILES:
+        splits = [s for s in splits_for(t, m, n, k, batch, sm_count) if s > 1]
+        if splits:
+            best = min(splits, key=lambda s: split_cost(t, m, n, k, batch, sm_count, s))
+            out.append(_config(t, dtype, best, **layout))
     return out
 
 
@@ -223,9 +319,11 @@ def operand_maps(ptr: int, rows: int, cols: int, ld: int, batch: int, batch_stri
     return (batch, rows, cols), (bs, ld_, 1)
 
 
-def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int) -> int:
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
-    return max(1, min(tiles, sm_count))
+def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int, k: int = 1) -> int:
+    """CTAs of the persistent grid: one per work unit (tile x split; ``k`` for the clamp of
+    split_k to the k-blocks), at most one per SM."""
+    units = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch * min(cfg.split_k, k_blocks(k))
+    return max(1, min(units, sm_count))
 
 
 def tensor_maps(cfg: MatmulSm90Config, a_desc, b_desc, c_desc):
