@@ -124,6 +124,68 @@ def test_route_can_be_switched_off(monkeypatch):
     assert _route(1, 4096, 4096) is None
 
 
+# ---- a NumPy model of the dense fragment layouts (templates/quant_gemv.cu.j2) ----------------------------
+def _mma(a_regs, b_regs):
+    """mma.sync m16n8k16 of one warp on (lane -> 4 A registers, lane -> 2 B registers), each register
+    a pair (lo, hi) of values, as the PTX ISA lays the fragments out; returns D (16 x 8)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for r, (row, col) in enumerate(((g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8))):
+            A[row, col:col + 2] = a_regs[lane][r]
+        for r, krow in enumerate((2 * q, 2 * q + 8)):
+            B[krow:krow + 2, g] = b_regs[lane][r]
+    return A @ B
+
+
+def _pair_words(v):
+    """Consecutive values as packed pairs (a 16-byte load of 8 elements: 4 words)."""
+    return [tuple(v[i:i + 2]) for i in range(0, len(v), 2)]
+
+
+def _prmt_pairs(lo_word, hi_word, high):
+    """prmt 0x5410 (low halves of two words) / 0x7632 (high halves) on pairs."""
+    return (lo_word[1], hi_word[1]) if high else (lo_word[0], hi_word[0])
+
+
+@pytest.mark.parametrize("n_major", [False, True])
+def test_dense_fragment_layout_model(n_major):
+    """One item of one warp, as the kernel loads and feeds it (8 x rows, all lanes): the
+    accumulators, read back through the epilogue's row map (out_row), equal w @ x^T."""
+    rng = np.random.default_rng(3)
+    rows, kk = (64, 16) if n_major else (16, 32)        # a warp's rows and an item's K
+    w = rng.standard_normal((rows, kk))                  # w[n, k]
+    x = rng.standard_normal((8, kk))
+    want = w @ x.T                                       # (rows, 8)
+    got = np.full((rows, 8), np.nan)
+    if n_major:
+        # lane (g, q): 4 loads of 8 n (8g .. 8g + 7) at k rows 4q + i; x elements 4q .. 4q + 3 of row g
+        loads = {lane: [_pair_words(w[8 * (lane // 4):8 * (lane // 4) + 8, 4 * (lane % 4) + i]) for i in range(4)]
+                 for lane in range(32)}
+        xf = {lane: _pair_words(x[lane // 4, 4 * (lane % 4):4 * (lane % 4) + 4]) for lane in range(32)}
+        for r in range(4):
+            a = {ln: [_prmt_pairs(loads[ln][0][r], loads[ln][1][r], False),
+                      _prmt_pairs(loads[ln][0][r], loads[ln][1][r], True),
+                      _prmt_pairs(loads[ln][2][r], loads[ln][3][r], False),
+                      _prmt_pairs(loads[ln][2][r], loads[ln][3][r], True)] for ln in range(32)}
+            d = _mma(a, {ln: [xf[ln][0], xf[ln][1]] for ln in range(32)})
+            for g in range(8):
+                for h in range(2):
+                    got[8 * g + 2 * r + h] = d[g + 8 * h]       # out_row: r0 + 8g + 2r + h
+    else:
+        # lane (g, q): rows g and g + 8, elements 8q .. 8q + 7 (one 16-byte load each); x the same 8 of row g
+        acc = np.zeros((16, 8))
+        wl = {lane: [_pair_words(w[lane // 4 + 8 * h, 8 * (lane % 4):8 * (lane % 4) + 8]) for h in range(2)]
+              for lane in range(32)}
+        xl = {lane: _pair_words(x[lane // 4, 8 * (lane % 4):8 * (lane % 4) + 8]) for lane in range(32)}
+        for st in range(2):
+            a = {ln: [wl[ln][0][2 * st], wl[ln][1][2 * st], wl[ln][0][2 * st + 1], wl[ln][1][2 * st + 1]]
+                 for ln in range(32)}
+            acc += _mma(a, {ln: [xl[ln][2 * st], xl[ln][2 * st + 1]] for ln in range(32)})
+        got = acc                                         # out_row: r0 + 16r + g + 8h
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 # ---- compile: the dense modes, no spills, register headroom, sm_90a and sm_80 ----------------------------
 HEADROOM = 16   # as tests/test_quant_matmul.py: an NVRTC needing up to ~12% more registers still fits
 

@@ -334,9 +334,10 @@ def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
                 for nw in (8, 4, 16) for u in (2, 4, 6, 8)]
     variants += [dict(num_warps=8, warps_k=4), dict(ctas_per_sm=3, unroll=2), dict(persistent=False),
                  dict(row_tiles=2, unroll=2)]
-    if base.n_major:   # 64-row warps: the slots, warps along K and the split
-        variants = [dict(unroll=u, warps_k=wk, split_k=sk) for u in (1, 2, 3) for wk in (8, 4, 2)
-                    for sk in sorted({1, base.split_k, 2 * base.split_k})]
+    if base.n_major:   # 64-row warps: slots x CTAs per SM, warps along K, the split
+        variants = [dict(unroll=u, ctas_per_sm=c, warps_k=wk, split_k=sk)
+                    for u, c in ((1, 2), (2, 2), (2, 1), (4, 1)) for wk in (8, 4)
+                    for sk in sorted({base.split_k, 2 * base.split_k})]
     out, seen = [], set()
     for v in variants:
         try:
