@@ -71,12 +71,12 @@ def test_dense_heuristic_llama_shapes(n, k, m, n_major):
 
 def test_quant_heuristic_retune():
     """The session-7 sweep's refit (H100, 2026-11-25): M <= 8 splits 8 warps 2 x 4 where 32-row
-    tiles fill the SMs; M > 8 runs unroll 2 with 8 warps along K."""
+    tiles fill both CTA slots of every SM; M > 8 runs unroll 2 with 8 warps along K."""
     h = gemv.heuristic_config
     c1 = h("bfloat16", 1, 14336, 4096, sm_count=132)
     assert (c1.unroll, c1.num_warps, c1.warps_k) == (4, 8, 4)
-    assert h("bfloat16", 8, 4096, 4096, sm_count=132).warps_k == 4
-    assert h("bfloat16", 1, 2048, 4096, sm_count=132).warps_k == 8       # 64 tiles of 32 rows: too few
+    assert h("bfloat16", 8, 8192, 8192, sm_count=132).warps_k == 4
+    assert h("bfloat16", 1, 6144, 4096, sm_count=132).warps_k == 8       # 192 tiles of 32 rows: < 2 x 132
     c16 = h("bfloat16", 16, 8192, 28672, sm_count=132)
     assert (c16.unroll, c16.warps_k, c16.m_tiles) == (2, 8, 2)
 

@@ -272,8 +272,8 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 # * M <= 8 (one m tile): 8 warps as 2 x 4 (N x K), unroll 4 (r1u4w8k4s1c2p) 39.9 / 63.4 / 87.1
 #   against 8 along K (the earlier choice) 39.7 / 59.9 / 84.8: never lower, +2-4 points at the large
 #   shapes.  Half the warps per row tile means each warp's K slice is twice as long (fewer tile-end
-#   barriers and reductions per weight byte).  Only where the 32-row tiles still fill the SMs
-#   (N >= ~4000 on 132 SMs); below that 16-row tiles (8 along K) keep split-K away longer.  The
+#   barriers and reductions per weight byte).  Only where the 32-row tiles give every CTA slot
+#   (2 per SM) a tile (N >= ~8000 on 132 SMs); below that 16-row tiles (8 along K).  The
 #   sweep measured M = 1; M = 2..8 run the same instructions (one m tile, lanes past M load zeros).
 #   (The fastest 4096 x 4096 tiling, unroll 2 with 3 CTAs per SM, 42.0, fell to 74.4 at
 #   8192 x 28672: not taken.)
@@ -284,9 +284,10 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 # main table's kinds are within a point of each other at every shape and M).
 # Dense (unquantized 16-bit) weights, reasoned from the same byte counts: K-major loads are the
 # same 16 bytes per lane and row (8 elements instead of 16), so the same tilings keep the same
-# bytes in flight.  N-major items are 4 loads per lane (2 KiB per warp and slot): unroll 2 keeps
-# 2 x 8 x 2 x 2 KiB = 64 KiB per SM in flight (one m tile; two: 1 x 8 x 4 x 2 KiB), and its
-# 64-row warps leave N = 4096 with 64 tiles: split-K fills the SMs there.
+# bytes in flight.  N-major items are 4 loads per lane (2 KiB per warp and slot): 2 CTAs x 8 warps
+# x unroll 2 or 1 CTA x 8 warps x unroll 4 keep 64 KiB per SM in flight, and its 64-row warps
+# leave N = 4096 with 64 tiles: split-K fills the SMs there.  (Reasoned; the benchmark's
+# --sweep-dense times the alternatives.)
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
                      scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
@@ -303,14 +304,20 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     # 112: unroll 2 there.
     ctas = _CTAS_PER_SM
     if n_major:
-        # two m tiles need 152 registers at unroll 2 (ptxas, NVRTC 13.5): one CTA per SM under a cap
-        # of 248, whose 8 warps keep 4 slots (64 KiB) in flight (168 registers, no spill)
+        # 64-row tiles, 8 warps along K.  Two CTAs per SM of unroll 2 (64 KiB in flight per SM)
+        # where the tiles give both a tile and one m tile fits their cap of 128 registers; else one
+        # CTA per SM (split-K up to the SM count) whose 8 warps keep 4 slots (64 KiB) in flight
+        # under a cap of 248: two m tiles need 152 registers at unroll 2 (ptxas, NVRTC 13.5: 52
+        # bytes of spill under 128), 168 at unroll 4.
         row_tiles, warps_k = 4, _WARPS_K
-        unroll, ctas = (2, _CTAS_PER_SM) if m_tiles == 1 else (4, 1)
+        two = m_tiles == 1 and -(-n // 64) >= 2 * need
+        unroll, ctas = (2, _CTAS_PER_SM) if two else (4, 1)
     else:
         row_tiles = 1
         unroll = _UNROLL if m_tiles == 1 and w_vec == 16 else 2
-        warps_k = _WARPS_K // 2 if m_tiles == 1 and -(-n // 32) >= need else _WARPS_K
+        # (32-row tiles for every CTA slot: below that, N = 4096 measured the same either way,
+        # 39.9 / 39.7, and 16-row tiles keep the slots filled for the N in between)
+        warps_k = _WARPS_K // 2 if m_tiles == 1 and -(-n // 32) >= 2 * need else _WARPS_K
     tiles = -(-n // (16 * row_tiles * (_WARPS // warps_k)))
     block_k = 16 if n_major else (32 if weight_dtype in DENSE_DTYPES else 64)
     nblk = -(-k // block_k)
