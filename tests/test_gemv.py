@@ -437,3 +437,44 @@ def test_gemv_plan_replay_and_cuda_graph_gpu(n_major):
         a64, b64 = x.double().cpu().numpy(), b.double().cpu().numpy()
         _check(yg.double().cpu().numpy(), a64, b64, bias.double().cpu().numpy(), "silu", "bfloat16",
                f"graph replay M={m} N={n} K={k} {'N' if n_major else 'K'}-major ({cfg.tag()})")
+
+
+FUZZ_CASES = 40
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("libname", ["torch", "cupy"])
+def test_gemv_views_fuzz_gpu(libname):
+    """The view fuzzer of tests/test_views_gpu.py (random chains of expand / permute / step /
+    narrow / overlap / flip, its checks and its summary line) on rtk.matmul calls with 1, 3 or 16
+    rows of C: views the GEMV route reads in place, those it leaves to the tile kernels and those
+    staged first must all give the answer of the contiguous copies, aliased outputs a clear error."""
+    import test_views_gpu as vf
+    import rtkernels as rtk
+    lib = vf._need_gpu_libs(libname)
+    rng = vf._rng("matmul_gemv", libname)
+    tally = vf.Tally("matmul (M <= 16)", libname)
+    dt = "bfloat16"
+    for _ in range(FUZZ_CASES):
+        m, n, k = int(rng.choice((1, 3, 16))), int(rng.choice((40, 72))), 64
+        tb = bool(rng.random() < 0.5)
+        a, da = vf.make(lib, rng, (m, k), dt, scale=0.5)
+        b, db = vf.make(lib, rng, (n, k) if tb else (k, n), dt, scale=0.5)
+        kw = dict(trans_b=tb)
+        desc = f"M={m}: a {da} strides {lib.strides(a)}; b {db} strides {lib.strides(b)}; trans_b={tb}"
+        if rng.random() < 0.3:
+            bias, dbias = vf.make(lib, rng, (n,), dt)
+            kw.update(bias=bias, activation="silu")
+            desc += f"; bias {dbias}"
+        expect, out = "ok", None
+        if rng.random() < 0.25:
+            modes = ("contiguous", "slice", "expand") + (("overlap",) if m > 1 else ())   # (one row cannot overlap)
+            out, mode, expect = vf.out_view(lib, rng, (m, n), dt, modes)
+            desc += f"; out {mode} strides {lib.strides(out)}"
+        extra = lib.kw(dt)
+        ref_kw = {key: (lib.contiguous(v) if key == "bias" else v) for key, v in kw.items()}
+        tally.run(desc, expect, ("a", "b", "bias", "out"),
+                  lambda: rtk.matmul(a, b, out=out, **kw, **extra),
+                  lambda: rtk.matmul(lib.contiguous(a), lib.contiguous(b), **ref_kw, **extra),
+                  vf.close(lib, dt, "c"))
+    tally.report()
