@@ -583,7 +583,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
     gv = _plan_gemv(da, m, n, k, batch, int(av.data.ptr), int(bv.data.ptr), a_kmajor, b_kmajor, lda, ldb, ldc,
-                    batch_a, batch_b, batch_c, biv is not None, act, device.sm_count())
+                    batch_a, batch_b, batch_c, biv is not None, act)
     if gv is not None:
         cfg, ints = gv
         plan = gemv.launch(cfg, ints, (bv, av, None, None, biv, cv), (b, a, None, None, bias, out), stream)
