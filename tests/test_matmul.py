@@ -863,6 +863,7 @@ def test_gpu_rows_ending_inside_a_chunk(monkeypatch, case):
     from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits, poison, to_f64, view_at_allocation_end
     label, dt, M, N, K, batch, lda, ta, ldb, tb, has_bias, act, edges = case
     monkeypatch.setattr(mm, "USE_SM90", False)
+    monkeypatch.setattr(mm, "USE_GEMV", False)   # the one-row cases test the mma.sync kernel too
     monkeypatch.setattr(mm, "_plans", {})
     monkeypatch.setattr(mm, "_LAUNCHES", LaunchPlans())
     rng = np.random.default_rng(M * N + K)

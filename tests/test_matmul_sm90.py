@@ -427,8 +427,10 @@ def _ran_sm90(m, n, k, batch=1):
 
 @pytest.fixture(params=m90.MMA_KINDS)
 def mma(request, monkeypatch):
-    """Runs a test with wgmma consumers and again with mma.sync ones (matmul.SM90_MMA)."""
+    """Runs a test with wgmma consumers and again with mma.sync ones (matmul.SM90_MMA); C of at most
+    16 rows stays on the Hopper kernel too (these tests are about it, not the GEMV route)."""
     monkeypatch.setattr(mm, "SM90_MMA", request.param)
+    monkeypatch.setattr(mm, "USE_GEMV", False)
     return request.param
 
 

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul at decode batch sizes: rtk.quantized_matmul vs cuBLAS bf16.
+"""Decode-time GEMMs (M <= 16) at the memory roof: rtk.quantized_matmul and rtk.matmul's GEMV route vs cuBLAS.
 
 For each (N, K) of the Llama-3 8B / 70B projections and M in {1, 4, 16}: the time of
 rtk.quantized_matmul (int8 per-channel, int8 group 128, float8 e4m3 group 128), its GB/s over the
@@ -11,8 +11,18 @@ median of each kept), and each candidate rotates among weight copies totalling >
 call finds its weight in L2 (50 MiB).  Targets (issue 20): >= 85% of copy and >= 1.0x cuBLAS at
 M in {1, 4, 16}.
 
-    PYTHONPATH=. python tools/bench_quant_matmul.py [--out DIR] [--kinds int8,int8_g128,fp8_g128]
-        [--ms 1,4,16] [--sweep]   # --sweep: tile candidates at 3 shapes (M = 1, 16), ~1 min more
+Unquantized kinds (rtk.matmul's M <= 16 route, the GEMV kernel on bfloat16 weights): ``bf16`` is
+rtk.matmul(x, w.T) with w (N, K) as nn.Linear stores it (K-major), ``bf16_n`` rtk.matmul(x, b) with
+b a row-major (K, N) (N-major); cuBLAS is torch.matmul on the very same operands.  Their GB/s
+count the weight's 2 * N * K bytes; ``lat_us`` columns are the per-call latency (a host loop of
+calls on rotating weights ending with a synchronize: host time and kernel time, whichever is
+longer, as a decode loop sees it) of rtk and of torch.matmul.
+
+    PYTHONPATH=. python tools/bench_quant_matmul.py [--out DIR] [--kinds int8,int8_g128,fp8_g128,bf16,bf16_n]
+        [--ms 1,4,16] [--sweep] [--sweep-dense] [--tiles]
+    # --sweep: quantized tile candidates at 3 shapes (M = 1, 16), ~1 min more; --sweep-dense: the
+    # dense GEMV tilings at 2 shapes, both layouts; --tiles: also time rtk.matmul's tile kernels
+    # (RTKERNELS_MATMUL_GEMV=0's path) on the bf16 rows
 
 Each case also checks rtk against torch's float32 product of the dequantized weight (max error
 relative to max |y|).  A plain read of the same N * K bytes (a streaming kernel with 64 bytes in
@@ -35,7 +45,9 @@ import benchutil  # noqa: E402
 SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (28672, 8192),
           (8192, 28672))
 KINDS = {"int8": ("int8", None), "int8_g128": ("int8", 128), "fp8_g128": ("float8_e4m3", 128),
-         "fp8": ("float8_e4m3", None), "uint8_g128": ("uint8", 128)}
+         "fp8": ("float8_e4m3", None), "uint8_g128": ("uint8", 128), "bf16": ("bfloat16", None),
+         "bf16_n": ("bfloat16", None)}
+DENSE = {"bf16": False, "bf16_n": True}   # unquantized kinds: n_major
 SWEEP_SHAPES = ((4096, 4096), (14336, 4096), (8192, 28672))
 SET_BYTES = 256 << 20
 
@@ -180,6 +192,127 @@ def run_case(args, torch, rtk, qm, n, k, m, kind_name, copy_gbs, tsets_cache):
             "tiles": cfg.tag()}
 
 
+def _rotating(fn, sets):
+    """fn() over the weight sets in turn (the latency loop)."""
+    state = [0]
+
+    def call():
+        fn(*sets[state[0] % len(sets)])
+        state[0] += 1
+    return call
+
+
+def run_dense_case(args, torch, rtk, n, k, m, kind, copy_gbs, dsets_cache):
+    """rtk.matmul's GEMV route on bf16 weights (K-major: b = w.T; N-major: b (K, N)) vs torch.matmul on
+    the same operands: kernel times queued back to back, per-call latency, and the error of each
+    against torch's float32 product."""
+    from benchutil import time_host, time_queued
+    from rtkernels.ops import gemv, matmul as mm
+    n_major = DENSE[kind]
+    key = (n, k, n_major)
+    if key not in dsets_cache:
+        dsets_cache.clear()
+        torch.cuda.empty_cache()
+        count = max(2, -(-SET_BYTES // (2 * n * k)))
+        shape = (k, n) if n_major else (n, k)
+        dsets_cache[key] = [(torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02,) for _ in range(count)]
+    sets = [(w if n_major else w.T,) for (w,) in dsets_cache[key]]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    tout = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def call(b):
+        rtk.matmul(x, b, out=out)
+
+    def cublas(b):
+        torch.matmul(x, b, out=tout)
+
+    call(*sets[0])
+    cublas(*sets[0])
+    ref = x.float() @ sets[0][0].float()
+    err = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    err_c = float((tout.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    rtk_ms, cublas_ms = [], []
+    for _ in range(2):
+        rtk_ms.append(time_queued(call, sets, repeat=args.repeat)[0])
+        cublas_ms.append(time_queued(cublas, sets, repeat=args.repeat)[0])
+    ms, ms_c = min(rtk_ms), min(cublas_ms)
+    lat = time_host(_rotating(call, sets), 200)
+    lat_c = time_host(_rotating(cublas, sets), 200)
+    gbs = 2 * n * k / (ms * 1e-3) / 1e9
+    cfg = gemv.heuristic_config("bfloat16", m, n, k, weight_dtype="bfloat16", n_major=n_major,
+                                sm_count=device_sms())
+    row = {"N": n, "K": k, "M": m, "kind": kind, "rtk_us": ms * 1e3, "GBs": gbs, "%copy": 100 * gbs / copy_gbs,
+           "cublas_bf16_us": ms_c * 1e3, "vs_cublas": ms_c / ms, "cublas_GBs": 2 * n * k / (ms_c * 1e-3) / 1e9,
+           "cublas_%copy": 100 * 2 * n * k / (ms_c * 1e-3) / 1e9 / copy_gbs, "rtk_lat_us": lat,
+           "cublas_lat_us": lat_c, "rel_err": err, "cublas_rel_err": err_c, "tiles": cfg.tag()}
+    if args.tiles:   # the tile kernels rtk.matmul ran before the GEMV route (plans keyed by USE_GEMV)
+        mm.USE_GEMV = False
+        try:
+            row["rtk_tiles_us"] = min(time_queued(call, sets, repeat=args.repeat)[0] for _ in range(2)) * 1e3
+        finally:
+            mm.USE_GEMV = True
+    return row
+
+
+DENSE_SWEEP_SHAPES = ((4096, 4096), (14336, 4096))
+
+
+def _precompile(cfgs) -> None:
+    """Compile the sweep's kernels in parallel up front (NVRTC releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from rtkernels.kernel import get_kernel
+    jobs = [(c, name) for c in cfgs for name in (("quant_gemv", "quant_gemv_reduce") if c.split_k > 1
+                                                 else ("quant_gemv",))]
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda j: get_kernel(*j).cubin, jobs))
+
+
+def sweep_dense(args, torch, copy_gbs):
+    """The dense GEMV tilings (candidate_configs around the route's own config) at a few shapes, both
+    layouts, M = 1 and 16: launched through gemv.launch with the route's scalars."""
+    import cupy as cp
+    from benchutil import time_queued
+    from rtkernels import device
+    from rtkernels.ops import gemv, matmul as mm
+    rows = []
+    for (n, k) in DENSE_SWEEP_SHAPES:
+        for n_major in (False, True):
+            count = max(2, -(-SET_BYTES // (2 * n * k)))
+            shape = (k, n) if n_major else (n, k)
+            ws = [cp.asarray(torch.randn(shape, device="cuda", dtype=torch.bfloat16).view(torch.int16)).view(cp.uint16)
+                  for _ in range(count)]
+            for m in (1, 16):
+                x = cp.asarray(torch.randn(m, k, device="cuda", dtype=torch.bfloat16).view(torch.int16)).view(cp.uint16)
+                out = cp.empty((m, n), dtype=cp.uint16)
+                base, ints = mm._plan_gemv("bfloat16", m, n, k, 1, x.data.ptr, ws[0].data.ptr, True, not n_major,
+                                           k if m > 1 else 0, n if n_major else k, n if m > 1 else 0, 0, 0, 0,
+                                           False, "none", device.sm_count())
+                res = []
+                cands = gemv.candidate_configs(base)
+                _precompile(cands)
+                for cfg in cands:
+                    def call(w, cfg=cfg):
+                        gemv.launch(cfg, ints, (w, x, None, None, None, out), (w, x, None, None, None, out), None)
+                    try:
+                        ms = time_queued(call, [(w,) for w in ws], repeat=args.repeat)[0]
+                    except Exception as e:   # noqa: BLE001
+                        print(f"  skip {cfg.tag()}: {type(e).__name__}: {e}"[:160])
+                        continue
+                    gbs = 2 * n * k / (ms * 1e-3) / 1e9
+                    res.append({"N": n, "K": k, "M": m, "layout": "N" if n_major else "K", "tiles": cfg.tag(),
+                                "us": ms * 1e3, "%copy": 100 * gbs / copy_gbs,
+                                "default": all(getattr(cfg, f) == getattr(base, f) for f in gemv._TILE_FIELDS)})
+                res.sort(key=lambda r: r["us"])
+                rows += res
+                dflt = next((r for r in res if r["default"]), None)
+                print(f"dense sweep N={n} K={k} M={m} {'N' if n_major else 'K'}-major: best {res[0]['tiles']} "
+                      f"{res[0]['%copy']:.1f}% copy; default {dflt['tiles'] if dflt else '?'} "
+                      f"{dflt['%copy'] if dflt else float('nan'):.1f}%", flush=True)
+            del ws
+    return rows
+
+
 def sweep(args, torch, rtk, qm, copy_gbs):
     """Tile candidates (QuantGemvConfig's tiling through config=) at a few shapes, int8 per-channel."""
     import cupy as cp
@@ -193,6 +326,7 @@ def sweep(args, torch, rtk, qm, copy_gbs):
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             base = qm.heuristic_config("bfloat16", m, n, k, sm_count=device_sms())
             cands = qm.candidate_configs(base)
+            _precompile(cands)
             res = []
             for cfg in cands:
                 def call(q, s, z, cfg=cfg):
@@ -218,10 +352,12 @@ def sweep(args, torch, rtk, qm, copy_gbs):
 
 def main():
     p = benchutil.parser(__doc__.splitlines()[0])
-    p.add_argument("--kinds", default="int8,int8_g128,fp8_g128")
+    p.add_argument("--kinds", default="int8,int8_g128,fp8_g128,bf16,bf16_n")
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--sweep", action="store_true", help="also time tile candidates at 3 shapes")
+    p.add_argument("--sweep-dense", action="store_true", help="also time the dense GEMV tilings at 2 shapes")
+    p.add_argument("--tiles", action="store_true", help="also time rtk.matmul's tile kernels on the bf16 rows")
     args = p.parse_args()
     import cupy as cp  # noqa: F401
     import torch
@@ -232,7 +368,7 @@ def main():
     env["torch"] = torch.__version__
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
-    rows, cache, failed = [], {}, []
+    rows, cache, dcache, failed = [], {}, {}, []
     ms_list = [int(v) for v in args.ms.split(",")]
     reads = {}
     for n, k in SHAPES:
@@ -245,28 +381,39 @@ def main():
         for kind in args.kinds.split(","):
             for m in ms_list:
                 try:
-                    r = run_case(args, torch, rtk, qm, n, k, m, kind, copy_gbs, cache)
+                    if kind in DENSE:
+                        r = run_dense_case(args, torch, rtk, n, k, m, kind, copy_gbs, dcache)
+                    else:
+                        r = run_case(args, torch, rtk, qm, n, k, m, kind, copy_gbs, cache)
                 except Exception as e:   # noqa: BLE001  (report it, keep the other cases' numbers)
                     print(f"N={n} K={k} M={m} {kind}: FAILED {type(e).__name__}: {e}"[:300], flush=True)
                     failed.append({"N": n, "K": k, "M": m, "kind": kind, "error": f"{type(e).__name__}: {e}"})
                     continue
-                if (n, k) in reads:
+                if (n, k) in reads and kind not in DENSE:   # (the read is of N * K bytes: the 8-bit weight's)
                     r["read_us"] = reads[(n, k)]
                     r["%read"] = 100 * reads[(n, k)] / r["rtk_us"]
                 rows.append(r)
+                lat = f", latency {r['rtk_lat_us']:.1f} / {r['cublas_lat_us']:.1f} us" if kind in DENSE else ""
                 print(f"N={n} K={k} M={m} {kind}: {r['rtk_us']:.1f} us {r['%copy']:.1f}% copy, cuBLAS bf16 "
-                      f"{r['cublas_bf16_us']:.1f} us ({r['vs_cublas']:.2f}x), err {r['rel_err']:.1e}", flush=True)
+                      f"{r['cublas_bf16_us']:.1f} us ({r['vs_cublas']:.2f}x), err {r['rel_err']:.1e}{lat}", flush=True)
     cache.clear()
+    dcache.clear()
     sweep_rows = []
     if args.sweep:
         try:
             sweep_rows = sweep(args, torch, rtk, qm, copy_gbs)
         except Exception as e:   # noqa: BLE001  (keep the main table)
             print(f"sweep FAILED: {type(e).__name__}: {e}"[:300])
+    dense_sweep_rows = []
+    if args.sweep_dense:
+        try:
+            dense_sweep_rows = sweep_dense(args, torch, copy_gbs)
+        except Exception as e:   # noqa: BLE001  (keep the main table)
+            print(f"dense sweep FAILED: {type(e).__name__}: {e}"[:300])
     path = benchutil.save(args.out, "quant_matmul", {"environment": env, "copy_GBs": copy_gbs, "rows": rows,
                                                      "read_us": {f"{n}x{k}": v for (n, k), v in reads.items()},
                                                      "failed": failed, "sweep": sweep_rows,
-                                                     "seconds": time.time() - t0})
+                                                     "dense_sweep": dense_sweep_rows, "seconds": time.time() - t0})
     if failed:
         print(f"\n{len(failed)} cases FAILED (first: {failed[0]})")
     if not rows:
@@ -275,11 +422,45 @@ def main():
     print(f"\n{env['gpu']} ({env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; {time.time() - t0:.0f} s; "
           f"lowest %copy {worst['%copy']:.1f} (N={worst['N']} K={worst['K']} M={worst['M']} {worst['kind']}), "
           f"lowest vs cuBLAS {min(r['vs_cublas'] for r in rows):.2f}x")
-    print(benchutil.table(rows, ["N", "K", "M", "kind", "tiles", "rtk_us", "GBs", "%copy", "%read", "cublas_bf16_us",
-                                 "vs_cublas", "rel_err"]))
+    quant = [r for r in rows if r["kind"] not in DENSE]
+    dense = [r for r in rows if r["kind"] in DENSE]
+    if quant:
+        print(benchutil.table(quant, ["N", "K", "M", "kind", "tiles", "rtk_us", "GBs", "%copy", "%read",
+                                      "cublas_bf16_us", "vs_cublas", "rel_err"]))
+    if dense:
+        print("\nbf16 weights: rtk.matmul (GEMV route) vs torch.matmul on the same operands (bf16: b = w.T, "
+              "K-major; bf16_n: b (K, N) row-major)")
+        print(benchutil.table(dense, ["N", "K", "M", "kind", "tiles", "rtk_us", "%copy", "cublas_bf16_us",
+                                      "cublas_%copy", "vs_cublas", "rtk_lat_us", "cublas_lat_us", "rel_err",
+                                      "cublas_rel_err"] + (["rtk_tiles_us"] if args.tiles else [])))
     if sweep_rows:
         print(sweep_table(sweep_rows))
-    print(compact_table(rows, reads, copy_gbs))
+    if dense_sweep_rows:
+        print("\ndense sweep (% of device copy; * the route's choice):")
+        print(benchutil.table([dict(r, tiles=r["tiles"] + ("*" if r["default"] else "")) for r in dense_sweep_rows],
+                              ["N", "K", "M", "layout", "tiles", "us", "%copy"]))
+    print(compact_table([r for r in rows if r["kind"] not in DENSE], reads, copy_gbs))
+    if dense:
+        print(compact_dense(dense))
+
+
+def compact_dense(rows) -> str:
+    """bf16 weights: % of device copy of rtk / cuBLAS, and per-call latency rtk / cuBLAS (us), per
+    shape (rows) for each layout and M (columns)."""
+    cols = sorted({(r["kind"], r["M"]) for r in rows}, key=lambda c: (list(KINDS).index(c[0]), c[1]))
+    by = {(r["N"], r["K"], r["kind"], r["M"]): r for r in rows}
+    head = ["N x K"] + [f"{kd} M={m}" for kd, m in cols]
+    lines = ["\nbf16 weights, rtk / cuBLAS: % of device copy; per-call latency us (bf16 = x @ w.T, bf16_n = x @ b):",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n, k in SHAPES:
+        cells = [f"{n}x{k}"]
+        for kd, m in cols:
+            r = by.get((n, k, kd, m))
+            cells.append("-" if r is None else f"{r['%copy']:.0f}/{r['cublas_%copy']:.0f}%; "
+                                               f"{r['rtk_lat_us']:.0f}/{r['cublas_lat_us']:.0f}")
+        if len(cells) > 1 and any(c != "-" for c in cells[1:]):
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def sweep_table(rows) -> str:

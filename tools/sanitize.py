@@ -403,8 +403,8 @@ def _matmul_variant(ctx: Ctx, v):
     ctx.check("c", out_parent, dt, ref, 2 * TOL[dt], exact_rerun=True)
 
 
-@case("matmul_sm90", families=("matmul_sm90", "matmul", "pad_rows"), ops=("matmul",),
-      note="sm_90: the Hopper kernel, its mma.sync / SIMT fallbacks, staged operands")
+@case("matmul_sm90", families=("matmul_sm90", "matmul", "pad_rows", "quant_gemv"), ops=("matmul",),
+      note="sm_90: the Hopper kernel, its mma.sync / SIMT fallbacks, staged operands; one-row C: the GEMV")
 def _matmul_sm90(ctx: Ctx):
     from rtkernels.ops import matmul as mm
     for v in MATMUL_VARIANTS:
@@ -428,8 +428,9 @@ def _matmul_sm90_sync(ctx: Ctx):
         _matmul_variant(ctx, v)
 
 
-@case("matmul_mma_sync", families=("matmul",), ops=("matmul",), env={"RTKERNELS_MATMUL_SM90": "0"},
-      note="the mma.sync / SIMT kernels for every shape (the Hopper kernel off at import)")
+@case("matmul_mma_sync", families=("matmul",), ops=("matmul",),
+      env={"RTKERNELS_MATMUL_SM90": "0", "RTKERNELS_MATMUL_GEMV": "0"},
+      note="the mma.sync / SIMT kernels for every shape (the Hopper kernel and the GEMV route off at import)")
 def _matmul_mma_sync(ctx: Ctx):
     for v in MATMUL_VARIANTS:
         _matmul_variant(ctx, v)

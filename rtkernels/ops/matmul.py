@@ -27,6 +27,7 @@ from .._env import getenv
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
+from . import gemv
 from . import matmul_fp8 as _fp8
 from .matmul_common import activation_reference, tune_bucket
 from . import matmul_sm90 as m90
@@ -51,6 +52,10 @@ SM90_MMA = os.environ.get("RTKERNELS_MATMUL_SM90_MMA", "wgmma")
 # k-blocks; 1: never) instead of as its heuristic chooses; a measurement and test knob, read when a
 # call signature is first planned (it is part of the plan keys).
 SPLIT_K_ENV = "RTKERNELS_MATMUL_SPLIT_K"
+# float16 / bfloat16 with at most 16 rows of C (the batch folded in) run the GEMV kernel
+# (ops/gemv.py, :func:`_plan_gemv`); False (or RTKERNELS_MATMUL_GEMV=0 at import) leaves them to
+# the tile kernels, to benchmark and test one against the other.
+USE_GEMV = os.environ.get("RTKERNELS_MATMUL_GEMV", "1") != "0"
 
 
 @register_family
@@ -411,7 +416,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     """The LaunchPlans key.  With tuning on, the first call of a signature tunes (full path) and
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
-                                             SM90_MMA, autotune.enabled(), getenv("RTKERNELS_ARCH"),
+                                             SM90_MMA, USE_GEMV, autotune.enabled(), getenv("RTKERNELS_ARCH"),
                                              getenv(SPLIT_K_ENV)))
 
 
@@ -448,7 +453,9 @@ def _args(maps, arrays):
                              None if c_map is None else (address(c), *c_map)), bias, c, *arrays[4:]]
 
 
-def _replay(plan: OutputPlan, a, b, bias, out, stream):
+def _replay(plan, a, b, bias, out, stream):
+    if type(plan) is _GemvPlan:
+        return gemv.replay(plan.plan, (b, a, None, None, bias), out, stream)
     out = plan.output(a, out)
     stream = default_stream(a, stream) if plan.torch else stream
     arrays = (a, b, bias, out)
@@ -597,6 +604,15 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     if max(m, n, k) >= 2 ** 31:
         raise ConfigError(f"matmul: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape")
 
+    gv = _plan_gemv(da, m, n, k, batch, int(av.data.ptr), int(bv.data.ptr), a_kmajor, b_kmajor, lda, ldb, ldc,
+                    batch_a, batch_b, batch_c, biv is not None, act)
+    if gv is not None:
+        cfg, ints = gv
+        plan = gemv.launch(cfg, ints, (bv, av, None, None, biv, cv), (b, a, None, None, bias, out), stream)
+        if plan is not None:
+            _LAUNCHES.put(plan_key, _GemvPlan(plan))
+        return out
+
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
         work = m * n * k * batch
         if work >= min(STAGE_MIN_WORK, REALIGN_MIN_WORK):
@@ -651,6 +667,54 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     _launch(plan_key, Launch(kern, grid, block, smem, (m, n, k, lda, ldb, ldc, batch_a, batch_b, batch_c, c_vec)),
             None, (av, bv, biv, cv), (a, b, bias, out), stream)
     return out
+
+
+# ---- M <= 16: the GEMV route ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _GemvPlan:
+    """A launch plan of the GEMV route (``gemv.launch``'s; its arrays are (b, a, -, -, bias, out))."""
+    plan: object
+
+
+def _rows(m: int, ld: int, batch: int, batch_stride: int) -> int | None:
+    """The one row stride that reaches all ``batch`` x ``m`` rows of an operand (row i of batch j
+    at j * batch_stride + i * ld), or None when there is none."""
+    if batch == 1:
+        return ld if m > 1 else 0
+    if m == 1:
+        return batch_stride
+    return ld if batch_stride == m * ld else None
+
+
+def _plan_gemv(dtype, m, n, k, batch, a_ptr, b_ptr, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b, batch_c,
+               has_bias, act, sm_count=None):
+    """(config, scalars) of the GEMV kernel (ops/gemv.py) for C with at most 16 rows, the batch
+    folded in, when it reads the operands in place; None leaves the call to the tile kernels.
+
+    Decode-time GEMMs (a few rows of A against a weight B) are bound by reading B once: the tile
+    kernels' 128-row tiles give N = 4096 16 CTAs on 132 SMs, the GEMV every SM a share of B's
+    bytes.  B is the weight (rows of K: K-major, ``w.T`` of an nn.Linear weight; rows of N:
+    N-major, a row-major (K, N) array), any strides with one unit-stride dim, one B for the whole
+    batch; A's rows (and C's) must be one stride apart each, with K contiguous in A.  Those that
+    are not (A column-major with M > 1, A batches not one stride apart, a batched B) go to the tile
+    kernels.
+    """
+    rows = m * batch
+    if not USE_GEMV or dtype == "float32" or k == 0 or rows > gemv.GEMV_MAX_ROWS or batch_b:
+        return None
+    if not a_kmajor and k > 1:
+        return None
+    ldx, ldo = _rows(m, lda, batch, batch_a), _rows(m, ldc, batch, batch_c)
+    if ldx is None or ldo is None:
+        return None
+    n_major = not b_kmajor
+    # 16-byte weight loads need the weight's rows (K-major: K elements; N-major: N), their stride
+    # and base in whole 16 bytes; else the widest that divides all three (bytes)
+    w_vec = gemv.vec_width(2 * (n if n_major else k), b_ptr, 2 * ldb if (k if n_major else n) > 1 else None, 1, 16)
+    x_vec = gemv.vec_width(k, a_ptr, ldx if rows > 1 else None, 2, 8)
+    cfg = gemv.heuristic_config(dtype, rows, n, k, weight_dtype=dtype, has_bias=has_bias, activation=act,
+                                n_major=n_major, w_vec=w_vec, x_vec=x_vec, sm_count=sm_count)
+    return cfg, (rows, n, k, ldb, ldx, ldo, 0)
 
 
 # Operands TMA cannot address (a row stride or base that is not 16-byte aligned: K = 1793, a view

@@ -1,0 +1,433 @@
+"""The GEMV family (templates/quant_gemv.cu.j2): few rows of x (M <= 16) against a weight read once.
+
+Two ops run it: :func:`rtkernels.quantized_matmul` (int8 / uint8 / float8 e4m3 weights, dequantized
+in registers) and :func:`rtkernels.matmul` for M <= 16 rows (float16 / bfloat16 weights in x's
+dtype, K-major as ``w.T`` of an nn.Linear weight or N-major as a row-major (K, N) ``b``; see
+``matmul._plan_gemv``).  This module holds what both share: the config, its heuristic, the
+candidate tilings of the benchmark's sweep, the load widths, and the launch (one kernel, or the
+split-K pair) with its launch plan.  It imports no op, so both ops import it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .. import device
+from ..config import KernelConfig, register_family
+from ..errors import ConfigError
+from ..kernel import get_kernel
+from ._arrays import Launch, OutputPlan, _is_torch, cupy_stream, default_stream, new_like, same_memory
+from .matmul_sm90 import ACTIVATIONS
+
+WEIGHT_DTYPES = ("int8", "uint8", "float8_e4m3")   # quantized weights
+DENSE_DTYPES = ("float16", "bfloat16")             # unquantized weights: x's dtype
+SCALE_DTYPES = ("float32", "float16", "bfloat16")
+GEMV_MAX_ROWS = 16          # rows of x the GEMV kernel takes (two m16n8k16 column tiles)
+GROUP_MULTIPLE = 64         # group scales apply per 64-element block of K (4 lanes x 16 bytes)
+# Shared memory for the cross-warp sums: up to 64 KiB lets two CTAs share an SM on sm_80+ (the
+# N-major dense tiling with two m tiles and 8 warps along K needs 56 KiB)
+_SMEM_LIMIT = 64 * 1024
+
+
+def register_estimate(row_tiles: int, unroll: int, m_tiles: int, group: bool, zeros: bool, *, dense: bool = False,
+                      n_major: bool = False) -> int:
+    """Registers the quant_gemv kernel needs per thread at least, from its arrays: the slots'
+    weights (4 per 16-byte load: 2 loads per row tile and slot, N-major 1), their group scales /
+    zero points (2 per row tile and slot each), x of the current and the next item (2 x the x
+    elements a lane reads per item / 2, per m tile: 16 for 8-bit weights, 8 dense K-major, 4
+    N-major), the accumulators (4 per row tile and m tile; twice with group scales: the block's own
+    sum), plus about 40 for addresses, loop state and the dequantization temporaries.  A floor that
+    rejects configs bound to spill: ptxas (NVRTC 13.5, sm_90) gave the heuristic's configs 100-128
+    registers under a cap of 128 (this estimate: 88-112), and none of them spills under 112
+    (tests/test_quant_matmul.py, HEADROOM; the dense modes: tests/test_gemv.py)."""
+    loads = row_tiles if n_major else 2 * row_tiles
+    slot = 4 * loads + (2 * row_tiles if group else 0) + (2 * row_tiles if zeros else 0)
+    if n_major:
+        # and each slot's 4 k-row addresses and bounds: ptxas (NVRTC 13.5, sm_90) gave two m tiles
+        # 115 registers at unroll 1 and 152 (52 bytes of spill under 128) at unroll 2
+        slot += 12
+    acc = 4 * row_tiles * m_tiles * (2 if group else 1)
+    x_elems = 4 if n_major else (8 if dense else 16)
+    return unroll * slot + x_elems * m_tiles + acc + 40
+
+
+@register_family
+@dataclass(frozen=True)
+class QuantGemvConfig(KernelConfig):
+    """One GEMV specialization (templates/quant_gemv.cu.j2; its header explains the layout).
+
+    ``dtype``: x, bias and out; ``weight_dtype``: int8, uint8 or float8_e4m3, or ``dtype`` itself
+    for an unquantized (dense) weight (no scales); ``n_major``: a dense weight stored N-major (a
+    row-major (K, N) ``b``: each lane reads 8 n of 4 k rows, a warp 64 weight rows, so
+    ``row_tiles`` is 4); else K-major (rows of K, as nn.Linear stores it); ``scale_dtype``;
+    ``group_size``: 0 for one scale per row, else a multiple of 64; ``has_zeros``: integer weights
+    with zero points.  Tiling: a warp owns ``row_tiles`` * 16 weight rows of a tile and a slice of
+    K, and keeps ``unroll`` items (K blocks of 64 bytes per row: 64 elements of 8-bit weights, 32 of
+    dense ones, 2 * row_tiles 16-byte loads per lane; N-major 16 k, 4 loads) in flight,
+    refilling a block's registers as soon as it is consumed; a CTA has ``num_warps`` warps,
+    ``warps_k`` of them along K (partials summed in shared memory once per tile) and the rest along
+    N; ``split_k`` CTAs along K (float32 partials, a second kernel adds them in order).
+    ``ctas_per_sm``: CTAs sharing an SM (the register cap 65536 / (threads * ctas_per_sm), or
+    ``max_registers`` when given); ``persistent``: launch at most SMs * ctas_per_sm CTAs that walk
+    the N tiles (so loads run on across tile ends) instead of one CTA per tile.  ``m_tiles``: 1 for
+    up to 8 rows of x, 2 for up to 16.  ``w_vec`` bytes per weight load and ``x_vec`` elements per
+    x load, lowered by the host when K, a stride or a base is not aligned for 16 bytes.
+    """
+
+    family: ClassVar[str] = "quant_gemv"
+    template: ClassVar[str] = "quant_gemv.cu.j2"
+    kernels: ClassVar[tuple[str, ...]] = ("quant_gemv", "quant_gemv_reduce", "quant_dequantize")
+    dtype: str = "bfloat16"
+    weight_dtype: str = "int8"
+    scale_dtype: str = "float32"
+    group_size: int = 0
+    has_zeros: bool = False
+    has_bias: bool = False
+    activation: str = "none"
+    m_tiles: int = 1
+    row_tiles: int = 1
+    unroll: int = 4
+    num_warps: int = 8
+    warps_k: int = 8
+    split_k: int = 1
+    ctas_per_sm: int = 2
+    persistent: bool = True
+    max_registers: int = 0
+    n_major: bool = False
+    w_vec: int = 16
+    x_vec: int = 8
+
+    expects_tensor_cores: ClassVar[bool] = True
+    # (no expected_global_width: inspect holds loads and stores to it, and the outputs are M x N
+    # scalar stores; tests/test_quant_matmul.py checks the 128-bit weight and x loads instead)
+
+    def __post_init__(self):
+        if self.activation is None:
+            object.__setattr__(self, "activation", "none")
+        self._check_dtype("dtype", DENSE_DTYPES)
+        if self.weight_dtype in DENSE_DTYPES:
+            if self.weight_dtype != self.dtype:
+                self._fail("weight_dtype", f"{self.dtype!r} (an unquantized weight has x's dtype) or one of "
+                                           + ", ".join(WEIGHT_DTYPES))
+        else:
+            self._check_choice("weight_dtype", WEIGHT_DTYPES + DENSE_DTYPES)
+        self._check_dtype("scale_dtype", SCALE_DTYPES)
+        self._check_choice("activation", ACTIVATIONS)
+        for f in ("has_zeros", "has_bias", "persistent", "n_major"):
+            if not isinstance(getattr(self, f), bool):
+                self._fail(f, "True or False")
+        if self.group_size != 0:
+            self._check_int("group_size", GROUP_MULTIPLE, 1 << 30, multiple_of=GROUP_MULTIPLE)
+        if self.has_zeros and self.weight_dtype == "float8_e4m3":
+            self._fail("has_zeros", "False for float8_e4m3 weights (zero points are for integer weights)")
+        self._check_choice("m_tiles", (1, 2))
+        self._check_choice("row_tiles", (1, 2, 4))
+        self._check_int("unroll", 1, 8)
+        self._check_int("num_warps", 1, 16, power_of_two=True)
+        self._check_int("warps_k", 1, self.num_warps, power_of_two=True)
+        self._check_int("split_k", 1, 64)
+        self._check_int("ctas_per_sm", 1, 64 // self.num_warps)
+        if self.max_registers != 0:
+            self._check_int("max_registers", 32, 255, multiple_of=8)
+        self._check_choice("w_vec", (1, 2, 4, 8, 16))
+        self._check_choice("x_vec", (1, 2, 4, 8))
+        if self.dense:
+            if self.group_size:
+                self._fail("group_size", "0 for an unquantized weight (it has no scales)")
+            if self.has_zeros:
+                self._fail("has_zeros", "False for an unquantized weight")
+            if self.w_vec == 1:
+                self._fail("w_vec", "2, 4, 8 or 16 bytes for a 16-bit weight (whole elements)")
+        if self.n_major:
+            if not self.dense:
+                self._fail("n_major", f"False for {self.weight_dtype} weights (N-major is for unquantized "
+                                      "float16 / bfloat16 weights)")
+            if self.row_tiles != 4:
+                self._fail("row_tiles", "4 with n_major (8 lanes x 8 consecutive n: 64 rows per warp)")
+        if self.x_vec > self.x_elems:
+            self._fail("x_vec", f"at most {self.x_elems} (the x elements a lane reads per item)")
+        # the slots, x and accumulators must fit the register cap or they spill (every slot's loads
+        # are in flight at once); register_estimate is checked against ptxas by the CPU tests
+        need = self.registers_needed
+        if self.max_registers == 0 and need > self.register_cap:   # an explicit cap is left to ptxas
+            self._fail("unroll", f"such that about {need} registers (row_tiles={self.row_tiles}, "
+                                 f"unroll={self.unroll}, m_tiles={self.m_tiles}) fit the cap of "
+                                 f"{self.register_cap} (ctas_per_sm={self.ctas_per_sm}, "
+                                 f"num_warps={self.num_warps}); lower unroll, row_tiles or ctas_per_sm")
+        if self.shared_mem_bytes > _SMEM_LIMIT:
+            self._fail("warps_k", f"such that the cross-warp sums fit {_SMEM_LIMIT // 1024} KiB of shared memory "
+                                  f"(needs {self.shared_mem_bytes} bytes)")
+
+    @property
+    def dense(self) -> bool:
+        """An unquantized weight (x's dtype, no scales)."""
+        return self.weight_dtype in DENSE_DTYPES
+
+    @property
+    def block_k(self) -> int:
+        """K per item (the template's kBlockK)."""
+        return 16 if self.n_major else 64 // (2 if self.dense else 1)
+
+    @property
+    def x_elems(self) -> int:
+        """x elements a lane reads per item and x row (kXElems)."""
+        return 4 if self.n_major else self.block_k // 4
+
+    @property
+    def loads_per_slot(self) -> int:
+        """16-byte weight loads per lane and slot (kLoads)."""
+        return self.row_tiles if self.n_major else 2 * self.row_tiles
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def warps_n(self) -> int:
+        return self.num_warps // self.warps_k
+
+    @property
+    def cta_rows(self) -> int:
+        """Weight rows (outputs along N) per CTA tile."""
+        return 16 * self.row_tiles * self.warps_n
+
+    @property
+    def register_cap(self) -> int:
+        """Registers per thread the kernel is compiled for (__maxnreg__): ``max_registers``, or the
+        most that let ``ctas_per_sm`` CTAs share an SM's 65536 (a multiple of 8, at most 255)."""
+        if self.max_registers:
+            return self.max_registers
+        return min(255, 65536 // (self.threads_per_block * self.ctas_per_sm)) // 8 * 8
+
+    @property
+    def registers_needed(self) -> int:
+        return register_estimate(self.row_tiles, self.unroll, self.m_tiles, self.group_size > 0, self.has_zeros,
+                                 dense=self.dense, n_major=self.n_major)
+
+    @property
+    def bytes_in_flight_per_sm(self) -> int:
+        """Weight bytes each SM keeps requested: CTAs x warps x slots x loads per slot x 16 B x 32."""
+        return self.ctas_per_sm * self.num_warps * self.unroll * self.loads_per_slot * 16 * 32
+
+    @property
+    def shared_mem_bytes(self) -> int:
+        """Two buffers (by tile parity) of the partial sums of warps 1.. along K, float32 accumulator
+        fragments of 32 lanes."""
+        return 2 * (self.warps_k - 1) * self.warps_n * self.row_tiles * self.m_tiles * 4 * 32 * 4
+
+    def template_params(self):
+        p = super().template_params()
+        p.update(weight_kind_id=3 if self.dense else WEIGHT_DTYPES.index(self.weight_dtype),
+                 zero_ctype="signed char" if self.weight_dtype == "int8" else "unsigned char",
+                 activation_id=ACTIVATIONS.index(self.activation), register_cap=self.register_cap)
+        return p
+
+    def tiles(self, n: int) -> int:
+        return -(-n // self.cta_rows)
+
+    def grid(self, n: int, sm_count: int) -> tuple[int, int, int]:
+        t = self.tiles(n)
+        return (min(t, sm_count * self.ctas_per_sm) if self.persistent else t, self.split_k, 1)
+
+    def tag(self) -> str:
+        """Short name of the tiling (benchmark tables)."""
+        return (f"{'n' if self.n_major else ''}r{self.row_tiles}u{self.unroll}w{self.num_warps}k{self.warps_k}"
+                f"s{self.split_k}c{self.ctas_per_sm}{'p' if self.persistent else ''}")
+
+
+# ---- heuristics ---------------------------------------------------------------------------------
+# Reasoned from the bytes each SM must keep in flight and from the 2026-11-25 sweep (H100, the
+# earlier kernel that issued an iteration's loads and waited for them: row_tiles 1 beat 2 and 4 at
+# every shape, 4096 x 4096 37.9 -> 44.6% of copy, 14336 x 4096 58.1 -> 74.4%):
+# * Little's law: an H100 SM's share of 3 TB/s is ~22.6 B/ns; at ~1-1.5 us of loaded DRAM latency an
+#   SM must keep 23-34 KB of weight requests outstanding, all the time.  With the slots refilled
+#   as soon as they are consumed, in flight per SM = ctas_per_sm x num_warps x unroll x 2 row_tiles
+#   x 16 B x 32 lanes: 2 x 8 x 4 x 2 x 16 x 32 = 64 KiB (2x margin for the moments a warp waits at
+#   the per-tile barrier or on x);
+# * row_tiles 1: the N tiles are 16 rows, so the tiles split evenly over the SMs (N = 14336: 896
+#   tiles, at most 7 per SM against 6.8 on average) and the register cap of 2 CTAs of 8 warps
+#   (128) holds unroll 4 of one row tile with room (see register_estimate);
+# * 8 warps along K (the base; M <= 8 now splits them 2 x 4, below): a tile's 16 rows x K bytes
+#   are read by 8 warps at once (K / 8 per warp, 64 * unroll consecutive bytes of each row per
+#   round), summed once per tile in shared memory;
+# * persistent: 2 x SMs CTAs walk the tiles, a warp's next tile loading while it finishes this one
+#   (no per-CTA ramp-up; the last round of tiles is the only tail);
+# * split_k only when the tiles leave SMs without a CTA (N < ~2100 on 132 SMs), and only as far as
+#   every warp keeps two 64-element blocks: the partials cost a second launch and
+#   4 * split_k * M * N bytes.
+_TILE_FIELDS = ("row_tiles", "unroll", "num_warps", "warps_k", "split_k", "ctas_per_sm", "persistent",
+                "max_registers")   # what config= overrides
+_WARPS = 8
+_WARPS_K = 8
+_CTAS_PER_SM = 2
+_UNROLL = 4
+_FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 4096: 128 of 132)
+
+
+# Retuned from the session-7 sweep (docs/data/bench_quant_matmul_session7_2026-11-25_h100.txt: H100,
+# 2026-11-25, int8 per-channel, % of the device copy at 4096 x 4096 / 14336 x 4096 / 8192 x 28672):
+# * M <= 8 (one m tile): 8 warps as 2 x 4 (N x K), unroll 4 (r1u4w8k4s1c2p) 39.9 / 63.4 / 87.1
+#   against 8 along K (the earlier choice) 39.7 / 59.9 / 84.8: never lower, +2-4 points at the large
+#   shapes.  Half the warps per row tile means each warp's K slice is twice as long (fewer tile-end
+#   barriers and reductions per weight byte).  Only where the 32-row tiles give every CTA slot
+#   (2 per SM) a tile (N >= ~8000 on 132 SMs); below that 16-row tiles (8 along K).  The
+#   sweep measured M = 1; M = 2..8 run the same instructions (one m tile, lanes past M load zeros).
+#   (The fastest 4096 x 4096 tiling, unroll 2 with 3 CTAs per SM, 42.0, fell to 74.4 at
+#   8192 x 28672: not taken.)
+# * M = 9..16 (two m tiles): unroll 2, 8 warps along K (r1u2w8k8s1c2p) 38.1 / 52.8 / 76.3 against
+#   the earlier unroll 4 (37.0 / 52.7, and 72.8 with warps_k 4 at 8192 x 28672): never lower, up to
+#   +3.5 points.  Half the slots leave registers for the second m tile's x and accumulators.
+# Group-scale and float8 weights run the same tilings (the sweep covered int8 per-channel; the
+# main table's kinds are within a point of each other at every shape and M).
+# Dense (unquantized 16-bit) weights, reasoned from the same byte counts: K-major loads are the
+# same 16 bytes per lane and row (8 elements instead of 16), so the same tilings keep the same
+# bytes in flight.  N-major items are 4 loads per lane (2 KiB per warp and slot): 2 CTAs x 8 warps
+# x unroll 2 or 1 CTA x 8 warps x unroll 4 keep 64 KiB per SM in flight, and its 64-row warps
+# leave N = 4096 with 64 tiles: split-K fills the SMs there.  (Reasoned; the benchmark's
+# --sweep-dense times the alternatives.)
+def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
+                     scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
+                     has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
+                     x_vec: int = 8, sm_count: int | None = None) -> QuantGemvConfig:
+    """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths."""
+    if sm_count is None:
+        sm_count = device.sm_count() if device.has_gpu() else 132
+    need = math.ceil(_FILL * sm_count)
+    m_tiles = 1 if m <= 8 else 2
+    # ptxas (NVRTC 13.5, sm_90) under a cap of 112, 16 below the 128 the kernel gets (margin for
+    # other NVRTC versions, tests/test_quant_matmul.py): unroll 4 fits every one-m-tile variant
+    # without spilling.  Narrower loads (K, a stride or a base not 16-byte aligned: a byte-by-byte
+    # weight load builds each register from 4 loads and shifts) spilled 8 bytes at unroll 4 under
+    # 112: unroll 2 there.
+    ctas = _CTAS_PER_SM
+    if n_major:
+        # 64-row tiles, 8 warps along K.  Two CTAs per SM of unroll 2 (64 KiB in flight per SM)
+        # where the tiles give both a tile and one m tile fits their cap of 128 registers; else one
+        # CTA per SM (split-K up to the SM count) whose 8 warps keep 4 slots (64 KiB) in flight
+        # under a cap of 248: two m tiles need 152 registers at unroll 2 (ptxas, NVRTC 13.5: 52
+        # bytes of spill under 128), 168 at unroll 4.
+        row_tiles, warps_k = 4, _WARPS_K
+        two = m_tiles == 1 and -(-n // 64) >= 2 * need
+        unroll, ctas = (2, _CTAS_PER_SM) if two else (4, 1)
+    else:
+        row_tiles = 1
+        unroll = _UNROLL if m_tiles == 1 and w_vec == 16 else 2
+        # (32-row tiles for every CTA slot: below that, N = 4096 measured the same either way,
+        # 39.9 / 39.7, and 16-row tiles keep the slots filled for the N in between)
+        warps_k = _WARPS_K // 2 if m_tiles == 1 and -(-n // 32) >= 2 * need else _WARPS_K
+    tiles = -(-n // (16 * row_tiles * (_WARPS // warps_k)))
+    block_k = 16 if n_major else (32 if weight_dtype in DENSE_DTYPES else 64)
+    nblk = -(-k // block_k)
+    split = 1
+    if tiles < need:
+        split = max(1, min(-(-need // tiles), nblk // (2 * warps_k), 16))
+    x_vec = min(x_vec, 4 if n_major else 8)
+    return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
+                           has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
+                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=_WARPS,
+                           warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
+                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
+
+
+def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
+    """Tile variants of ``base`` for the benchmark's sweep (same dtypes, widths and epilogue): the
+    slots in flight (unroll) for three CTA shapes of 16 warps per SM, then one knob at a time
+    around ``base``: 8 warps as 2 x 4 (N x K), 3 CTAs per SM (24 warps, 80 registers), not
+    persistent, row_tiles 2."""
+    variants = [dict(row_tiles=1, unroll=u, num_warps=nw, warps_k=nw, ctas_per_sm=16 // nw)
+                for nw in (8, 4, 16) for u in (2, 4, 6, 8)]
+    variants += [dict(num_warps=8, warps_k=4), dict(ctas_per_sm=3, unroll=2), dict(persistent=False),
+                 dict(row_tiles=2, unroll=2)]
+    if base.n_major:   # 64-row warps: slots x CTAs per SM, warps along K, the split
+        variants = [dict(unroll=u, ctas_per_sm=c, warps_k=wk, split_k=sk)
+                    for u, c in ((1, 2), (2, 2), (2, 1), (4, 1)) for wk in (8, 4)
+                    for sk in sorted({base.split_k, 2 * base.split_k})]
+    out, seen = [], set()
+    for v in variants:
+        try:
+            c = base.replace(**v)
+        except ConfigError:
+            continue
+        if c.key() not in seen:
+            seen.add(c.key())
+            out.append(c)
+    return out
+
+
+def _vec_width(k: int, ptr: int, stride: int | None, itemsize: int, widest: int) -> int:
+    """Widest load (elements) dividing K, the row stride (when rows > 1) and the base address."""
+    v = widest
+    while v > 1 and (k % v or ptr % (v * itemsize) or (stride is not None and stride % v)):
+        v //= 2
+    return v
+
+
+
+
+def vec_width(k: int, ptr: int, stride: int | None, itemsize: int, widest: int) -> int:
+    """Widest load (elements of ``itemsize`` bytes) dividing K, the row stride (when rows > 1)
+    and the base address."""
+    return _vec_width(k, ptr, stride, itemsize, widest)
+
+
+# ---- launch -------------------------------------------------------------------------------------
+# The kernel's arrays: (w, x, scales, zeros, bias, out) and, split-K, the float32 partials; its
+# scalars (M, N, K, ldw, ldx, ldo, ngroups).
+@dataclass(frozen=True)
+class SplitPlan:
+    """A split-K launch pair: the GEMV writes float32 partials, the reduce adds them in order."""
+    main: Launch
+    reduce: Launch
+    ws_shape: tuple
+    out: OutputPlan    # for allocating the output (its launch is ``reduce``)
+
+
+def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stream):
+    """Launch ``cfg`` on the views (w, x, scales, zeros, bias, out) with the scalars ``ints``; returns
+    the launch plan (for :func:`replay`), or None when a view is a copy of its array (``arrays``: the
+    caller's, same order), so that replaying would read the wrong memory."""
+    m, n = ints[0], ints[1]
+    kern = get_kernel(cfg, "quant_gemv")
+    grid, block = cfg.grid(n, device.sm_count()), (cfg.threads_per_block, 1, 1)
+    keep = same_memory(views_, arrays)
+    if cfg.split_k == 1:
+        main = Launch(kern, grid, block, cfg.shared_mem_bytes, (None, *ints))
+        main.run(views_, stream)
+        return OutputPlan.of(main, arrays[5], like=arrays[1]) if keep else None
+    ws_shape = (cfg.split_k, m, n)
+    ws = _workspace(arrays[1], ws_shape, stream)
+    main = Launch(kern, grid, block, cfg.shared_mem_bytes, ints)
+    main.run((*views_, ws), stream)
+    ldo = ints[5]
+    red = Launch(get_kernel(cfg, "quant_gemv_reduce"), (-(-m * n // 256), 1, 1), (256, 1, 1), 0, (m, n, ldo))
+    red.run((ws, views_[4], views_[5]), stream)
+    return SplitPlan(main, red, ws_shape, OutputPlan.of(red, arrays[5], like=arrays[1])) if keep else None
+
+
+def _workspace(like, shape, stream):
+    """float32 scratch ordered with the call's stream: a torch tensor for torch inputs (torch's
+    allocator, graph-capture safe), else CuPy's pool under ``stream`` (a block is handed back only
+    on that stream)."""
+    if _is_torch(like):
+        return new_like(like, shape, "float32")
+    import cupy
+    with cupy_stream(stream):
+        return cupy.empty(shape, dtype=np.float32)
+
+
+def replay(plan, inputs: tuple, out, stream):
+    """Replay a plan of :func:`launch` on ``inputs`` (w, x, scales, zeros, bias) and ``out``."""
+    x = inputs[1]
+    if isinstance(plan, OutputPlan):
+        out = plan.output(x, out)
+        plan.replay((*inputs, out), default_stream(x, stream) if plan.torch else stream)
+        return out
+    out = plan.out.output(x, out)
+    stream = default_stream(x, stream)
+    ws = _workspace(x, plan.ws_shape, stream)
+    plan.main.run((*inputs, out, ws), stream)
+    plan.reduce.run((ws, inputs[4], out), stream)
+    return out
