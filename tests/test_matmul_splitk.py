@@ -120,6 +120,14 @@ def test_split_config_compiles_clean_for_sm90a():
 
 
 # ---- GPU -------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _tile_kernels_only(monkeypatch):
+    """These tests exercise the Hopper tile kernel's split-K: C of <= 16 rows would otherwise take
+    rtk.matmul's GEMV route (tests/test_gemv.py covers that one)."""
+    import rtkernels.ops.matmul as mm
+    monkeypatch.setattr(mm, "USE_GEMV", False)
+
+
 def _sm90_gpu():
     from rtkernels import device
     if device.current_arch() != "sm_90":
@@ -250,10 +258,11 @@ def test_gpu_heuristic_split_is_deterministic(dtype):
         out = poison(_empty((M, N), dtype))
         rtk.matmul(a, b, out=out, dtype=_dt(dtype))
         outs.append(out.get())
+    last = out
     split = _split_of(M, N, K)
     assert split > 1, split
     assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs[1:]), "run-to-run bits differ"
-    _check(to_f64(outs[0], dtype), ah @ bh, _cublas(a, b, dtype), f"{dtype} heuristic split {split}")
+    _check(to_f64(last, dtype), ah @ bh, _cublas(a, b, dtype), f"{dtype} heuristic split {split}")
     cp.cuda.Device().synchronize()
     ws = workspace._WORKSPACES[(cp.cuda.Device().id, cp.cuda.get_current_stream().ptr, False)]
     assert not ws.counters.view(cp.int32).any(), "a counter was left non-zero"
