@@ -130,6 +130,204 @@ def test_compile_by_name_takes_persistent_with_the_heuristic_tile():
     assert cfg == heur.replace(persistent=True)
 
 
+# ---- model of the persistent walk's barrier protocol -------------------------------------------
+class _Bar:
+    """An mbarrier (PTX): a phase completes after `count` arrivals; try_wait.parity(P) passes while
+    the current phase's parity differs from P; a waiter more than a phase behind is caught."""
+
+    def __init__(self, count):
+        self.count, self.arrived, self.completed = count, 0, 0
+
+    def arrive(self):
+        self.arrived += 1
+        if self.arrived == self.count:
+            self.arrived, self.completed = 0, self.completed + 1
+
+    def try_wait(self, parity, expect_phase):
+        ok = (self.completed % 2) != parity
+        if ok:
+            assert self.completed == expect_phase + 1, "parity aliasing: waiter is a phase behind"
+        return ok
+
+
+def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
+    """One persistent CTA as the template runs it: a Q thread, a K and a V thread and 4 warps per
+    consumer warpgroup as generators in random order; TMA loads land and O stores finish reading
+    shared memory at random later times.  ``tiles``: per tile of the walk, (ring tiles the CTA
+    streams, [key tiles each warpgroup computes]).  Ring positions count across tiles; Q tile k
+    goes to buffer k % q_bufs once q_free says the tile q_bufs before it is done (staged O read by
+    its store); with 2 buffers the store-read wait and release come after the next tile's first
+    S GEMM (or at its epilogue when it has no keys).  Checks: no deadlock, no stale or overwritten
+    K/V/Q, every warp reads its tiles in the template's order."""
+    full_k, full_v = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
+    empty_k, empty_v = [_Bar(4 * consumers) for _ in range(stages)], [_Bar(4 * consumers) for _ in range(stages)]
+    bar_q, q_free = [_Bar(1) for _ in range(q_bufs)], [_Bar(consumers) for _ in range(q_bufs)]
+    slot_k, slot_v, slot_q = [None] * stages, [None] * stages, [None] * q_bufs
+    landing, reading = [], []          # loads in flight; O stores still reading their staged rows
+    store_done = {}                    # (warpgroup, tile) -> its store has read the staging
+    at_epilogue = {}                   # (warpgroup, tile) -> warps past their last GEMM
+    bases = np.concatenate([[0], np.cumsum([n for n, _ in tiles])]).astype(int)
+
+    def wait(bar, phase):
+        while not bar.try_wait(phase & 1, phase):
+            yield
+
+    def q_thread():
+        for k in range(len(tiles)):
+            buf = k % q_bufs
+            if k >= q_bufs:
+                yield from wait(q_free[buf], k // q_bufs - 1)
+            assert all(v for (w, t), v in store_done.items() if t == k - q_bufs), "Q reloaded under a store"
+            slot_q[buf] = None
+            landing.append((slot_q, buf, k, bar_q[buf]))
+            yield
+
+    def ring_thread(is_v):
+        slots, full, empty = (slot_v, full_v, empty_v) if is_v else (slot_k, full_k, empty_k)
+        for g in range(bases[-1]):
+            st = g % stages
+            if g >= stages:
+                yield from wait(empty[st], g // stages - 1)
+            slots[st] = None
+            landing.append((slots, st, g, full[st]))
+            yield
+
+    seen = [[] for _ in range(4 * consumers)]
+
+    def warp(w):
+        cw, lead = w // 4, w % 4 == 0
+
+        def use(g, is_v):
+            st = g % stages
+            yield from wait((full_v if is_v else full_k)[st], g // stages)
+            assert (slot_v if is_v else slot_k)[st] == g
+            seen[w].append(("PV" if is_v else "S", g))
+
+        def release(g, is_v, read=True):
+            st = g % stages
+            if read:
+                assert (slot_v if is_v else slot_k)[st] == g, "slot overwritten while being read"
+            (empty_v if is_v else empty_k)[st].arrive()
+
+        def release_q(k):   # 2 buffers: tile k-1's store has read its rows -> its buffer is free
+            if q_bufs == 2 and k > 0 and lead:
+                while not store_done[(cw, k - 1)]:
+                    yield
+                q_free[(k - 1) % 2].arrive()
+
+        for k, (ring, own) in enumerate(tiles):
+            base, mine, buf = bases[k], own[cw], k % q_bufs
+            yield from wait(bar_q[buf], k // q_bufs)
+            assert slot_q[buf] == k
+            if overlap:
+                if mine:
+                    yield from use(base, False)
+                    yield from release_q(k)
+                    yield
+                    release(base, False)
+                for n in range(1, mine):
+                    if under_pv and n >= 2:
+                        release(base + n - 2, True)
+                    yield from use(base + n, False)
+                    yield from use(base + n - 1, True)
+                    yield
+                    release(base + n, False)
+                    if not under_pv:
+                        yield
+                        release(base + n - 1, True)
+                    yield
+                if mine:
+                    if under_pv and mine >= 2:
+                        release(base + mine - 2, True)
+                    yield from use(base + mine - 1, True)
+                    yield
+                    release(base + mine - 1, True)   # persistent: the last V, tiles follow
+            else:
+                if mine:
+                    yield from release_q(k)
+                for n in range(mine):
+                    yield from use(base + n, False)
+                    yield
+                    release(base + n, False)
+                    yield from use(base + n, True)
+                    yield
+                    release(base + n, True)
+            for n in range(mine, ring):   # past this warpgroup's rows: released unread, after landing
+                yield from wait(full_k[(base + n) % stages], (base + n) // stages)
+                release(base + n, False, read=False)
+                yield from wait(full_v[(base + n) % stages], (base + n) // stages)
+                release(base + n, True, read=False)
+            # epilogue: the warpgroup's named barrier, O staged in its Q rows, one thread stores
+            if not mine:
+                yield from release_q(k)
+            at_epilogue[(cw, k)] = at_epilogue.get((cw, k), 0) + 1
+            while at_epilogue[(cw, k)] < 4:   # named barrier: every warp past its last GEMM
+                yield
+            assert slot_q[buf] == k, "staging into a Q buffer the next tile's load owns"
+            yield
+            at_epilogue[(cw, k)] += 1
+            while at_epilogue[(cw, k)] < 8:   # named barrier: every warp's rows staged
+                yield
+            if lead:
+                store_done[(cw, k)] = False
+                reading.append((cw, k, buf))
+                if q_bufs == 1:
+                    while not store_done[(cw, k)]:
+                        yield
+                    q_free[0].arrive()
+            yield
+
+    actors = [q_thread(), ring_thread(False), ring_thread(True)] + [warp(w) for w in range(4 * consumers)]
+    steps = 0
+    while actors or reading:
+        steps += 1
+        assert steps < 400000, "deadlock"
+        if landing and rng.random() < 0.3:
+            slots, st, tag, bar = landing.pop(int(rng.integers(len(landing))))
+            slots[st] = tag
+            bar.arrive()
+        if reading and rng.random() < 0.3:
+            cw, k, buf = reading.pop(int(rng.integers(len(reading))))
+            assert slot_q[buf] == k, "Q buffer reloaded while its store still reads it"
+            store_done[(cw, k)] = True
+        if actors:
+            i = int(rng.integers(len(actors)))
+            try:
+                next(actors[i])
+            except StopIteration:
+                actors.pop(i)
+    return seen, bases
+
+
+@pytest.mark.parametrize("q_bufs", [1, 2])
+@pytest.mark.parametrize("overlap,under_pv", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("stages,consumers", [(2, 2), (3, 2), (2, 3), (2, 1)])
+def test_model_persistent_walk_has_no_deadlock_or_stale_tile(q_bufs, overlap, under_pv, stages, consumers):
+    """Tiles of every kind in a row: full, empty (rows that see no key), warpgroups stopping early
+    (causal, own ranges) - ring positions and Q phases wrap many times within one CTA."""
+    rng = np.random.default_rng(100 * stages + 10 * consumers + q_bufs)
+    for _ in range(6):
+        tiles = []
+        for _ in range(int(rng.integers(3, 9))):
+            ring = int(rng.integers(0, 6))
+            own = [ring] * consumers if rng.random() < 0.5 else sorted(
+                int(rng.integers(0, ring + 1)) for _ in range(consumers))
+            own[-1] = ring if consumers > 1 or rng.random() < 0.8 else own[-1]
+            tiles.append((ring, own))
+        seen, bases = _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng)
+        for w, order in enumerate(seen):
+            want = []
+            for k, (_, own) in enumerate(tiles):
+                n, b = own[w // 4], bases[k]
+                if overlap:
+                    want += ([("S", b)] if n else []) + [x for i in range(1, n) for x in
+                                                         (("S", b + i), ("PV", b + i - 1))] + (
+                        [("PV", b + n - 1)] if n else [])
+                else:
+                    want += [x for i in range(n) for x in (("S", b + i), ("PV", b + i))]
+            assert order == want, (w, tiles)
+
+
 # ---- builds: 4 compiles, shared ---------------------------------------------------------------
 def _persistent_config(dtype, d, causal):
     """The persistent tile the tests and benchmark use: the heuristic's, except d128 non-causal,
