@@ -508,3 +508,37 @@ def test_gpu_cuda_graph_replays_with_new_inputs(d, causal):
         graph.launch(s)
         s.synchronize()
         _check(q, k, v, causal, "bfloat16", o, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,window,softcap,d", [(True, (100, 0), None, 64), (False, (64, 32), 30.0, 128),
+                                                     (True, None, 50.0, 128), (False, (200, 7), None, 80)])
+def test_gpu_window_and_softcap(monkeypatch, causal, window, softcap, d):
+    """Windows and softcap come through rtk/attn_mask.cuh per tile: rtk.attention with the knob on
+    (the masked tile choice), then the same config on a 3-CTA grid."""
+    _need_sm90()
+    import cupy as cp
+    from gpu_util import poison
+    from test_attention_varlen import _forward_check
+    from rtkernels.ops.attention_mask import mask_spec
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")
+    monkeypatch.setattr(A90, "_KERNELS", {})
+    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
+    calls = []
+    real = A90.launch
+    monkeypatch.setattr(A90, "launch", lambda kern, cfg, *a, **kw: (calls.append(cfg), real(kern, cfg, *a, **kw)))
+    dtype = "bfloat16" if d != 80 else "float16"
+    case = (3, 777, 901, 5, 1, d, causal, dtype)
+    q, k, v, o, _ = _inputs(case, 3)
+    extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    o, lse = rtk.attention(q, k, v, causal=causal, window=window, softcap=softcap, out=o, **extra)
+    cp.cuda.get_current_stream().synchronize()
+    assert calls and calls[-1].persistent, calls
+    where = f"case={case} window={window} softcap={softcap} cfg={calls[-1].key()}"
+    _forward_check(q, k, v, dtype, o, lse, where, causal=causal, window=window, softcap=softcap)
+    cfg = calls[-1]
+    o3, lse3 = poison(cp.empty_like(o)), poison(cp.empty_like(lse))
+    args = mask_spec(causal, window, softcap).kernel_args(777, 901)
+    real(rtk.get_kernel(cfg, arch="sm_90a"), cfg, q, k, v, o3, lse3, d ** -0.5, mask_args=args, sm_count=3)
+    cp.cuda.get_current_stream().synchronize()
+    _forward_check(q, k, v, dtype, o3, lse3, where + " grid=3", causal=causal, window=window, softcap=softcap)
