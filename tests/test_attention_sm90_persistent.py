@@ -115,7 +115,9 @@ def test_env_knob(monkeypatch, built):
     monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")
     cfg = A90.choose_config("bfloat16", 64, True)   # built (and cached) by the fixture
     assert cfg.persistent and cfg == built[(64, True)][0]
-    assert not A90.choose_config("bfloat16", 64, True, is_varlen=True).persistent
+    # varlen stays one CTA per tile (asked directly: choose_config with mask flags compiles)
+    assert not A90.persistent_choice(A90.candidate(64, True), "bfloat16", 64, True, {"is_varlen": True})
+    assert A90.persistent_choice(A90.candidate(64, True), "bfloat16", 64, True, {"has_window": True})
     monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "2")
     with pytest.raises(ConfigError) as e:
         A90.choose_config("bfloat16", 64, True)
