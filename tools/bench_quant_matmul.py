@@ -20,8 +20,8 @@ longer, as a decode loop sees it) of rtk and of torch.matmul.
 
     PYTHONPATH=. python tools/bench_quant_matmul.py [--out DIR] [--kinds int8,int8_g128,fp8_g128,bf16,bf16_n]
         [--ms 1,4,16] [--sweep] [--sweep-dense] [--tiles]
-    # --sweep: quantized tile candidates at 3 shapes (M = 1, 16), ~1 min more; --sweep-dense: the
-    # dense GEMV tilings at 2 shapes, both layouts; --tiles: also time rtk.matmul's tile kernels
+    # --sweep: quantized tile candidates at 4 shapes (M = 1, 16), ~1 min more; --sweep-dense: the
+    # dense GEMV tilings at 4 shapes, both layouts; --tiles: also time rtk.matmul's tile kernels
     # (RTKERNELS_MATMUL_GEMV=0's path) on the bf16 rows
 
 Each case also checks rtk against torch's float32 product of the dequantized weight (max error
@@ -48,7 +48,7 @@ KINDS = {"int8": ("int8", None), "int8_g128": ("int8", 128), "fp8_g128": ("float
          "fp8": ("float8_e4m3", None), "uint8_g128": ("uint8", 128), "bf16": ("bfloat16", None),
          "bf16_n": ("bfloat16", None)}
 DENSE = {"bf16": False, "bf16_n": True}   # unquantized kinds: n_major
-SWEEP_SHAPES = ((4096, 4096), (14336, 4096), (8192, 28672))
+SWEEP_SHAPES = ((4096, 4096), (14336, 4096), (28672, 8192), (8192, 28672))
 SET_BYTES = 256 << 20
 
 
@@ -255,15 +255,14 @@ def run_dense_case(args, torch, rtk, n, k, m, kind, copy_gbs, dsets_cache):
     return row
 
 
-DENSE_SWEEP_SHAPES = ((4096, 4096), (14336, 4096))
+DENSE_SWEEP_SHAPES = ((4096, 4096), (14336, 4096), (10240, 8192), (28672, 8192))
 
 
 def _precompile(cfgs) -> None:
     """Compile the sweep's kernels in parallel up front (NVRTC releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
     from rtkernels.kernel import get_kernel
-    jobs = [(c, name) for c in cfgs for name in (("quant_gemv", "quant_gemv_reduce") if c.split_k > 1
-                                                 else ("quant_gemv",))]
+    jobs = [(c, "quant_gemv") for c in cfgs]
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda j: get_kernel(*j).cubin, jobs))
 
@@ -355,8 +354,8 @@ def main():
     p.add_argument("--kinds", default="int8,int8_g128,fp8_g128,bf16,bf16_n")
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--sweep", action="store_true", help="also time tile candidates at 3 shapes")
-    p.add_argument("--sweep-dense", action="store_true", help="also time the dense GEMV tilings at 2 shapes")
+    p.add_argument("--sweep", action="store_true", help="also time tile candidates at 4 shapes")
+    p.add_argument("--sweep-dense", action="store_true", help="also time the dense GEMV tilings at 4 shapes")
     p.add_argument("--tiles", action="store_true", help="also time rtk.matmul's tile kernels on the bf16 rows")
     args = p.parse_args()
     import cupy as cp  # noqa: F401

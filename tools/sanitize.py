@@ -501,7 +501,7 @@ def _pad_rows(ctx: Ctx):
 
 # ---- cases: weight-only quantized matmul -------------------------------------------------------
 # (label, dtype, M, N, K, weight kind, group, zeros, bias, activation, quick).  K = 2100 with N = 7:
-# split-K (float32 partials + the reduce kernel) and 4-byte loads; K = 129: byte loads and a tail
+# split-K (float32 partials summed by the last split in the same launch) and 4-byte loads; K = 129: byte loads and a tail
 # inside a 16-byte chunk; M = 20: the dequantize kernel + rtk.matmul.
 QUANT_VARIANTS = (
     ("bf16 int8 3x129x129 per-row bias gelu", "bfloat16", 3, 129, 129, "int8", None, False, True, "gelu", True),

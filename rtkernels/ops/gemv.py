@@ -4,8 +4,7 @@ Two ops run it: :func:`rtkernels.quantized_matmul` (int8 / uint8 / float8 e4m3 w
 in registers) and :func:`rtkernels.matmul` for M <= 16 rows (float16 / bfloat16 weights in x's
 dtype, K-major as ``w.T`` of an nn.Linear weight or N-major as a row-major (K, N) ``b``; see
 ``matmul._plan_gemv``).  This module holds what both share: the config, its heuristic, the
-candidate tilings of the benchmark's sweep, the load widths, and the launch (one kernel, or the
-split-K pair) with its launch plan.  It imports no op, so both ops import it.
+candidate tilings of the benchmark's sweep, the load widths, and the launch (one kernel, split-K included) with its launch plan.  It imports no op, so both ops import it.
 """
 from __future__ import annotations
 
@@ -13,14 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from .. import device
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import Launch, OutputPlan, _is_torch, cupy_stream, default_stream, new_like, same_memory
+from ._arrays import Launch, OutputPlan, _is_torch, default_stream, same_memory
 from .matmul_sm90 import ACTIVATIONS
+from .workspace import stream_workspace
 
 WEIGHT_DTYPES = ("int8", "uint8", "float8_e4m3")   # quantized weights
 DENSE_DTYPES = ("float16", "bfloat16")             # unquantized weights: x's dtype
@@ -69,7 +67,8 @@ class QuantGemvConfig(KernelConfig):
     dense ones, 2 * row_tiles 16-byte loads per lane; N-major 16 k, 4 loads) in flight,
     refilling a block's registers as soon as it is consumed; a CTA has ``num_warps`` warps,
     ``warps_k`` of them along K (partials summed in shared memory once per tile) and the rest along
-    N; ``split_k`` CTAs along K (float32 partials, a second kernel adds them in order).
+    N; ``split_k`` CTAs along K (float32 partials that the last split of a tile to arrive adds in
+    split order, in the same launch).
     ``ctas_per_sm``: CTAs sharing an SM (the register cap 65536 / (threads * ctas_per_sm), or
     ``max_registers`` when given); ``persistent``: launch at most SMs * ctas_per_sm CTAs that walk
     the N tiles (so loads run on across tile ends) instead of one CTA per tile.  ``m_tiles``: 1 for
@@ -79,7 +78,7 @@ class QuantGemvConfig(KernelConfig):
 
     family: ClassVar[str] = "quant_gemv"
     template: ClassVar[str] = "quant_gemv.cu.j2"
-    kernels: ClassVar[tuple[str, ...]] = ("quant_gemv", "quant_gemv_reduce", "quant_dequantize")
+    kernels: ClassVar[tuple[str, ...]] = ("quant_gemv", "quant_dequantize")
     dtype: str = "bfloat16"
     weight_dtype: str = "int8"
     scale_dtype: str = "float32"
@@ -267,27 +266,38 @@ _UNROLL = 4
 _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 4096: 128 of 132)
 
 
-# Retuned from the session-7 sweep (docs/data/bench_quant_matmul_session7_2026-11-25_h100.txt: H100,
-# 2026-11-25, int8 per-channel, % of the device copy at 4096 x 4096 / 14336 x 4096 / 8192 x 28672):
-# * M <= 8 (one m tile): 8 warps as 2 x 4 (N x K), unroll 4 (r1u4w8k4s1c2p) 39.9 / 63.4 / 87.1
-#   against 8 along K (the earlier choice) 39.7 / 59.9 / 84.8: never lower, +2-4 points at the large
-#   shapes.  Half the warps per row tile means each warp's K slice is twice as long (fewer tile-end
-#   barriers and reductions per weight byte).  Only where the 32-row tiles give every CTA slot
-#   (2 per SM) a tile (N >= ~8000 on 132 SMs); below that 16-row tiles (8 along K).  The
-#   sweep measured M = 1; M = 2..8 run the same instructions (one m tile, lanes past M load zeros).
-#   (The fastest 4096 x 4096 tiling, unroll 2 with 3 CTAs per SM, 42.0, fell to 74.4 at
-#   8192 x 28672: not taken.)
-# * M = 9..16 (two m tiles): unroll 2, 8 warps along K (r1u2w8k8s1c2p) 38.1 / 52.8 / 76.3 against
-#   the earlier unroll 4 (37.0 / 52.7, and 72.8 with warps_k 4 at 8192 x 28672): never lower, up to
-#   +3.5 points.  Half the slots leave registers for the second m tile's x and accumulators.
-# Group-scale and float8 weights run the same tilings (the sweep covered int8 per-channel; the
-# main table's kinds are within a point of each other at every shape and M).
-# Dense (unquantized 16-bit) weights, reasoned from the same byte counts: K-major loads are the
-# same 16 bytes per lane and row (8 elements instead of 16), so the same tilings keep the same
-# bytes in flight.  N-major items are 4 loads per lane (2 KiB per warp and slot): 2 CTAs x 8 warps
-# x unroll 2 or 1 CTA x 8 warps x unroll 4 keep 64 KiB per SM in flight, and its 64-row warps
-# leave N = 4096 with 64 tiles: split-K fills the SMs there.  (Reasoned; the benchmark's
-# --sweep-dense times the alternatives.)
+# Refit from the session-8 run (H100, 2026-11-25, tools/bench_quant_matmul.py --sweep-dense; % of
+# the device copy, cuBLAS in the same run), against the session-7 tables
+# (docs/data/bench_quant_matmul_session7_2026-11-25_h100.txt):
+# * quantized, M <= 8: 8 warps along K, unroll 4 (r1u4w8k8s1c2p) at every N.  The session-7 retune
+#   split them 2 x 4 (N x K) where 32-row tiles fill both CTA slots, from that session's sweep
+#   (8192 x 28672: 87.1 vs 84.8), but the main tables disagree: with 2 x 4, int8 M = 1 went
+#   28672 x 8192 80.3 -> 70.4, 8192 x 28672 78.3 -> 73.5, 10240 x 8192 63.3 -> 55.8, 8192^2
+#   66.3 -> 62.9, and only 14336 x 4096 gained (58.9 -> 59.7).  32-row tiles also quantize
+#   badly: 28672 x 8192 has 896 of them for 264 CTAs (3.4 rounds: the 4th a third full).
+# * quantized, M = 9..16 (two m tiles): unroll 2, 8 warps along K (r1u2w8k8s1c2p): within a point of
+#   session 7's unroll 4 at the small shapes and +2 to +4.7 at 10240 / 28672 x 8192 (56.0 vs 53.9,
+#   71.7 vs 67.0).  Half the slots leave registers for the second m tile's x and accumulators.
+# Group-scale and float8 weights run the same tilings (within a point of int8 per-channel at every
+# shape and M in both sessions).
+# * dense K-major, M <= 8: the quantized tiling, warps 2 x 4 where 32-row tiles fill both CTA slots
+#   (the 16-bit rows halve the items per tile, so the quantization above costs less): at or above
+#   cuBLAS at every shape (4096^2 68.1 vs 61.5, 28672 x 8192 97.0 vs 91.5, 8192 x 28672 97.6 vs 94.5).
+# * dense K-major, M = 9..16: unroll 4 (the weight loads are half the quantized ones' registers:
+#   about 96 under the cap of 128), and where 16-row tiles fill four CTA slots per SM (N >= ~8000)
+#   4 warps x 4 CTAs (r1u4w4k4s1c4p): sweep 14336 x 4096 86.7 against r1u4w8k8s1c2p 82.6 and the
+#   former r1u2w8k8s1c2p 77.9 (cuBLAS 87.7); 4096^2 r1u4w8k8s1c2p 64.2 against 60.7 (the 4 x 4
+#   CTAs, 58.1, leave slots empty there; cuBLAS 59.7).  Four warps along K sum half the partials of
+#   eight at each tile end, twice the accumulators of M <= 8.
+# * dense N-major (64-row warps, 8 along K): two CTAs per SM at unroll 2 (M <= 8) or 1 (M = 9..16:
+#   2 m tiles need ~108 registers at unroll 1, 152 at unroll 2 under ptxas, NVRTC 13.5), 32 KiB in
+#   flight per SM at M = 16, and every tile resident at once up to 264 tiles (N = 16896).  The sweep:
+#   14336 x 4096 M = 1 nr4u2w8k8s1c2p 89.0 against the former one CTA of unroll 4 84.3; M = 16
+#   nr4u1w8k8s1c2p 82.8 against 64.0; 10240 x 8192 (160 tiles: 28 SMs ran a second round on one
+#   CTA per SM) M = 1 75.6, M = 16 50.8 with the former.  Split-K (one launch now) where the tiles
+#   do not fill both CTA slots of every SM: 4096^2 M = 1 split 4 58.3 against split 2 54.9, M = 16
+#   51.4 against 47.0 (the two-launch split of that run; cuBLAS 68.2 / 60.8 there, which no swept
+#   tiling reached).
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
                      scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
@@ -297,37 +307,35 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
         sm_count = device.sm_count() if device.has_gpu() else 132
     need = math.ceil(_FILL * sm_count)
     m_tiles = 1 if m <= 8 else 2
+    dense = weight_dtype in DENSE_DTYPES
     # ptxas (NVRTC 13.5, sm_90) under a cap of 112, 16 below the 128 the kernel gets (margin for
     # other NVRTC versions, tests/test_quant_matmul.py): unroll 4 fits every one-m-tile variant
     # without spilling.  Narrower loads (K, a stride or a base not 16-byte aligned: a byte-by-byte
     # weight load builds each register from 4 loads and shifts) spilled 8 bytes at unroll 4 under
     # 112: unroll 2 there.
-    ctas = _CTAS_PER_SM
+    warps, ctas, fill = _WARPS, _CTAS_PER_SM, need
     if n_major:
-        # 64-row tiles, 8 warps along K.  Two CTAs per SM of unroll 2 (64 KiB in flight per SM)
-        # where the tiles give both a tile and one m tile fits their cap of 128 registers; else one
-        # CTA per SM (split-K up to the SM count) whose 8 warps keep 4 slots (64 KiB) in flight
-        # under a cap of 248: two m tiles need 152 registers at unroll 2 (ptxas, NVRTC 13.5: 52
-        # bytes of spill under 128), 168 at unroll 4.
         row_tiles, warps_k = 4, _WARPS_K
-        two = m_tiles == 1 and -(-n // 64) >= 2 * need
-        unroll, ctas = (2, _CTAS_PER_SM) if two else (4, 1)
+        unroll = 2 if m_tiles == 1 else 1
+        fill = 2 * need   # both CTA slots of every SM (see above)
     else:
         row_tiles = 1
-        unroll = _UNROLL if m_tiles == 1 and w_vec == 16 else 2
-        # (32-row tiles for every CTA slot: below that, N = 4096 measured the same either way,
-        # 39.9 / 39.7, and 16-row tiles keep the slots filled for the N in between)
-        warps_k = _WARPS_K // 2 if m_tiles == 1 and -(-n // 32) >= 2 * need else _WARPS_K
-    tiles = -(-n // (16 * row_tiles * (_WARPS // warps_k)))
-    block_k = 16 if n_major else (32 if weight_dtype in DENSE_DTYPES else 64)
+        unroll = _UNROLL if (m_tiles == 1 or dense) and w_vec == 16 else 2
+        warps_k = _WARPS_K
+        if dense and m_tiles == 1 and -(-n // 32) >= 2 * need:
+            warps_k = _WARPS_K // 2
+        elif dense and m_tiles == 2 and w_vec == 16 and -(-n // 16) >= 4 * need:
+            warps, warps_k, ctas = 4, 4, 4
+    tiles = -(-n // (16 * row_tiles * (warps // warps_k)))
+    block_k = 16 if n_major else (32 if dense else 64)
     nblk = -(-k // block_k)
     split = 1
     if tiles < need:
-        split = max(1, min(-(-need // tiles), nblk // (2 * warps_k), 16))
+        split = max(1, min(-(-fill // tiles), nblk // (2 * warps_k), 16))
     x_vec = min(x_vec, 4 if n_major else 8)
     return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
                            has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
-                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=_WARPS,
+                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
                            warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
                            n_major=n_major, w_vec=w_vec, x_vec=x_vec)
 
@@ -342,9 +350,9 @@ def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
     variants += [dict(num_warps=8, warps_k=4), dict(ctas_per_sm=3, unroll=2), dict(persistent=False),
                  dict(row_tiles=2, unroll=2)]
     if base.n_major:   # 64-row warps: slots x CTAs per SM, warps along K, the split
+        splits = sorted({1, max(1, base.split_k // 2), base.split_k, 2 * base.split_k})
         variants = [dict(unroll=u, ctas_per_sm=c, warps_k=wk, split_k=sk)
-                    for u, c in ((1, 2), (2, 2), (2, 1), (4, 1)) for wk in (8, 4)
-                    for sk in sorted({base.split_k, 2 * base.split_k})]
+                    for u, c in ((1, 2), (2, 2), (2, 1), (4, 1), (1, 3)) for wk in (8, 4) for sk in splits]
     out, seen = [], set()
     for v in variants:
         try:
@@ -374,60 +382,45 @@ def vec_width(k: int, ptr: int, stride: int | None, itemsize: int, widest: int) 
 
 
 # ---- launch -------------------------------------------------------------------------------------
-# The kernel's arrays: (w, x, scales, zeros, bias, out) and, split-K, the float32 partials; its
-# scalars (M, N, K, ldw, ldx, ldo, ngroups).
-@dataclass(frozen=True)
-class SplitPlan:
-    """A split-K launch pair: the GEMV writes float32 partials, the reduce adds them in order."""
-    main: Launch
-    reduce: Launch
-    ws_shape: tuple
-    out: OutputPlan    # for allocating the output (its launch is ``reduce``)
+# The kernel's arrays: (w, x, scales, zeros, bias, out) and the split-K workspace (float32 partials,
+# int32 counters; None without split-K); its scalars (M, N, K, ldw, ldx, ldo, ngroups).
+def workspace_bytes(cfg: QuantGemvConfig, m: int, n: int) -> tuple[int, int]:
+    """(partial bytes, counter bytes) of a launch of ``cfg`` on M x N outputs: (split_k, M, N)
+    float32 partials and one counter per (tile, warp along N); (0, 0) without split-K."""
+    if cfg.split_k == 1:
+        return 0, 0
+    return 4 * cfg.split_k * m * n, 4 * cfg.tiles(n) * cfg.warps_n
+
+
+def _split_workspace(sizes, like, stream):
+    """(partials, counters) of ``stream``: ops/workspace.py's buffers, of ``like``'s kind."""
+    dev = like.get_device() if _is_torch(like) else device.current_device()
+    return stream_workspace(like, dev, stream, *sizes)
 
 
 def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stream):
     """Launch ``cfg`` on the views (w, x, scales, zeros, bias, out) with the scalars ``ints``; returns
     the launch plan (for :func:`replay`), or None when a view is a copy of its array (``arrays``: the
-    caller's, same order), so that replaying would read the wrong memory."""
+    caller's, same order), so that replaying would read the wrong memory.  Split-K runs in the same
+    launch (the last split of a tile to arrive sums the partials) on the stream's workspace."""
     m, n = ints[0], ints[1]
     kern = get_kernel(cfg, "quant_gemv")
     grid, block = cfg.grid(n, device.sm_count()), (cfg.threads_per_block, 1, 1)
     keep = same_memory(views_, arrays)
-    if cfg.split_k == 1:
-        main = Launch(kern, grid, block, cfg.shared_mem_bytes, (None, *ints))
-        main.run(views_, stream)
-        return OutputPlan.of(main, arrays[5], like=arrays[1]) if keep else None
-    ws_shape = (cfg.split_k, m, n)
-    ws = _workspace(arrays[1], ws_shape, stream)
+    sizes = workspace_bytes(cfg, m, n)
+    ws = _split_workspace(sizes, arrays[1], stream) if cfg.split_k > 1 else (None, None)
     main = Launch(kern, grid, block, cfg.shared_mem_bytes, ints)
-    main.run((*views_, ws), stream)
-    ldo = ints[5]
-    red = Launch(get_kernel(cfg, "quant_gemv_reduce"), (-(-m * n // 256), 1, 1), (256, 1, 1), 0, (m, n, ldo))
-    red.run((ws, views_[4], views_[5]), stream)
-    return SplitPlan(main, red, ws_shape, OutputPlan.of(red, arrays[5], like=arrays[1])) if keep else None
+    main.run((*views_, *ws), stream)
+    if not keep:
+        return None
+    return OutputPlan.of(main, arrays[5], extra=sizes if cfg.split_k > 1 else None, like=arrays[1])
 
 
-def _workspace(like, shape, stream):
-    """float32 scratch ordered with the call's stream: a torch tensor for torch inputs (torch's
-    allocator, graph-capture safe), else CuPy's pool under ``stream`` (a block is handed back only
-    on that stream)."""
-    if _is_torch(like):
-        return new_like(like, shape, "float32")
-    import cupy
-    with cupy_stream(stream):
-        return cupy.empty(shape, dtype=np.float32)
-
-
-def replay(plan, inputs: tuple, out, stream):
+def replay(plan: OutputPlan, inputs: tuple, out, stream):
     """Replay a plan of :func:`launch` on ``inputs`` (w, x, scales, zeros, bias) and ``out``."""
     x = inputs[1]
-    if isinstance(plan, OutputPlan):
-        out = plan.output(x, out)
-        plan.replay((*inputs, out), default_stream(x, stream) if plan.torch else stream)
-        return out
-    out = plan.out.output(x, out)
-    stream = default_stream(x, stream)
-    ws = _workspace(x, plan.ws_shape, stream)
-    plan.main.run((*inputs, out, ws), stream)
-    plan.reduce.run((ws, inputs[4], out), stream)
+    out = plan.output(x, out)
+    stream = default_stream(x, stream) if plan.torch else stream
+    ws = (None, None) if plan.extra is None else _split_workspace(plan.extra, x, stream)
+    plan.replay((*inputs, out, *ws), stream)
     return out
