@@ -1,7 +1,8 @@
-"""Split-K in the Hopper matmul (ops/matmul_sm90.py split_k, templates/matmul_sm90.cu.j2 reduce_splits):
-config validation, the heuristic's choice, a NumPy model of the (tile, split) walk, one sm_90a
-compile; on a GPU, float64 references over awkward shapes with the split forced
-(RTKERNELS_MATMUL_SPLIT_K), the fused epilogue, run-to-run bit equality, per-stream workspaces and
+"""Split-K and stream-K in the Hopper matmul (ops/matmul_sm90.py split_k / stream_k,
+templates/matmul_sm90.cu.j2 reduce_segments): config validation, the heuristic's choice, NumPy
+models of the (tile, split) walk and of the stream-K partition, two sm_90a compiles; on a GPU,
+float64 references over awkward shapes with the schedule forced (RTKERNELS_MATMUL_SPLIT_K /
+RTKERNELS_MATMUL_STREAM_K), the fused epilogue, run-to-run bit equality, per-stream workspaces and
 CUDA-graph replay."""
 import re
 
@@ -21,6 +22,27 @@ def test_bad_split_k_names_it(bad):
     with pytest.raises(ConfigError) as e:
         MatmulSm90Config(**bad)
     assert e.value.field == "split_k" and "split_k" in str(e.value) and "matmul_sm90" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [dict(stream_k=1), dict(stream_k=True, split_k=2),
+                                 dict(stream_k=True, mma="sync", tma_store=False)])
+def test_bad_stream_k_names_it(bad):
+    with pytest.raises(ConfigError) as e:
+        MatmulSm90Config(**bad)
+    assert e.value.field == "stream_k" and "stream_k" in str(e.value) and "matmul_sm90" in str(e.value)
+
+
+def test_forced_stream_k_env_is_checked(monkeypatch):
+    for v in ("2", "yes", "true"):
+        monkeypatch.setenv(mm.STREAM_K_ENV, v)
+        with pytest.raises(ConfigError) as e:
+            mm._forced_stream_k()
+        assert e.value.field == mm.STREAM_K_ENV and mm.STREAM_K_ENV in str(e.value)
+    for v, want in (("1", True), ("0", False), ("", None)):
+        monkeypatch.setenv(mm.STREAM_K_ENV, v)
+        assert mm._forced_stream_k() is want
+    monkeypatch.delenv(mm.STREAM_K_ENV)
+    assert mm._forced_stream_k() is None
 
 
 def test_forced_split_k_env_is_checked(monkeypatch):
@@ -46,29 +68,49 @@ def test_split_k_1_keeps_the_unsplit_signature():
 
 
 # ---- heuristic ------------------------------------------------------------------------------
-def test_heuristic_splits_few_tiles_only():
-    few = m90.heuristic_config("bfloat16", 128, 4096, 4096, sm_count=132)
-    assert few.split_k > 1, few
-    assert m90.grid_size(128, 4096, 1, few, 132, 4096) > 64   # at least half the SMs get a unit
-    for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (2048, 4096, 4096)):
-        assert m90.heuristic_config("bfloat16", *shape, sm_count=132).split_k == 1, shape
+def _sched(cfg):
+    return "sk" if cfg.stream_k else f"s{cfg.split_k}"
+
+
+def test_heuristic_schedules_follow_the_sweep():
+    """The refit against the H100 sweep of 2026-11-25 (ops/matmul_sm90.py, schedules)."""
+    h = lambda *shape, **kw: m90.heuristic_config("bfloat16", *shape, sm_count=132, b_kmajor=True, **kw)  # noqa: E731
+    # 48 tiles of 128 x 128: s2 lost (29.5 vs 27.5 us); the weight's DRAM floor binds, nothing to gain
+    assert _sched(h(128, 6144, 4096)) == "s1"
+    # long K with few tiles: s2-s4 ran 53.5-54.7 us, unsplit 70.9: split or streamed
+    long_k = h(128, 4096, 14336)
+    assert long_k.split_k > 1 or long_k.stream_k, long_k
+    # big problems keep the data-parallel 128 x 256 tile; a split past one round always lost
+    for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (2048, 4096, 4096), (512, 8192, 8192), (512, 4096, 4096)):
+        c = h(*shape)
+        assert _sched(c) == "s1", (shape, c)
+    # partial last waves (96 and 160 tiles of 128 x 256 on 132 SMs, 0.83x / 0.87x cuBLAS unsplit): stream-K
+    for shape in ((512, 6144, 4096), (512, 10240, 8192)):
+        assert h(*shape).stream_k, shape
+    # RTKERNELS_MATMUL_STREAM_K=0 takes it out; mma.sync consumers never split nor stream
+    assert not h(512, 10240, 8192, stream_k=False).stream_k
+    sync = h(512, 10240, 8192, mma="sync", tma_store=False)
+    assert _sched(sync) == "s1"
     # short K: every split would keep fewer than MIN_KBLOCKS_PER_SPLIT k-blocks
-    assert m90.heuristic_config("bfloat16", 128, 4096, 256, sm_count=132).split_k == 1
-    # mma.sync consumers never split
-    assert m90.heuristic_config("bfloat16", 128, 4096, 4096, sm_count=132, mma="sync", tma_store=False).split_k == 1
-    for m, n, k in ((128, 4096, 14336), (128, 8192, 28672), (512, 4096, 14336)):
-        c = m90.heuristic_config("bfloat16", m, n, k, sm_count=132)
-        assert -(-k // 64) // c.split_k >= m90.MIN_KBLOCKS_PER_SPLIT, c
-    assert all(c.split_k > 1 for c in m90.split_candidates("bfloat16", 128, 4096, 4096, 1, 132))
-    assert m90.split_candidates("bfloat16", 8192, 8192, 8192, 1, 132) == []
+    assert h(128, 4096, 256).split_k == 1
+    for m, n, k in ((128, 4096, 4096), (128, 4096, 14336), (128, 8192, 28672), (512, 4096, 14336), (300, 4100, 129)):
+        c = h(m, n, k)
+        tiles = -(-m // c.block_m) * -(-n // c.block_n)
+        if c.split_k > 1:   # one round, few tiles, MIN_KBLOCKS_PER_SPLIT each
+            assert tiles * c.split_k <= 132 and tiles <= 132 // m90.SPLIT_MAX_TILES_DIV, c
+            assert -(-k // 64) // c.split_k >= m90.MIN_KBLOCKS_PER_SPLIT, c
+    assert any(c.stream_k for c in m90.split_candidates("bfloat16", 512, 10240, 8192, 1, 132))
+    # many tiles: no split weighed (stream-K may be, for the autotuner, where the last wave is partial)
+    assert all(c.stream_k for c in m90.split_candidates("bfloat16", 8192, 8192, 8192, 1, 132))
 
 
-def test_split_cost_reduces_to_the_unsplit_model():
-    """For split_k = 1 the K-aware cost is the old one times (k-blocks + fill): the same choice."""
+def test_schedule_model_reduces_to_the_unsplit_model():
+    """Without the floor and for split_k = 1 the schedule model is the rounds model times (k-blocks +
+    fill): the same data-parallel ranking."""
     for t in m90.TILES:
         for m, n, k in ((1793, 1793, 1793), (8192, 1024, 512), (300, 4100, 129)):
-            ratio = m90.split_cost(t, m, n, k, 1, 132, 1) / m90.estimated_cost(t, m, n, 1, 132)
-            assert ratio == pytest.approx(64 * (m90.k_blocks(k) + m90.SPLIT_FILL_KBLOCKS))
+            ratio = m90.schedule_us(t, m, n, k, 1, 132, floor=False) / m90.estimated_cost(t, m, n, 1, 132)
+            assert ratio == pytest.approx((m90.k_blocks(k) + m90.SPLIT_FILL_KBLOCKS) * m90.KBLOCK_US / (128 * 256))
 
 
 def _units(tiles, k_tiles, split_k):
@@ -99,18 +141,85 @@ def test_split_ranges_are_balanced_and_cover_k(tiles, k_tiles, split_k):
     assert m90.counter_bytes(cfg, m, n, 1) == tiles * 2 * 4
 
 
+def _owners(tiles, k_tiles, grid):
+    """An independent model of the stream-K partition: every k-block iteration's owner CTA from
+    explicit ranges (sk_tiles from the DP + SK rule: all but floor(tiles / grid) - 1 waves)."""
+    full, rem = divmod(tiles, grid)
+    sk = 0 if rem == 0 else (rem + grid if full else rem)
+    S = sk * k_tiles
+    P = min(grid, S)
+    owner = np.empty(S, np.int64)
+    for c in range(P):
+        owner[c * S // P:(c + 1) * S // P] = c
+    return sk, owner
+
+
+@pytest.mark.parametrize("tiles, k_tiles, grid", [(96, 64, 132), (160, 128, 132), (480, 32, 132), (32, 64, 132),
+                                                  (2, 2, 4), (289, 3, 132), (7, 1, 132), (264, 5, 132),
+                                                  (133, 7, 132), (1, 300, 132), (5, 65, 16)])
+def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid):
+    sk, owner = _owners(tiles, k_tiles, grid)
+    sk_tiles, ctas = m90.stream_k_partition(tiles, k_tiles, grid)
+    assert sk_tiles == sk and (tiles - sk) % grid == 0
+    assert sk <= tiles and (sk == 0 or sk >= grid or sk == tiles)
+    seen = np.zeros((tiles, k_tiles), np.int64)
+    stored = {}        # slot -> (tile, kb0, kb1) of the piece stored there
+    pieces = {}        # tile -> [(kb0, kb1, cta, segs, seg, slots)]
+    for c, units in enumerate(ctas):
+        assert [u[0] for u in units] == sorted(u[0] for u in units), "a CTA walks its tiles in order"
+        its = sum(u[2] - u[1] for u in units if u[0] < sk)
+        if sk:   # stream-K iterations per CTA: S / P, rounded either way
+            S, P = sk * k_tiles, min(grid, sk * k_tiles)
+            assert its in ((S // P, -(-S // P)) if c < P else (0,))
+        my_slots = []
+        for t, kb0, kb1, segs, seg, slot, slots in units:
+            assert 0 <= kb0 < kb1 <= k_tiles
+            seen[t, kb0:kb1] += 1
+            if t >= sk:
+                assert (kb0, kb1, segs) == (0, k_tiles, 1), "data-parallel tiles run whole"
+                continue
+            # the device's segment count: the distinct owners of the tile's k-blocks
+            assert segs == len(set(owner[t * k_tiles:(t + 1) * k_tiles])), (t, segs)
+            assert set(owner[t * k_tiles + kb0:t * k_tiles + kb1]) == {c}
+            if segs > 1:
+                assert slot not in stored, f"slot {slot} written twice"
+                stored[slot] = (t, kb0, kb1)
+                my_slots.append(slot)
+                pieces.setdefault(t, []).append((kb0, kb1, c, segs, seg, slots))
+        assert len(my_slots) <= 2 and all(s // 2 == c for s in my_slots), "two slots per CTA, its own"
+    assert (seen == 1).all(), "some k-block computed twice or never"
+    for t, ps in pieces.items():
+        ps.sort()
+        segs = ps[0][3]
+        assert len(ps) == segs and [p[4] for p in ps] == list(range(segs)), "segments in k order, one per CTA"
+        assert [p[2] for p in ps] == list(range(ps[0][2], ps[0][2] + segs)), "consecutive CTAs"
+        assert all(p[5] == ps[0][5] for p in ps), "every piece computes the same slot list"
+        # the reducer reads the pieces in k order from where they were stored
+        assert [stored[s] for s in ps[0][5]] == [(t, p[0], p[1]) for p in ps]
+        assert ps[0][0] == 0 and ps[-1][1] == k_tiles
+    # workspace: two float32 tiles per CTA; counters for the stream-K tiles
+    cfg = MatmulSm90Config(block_m=128, block_n=128, num_stages=6, stream_k=True)
+    assert m90.workspace_bytes(cfg, 128 * tiles, 128, 64 * k_tiles, 1, grid) == 2 * grid * 128 * 128 * 4
+    assert m90.counter_bytes(cfg, 128 * tiles, 128, 1, grid) >= sk * 2 * 4
+    assert m90.grid_size(128 * tiles, 128, 1, cfg, grid, 64 * k_tiles) == min(grid, tiles * k_tiles)
+
+
 # ---- compile ----------------------------------------------------------------------------------
-def test_split_config_compiles_clean_for_sm90a():
-    """The heuristic's split config for 128 x 4096 x 4096 with the fused epilogue: no spills under the
-    consumers' 232 registers, 16-byte L2-only partial stores/loads, one counter atomic per unit."""
+@pytest.mark.parametrize("kw", [dict(block_m=128, block_n=128, num_stages=6, split_k=2),
+                                dict(block_m=128, block_n=256, num_stages=4, stream_k=True)],
+                         ids=["split2-128x128", "streamk-128x256"])
+def test_reducing_configs_compile_clean_for_sm90a(kw):
+    """Split-K (128 x 128, s2: 128x4096x4096's measured best) and stream-K on the largest tile, with
+    the fused bias + GELU epilogue: no spills under the consumers' 232 registers, 16-byte L2-only
+    partial stores/loads, one counter atomic per unit."""
     import rtkernels as rtk
     from rtkernels.inspect import sass_stats
-    cfg = m90.heuristic_config("bfloat16", 128, 4096, 4096, sm_count=132, has_bias=True, activation="gelu")
-    assert cfg.split_k > 1
+    cfg = MatmulSm90Config(dtype="bfloat16", b_kmajor=True, has_bias=True, activation="gelu", **kw)
     k = rtk.get_kernel(cfg, arch="sm_90")
     r = k.resources
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0 and r.registers == 168, r
     assert "C7508" not in k.module.log and "serializ" not in k.module.log.lower(), k.module.log
+    assert "warning" not in k.module.log, k.module.log
     s = sass_stats(k.sass)
     assert s["ldl"] == 0 and s["stl"] == 0 and s["hgmma"] > 0 and s["utmastg"] > 0
     groups = cfg.block_m // 2 * cfg.block_n // 128 // 4    # float4 groups per consumer thread
@@ -134,12 +243,19 @@ def _sm90_gpu():
         pytest.skip("needs an sm_90 GPU")
 
 
+def _plan_of(m, n, k, batch=1, forced=None, stream_k=None):
+    """(config, grid) of the Hopper plan made for (m, n, k, batch) under RTKERNELS_MATMUL_SPLIT_K=forced
+    and RTKERNELS_MATMUL_STREAM_K=stream_k (None if there is none)."""
+    hits = [(plan[1], plan[2]) for key, plan in mm._plans90.items() if key[1:5] == (m, n, k, batch) and
+            key[13] == forced and key[14] == stream_k]
+    return hits[-1] if hits else (None, None)
+
+
 def _split_of(m, n, k, batch=1, forced=None):
     """split_k of the Hopper plan made for (m, n, k, batch) under RTKERNELS_MATMUL_SPLIT_K=forced
     (None if there is none)."""
-    hits = [plan[1].split_k for key, plan in mm._plans90.items() if key[1:5] == (m, n, k, batch) and
-            key[13] == forced]
-    return hits[-1] if hits else None
+    cfg, _ = _plan_of(m, n, k, batch, forced)
+    return None if cfg is None else cfg.split_k
 
 
 def _empty(shape, dtype):
@@ -195,17 +311,47 @@ def test_gpu_forced_split(dtype, shape, split_k, monkeypatch):
     _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), f"{dtype} {shape} split_k={split_k}")
 
 
+# (M, N, K): few tiles (each over several CTAs), under a wave, and (2049 x 4100: 289 tiles of 128 x 256)
+# data-parallel waves before the stream-K tiles; K of 1-65 k-blocks, ranges crossing tile boundaries
+STREAM_SHAPES = [(129, 72, 65), (7, 4100, 129), (300, 4100, 129), (513, 6144, 4104), (2049, 4100, 129),
+                 (129, 6144, 1000), (300, 72, 4104)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", STREAM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_forced_stream_k(dtype, shape, monkeypatch):
+    """RTKERNELS_MATMUL_STREAM_K=1 on the heuristic's tile against float64 (and cuBLAS's error)."""
+    from gpu_util import poison, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    monkeypatch.setenv(mm.STREAM_K_ENV, "1")
+    M, N, K = shape
+    rng = np.random.default_rng(M * 5 + N + K)
+    a, ah = _aligned(rng, M, K, dtype)
+    b, bh = _aligned(rng, K, N, dtype)
+    out = poison(_empty((M, N), dtype))
+    rtk.matmul(a, b, out=out, dtype=_dt(dtype))
+    cfg, grid = _plan_of(M, N, K, stream_k=True)
+    assert cfg is not None and cfg.stream_k, cfg
+    tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
+    what = f"{dtype} {shape} stream-K {cfg.block_m}x{cfg.block_n}, {tiles} tiles on {grid} CTAs"
+    _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["split4", "stream"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("shape, trans_b, pad", [((129, 4096, 4104), False, 0), ((300, 264, 1000), True, 1),
                                                  ((7, 129, 520), True, 0)])
-def test_gpu_split_bias_gelu_and_direct_stores(dtype, shape, trans_b, pad, monkeypatch):
-    """The fused bias + GELU epilogue after the reduction, through the TMA store (N = 4096) and (odd C
-    row stride or odd N) the direct stores."""
+def test_gpu_split_bias_gelu_and_direct_stores(dtype, shape, trans_b, pad, schedule, monkeypatch):
+    """The fused bias + GELU epilogue after the reduction (split-K 4 or stream-K), through the TMA
+    store (N = 4096) and (odd C row stride or odd N) the direct stores."""
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
-    monkeypatch.setenv(mm.SPLIT_K_ENV, "4")
+    stream = schedule == "stream"
+    monkeypatch.setenv(mm.STREAM_K_ENV if stream else mm.SPLIT_K_ENV, "1" if stream else "4")
     M, N, K = shape
     rng = np.random.default_rng(M + N)
     a, ah = _aligned(rng, M, K, dtype)
@@ -214,42 +360,46 @@ def test_gpu_split_bias_gelu_and_direct_stores(dtype, shape, trans_b, pad, monke
     full = poison(_empty((M, N + pad), dtype))
     out = full[:, :N]
     rtk.matmul(a, b, bias=bias, activation="gelu", out=out, trans_b=trans_b, dtype=_dt(dtype))
-    assert _split_of(M, N, K, forced=4) == 4
+    cfg, _ = _plan_of(M, N, K, forced=None if stream else 4, stream_k=True if stream else None)
+    assert cfg.stream_k if stream else cfg.split_k == 4, cfg
     ref = mm.matmul_reference(ah, bh, bias=biash, activation="gelu", trans_b=trans_b)
     peer = mm._act_np(_cublas(a, b, dtype, trans_b) + biash, "gelu")
     got = to_f64(full, dtype)
-    _check(got[:, :N], ref, peer, f"{dtype} {shape} bias+gelu split 4")
+    _check(got[:, :N], ref, peer, f"{dtype} {shape} bias+gelu {schedule} (tma_store={cfg.tma_store})")
     if pad:
         assert np.isnan(got[:, N:]).all(), "wrote past the output's columns"
 
 
 @pytest.mark.gpu
-def test_gpu_split_batched(monkeypatch):
+@pytest.mark.parametrize("schedule", ["split3", "stream"])
+def test_gpu_split_batched(schedule, monkeypatch):
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
-    monkeypatch.setenv(mm.SPLIT_K_ENV, "3")
+    stream = schedule == "stream"
+    monkeypatch.setenv(mm.STREAM_K_ENV if stream else mm.SPLIT_K_ENV, "1" if stream else "3")
     B, M, N, K = 3, 130, 200, 700
     rng = np.random.default_rng(11)
     a, ah = random_array(rng, (B, M, K), "bfloat16")
     b, bh = random_array(rng, (K, N), "bfloat16")
     out = poison(_empty((B, M, N), "bfloat16"))
     rtk.matmul(a, b, out=out, dtype="bfloat16")
-    assert _split_of(M, N, K, B, forced=3) == 3
-    _check(to_f64(out, "bfloat16"), ah @ bh, _cublas(a, b[None].repeat(B, 0), "bfloat16"), "batched split 3")
+    cfg, _ = _plan_of(M, N, K, B, forced=None if stream else 3, stream_k=True if stream else None)
+    assert cfg.stream_k if stream else cfg.split_k == 3, cfg
+    _check(to_f64(out, "bfloat16"), ah @ bh, _cublas(a, b[None].repeat(B, 0), "bfloat16"), f"batched {schedule}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gpu_heuristic_split_is_deterministic(dtype):
-    """The heuristic splits 128 x 4096 x 4096; two calls (the second a plan replay) give the same bits,
-    and the counters are back at zero after them."""
+@pytest.mark.parametrize("dtype, M, N, K", [("bfloat16", 128, 4096, 14336), ("float16", 128, 4096, 14336),
+                                            ("bfloat16", 512, 6144, 4096), ("float16", 513, 10240, 8192)])
+def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K):
+    """Shapes the heuristic splits or streams: three calls (the later ones plan replays) give the
+    same bits, and the counters are back at zero after them."""
     import cupy as cp
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
     from rtkernels.ops import workspace
     _sm90_gpu()
-    M, N, K = 128, 4096, 4096
     rng = np.random.default_rng(1)
     a, ah = random_array(rng, (M, K), dtype)
     b, bh = random_array(rng, (K, N), dtype)
@@ -259,10 +409,12 @@ def test_gpu_heuristic_split_is_deterministic(dtype):
         rtk.matmul(a, b, out=out, dtype=_dt(dtype))
         outs.append(out.get())
     last = out
-    split = _split_of(M, N, K)
-    assert split > 1, split
-    assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs[1:]), "run-to-run bits differ"
-    _check(to_f64(last, dtype), ah @ bh, _cublas(a, b, dtype), f"{dtype} heuristic split {split}")
+    cfg, grid = _plan_of(M, N, K)
+    assert cfg.split_k > 1 or cfg.stream_k, cfg
+    what = f"{dtype} {M}x{N}x{K} heuristic {'stream-K' if cfg.stream_k else f'split {cfg.split_k}'} " \
+           f"{cfg.block_m}x{cfg.block_n} on {grid} CTAs"
+    assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs[1:]), f"{what}: bits differ"
+    _check(to_f64(last, dtype), ah @ bh, _cublas(a, b, dtype), what)
     cp.cuda.Device().synchronize()
     ws = workspace._WORKSPACES[(cp.cuda.Device().id, cp.cuda.get_current_stream().ptr, False)]
     assert not ws.counters.view(cp.int32).any(), "a counter was left non-zero"
@@ -296,8 +448,9 @@ def test_gpu_streams_get_their_own_workspace(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["split4", "stream"])
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
-def test_gpu_split_cuda_graph_replay(warm, monkeypatch):
+def test_gpu_split_cuda_graph_replay(warm, schedule, monkeypatch):
     """CuPy stream capture of a split call, replayed twice on new inputs in the captured buffers:
     each replay matches the reference and an eager call bit for bit (counters back at zero after
     every launch).  'cold': the capture stream never ran a split call, so its workspace is made
@@ -306,8 +459,9 @@ def test_gpu_split_cuda_graph_replay(warm, monkeypatch):
     from gpu_util import random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
-    monkeypatch.setenv(mm.SPLIT_K_ENV, "4")
-    M, N, K = 128 + 64 * warm, 2048, 1024
+    stream = schedule == "stream"
+    monkeypatch.setenv(mm.STREAM_K_ENV if stream else mm.SPLIT_K_ENV, "1" if stream else "4")
+    M, N, K = 128 + 64 * warm + 1024 * stream, 2048, 1024
     rng = np.random.default_rng(3)
     a, _ = random_array(rng, (M, K), "bfloat16")
     b, _ = random_array(rng, (K, N), "bfloat16")

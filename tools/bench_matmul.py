@@ -41,11 +41,12 @@ layer does (x @ W.T; --layout nn: B (K, N) row-major).  Columns, every candidate
 --passes passes (median): rtk and cuBLAS (torch.matmul) TFLOP/s and their ratio (kernel time,
 calls queued behind a spin: benchutil.time_queued), per-call latency of each (the stream
 synchronized after every call, host time included: benchutil.time_synced), fused bias + GELU
-(rtk) vs torch.addmm + gelu, and the config rtk.matmul chose (tile/stages, split_k).  Writes
-matmul_grid_llm.json.  --splitk-sweep: a few few-tile shapes (SPLITK_SHAPES) with the Hopper
-kernel launched directly at split_k in SPLITK_SPLITS for its 128x256 and 128x128 tiles, beside
-cuBLAS and the heuristic's choice and the split-K cost model's estimate (to refit the model's
-constants in ops/matmul_sm90.py); writes matmul_splitk_sweep.json.
+(rtk) vs torch.addmm + gelu, and the config rtk.matmul chose (tile/stages, sS split-K or sk
+stream-K).  Writes matmul_grid_llm.json.  --splitk-sweep: few-tile and partial-wave shapes
+(SPLITK_SHAPES) with the Hopper kernel launched directly at split_k in SPLITK_SPLITS and with
+stream-K for its 128x256 and 128x128 tiles (128x64: unsplit and stream-K), beside cuBLAS, the
+heuristic's choice and the schedule model's estimate (to refit the model's constants in
+ops/matmul_sm90.py); writes matmul_splitk_sweep.json.
 """
 from __future__ import annotations
 
@@ -372,7 +373,7 @@ def _chosen(mm, m, n, k, has_bias):
     for key, plan in reversed(list(mm._plans90.items())):
         if key[1:5] == (m, n, k, 1) and key[7] == has_bias:
             c = plan[1]
-            return f"{c.block_m}x{c.block_n}/{c.num_stages} s{c.split_k}"
+            return f"{c.block_m}x{c.block_n}/{c.num_stages} {'sk' if c.stream_k else f's{c.split_k}'}"
     return "mma.sync"
 
 
@@ -453,11 +454,21 @@ def grid_llm(args) -> None:
     print(" ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in summary.items()))
 
 
-# --splitk-sweep: few-tile shapes (M, N, K) with W (N, K) as a linear layer's weight.
+# --splitk-sweep: few-tile and partial-wave shapes (M, N, K) with W (N, K) as a linear layer's weight.
 SPLITK_SHAPES = [(128, 4096, 4096), (128, 6144, 4096), (128, 4096, 14336), (512, 4096, 4096), (128, 14336, 4096),
-                 (512, 8192, 8192), (128, 8192, 28672), (2048, 4096, 4096)]
+                 (512, 8192, 8192), (128, 8192, 28672), (2048, 4096, 4096),
+                 # partial last waves on 132 SMs (stream-K's case): 96 / 160 / 480 tiles of 128 x 256
+                 (512, 6144, 4096), (512, 10240, 8192), (3000, 5000, 2000), (512, 4096, 14336), (128, 10240, 8192),
+                 (512, 14336, 4096)]
 SPLITK_SPLITS = (1, 2, 3, 4, 6, 8)
-SPLITK_TILES = ((128, 256, 4), (128, 128, 6))
+SPLITK_SPLITS_QUICK = (1, 2, 3, 4)
+# (block_m, block_n, stages, splits): 128 x 64 (the data-parallel model's pick for some M = 128
+# shapes, unmeasured there) unsplit and stream-K only
+SPLITK_TILES = ((128, 256, 4, None), (128, 128, 6, None), (128, 64, 8, (1,)))
+
+
+def _schedule_label(bm, bn, s, sk):
+    return f"{bm}x{bn} {'sk' if sk else f's{s}'}"
 
 
 def splitk_sweep(args) -> None:
@@ -480,29 +491,31 @@ def splitk_sweep(args) -> None:
         out = torch.empty(m, n, device="cuda", dtype=tdt)
         ref = torch.matmul(sets[0][0], sets[0][1].T).float()
         heur = m90.heuristic_config(args.dtype, m, n, k, sm_count=sms, b_kmajor=True)
+        heur_label = _schedule_label(heur.block_m, heur.block_n, heur.split_k, heur.stream_k)
         cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T)}
         labels = {}
-        for bm, bn, st in SPLITK_TILES:
+        for bm, bn, st, splits in SPLITK_TILES:
             tile = next(t for t in m90.TILES if (t.block_m, t.block_n, t.num_stages) == (bm, bn, st))
-            for s in SPLITK_SPLITS:
-                if s > m90.k_blocks(k):
-                    continue
+            scheds = [(s, False) for s in (splits or (SPLITK_SPLITS_QUICK if args.quick else SPLITK_SPLITS))
+                      if s <= m90.k_blocks(k)] + [(1, True)]
+            for s, sk in scheds:
                 cfg = m90.MatmulSm90Config(dtype=args.dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
-                                           split_k=s)
+                                           split_k=s, stream_k=sk)
                 kern = rtk.get_kernel(cfg)
                 grid = m90.grid_size(m, n, 1, cfg, sms, k)
-                sizes = (m90.workspace_bytes(cfg, m, n, k, 1), m90.counter_bytes(cfg, m, n, 1))
+                sizes = (m90.workspace_bytes(cfg, m, n, k, 1, grid), m90.counter_bytes(cfg, m, n, 1, grid))
+                reduces = cfg.split_k > 1 or cfg.stream_k
 
-                def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes):
+                def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes, reduces=reduces):
                     maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)),
                                            (w.data_ptr(), (1, n, k), (n * k, k, 1)),
                                            (out.data_ptr(), (1, m, n), (m * n, n, 1)))
-                    ws = stream_workspace(a, dev, None, *sizes) if cfg.split_k > 1 else ()
+                    ws = stream_workspace(a, dev, None, *sizes) if reduces else ()
                     kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1,
                                 shared_mem=cfg.shared_mem_bytes)
-                label = f"{bm}x{bn} s{s}"
+                label = _schedule_label(bm, bn, s, sk)
                 cands[label] = run
-                labels[label] = (tile, s)
+                labels[label] = (tile, s, sk, grid)
         times = {c: [] for c in cands}
         for _ in range(passes):
             for c, fn in cands.items():
@@ -514,31 +527,28 @@ def splitk_sweep(args) -> None:
             row = {"shape": f"{m}x{n}x{k}", "config": c, "us": ms * 1e3, "tflops": flops / ms / 1e9,
                    "vs_cublas": med["cuBLAS"] / ms, "best": c == best}
             if c in labels:
-                tile, s = labels[c]
-                row["model"] = m90.split_cost(tile, m, n, k, 1, sms, s)
+                tile, s, sk, grid = labels[c]
+                row["grid"] = grid
+                row["model_us"] = m90.schedule_us(tile, m, n, k, 1, sms, s, sk)
                 cands[c](*sets[0])
                 row["err"] = float(((out.float() - ref).abs().max() / ref.abs().max()).item())
-                row["heuristic"] = (tile.block_m, tile.block_n, s) == (heur.block_m, heur.block_n, heur.split_k)
+                row["heuristic"] = c == heur_label
             rows.append(row)
-        # the model's estimates relative to its own pick, for comparing with the measured ranking
-        lo = min(r["model"] for r in rows if r["shape"] == f"{m}x{n}x{k}" and "model" in r)
-        for r in rows:
-            if r["shape"] == f"{m}x{n}x{k}" and "model" in r:
-                r["model_rel"] = r["model"] / lo
         print(f"  {m}x{n}x{k}: cuBLAS {med['cuBLAS'] * 1e3:.1f} us, best {best} {med[best] * 1e3:.1f} us, heuristic "
-              f"{heur.block_m}x{heur.block_n} s{heur.split_k} "
-              f"{med.get(f'{heur.block_m}x{heur.block_n} s{heur.split_k}', float('nan')) * 1e3:.1f} us", flush=True)
+              f"{heur_label} {med.get(heur_label, float('nan')) * 1e3:.1f} us", flush=True)
         del sets
         torch.cuda.empty_cache()
     env = benchutil.environment()
     benchutil.save(args.out, "matmul_splitk_sweep", {"environment": env, "dtype": args.dtype, "rows": rows,
-                                                     "model": {"PARTIAL_BYTE_MACS": m90.PARTIAL_BYTE_MACS,
-                                                               "SPLIT_FILL_KBLOCKS": m90.SPLIT_FILL_KBLOCKS,
-                                                               "MIN_KBLOCKS_PER_SPLIT": m90.MIN_KBLOCKS_PER_SPLIT}})
-    print(f"{env['gpu']}  {args.dtype}  ({sms} SMs)  split-K sweep (kernel launched directly, W (N, K)); "
-          "model_rel = the cost model's estimate / its best")
-    print(benchutil.table(rows, ["shape", "config", "us", "tflops", "vs_cublas", "best", "heuristic", "model_rel",
-                                 "err"]))
+                                                     "model": {k_: getattr(m90, k_) for k_ in (
+                                                         "KBLOCK_US", "DRAM_BYTES_PER_US", "DRAM_RAMP_US",
+                                                         "FIXUP_US_PER_KIB", "SPLIT_FILL_KBLOCKS",
+                                                         "SPLIT_MAX_TILES_DIV", "SCHEDULE_MARGIN",
+                                                         "MIN_KBLOCKS_PER_SPLIT")}})
+    print(f"{env['gpu']}  {args.dtype}  ({sms} SMs)  split-K / stream-K (sk) sweep (kernel launched directly, "
+          "W (N, K)); model_us = the schedule model's estimate")
+    print(benchutil.table(rows, ["shape", "config", "grid", "us", "model_us", "tflops", "vs_cublas", "best",
+                                 "heuristic", "err"]))
 
 
 def argparse_suppress():

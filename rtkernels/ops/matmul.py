@@ -52,6 +52,10 @@ SM90_MMA = os.environ.get("RTKERNELS_MATMUL_SM90_MMA", "wgmma")
 # k-blocks; 1: never) instead of as its heuristic chooses; a measurement and test knob, read when a
 # call signature is first planned (it is part of the plan keys).
 SPLIT_K_ENV = "RTKERNELS_MATMUL_SPLIT_K"
+# RTKERNELS_MATMUL_STREAM_K=1: the Hopper kernel (wgmma consumers) runs the stream-K schedule on
+# its heuristic's tile whatever the heuristic says; 0: the heuristic never picks stream-K.  Read
+# like RTKERNELS_MATMUL_SPLIT_K; the two cannot both force a schedule.
+STREAM_K_ENV = "RTKERNELS_MATMUL_STREAM_K"
 # float16 / bfloat16 with at most 16 rows of C (the batch folded in) run the GEMV kernel
 # (ops/gemv.py, :func:`_plan_gemv`); False (or RTKERNELS_MATMUL_GEMV=0 at import) leaves them to
 # the tile kernels, to benchmark and test one against the other.
@@ -417,7 +421,7 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
     its plan records the winner's launch; tuning on and off never share a plan."""
     return _LAUNCHES.key((a, b, bias, out), (activation, bool(trans_a), bool(trans_b), dtype, USE_SM90,
                                              SM90_MMA, USE_GEMV, autotune.enabled(), getenv("RTKERNELS_ARCH"),
-                                             getenv(SPLIT_K_ENV)))
+                                             getenv(SPLIT_K_ENV), getenv(STREAM_K_ENV)))
 
 
 def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
@@ -816,29 +820,39 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
     tma_store = c_map is not None and SM90_MMA == "wgmma"
     dev = device.current_device()
     forced = _forced_split_k()
+    stream_k = _forced_stream_k()
+    if forced is not None and stream_k:
+        raise ConfigError(f"matmul: {SPLIT_K_ENV}={forced} with {STREAM_K_ENV}=1; set at most one of them",
+                          field=STREAM_K_ENV, value="1", allowed=f"0 or unset while {SPLIT_K_ENV} is set")
     key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, SM90_MMA, dev,
-           autotune.enabled(), forced)
+           autotune.enabled(), forced, stream_k)
     plan = _plans90.get(key)
     if plan is None:
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
                       tma_store=tma_store, mma=SM90_MMA)
         sms = device.sm_count()
-        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, **layout)
+        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=stream_k is not False, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
             return None
         if forced is not None and SM90_MMA == "wgmma":
-            cfg = dataclasses.replace(cfg, split_k=min(forced, m90.k_blocks(k)))
+            cfg = dataclasses.replace(cfg, split_k=min(forced, m90.k_blocks(k)), stream_k=False)
+        if stream_k and SM90_MMA == "wgmma":
+            cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
         if autotune.enabled():
             cfg = _tuned_sm90(cfg, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc,
                               batch_c, stream)
         # ... and work units (tiles x splits)
         if arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch, split_k=cfg.split_k) > 2 ** 31 - 1:
             return None
+        # stream-K counts its phase's k-blocks (< 2 x grid x k-blocks) in int
+        if cfg.stream_k and 2 * sms * m90.k_blocks(k) > 2 ** 31 - 1:
+            cfg = dataclasses.replace(cfg, stream_k=False)
         # a split kernel takes the workspace arguments even where K leaves one split (then null)
+        grid = m90.grid_size(m, n, batch, cfg, sms, k)
         split = None
-        if cfg.split_k > 1:
-            split = (m90.workspace_bytes(cfg, m, n, k, batch), m90.counter_bytes(cfg, m, n, batch))
-        plan = _plans90[key] = (get_kernel(cfg), cfg, m90.grid_size(m, n, batch, cfg, sms, k), split)
+        if cfg.split_k > 1 or cfg.stream_k:
+            split = (m90.workspace_bytes(cfg, m, n, k, batch, grid), m90.counter_bytes(cfg, m, n, batch, grid))
+        plan = _plans90[key] = (get_kernel(cfg), cfg, grid, split)
     kern, cfg, grid, split = plan
     c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
     scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned)
@@ -861,6 +875,17 @@ def _forced_split_k() -> int | None:
     return s
 
 
+def _forced_stream_k() -> bool | None:
+    """RTKERNELS_MATMUL_STREAM_K as True (1) / False (0), None when unset."""
+    v = getenv(STREAM_K_ENV)
+    if v is None or v == "":
+        return None
+    if v not in ("0", "1"):
+        raise ConfigError(f"matmul: {STREAM_K_ENV}={v!r}; expected 0 or 1", field=STREAM_K_ENV, value=v,
+                          allowed="0 or 1")
+    return v == "1"
+
+
 def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc, batch_c,
                 stream):
     key = {"dtype": dtype, "m": _bucket(m), "n": _bucket(n), "k": _bucket(k), "batch": _bucket(batch), **layout}
@@ -876,10 +901,11 @@ def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, 
         ma, mb, mc = m90.tensor_maps(cfg, (a_.data.ptr, *a_map), (b_.data.ptr, *b_map),
                                      (scratch.data.ptr, *c_map) if cfg.tma_store else None)
         ws = ()
-        if cfg.split_k > 1:
-            ws = _split_workspace((m90.workspace_bytes(cfg, m, n, k, batch), m90.counter_bytes(cfg, m, n, batch)),
-                                  scratch, stream)
-        get_kernel(cfg).launch((m90.grid_size(m, n, batch, cfg, sms, k), 1, 1), (cfg.threads_per_block, 1, 1), ma,
+        grid = m90.grid_size(m, n, batch, cfg, sms, k)
+        if cfg.split_k > 1 or cfg.stream_k:
+            ws = _split_workspace((m90.workspace_bytes(cfg, m, n, k, batch, grid),
+                                   m90.counter_bytes(cfg, m, n, batch, grid)), scratch, stream)
+        get_kernel(cfg).launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma,
                                mb, mc, biv, scratch, *ws, m, n, k, batch, int(a_map[0][0] > 1), int(b_map[0][0] > 1),
                                ldc, batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes, stream=stream)
 

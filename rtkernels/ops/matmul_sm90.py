@@ -86,6 +86,11 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     last split of a tile to finish sums the float32 partials of all splits in split order (a
     workspace of :func:`workspace_bytes`, counters of :func:`counter_bytes`) and runs the epilogue,
     in the same launch.  wgmma consumers only.  The kernel uses min(split_k, k-blocks) splits.
+    ``stream_k``: the stream-K schedule (with split_k = 1, wgmma consumers): the last one or two
+    waves' worth of tiles are cut into equal k-block ranges, one per CTA of the grid, that may span
+    tile boundaries (the tiles before them run whole); partials are reduced like split-K's, in k
+    order (:func:`stream_k_partition` models it; the grid is the host's choice, see
+    :func:`grid_size`).  Its workspace: two float32 tiles per CTA.
     """
 
     family: ClassVar[str] = "matmul_sm90"
@@ -108,6 +113,7 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     epilogue_n: int = 0
     mma: str = "wgmma"
     split_k: int = 1
+    stream_k: bool = False
 
     def __post_init__(self):
         if self.activation is None:
@@ -115,7 +121,7 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
         self._check_dtype("dtype", _DTYPES)
         self._check_choice("activation", ACTIVATIONS)
         self._check_choice("mma", MMA_KINDS)
-        for f in ("a_kmajor", "b_kmajor", "has_bias", "tma_store"):
+        for f in ("a_kmajor", "b_kmajor", "has_bias", "tma_store", "stream_k"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         self._check_choice("block_m", (128, 256))
@@ -126,6 +132,10 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
         self._check_int("split_k", 1, MAX_SPLIT_K)
         if self.split_k > 1 and self.mma != "wgmma":
             self._fail("split_k", "1 with mma='sync' (the partials are stored from wgmma accumulators)")
+        if self.stream_k and self.split_k > 1:
+            self._fail("stream_k", f"False with split_k={self.split_k} (one schedule: split-K or stream-K)")
+        if self.stream_k and self.mma != "wgmma":
+            self._fail("stream_k", "False with mma='sync' (the partials are stored from wgmma accumulators)")
         if (self.block_m // 2) * self.block_n // 128 > 128:
             self._fail("block_n", f"at most {128 * 128 // (self.block_m // 2)} for block_m={self.block_m} "
                                   "(128 accumulators per consumer thread; more would spill)")
@@ -185,27 +195,52 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
     return rounds * tile.block_m * tile.block_n / tile.efficiency
 
 
-# ---- split-K ------------------------------------------------------------------------------------
-# With fewer output tiles than SMs (M = 128 x N = 4096: 16 tiles of 128 x 256 on 132 SMs) most SMs
-# idle; splitting each tile's K range over ``split_k`` work units fills them, at the price of a
-# float32 partial per unit that the tile's last unit reads back.  The cost model extends
-# rounds x tile area / efficiency with K (the unsplit choice is unchanged: for split_k = 1 the
-# cost is the old one times (k-blocks + SPLIT_FILL_KBLOCKS), the same for every tile):
-#   rounds(units = tiles x split_k) x [tile MACs of ceil(k-blocks / split_k) + fill) / efficiency
-#                                      + PARTIAL_BYTE_MACS x partial bytes x (1 + split_k)]
-# (one partial written by each unit, split_k read by a tile's last one, on the round's critical path).
-# The constants are reasoned, not yet measured (tools/bench_matmul.py --splitk-sweep refits them):
-# * PARTIAL_BYTE_MACS = 32: an SM's tensor cores do 2048 bf16 MACs per clock (989 TFLOP/s over 132
-#   SMs at 1.83 GHz) and it moves ~64 bytes per clock to or from L2, where the partials live.
-# * SPLIT_FILL_KBLOCKS = 1: a unit's fixed cost (the ring's first TMA round trip, ~1 us, against
-#   ~0.5 us per 128 x 256 k-block at full rate; the epilogue is paid once per tile either way).
-# * MIN_KBLOCKS_PER_SPLIT = 4: the ring is 4-6 stages deep; a unit shorter than its ring never
-#   reaches steady state, and its fill and partial outweigh its main loop.
-# * splits are considered only when the tiles alone leave SMs idle (tiles < SMs): above one round
-#   a split only trades the last round's quantization for partial traffic.
+# ---- schedules: data-parallel, split-K, stream-K ----------------------------------------------
+# The data-parallel schedule runs whole tiles, one per SM per round.  With fewer tiles than SMs
+# (M = 128 x N = 4096: 32 tiles of 128 x 128 on 132 SMs), or a last round that leaves SMs idle
+# (96, 160 or 480 tiles on 132 SMs), two schedules cut tiles along K instead, at the price of a
+# float32 partial per piece that the tile's last piece reads back:
+# * split-K (split_k = s): every tile in s equal k-ranges, one work unit each;
+# * stream-K (stream_k): the last one or two waves' tiles as one k-block space, split evenly over
+#   the CTAs (each CTA one contiguous range across tile boundaries); the rest runs whole.
+# The model, in microseconds, fitted to the H100 (132 SMs) sweep of 2026-11-25
+# (`tools/bench_matmul.py --splitk-sweep`, bf16, W (N, K); docs/data/matmul_splitk_sweep*.json):
+#   time = max(compute, DRAM floor) + fixup
+#   compute = rounds x (k-blocks per unit + SPLIT_FILL_KBLOCKS) x k-block time of the tile
+#             (stream-K: ceil(tiles x k-blocks / SMs) + fill, the same on every CTA)
+#   k-block time = KBLOCK_US x tile area / (128 x 256) / efficiency (TILES)
+#   DRAM floor = (A + B + C bytes) / DRAM_BYTES_PER_US + DRAM_RAMP_US
+#   fixup = FIXUP_US_PER_KIB x KiB of one float32 tile (0 for the data-parallel schedule)
+# * KBLOCK_US = 0.69: a 128 x 256 k-block per SM with the SMs busy: 512x8192x8192 (128 tiles, one
+#   round of 128 k-blocks) 89.8 us, 2048x4096x4096 (256 tiles, 2 rounds of 64) 88.7 us.
+# * DRAM floor: the M = 128 shapes are bound by reading the weight once, whatever the split:
+#   128x14336x4096 unsplit (112 tiles of 128 x 128) 47.9 us, 128x8192x28672 170 us (2.6-2.8 TB/s
+#   over the weight); 128x4096x4096 never went below 23.0 us (s1 25.4, s2 23.0, s3 23.7, s4 24.1
+#   on 32 / 64 / 96 / 128 SMs): bytes / 2.9 TB/s + 6 us fits these within 10%.
+# * fixup: splitting costs a near-constant 4-5 us per 128 x 128 tile (64 KiB of partial) and 8-10 us
+#   per 128 x 256 tile, whatever the split count: 128x4096x4096 128 x 128 s2-s4 23.0-24.1 us against
+#   an 18.8 us floor, 128 x 256 s2 31.1 us against 22.8 us of main loop, s4-s8 28.1-32.1 us.  Taken
+#   once per CTA for stream-K too (each CTA stores at most two partials and reduces about one tile);
+#   stream-K's own fixup is reasoned from split-K's, not yet measured (the sweep's "sk" rows).
+# * split-K only while the tiles leave two thirds of the SMs idle (tiles <= SMs / 3) and the units
+#   fit one round (tiles x s <= SMs): 128x6144x4096's 48 tiles of 128 x 128 ran 27.5 us unsplit and
+#   29.5 us at s2; every split past one round lost (512x4096x4096 128 x 128: s1 27.3, s2 38.7 us;
+#   128x4096x4096 128 x 128 s6 / s8 33.7 / 33.9 us).  Stream-K only above that (tiles > SMs / 3),
+#   where it replaces split-K: with fewer tiles it cuts them as finely as s = SMs / tiles would.
+# * a split-K or stream-K schedule must beat the data-parallel one by SCHEDULE_MARGIN (the model's
+#   error on the sweep is 5-10%).
+# * MIN_KBLOCKS_PER_SPLIT = 4: the ring is 4-6 stages deep; a split shorter than its ring never
+#   reaches steady state.
+# The data-parallel tile itself is chosen as before (estimated_cost: rounds x tile area /
+# efficiency), without the floor, under which every tile would tie.
 SPLITS = (1, 2, 3, 4, 6, 8)
-PARTIAL_BYTE_MACS = 32.0
+KBLOCK_US = 0.69
+DRAM_BYTES_PER_US = 2.9e6
+DRAM_RAMP_US = 6.0
+FIXUP_US_PER_KIB = 0.066
 SPLIT_FILL_KBLOCKS = 1.0
+SPLIT_MAX_TILES_DIV = 3
+SCHEDULE_MARGIN = 0.95
 MIN_KBLOCKS_PER_SPLIT = 4
 
 
@@ -214,62 +249,149 @@ def k_blocks(k: int) -> int:
     return max(1, -(-k // 64))
 
 
-def split_cost(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int, split_k: int) -> float:
-    """Relative time of ``tile`` with ``split_k`` splits (see the model above)."""
+def _kblock_us(tile: _Tile) -> float:
+    return KBLOCK_US * tile.block_m * tile.block_n / (128 * 256) / tile.efficiency
+
+
+def dram_floor_us(m: int, n: int, k: int, batch: int) -> float:
+    """The model's lower bound on any schedule's time: the operands and C moved once (16-bit)."""
+    return 2.0 * batch * (m * k + k * n + m * n) / DRAM_BYTES_PER_US + DRAM_RAMP_US
+
+
+def schedule_us(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int, split_k: int = 1,
+                stream_k: bool = False, floor: bool = True) -> float:
+    """Modelled time of ``tile`` with ``split_k`` splits or the stream-K schedule (see above);
+    ``floor``: with the DRAM floor."""
     kb = k_blocks(k)
-    split_k = min(split_k, kb)
-    units = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch, split_k=split_k)
-    rounds = -(-units // sm_count)
-    area = tile.block_m * tile.block_n
-    unit = area * 64 * (-(-kb // split_k) + SPLIT_FILL_KBLOCKS) / tile.efficiency
-    if split_k > 1:
-        unit += PARTIAL_BYTE_MACS * area * 4 * (1 + split_k)
-    return rounds * unit
+    tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
+    per = _kblock_us(tile)
+    fix = FIXUP_US_PER_KIB * tile.block_m * tile.block_n * 4 / 1024
+    if stream_k:
+        compute = (-(-tiles * kb // sm_count) + SPLIT_FILL_KBLOCKS) * per
+        fix = fix if tiles % sm_count else 0.0   # G dividing the tiles leaves nothing to stream
+    else:
+        split_k = min(split_k, kb)
+        rounds = -(-tiles * split_k // sm_count)
+        compute = rounds * (-(-kb // split_k) + SPLIT_FILL_KBLOCKS) * per
+        fix = fix if split_k > 1 else 0.0
+    return (max(compute, dram_floor_us(m, n, k, batch)) if floor else compute) + fix
+
+
+def split_cost(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int, split_k: int) -> float:
+    """Modelled time of ``tile`` with ``split_k`` splits (schedule_us with the floor)."""
+    return schedule_us(tile, m, n, k, batch, sm_count, split_k)
 
 
 def splits_for(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -> tuple[int, ...]:
     """The split counts the heuristic weighs for ``tile``: 1, and more only while the tiles leave
-    SMs idle and each split keeps MIN_KBLOCKS_PER_SPLIT k-blocks."""
+    two thirds of the SMs idle, the units fit one round and each keeps MIN_KBLOCKS_PER_SPLIT
+    k-blocks."""
     tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
-    if tiles >= sm_count:
+    if tiles > sm_count // SPLIT_MAX_TILES_DIV:
         return (1,)
     most = k_blocks(k) // MIN_KBLOCKS_PER_SPLIT
-    return tuple(s for s in SPLITS if s == 1 or s <= most)
+    return tuple(s for s in SPLITS if s == 1 or (s <= most and tiles * s <= sm_count))
 
 
-def workspace_bytes(cfg: "MatmulSm90Config", m: int, n: int, k: int, batch: int) -> int:
-    """Split-K partials: one float32 tile per (tile, split); 0 for split_k = 1."""
+def stream_k_weighed(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
+    """Whether the heuristic weighs stream-K for ``tile``: more tiles than split-K takes, a last
+    round that leaves SMs idle, and MIN_KBLOCKS_PER_SPLIT k-blocks per CTA at least."""
+    tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
+    return (tiles > sm_count // SPLIT_MAX_TILES_DIV and tiles % sm_count != 0
+            and tiles * k_blocks(k) >= MIN_KBLOCKS_PER_SPLIT * sm_count)
+
+
+def stream_k_partition(tiles: int, k_tiles: int, grid: int):
+    """The stream-K schedule of templates/matmul_sm90.cu.j2 (Walk, unit_at, fixup_of), in Python:
+    (sk_tiles, ctas) where ``ctas[c]`` lists CTA c's work units in order as (tile, kb0, kb1, segs,
+    seg, slot, slots): ``segs`` pieces of the tile (1: whole, no partial), this one's index ``seg``
+    in k order, its workspace slot and the slots of all the tile's pieces in k order (None for
+    whole tiles)."""
+    full, rem = divmod(tiles, grid)
+    sk_tiles = 0 if rem == 0 else (rem + grid if full >= 1 else rem)
+    S = sk_tiles * k_tiles
+    P = min(grid, S)
+    cta_of = lambda i: ((i + 1) * P - 1) // S   # noqa: E731 - the owner of iteration i
+    start = lambda c: c * S // P                # noqa: E731
+    ctas = []
+    for c in range(grid):
+        units = []
+        if c < P:
+            it0, it1 = start(c), start(c + 1)
+            for t in range(it0 // k_tiles, (it1 - 1) // k_tiles + 1):
+                lo = t * k_tiles
+                c_first, c_last = cta_of(lo), cta_of(lo + k_tiles - 1)
+                segs = c_last - c_first + 1
+                kb0, kb1 = max(it0, lo) - lo, min(it1, lo + k_tiles) - lo
+                if segs == 1:
+                    units.append((t, kb0, kb1, 1, 0, None, None))
+                    continue
+                first = 2 * c_first + (0 if start(c_first) == lo else 1)
+                slots = [first] + [2 * (c_first + i) for i in range(1, segs)]
+                units.append((t, kb0, kb1, segs, c - c_first, 2 * c + (0 if lo + kb0 == it0 else 1), slots))
+        units += [(t, 0, k_tiles, 1, 0, None, None) for t in range(sk_tiles + c, tiles, grid)]
+        ctas.append(units)
+    return sk_tiles, ctas
+
+
+def workspace_bytes(cfg: "MatmulSm90Config", m: int, n: int, k: int, batch: int, grid: int = 0) -> int:
+    """Split-K partials: one float32 tile per (tile, split); stream-K: two per CTA of ``grid``;
+    0 for neither."""
+    area4 = cfg.block_m * cfg.block_n * 4
+    if cfg.stream_k:
+        return 2 * grid * area4
     splits = min(cfg.split_k, k_blocks(k))
     if splits == 1:
         return 0
-    return arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch, split_k=splits) * \
-        cfg.block_m * cfg.block_n * 4
+    return arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch, split_k=splits) * area4
 
 
-def counter_bytes(cfg: "MatmulSm90Config", m: int, n: int, batch: int) -> int:
-    """Split-K counters: one int32 per (tile, consumer warpgroup); 0 for split_k = 1."""
-    if cfg.split_k == 1:
-        return 0
-    return arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch) * 2 * 4
+def counter_bytes(cfg: "MatmulSm90Config", m: int, n: int, batch: int, grid: int = 0) -> int:
+    """Split-K / stream-K counters: one int32 per (tile, consumer warpgroup) (stream-K: of its
+    first 2 x ``grid`` tiles, where its pieces are); 0 for neither."""
+    tiles = arch_mod.matmul_tiles(m, n, cfg.block_m, cfg.block_n, batch=batch)
+    if cfg.stream_k:
+        return min(tiles, 2 * grid) * 2 * 4
+    return 0 if cfg.split_k == 1 else tiles * 2 * 4
 
 
-def _config(tile: _Tile, dtype: str, split_k: int = 1, **layout) -> MatmulSm90Config:
+def _config(tile: _Tile, dtype: str, split_k: int = 1, stream_k: bool = False, **layout) -> MatmulSm90Config:
     return MatmulSm90Config(dtype=dtype, block_m=tile.block_m, block_n=tile.block_n, num_stages=tile.num_stages,
-                            split_k=split_k, **layout)
+                            split_k=split_k, stream_k=stream_k, **layout)
+
+
+def _schedules(tiles, m, n, k, batch, sm_count, stream_k: bool = True):
+    """(time, split_k, stream_k, tile area, index) of every split-K / stream-K schedule weighed."""
+    out = []
+    for i, t in enumerate(tiles):
+        area = t.block_m * t.block_n
+        out += [(schedule_us(t, m, n, k, batch, sm_count, s), s, False, area, i)
+                for s in splits_for(t, m, n, k, batch, sm_count) if s > 1]
+        if stream_k and stream_k_weighed(t, m, n, k, batch, sm_count):
+            out.append((schedule_us(t, m, n, k, batch, sm_count, stream_k=True), 1, True, area, i))
+    return out
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
-                     **layout) -> MatmulSm90Config:
-    """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma."""
+                     stream_k: bool = True, **layout) -> MatmulSm90Config:
+    """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma.
+    ``stream_k``: False leaves the stream-K schedule out (RTKERNELS_MATMUL_STREAM_K=0)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
     # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
     wgmma = layout.get("mma", "wgmma") == "wgmma"
     tiles = TILES if wgmma else [t for t in TILES if t.block_m == 128]
-    # ties go to fewer splits, then to the smaller tile (less work wasted on the zero-filled border)
-    choices = [(split_cost(t, m, n, k, batch, sm_count, s), s, t.block_m * t.block_n, i)
-               for i, t in enumerate(tiles) for s in (splits_for(t, m, n, k, batch, sm_count) if wgmma else (1,))]
-    _, split_k, _, i = min(choices)
-    return _config(tiles[i], dtype, split_k, **layout)
+    # the data-parallel tile: ties go to the smaller tile (less work wasted on the zero-filled border)
+    _, _, i = min((estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n, i) for i, t in enumerate(tiles))
+    dp = _config(tiles[i], dtype, **layout)
+    if not wgmma:
+        return dp
+    # ties among the others go to fewer splits, then to split-K, then to the smaller tile
+    cands = _schedules(tiles, m, n, k, batch, sm_count, stream_k)
+    if cands:
+        best, split_k, sk, _, j = min(cands)
+        if best < SCHEDULE_MARGIN * schedule_us(tiles[i], m, n, k, batch, sm_count):
+            return _config(tiles[j], dtype, split_k, sk, **layout)
+    return dp
 
 
 def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
@@ -283,8 +405,9 @@ def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
 
 
 def split_candidates(dtype: str, m: int, n: int, k: int, batch: int, sm_count: int, **layout) -> list[MatmulSm90Config]:
-    """Split-K configs the autotuner adds for this shape: each heuristic tile with the split count
-    the model likes best for it (none where no split is weighed, or for mma.sync consumers)."""
+    """Split-K / stream-K configs the autotuner adds for this shape: each heuristic tile with the
+    split count the model likes best for it, and with stream-K where it is weighed (none for
+    mma.sync consumers)."""
     if layout.get("mma", "wgmma") != "wgmma":
         return []
     out = []
@@ -293,6 +416,8 @@ def split_candidates(dtype: str, m: int, n: int, k: int, batch: int, sm_count: i
         if splits:
             best = min(splits, key=lambda s: split_cost(t, m, n, k, batch, sm_count, s))
             out.append(_config(t, dtype, best, **layout))
+        if stream_k_weighed(t, m, n, k, batch, sm_count):
+            out.append(_config(t, dtype, stream_k=True, **layout))
     return out
 
 
@@ -321,8 +446,10 @@ def operand_maps(ptr: int, rows: int, cols: int, ld: int, batch: int, batch_stri
 
 def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int, k: int = 1) -> int:
     """CTAs of the persistent grid: one per work unit (tile x split; ``k`` for the clamp of
-    split_k to the k-blocks), at most one per SM."""
-    units = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch * min(cfg.split_k, k_blocks(k))
+    split_k to the k-blocks), at most one per SM; stream-K: one per SM (at most one per k-block:
+    the kernel gives every sharing CTA one k-block at least)."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
+    units = tiles * (k_blocks(k) if cfg.stream_k else min(cfg.split_k, k_blocks(k)))
     return max(1, min(units, sm_count))
 
 
