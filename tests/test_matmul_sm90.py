@@ -443,7 +443,7 @@ def _check(got, ref, peer, what):
     err = np.abs(got - ref).max()
     peer_err = np.abs(peer - ref).max()
     scale = max(np.abs(ref).max(), 1.0)
-    assert np.isfinite(got).all(), what
+    assert np.isfinite(got).all(), f"{what}: non-finite output (unwritten or NaN)"
     assert err <= 2 * peer_err + 1e-6 * scale, f"{what}: max error {err:.3g} vs cuBLAS {peer_err:.3g}"
 
 
