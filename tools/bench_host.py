@@ -255,6 +255,15 @@ def main() -> None:
                                   "git archive <commit> rtkernels templates | tar -x -C base)")
     p.add_argument("--name", default="bench_host", help="JSON file name under --out")
     p.add_argument("--profile", action="store_true", help="only cProfile the hot paths (profile())")
+    p.add_argument("--cpu-model", action="store_true",
+                   help="no GPU: run tools/host_model.py instead (rtk's Python per call with the launch, cupy.empty, "
+                        "tensor-map encoding and torch's stream query stubbed; its docstring lists every stub); "
+                        "arguments after -- go to it")
+    if "--cpu-model" in sys.argv:
+        import host_model
+        rest = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+        host_model.main(rest)
+        return
     ns = p.parse_args()
     if ns.profile:
         profile(ns.out)
