@@ -220,7 +220,9 @@ _MULTI_GPU: list = []
 def _bind_cupy() -> None:
     global _NDARRAY, _CUPY_EMPTY
     import cupy
-    _NDARRAY, _CUPY_EMPTY = cupy.ndarray, cupy.empty
+    # cupy.empty(shape, dtype) is cupy.ndarray(shape, dtype, order="C") behind a Python frame;
+    # the constructor itself (order "C" by default) saves that frame per allocated output
+    _NDARRAY, _CUPY_EMPTY = cupy.ndarray, cupy.ndarray
 
 
 _OTHER_TYPES: set = set()          # types seen that are not torch tensors (CuPy arrays, ...)
@@ -287,36 +289,32 @@ class LaunchPlans:
         if not _MULTI_GPU:
             from .. import device
             _MULTI_GPU.append(device.gpu_count() > 1)
-        if not _MULTI_GPU[0]:   # with one GPU every array is on device 0: no device reads
-            return _key_one_gpu(arrays, options)
-        multi = True
+        if _MULTI_GPU[0]:
+            return _key_multi_gpu(arrays, options)
+        # one GPU: every array and the current device are device 0 (no device reads, no
+        # per-array device bookkeeping); written out here, not in a helper, to save the frame
         sigs = []
-        kind = dev = None
+        kind = -1
         for a in arrays:
             if a is None:
                 sigs.append(None)
                 continue
             t = type(a)
             if t is _NDARRAY:
-                mem = a.data
-                sigs.append((a.dtype, a.shape, a.strides, mem.ptr & 15))
-                k, d = 0, (mem.device_id if multi else 0)
+                if kind == 1:
+                    return None
+                kind = 0
+                sigs.append((a.dtype, a.shape, a.strides, a.data.ptr & 15))
             elif (t in _TORCH_TYPES or _torch_type(t)) and a.is_cuda:
+                if kind == 0:
+                    return None
+                kind = 1
                 sigs.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
-                k, d = 1, (a.get_device() if multi else 0)
             else:
                 return None
-            if kind is None:
-                kind, dev = k, d
-            elif k != kind or d != dev:
-                return None
-        if kind is None:
+        if kind < 0:
             return None
-        if multi:
-            import cupy
-            if dev != cupy.cuda.runtime.getDevice():
-                return None
-        return (kind, dev, tuple(sigs), options)
+        return (kind, 0, tuple(sigs), options)
 
     def get(self, key):
         if key is None:
@@ -343,31 +341,35 @@ class LaunchPlans:
         return len(self._plans)
 
 
-def _key_one_gpu(arrays, options):
-    """LaunchPlans.key on a machine with one GPU: the same key, without the device reads and
-    per-array (kind, device) bookkeeping (the key's device is 0)."""
+def _key_multi_gpu(arrays, options):
+    """LaunchPlans.key on a machine with several GPUs: each array's device is read, all must be
+    the current device, and the key carries it."""
     sigs = []
-    kind = -1
+    kind = dev = None
     for a in arrays:
         if a is None:
             sigs.append(None)
             continue
         t = type(a)
         if t is _NDARRAY:
-            if kind == 1:
-                return None
-            kind = 0
-            sigs.append((a.dtype, a.shape, a.strides, a.data.ptr & 15))
+            mem = a.data
+            sigs.append((a.dtype, a.shape, a.strides, mem.ptr & 15))
+            k, d = 0, mem.device_id
         elif (t in _TORCH_TYPES or _torch_type(t)) and a.is_cuda:
-            if kind == 0:
-                return None
-            kind = 1
             sigs.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
+            k, d = 1, a.get_device()
         else:
             return None
-    if kind < 0:
+        if kind is None:
+            kind, dev = k, d
+        elif k != kind or d != dev:
+            return None
+    if kind is None:
         return None
-    return (kind, 0, tuple(sigs), options)
+    import cupy
+    if dev != cupy.cuda.runtime.getDevice():
+        return None
+    return (kind, dev, tuple(sigs), options)
 
 
 @dataclass(frozen=True)
@@ -429,7 +431,7 @@ class OutputPlan:
             if self.like_input:   # empty_like keeps exact strides of a dense input: those recorded
                 return sys.modules["torch"].empty_like(like)
             return like.new_empty(self.out_shape, dtype=self.out_dtype)
-        return empty_as(like, self.out_shape, self.out_dtype)
+        return _CUPY_EMPTY(self.out_shape, self.out_dtype)   # a CuPy plan: the key proved like a cupy.ndarray
 
     def replay(self, arrays, stream, args=None, dev=None) -> None:
         """Launch on ``arrays`` (this plan's kind of array, or None where the plan has none).
@@ -490,7 +492,7 @@ class OutputPlan:
         a plain one (a parsed signature, a non-empty grid, no RTKERNELS_SYNC_LAUNCH check)."""
         from ..kernel import _SYNC_CHECK, _stream_arg
         import cupy
-        bound = self._bind(arrays, args)
+        bound = self.bound[0] if self.bound else self._bind(arrays, args)
         if not _STREAM_TYPE:
             _STREAM_TYPE.append(cupy.cuda.Stream)
             _STREAM_ARG.append(_stream_arg)
