@@ -161,13 +161,16 @@ def torch_ops(rows: Rows):
     from rtkernels.torch._library import floor_op
     att_floor, att_fn = floor_op(str(torch.ops.rtk.attention.default._schema).split("::", 1)[1], (o, lse))
     sm_floor, sm_fn = floor_op(str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], x)
-    att_ffloor, att_ffn = floor_op(str(torch.ops.rtk.attention.default._schema).split("::", 1)[1], (o, lse),
-                                   fresh=True)
-    sm_ffloor, sm_ffn = floor_op(str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], x, fresh=True)
-    rows.add("torch: floor op (new outputs), attention schema", lambda: att_ffloor(q, q, q, True))
-    rows.add("torch: floor fn (new outputs), attention schema", lambda: att_ffn(q, q, q, True))
-    rows.add("torch: floor op (new outputs), softmax schema", lambda: sm_ffloor(x))
-    rows.add("torch: floor fn (new outputs), softmax schema", lambda: sm_ffn(x))
+    try:   # the floor of ops that return new tensors, as rtk's do (an older --tree lacks it)
+        att_ffloor, att_ffn = floor_op(str(torch.ops.rtk.attention.default._schema).split("::", 1)[1], (o, lse),
+                                       fresh=True)
+        sm_ffloor, sm_ffn = floor_op(str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], x, fresh=True)
+        rows.add("torch: floor op (new outputs), attention schema", lambda: att_ffloor(q, q, q, True))
+        rows.add("torch: floor fn (new outputs), attention schema", lambda: att_ffn(q, q, q, True))
+        rows.add("torch: floor op (new outputs), softmax schema", lambda: sm_ffloor(x))
+        rows.add("torch: floor fn (new outputs), softmax schema", lambda: sm_ffn(x))
+    except TypeError:
+        pass
     rows.add("torch: floor op, attention schema", lambda: att_floor(q, q, q, True))
     rows.add("torch: floor fn, attention schema", lambda: att_fn(q, q, q, True))
     rows.add("torch: floor op, softmax schema", lambda: sm_floor(x))
