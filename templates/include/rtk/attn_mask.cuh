@@ -63,8 +63,9 @@ __device__ __forceinline__ int padded_start(int start, int b) {
 // dense grid (tile fastest); with heads fastest the ~132 resident CTAs spanned every head of a
 // long sequence (16 heads x 4 MB of K/V at 7.8k keys, d128).  Measured against heads fastest
 // (H100, 2026-11-25, bench_attention_masks --varlen, 32k tokens, causal, two interleaved rounds):
-// forward d128 +1-4%, d64 +-1%; backward d64 +3-7%, d128 +2%.  The slot's (sequence, tile) comes from the schedule the pre-kernel
-// wrote (templates/attention_schedule.cu.j2: heaviest first within each head's slots).  ``group``:
+// forward d128 +1-4%, d64 +-1%; backward d64 +3-7%, d128 +2%.  The slot's (sequence, tile) comes
+// from the schedule the pre-kernel wrote (templates/attention_schedule.cu.j2: heaviest first within
+// each head's slots).  ``group``:
 // query heads per kv head among the ``heads`` of the grid (1 where a CTA owns a kv head's whole
 // group, the backward).  False: an unused slot.
 struct TileCoord {
