@@ -84,11 +84,12 @@ def test_heuristic_schedules_follow_the_sweep():
     for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (2048, 4096, 4096), (512, 8192, 8192), (512, 4096, 4096)):
         c = h(*shape)
         assert _sched(c) == "s1", (shape, c)
-    # partial last waves (96 and 160 tiles of 128 x 256 on 132 SMs, 0.83x / 0.87x cuBLAS unsplit): stream-K
+    # partial last waves (96 and 160 tiles of 128 x 256 on 132 SMs, 0.83x / 0.87x cuBLAS unsplit): the
+    # model weighs stream-K there when asked, but rtk.matmul does not ask (it measured 0.40-0.49x)
     for shape in ((512, 6144, 4096), (512, 10240, 8192)):
-        assert h(*shape).stream_k, shape
-    # RTKERNELS_MATMUL_STREAM_K=0 takes it out; mma.sync consumers never split nor stream
-    assert not h(512, 10240, 8192, stream_k=False).stream_k
+        assert h(*shape, stream_k=True).stream_k, shape
+        assert _sched(h(*shape)) == "s1", shape
+    # mma.sync consumers never split nor stream
     sync = h(512, 10240, 8192, mma="sync", tma_store=False)
     assert _sched(sync) == "s1"
     # short K: every split would keep fewer than MIN_KBLOCKS_PER_SPLIT k-blocks

@@ -53,8 +53,11 @@ SM90_MMA = os.environ.get("RTKERNELS_MATMUL_SM90_MMA", "wgmma")
 # call signature is first planned (it is part of the plan keys).
 SPLIT_K_ENV = "RTKERNELS_MATMUL_SPLIT_K"
 # RTKERNELS_MATMUL_STREAM_K=1: the Hopper kernel (wgmma consumers) runs the stream-K schedule on
-# its heuristic's tile whatever the heuristic says; 0: the heuristic never picks stream-K.  Read
-# like RTKERNELS_MATMUL_SPLIT_K; the two cannot both force a schedule.
+# its heuristic's tile.  The heuristic itself does not pick stream-K: where its model chose it, the
+# schedule measured 0.40-0.62x cuBLAS (512 x {6144, 10240, 14336, 28672} x K, H100 2026-11-25,
+# `tools/bench_matmul.py --grid llm`) against 0.83-1.01x for the whole-tile schedule - correct
+# (tests/test_matmul_splitk.py), not yet fast.  Read like RTKERNELS_MATMUL_SPLIT_K; the two cannot
+# both force a schedule; 0 or unset: off.
 STREAM_K_ENV = "RTKERNELS_MATMUL_STREAM_K"
 # float16 / bfloat16 with at most 16 rows of C (the batch folded in) run the GEMV kernel
 # (ops/gemv.py, :func:`_plan_gemv`); False (or RTKERNELS_MATMUL_GEMV=0 at import) leaves them to
@@ -831,7 +834,7 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
                       tma_store=tma_store, mma=SM90_MMA)
         sms = device.sm_count()
-        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=stream_k is not False, **layout)
+        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=False, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
             return None
         if forced is not None and SM90_MMA == "wgmma":

@@ -373,9 +373,10 @@ def _schedules(tiles, m, n, k, batch, sm_count, stream_k: bool = True):
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
-                     stream_k: bool = True, **layout) -> MatmulSm90Config:
+                     stream_k: bool = False, **layout) -> MatmulSm90Config:
     """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma.
-    ``stream_k``: False leaves the stream-K schedule out (RTKERNELS_MATMUL_STREAM_K=0)."""
+    ``stream_k``: also weigh the stream-K schedule (off in rtk.matmul: measured 0.40-0.62x cuBLAS
+    where this model picked it, H100 2026-11-25; see matmul.STREAM_K_ENV)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
     # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
     wgmma = layout.get("mma", "wgmma") == "wgmma"
