@@ -24,3 +24,14 @@ def getenv(name: str, default: str | None = None) -> str | None:
 
 
 _KEYS: dict = {}
+
+
+def getenv_raw(name: str):
+    """The variable's value as the environment stores it (bytes on POSIX), or None: for keys that
+    only compare values (no decode per call)."""
+    if _DATA is None:
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = _ENCODE(name)
+    return _DATA.get(key)

@@ -657,14 +657,15 @@ class BoundLaunch:
     leading arguments ``head`` (a tuple) followed by the bound ones.  What the launcher would do
     per call after its checks, and nothing else."""
     __slots__ = ("kernel", "fn", "grid", "block", "linear", "tail", "shared_mem", "free", "raw_tail", "parsed",
-                 "keep", "_stream_type")
+                 "keep", "_stream_type", "_owners")
 
     def __init__(self, kernel, fn, grid, block, linear, tail, shared_mem, free, raw_tail, keep=()):
         import cupy
         self.kernel, self.fn, self.grid, self.block, self.linear = kernel, fn, grid, block, linear
-        self.tail, self.shared_mem, self.free, self.raw_tail = tuple(tail), shared_mem, free, raw_tail
-        self.keep = keep   # the bound tensor maps' launch bytes (see convert)
         self.parsed = kernel._converters is not None   # else heads are raw arguments for launch()
+        self.tail, self._owners = _held(tail) if self.parsed and fn is not None else (tuple(tail), ())
+        self.shared_mem, self.free, self.raw_tail = shared_mem, free, raw_tail
+        self.keep = keep   # the bound tensor maps' launch bytes (see convert)
         self._stream_type = cupy.cuda.Stream
 
     def convert(self, head) -> tuple:
@@ -699,6 +700,46 @@ class BoundLaunch:
             self.kernel._launch_failed(exc, self.grid, self.block, self.shared_mem)
         if _SYNC_CHECK:
             self.kernel._sync_check(stream)
+
+
+_HELD: list = []   # (CNumpyArray, a null CPointer) of this CuPy, looked up once
+
+
+def _held(args) -> tuple:
+    """``(arguments, owners)``: converted launch arguments as CuPy's launch takes them without
+    converting again, and the arrays their holders point into (kept with them).
+
+    CuPy turns every argument that is not a ``CPointer`` into a new holder on each launch: a
+    Python int goes through ``numpy.int64`` (~0.5 us per argument on the development CPU,
+    2026-11-26, ``tools/host_model.py --cupy-args``), None, NumPy scalars and records ~0.2 us.
+    A bound launch repeats the same scalars, so they are converted here once into the bytes CuPy
+    itself would pass (an int as int64, a float as float64, a NumPy scalar as its own type, None
+    as a null pointer), each in a 0-d array of its own behind a ``CNumpyArray`` (which points at
+    the array's data; a holder made from a bare scalar would point at a temporary).  Arrays,
+    pointer holders and anything else stay as they are."""
+    if not _HELD:
+        try:
+            from cupy.cuda.function import CNumpyArray, CPointer
+            _HELD.append((CNumpyArray, CPointer()))
+        except ImportError:   # an older CuPy: CuPy converts per launch, as before
+            _HELD.append(None)
+    if _HELD[0] is None:
+        return tuple(args), ()
+    numpy_arg, null = _HELD[0]
+    out, owners = [], []
+    for a in args:
+        if a is None:
+            a = null
+        elif type(a) in (int, float) or isinstance(a, np.number) or type(a) is np.bool_:
+            try:
+                arr = np.array(a)   # int -> int64, float -> float64, NumPy scalars keep their type
+            except OverflowError:   # left to CuPy's launch (and its error)
+                arr = None
+            if arr is not None and arr.dtype.kind in "biuf" and arr.ndim == 0:
+                owners.append(arr)
+                a = numpy_arg(arr)
+        out.append(a)
+    return tuple(out), tuple(owners)
 
 
 def _unowned(a, holder):

@@ -2,6 +2,8 @@
 recording stand-in here), and how launch plans key a call.  GPU timings: tools/bench_host.py."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -127,6 +129,18 @@ def _addr(a):
     return ctypes.c_uint64.from_address(a.ptr).value
 
 
+def _param(a, np_type):
+    """The value a kernel parameter of ``np_type`` reads from a launch argument: a CuPy holder's
+    leading bytes (the driver copies the parameter's size), else the argument as CuPy converts
+    it (a Python int as int64, whose low bytes come first on a little-endian host)."""
+    from cupy.cuda.function import CPointer
+    if isinstance(a, CPointer):
+        return np.frombuffer(ctypes.string_at(a.ptr, np.dtype(np_type).itemsize), np_type)[0]
+    if type(a) is int:
+        a = np.int64(a)
+    return np.frombuffer(np.asarray(a).tobytes()[:np.dtype(np_type).itemsize], np_type)[0]
+
+
 def test_bound_launch_hands_over_what_launch_does(kernel, fn):
     """Kernel.bind converts the trailing arguments once; run(head) passes head + them, as the
     launcher would have passed the same arguments."""
@@ -143,8 +157,11 @@ def test_bound_launch_hands_over_what_launch_does(kernel, fn):
     bound.run(head, 99)
     got = fn.calls[-1]
     assert got[:3] == want[:3] and got[4:] == want[4:] and got[5].ptr == 99
-    assert [_addr(a) for a in got[3][:3]] == [4096, None, 8192] and got[3][3] == want[3][3] == 5
-    assert got[3][4] == want[3][4] and got[3][5] is want[3][5]
+    assert [_addr(a) for a in got[3][:3]] == [4096, None, 8192]
+    # the bound scalars are held as the bytes CuPy would pass: what the kernel reads is the same
+    assert _param(got[3][3], np.int32) == _param(want[3][3], np.int32) == 5
+    assert _param(got[3][4], np.float32) == _param(want[3][4], np.float32) == np.float32(1.5)
+    assert got[3][5] is want[3][5]
     with pytest.raises(LaunchError, match="device 1"):
         bound.convert((TorchLike(1, dev=1), None, None))
     empty = kernel.bind((0,), (128,), None, None, None, 5, 1.5, m, free=3)
@@ -186,7 +203,7 @@ def test_output_plan_replays_by_address(kernel, fn, monkeypatch):
     plan.replay((a, None, _TorchArray(16384)), 5)
     assert len(plan.bound) == 1
     assert [_addr(x) for x in (fn.calls[-2][3][0], fn.calls[-2][3][2], fn.calls[-1][3][2])] == [4096, 8192, 16384]
-    assert fn.calls[-1][3][3] == 7 and fn.calls[-1][0] == "linear"
+    assert _param(fn.calls[-1][3][3], np.int32) == 7 and fn.calls[-1][0] == "linear"
 
     built = []
 
@@ -246,6 +263,70 @@ def test_plan_keys(monkeypatch):
     assert plans.get(unhashable) is None
     plans.put(unhashable, "x")   # skipped, no error
     assert len(plans) == 1
+
+
+def test_plan_key_proves_layout_and_device(monkeypatch):
+    """A plan hit needs the same dtype, shape, strides, 16-byte alignment class and device (and
+    array kind) as the call that recorded it: any change is a different key (a miss: the full
+    path's checks run again)."""
+    import cupy
+    monkeypatch.setattr(_arrays, "_NDARRAY", FakeArray)
+    monkeypatch.setattr(_arrays, "_MULTI_GPU", [False])
+    plans = _arrays.LaunchPlans()
+    a = FakeArray((4, 64), 1 << 20)
+    plans.put(plans.key((a, None), ("op",)), "plan")
+    same = FakeArray((4, 64), 3 << 20)
+    assert plans.get(plans.key((same, None), ("op",))) == "plan"
+    t = FakeArray((64, 4), 1 << 20)
+    t.shape, t.strides = (4, 64), (2, 8)     # the transpose's layout: same shape, other strides
+    changed = [FakeArray((4, 64), 1 << 20, "float32"), FakeArray((8, 32), 1 << 20), FakeArray((4, 64, 1), 1 << 20),
+               t, FakeArray((4, 64), (1 << 20) + 2)]
+    for c in changed:
+        assert plans.get(plans.key((c, None), ("op",))) is None, (c.dtype, c.shape, c.strides, c.data.ptr)
+    assert plans.get(plans.key((a, a), ("op",))) is None          # out given: another signature
+    assert plans.get(plans.key((a, None), ("op", 1))) is None     # another option
+    assert plans.key((a, TorchLike(4096)), ("op",)) is None         # mixed kinds: no plan
+    # several GPUs: the device is part of the key, and a call off the current device has none
+    monkeypatch.setattr(_arrays, "_MULTI_GPU", [True])
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    on1 = FakeArray((4, 64), 1 << 20)
+    on1.data.device_id = 1
+    k0 = plans.key((a, None), ("op",))
+    assert k0[1] == 0 and plans.key((on1, None), ("op",)) is None
+    assert plans.key((a, on1), ("op",)) is None
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 1)
+    k1 = plans.key((on1, None), ("op",))
+    assert k1 is not None and k1[1] == 1 and k1 != k0
+
+
+def test_bound_scalars_are_held_once(kernel, fn):
+    """Kernel.bind converts the bound scalars into CuPy holders once (CuPy converts anything
+    else on every launch): ints as int64, floats as float64, NumPy scalars as themselves, None
+    as a null pointer; the holders' arrays stay referenced by the bound launch."""
+    from cupy.cuda.function import CPointer
+    from rtkernels.kernel import _held
+    held, owners = _held((None, 7, -3, 2.5, np.float32(1.5), np.int32(-9), np.bool_(True), "x", 1 << 70))
+    assert all(isinstance(h, CPointer) for h in held[:7]) and held[7] == "x" and held[8] == 1 << 70
+    assert held[0].ptr == 0 and len(owners) == 6
+    got = [np.frombuffer(ctypes.string_at(h.ptr, o.itemsize), o.dtype)[0] for h, o in zip(held[1:7], owners)]
+    assert got == [7, -3, 2.5, np.float32(1.5), -9, True]
+    assert [o.dtype for o in owners] == [np.int64, np.int64, np.float64, np.float32, np.int32, np.bool_]
+    bound = kernel.bind((1,), (32,), None, None, None, 5, 1.5, _map(), free=3)
+    assert all(isinstance(a, CPointer) for a in bound.tail[:2])
+
+
+def test_plan_key_of_torch_tensors_proves_layout(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", True, raising=False)   # CPU tensors standing in for CUDA ones
+    monkeypatch.setattr(_arrays, "_MULTI_GPU", [False])
+    plans = _arrays.LaunchPlans()
+    base = torch.zeros(64, 64, dtype=torch.float16)
+    x = base[:4]
+    plans.put(plans.key((x, None), ("op",)), "plan")
+    assert plans.get(plans.key((base[8:12], None), ("op",))) == "plan"     # same layout, other (aligned) address
+    for c in (x.float(), base[:8], base[:4, :32], base[:64].t()[:4], base.view(-1)[1:257].view(4, 64)):
+        assert plans.get(plans.key((c, None), ("op",))) is None, (c.dtype, tuple(c.shape), c.stride())
+    assert plans.key((x, FakeArray((4, 64), 1 << 20)), ("op",)) is None   # torch and CuPy mixed
 
 
 def test_plan_keys_of_torch_tensors():

@@ -119,6 +119,24 @@ def torch_stream_ptr(torch, dev: int) -> int:
     return _RAW_STREAM[0](dev)
 
 
+_TORCH_STREAMS: dict = {}   # raw handle -> the holder CuPy's Function reads .ptr from
+
+
+def _torch_stream_arg(dev: int):
+    """torch's current stream on ``dev`` as CuPy's Function takes it: the raw handle (one C call)
+    mapped to a cached holder, so a torch replay builds no stream object."""
+    if not _RAW_STREAM:
+        torch_stream_ptr(sys.modules["torch"], dev)
+    ptr = _RAW_STREAM[0](dev)
+    held = _TORCH_STREAMS.get(ptr)
+    if held is None:
+        from ..kernel import _StreamPtr
+        if len(_TORCH_STREAMS) > 256:
+            _TORCH_STREAMS.clear()
+        held = _TORCH_STREAMS[ptr] = _StreamPtr(ptr)
+    return held
+
+
 class _RawStream:
     """A raw stream handle in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
     __slots__ = ("ptr",)
@@ -202,7 +220,9 @@ _MULTI_GPU: list = []
 def _bind_cupy() -> None:
     global _NDARRAY, _CUPY_EMPTY
     import cupy
-    _NDARRAY, _CUPY_EMPTY = cupy.ndarray, cupy.empty
+    # cupy.empty(shape, dtype) is cupy.ndarray(shape, dtype, order="C") behind a Python frame;
+    # the constructor itself (order "C" by default) saves that frame per allocated output
+    _NDARRAY, _CUPY_EMPTY = cupy.ndarray, cupy.ndarray
 
 
 _OTHER_TYPES: set = set()          # types seen that are not torch tensors (CuPy arrays, ...)
@@ -269,34 +289,32 @@ class LaunchPlans:
         if not _MULTI_GPU:
             from .. import device
             _MULTI_GPU.append(device.gpu_count() > 1)
-        multi = _MULTI_GPU[0]   # with one GPU every array is on device 0: no device reads
+        if _MULTI_GPU[0]:
+            return _key_multi_gpu(arrays, options)
+        # one GPU: every array and the current device are device 0 (no device reads, no
+        # per-array device bookkeeping); written out here, not in a helper, to save the frame
         sigs = []
-        kind = dev = None
+        kind = -1
         for a in arrays:
             if a is None:
                 sigs.append(None)
                 continue
             t = type(a)
             if t is _NDARRAY:
-                mem = a.data
-                sigs.append((a.dtype, a.shape, a.strides, mem.ptr & 15))
-                k, d = 0, (mem.device_id if multi else 0)
+                if kind == 1:
+                    return None
+                kind = 0
+                sigs.append((a.dtype, a.shape, a.strides, a.data.ptr & 15))
             elif (t in _TORCH_TYPES or _torch_type(t)) and a.is_cuda:
+                if kind == 0:
+                    return None
+                kind = 1
                 sigs.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
-                k, d = 1, (a.get_device() if multi else 0)
             else:
                 return None
-            if kind is None:
-                kind, dev = k, d
-            elif k != kind or d != dev:
-                return None
-        if kind is None:
+        if kind < 0:
             return None
-        if multi:
-            import cupy
-            if dev != cupy.cuda.runtime.getDevice():
-                return None
-        return (kind, dev, tuple(sigs), options)
+        return (kind, 0, tuple(sigs), options)
 
     def get(self, key):
         if key is None:
@@ -323,6 +341,37 @@ class LaunchPlans:
         return len(self._plans)
 
 
+def _key_multi_gpu(arrays, options):
+    """LaunchPlans.key on a machine with several GPUs: each array's device is read, all must be
+    the current device, and the key carries it."""
+    sigs = []
+    kind = dev = None
+    for a in arrays:
+        if a is None:
+            sigs.append(None)
+            continue
+        t = type(a)
+        if t is _NDARRAY:
+            mem = a.data
+            sigs.append((a.dtype, a.shape, a.strides, mem.ptr & 15))
+            k, d = 0, mem.device_id
+        elif (t in _TORCH_TYPES or _torch_type(t)) and a.is_cuda:
+            sigs.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
+            k, d = 1, a.get_device()
+        else:
+            return None
+        if kind is None:
+            kind, dev = k, d
+        elif k != kind or d != dev:
+            return None
+    if kind is None:
+        return None
+    import cupy
+    if dev != cupy.cuda.runtime.getDevice():
+        return None
+    return (kind, dev, tuple(sigs), options)
+
+
 @dataclass(frozen=True)
 class Launch:
     """A recorded kernel launch: the kernel, grid, block, dynamic shared memory and the
@@ -345,6 +394,8 @@ class Launch:
 
 _RECENT_PER_PLAN = 8   # address sets a plan keeps converted tensor-map arguments for
 _HOLDER: list = []     # CuPy's pointer-argument holder (CIntptr), looked up once
+_STREAM_TYPE: list = []   # cupy.cuda.Stream, looked up once
+_STREAM_ARG: list = []    # rtkernels.kernel._stream_arg (a stream as CuPy's Function takes it)
 
 
 @dataclass(frozen=True)
@@ -358,6 +409,7 @@ class OutputPlan:
     extra: object = None
     like_input: bool = False   # a torch output laid out as the op's first input: torch.empty_like(x)
     bound: list = field(default_factory=list, compare=False, repr=False)    # [BoundLaunch], made at first replay
+    fast: list = field(default_factory=list, compare=False, repr=False)     # [what replay launches with]
     recent: dict = field(default_factory=dict, compare=False, repr=False)   # addresses -> converted arguments
 
     @classmethod
@@ -375,22 +427,81 @@ class OutputPlan:
         """``out``, or a new output on ``like``'s device (``like``: the first input of the call)."""
         if out is not None:
             return out
-        if self.like_input:   # empty_like keeps exact strides of a dense input: those recorded
-            return sys.modules["torch"].empty_like(like)
-        return empty_as(like, self.out_shape, self.out_dtype)
+        if self.torch:
+            if self.like_input:   # empty_like keeps exact strides of a dense input: those recorded
+                return sys.modules["torch"].empty_like(like)
+            return like.new_empty(self.out_shape, dtype=self.out_dtype)
+        return _CUPY_EMPTY(self.out_shape, self.out_dtype)   # a CuPy plan: the key proved like a cupy.ndarray
 
-    def replay(self, arrays, stream, args=None) -> None:
+    def replay(self, arrays, stream, args=None, dev=None) -> None:
         """Launch on ``arrays`` (this plan's kind of array, or None where the plan has none).
 
         The launch is bound once (:meth:`Launch.bind`: grid, block and scalar arguments converted
-        and checked), so a replay hands CuPy the arrays' addresses and converts nothing else (the
-        launcher's per-argument conversions were ~40% of a torch replay's host time in a CPU
-        profile, 2026-11-25).  ``args(extra, arrays)`` builds the kernel's array arguments when
-        they are not the arrays themselves (tensor maps): converted once per address set, the
-        last few sets kept (a caching allocator hands a loop the same addresses call after call;
-        a miss costs about what a launch through Kernel.launch costs).  ``stream`` as
-        Kernel.launch takes it."""
+        and checked, the scalars into the holders CuPy launches without converting), so a replay
+        hands CuPy the arrays' addresses and converts nothing else (the launcher's per-argument
+        conversions were ~40% of a torch replay's host time in a CPU profile, 2026-11-25).
+        ``args(extra, arrays)`` builds the kernel's array arguments when they are not the arrays
+        themselves (tensor maps): converted once per address set, the last few sets kept (a
+        caching allocator hands a loop the same addresses call after call; a miss costs about
+        what a launch through Kernel.launch costs).  ``stream`` as Kernel.launch takes it; for a
+        torch plan with ``dev`` given (the plan key's device), None is torch's current stream on
+        that device, as :func:`default_stream` gives it."""
+        fast = self.fast
+        if not fast:
+            return self._first_replay(arrays, stream, args, dev)
+        fn, linear, grid, block, tail, smem, block0, bound = fast[0]
+        if self.torch:
+            if stream is None:
+                if dev is not None:
+                    stream = _torch_stream_arg(dev)
+            elif type(stream) is not _STREAM_TYPE[0]:
+                stream = _STREAM_ARG[0](stream)
+            if args is None:
+                holder = _HOLDER[0]
+                head = tuple([None if a is None else holder(a.data_ptr()) for a in arrays])
+            else:
+                head = self._converted(tuple([None if a is None else a.data_ptr() for a in arrays]), arrays, args,
+                                       bound)
+        else:
+            if stream is not None and type(stream) is not _STREAM_TYPE[0]:
+                stream = _STREAM_ARG[0](stream)
+            if args is None:   # CuPy takes its arrays as they are
+                head = tuple(arrays)
+            else:
+                head = self._converted(tuple([None if a is None else a.data.ptr for a in arrays]), arrays, args,
+                                       bound)
+        try:   # BoundLaunch.run's launch, inlined (one Python frame less per call)
+            if linear:
+                fn.linear_launch(linear, head + tail, smem, block0, stream)
+            else:
+                fn(grid, block, head + tail, smem, stream)
+        except Exception as exc:
+            bound.kernel._launch_failed(exc, grid, block, smem)
+
+    def _converted(self, addrs, arrays, args, bound):
+        hit = self.recent.get(addrs)
+        if hit is None:
+            hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
+            if len(self.recent) >= _RECENT_PER_PLAN:
+                self.recent.clear()
+            self.recent[addrs] = hit
+        return hit[0]
+
+    def _first_replay(self, arrays, stream, args, dev) -> None:
+        """Bind, then replay; the inlined launch serves later replays where the bound launch is
+        a plain one (a parsed signature, a non-empty grid, no RTKERNELS_SYNC_LAUNCH check)."""
+        from ..kernel import _SYNC_CHECK, _stream_arg
+        import cupy
         bound = self.bound[0] if self.bound else self._bind(arrays, args)
+        if not _STREAM_TYPE:
+            _STREAM_TYPE.append(cupy.cuda.Stream)
+            _STREAM_ARG.append(_stream_arg)
+        if bound.parsed and bound.fn is not None and not _SYNC_CHECK:
+            self.fast.append((bound.fn, bound.linear, bound.grid, bound.block, bound.tail, bound.shared_mem,
+                              bound.block[0], bound))
+            return self.replay(arrays, stream, args, dev)
+        if self.torch and stream is None and dev is not None:
+            stream = torch_stream_ptr(sys.modules["torch"], dev)
         if args is None:
             if self.torch and bound.parsed:
                 holder = _HOLDER[0]
@@ -398,17 +509,8 @@ class OutputPlan:
             else:   # CuPy takes its arrays as they are (and an unparsed kernel's launch() anything)
                 head = tuple(arrays)
         else:
-            if self.torch:
-                addrs = tuple([None if a is None else a.data_ptr() for a in arrays])
-            else:
-                addrs = tuple([None if a is None else a.data.ptr for a in arrays])
-            hit = self.recent.get(addrs)
-            if hit is None:
-                hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
-                if len(self.recent) >= _RECENT_PER_PLAN:
-                    self.recent.clear()
-                self.recent[addrs] = hit
-            head = hit[0]
+            addrs = tuple([None if a is None else (a.data_ptr() if self.torch else a.data.ptr) for a in arrays])
+            head = self._converted(addrs, arrays, args, bound)
         bound.run(head, stream)
 
     def _bind(self, arrays, args):

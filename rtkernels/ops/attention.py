@@ -16,7 +16,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from .. import arch as _arch
 from .. import autotune as _autotune
-from .._env import getenv
+from .._env import getenv_raw
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from . import views as _views
@@ -529,7 +529,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                                                      softcap)
     plan = _FORWARD_PLANS.get(plan_key)
     if plan is not None:
-        return _replay_forward(plan, q, k, v, out, return_lse, stream)
+        return _replay_forward(plan, q, k, v, out, return_lse, stream, plan_key[1])
     from ._arrays import as_device_array, new_like   # (below the replay: an import costs ~0.5 us a call)
     import cupy
     spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
@@ -647,10 +647,11 @@ _FORWARD_PLANS = LaunchPlans(1024)
 
 
 def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window=None, softcap=None):
-    if not _sm90.ENABLED or _autotune.enabled():
+    # the environment as stored (no decode per call); RTKERNELS_AUTOTUNE=1 takes the full path
+    if not _sm90.ENABLED or (getenv_raw("RTKERNELS_AUTOTUNE") is not None and _autotune.enabled()):
         return None
     return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype, window, softcap,
-                                                  getenv("RTKERNELS_ARCH")))
+                                                  getenv_raw("RTKERNELS_ARCH")))
 
 
 def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, mask_args, q) -> None:
@@ -668,12 +669,17 @@ def _forward_args(extra, arrays) -> tuple:
     return (*_sm90.tensor_maps(cfg, *(address(a) for a in arrays[:4]), specs=specs), arrays[4])
 
 
-def _replay_forward(plan: OutputPlan, q, k, v, out, return_lse, stream):
+def _replay_forward(plan: OutputPlan, q, k, v, out, return_lse, stream, dev: int):
     o = plan.output(q, out)
-    lse = empty_as(q, *plan.extra[2]) if return_lse else None
+    if return_lse:
+        shape, dt = plan.extra[2]
+        lse = q.new_empty(shape, dtype=dt) if plan.torch else empty_as(q, shape, dt)
+    else:
+        lse = None
     # the four tensor maps encoded and converted once per (q, k, v, o, lse) addresses, which a
-    # loop keeps getting from the caching allocator; the launch's other arguments once per plan
-    plan.replay((q, k, v, o, lse), default_stream(q, stream), _forward_args)
+    # loop keeps getting from the caching allocator; the launch's other arguments once per plan;
+    # torch's current stream on the key's device when no stream is given
+    plan.replay((q, k, v, o, lse), stream, _forward_args, dev)
     return (o, lse) if return_lse else o
 
 

@@ -728,11 +728,11 @@ def _launch(key, launch: Launch, views, arrays, stream) -> None:
         _PLANS.put(key, OutputPlan.of(launch, arrays[-1], like=arrays[0]))
 
 
-def _replay(plan: OutputPlan, inputs: tuple, out, stream):
-    x = inputs[0]
-    out = plan.output(x, out)
-    # the launch bound once per plan: a replay passes the arrays' addresses, nothing is converted
-    plan.replay((*inputs, out), default_stream(x, stream) if plan.torch else stream)
+def _replay(plan: OutputPlan, inputs: tuple, out, stream, dev: int):
+    out = plan.output(inputs[0], out)
+    # the launch bound once per plan: a replay passes the arrays' addresses, nothing is converted;
+    # a torch plan with no stream given launches on torch's current stream on the key's device
+    plan.replay((*inputs, out), stream, None, dev)
     return out
 
 
@@ -767,7 +767,7 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     key = _PLANS.key((x, out), ("softmax", bool(log_softmax), axis, dtype, config)) if type(axis) is int else None
     plan = _PLANS.get(key)
     if plan is not None:
-        return _replay(plan, (x,), out, stream)
+        return _replay(plan, (x,), out, stream, key[1])
     op = "log_softmax" if log_softmax else "softmax"
     dt = _dtype_of(x, dtype, op)
     _check_axis(axis, _ndim(x), op)
@@ -832,7 +832,7 @@ def _norm(op, x, weight, bias, eps, out, dtype, stream, config, return_stats=Fal
     key = _PLANS.key(inputs + (out,), (op, eps, dtype, config)) if type(eps) is float else None
     plan = _PLANS.get(key)
     if plan is not None:
-        return _replay(plan, inputs, out, stream)
+        return _replay(plan, inputs, out, stream, key[1])
     launch, views, out = _norm_launch(op, inputs, eps, out, dtype, config, stats=False, stream=stream)
     if launch is not None:
         _launch(key, launch, views, (*inputs, out), stream)
@@ -949,7 +949,7 @@ def reduce(x, op: str = "sum", axis: int = -1, *, out=None, dtype: str | None = 
     key = _PLANS.key((x, out), ("reduce", op, axis, dtype, config)) if type(axis) is int else None
     plan = _PLANS.get(key)
     if plan is not None:
-        return _replay(plan, (x,), out, stream)
+        return _replay(plan, (x,), out, stream, key[1])
     name = f"reduce({op})"
     dt = _dtype_of(x, dtype, name)
     _check_axis(axis, _ndim(x), name)

@@ -218,25 +218,39 @@ def _function_class(opov, name: str, backward, setup_context):
 _FLOOR: dict = {}
 
 
-def floor_op(schema: str, outputs, device: str = "CUDA"):
+def floor_op(schema: str, outputs, device: str = "CUDA", fresh: bool = False):
     """``(op, fn)``: an op ``rtk_floor::<name>`` of ``schema`` whose one kernel ``fn`` returns
     ``outputs`` at once, and ``fn`` itself.  ``op(...)`` minus ``fn(...)`` is what torch's
     dispatcher costs any op with a Python kernel (argument parsing, the boxed call into Python
     and back, the C++ autograd fallback): the floor under the ``torch.ops.rtk`` path, for
-    tools/bench_host.py and the host-overhead test to measure rtk's own share against."""
+    tools/bench_host.py and the host-overhead test to measure rtk's own share against.
+
+    ``fresh``: ``fn`` returns new tensors (``torch.empty_like`` of each output) as every rtk op
+    does; torch charges more for handing back tensors made inside the kernel than for tensors
+    that already existed (~2 us for attention's two outputs on the development CPU beyond the
+    two allocations themselves, tools/host_model.py, 2026-11-26), and that part of the floor
+    is torch's too."""
     name = schema.split("(", 1)[0].strip()
-    hit = _FLOOR.get((name, device))
+    hit = _FLOOR.get((name, device, fresh))
     if hit is None:
         if "lib" not in _FLOOR:
             _FLOOR["lib"] = torch.library.Library("rtk_floor", "DEF")   # noqa: TOR901
         lib = _FLOOR["lib"]
-        op_name = f"{name}_{device.lower()}"
+        op_name = f"{name}_{device.lower()}{'_fresh' if fresh else ''}"
         lib.define(op_name + schema[len(name):])
+        if fresh:
+            many = isinstance(outputs, (tuple, list))
+            templates = tuple(outputs) if many else (outputs,)
+            empty_like = torch.empty_like
 
-        def fn(*args):
-            return outputs
+            def fn(*args):
+                new = tuple(empty_like(t) for t in templates)
+                return new if many else new[0]
+        else:
+            def fn(*args):
+                return outputs
         lib.impl(op_name, fn, device)
-        hit = _FLOOR[(name, device)] = (getattr(torch.ops.rtk_floor, op_name).default, fn)
+        hit = _FLOOR[(name, device, fresh)] = (getattr(torch.ops.rtk_floor, op_name).default, fn)
     return hit
 
 
