@@ -713,19 +713,22 @@ def _held(args) -> tuple:
     Python int goes through ``numpy.int64`` (~0.5 us per argument on the development CPU,
     2026-11-26, ``tools/host_model.py --cupy-args``), None, NumPy scalars and records ~0.2 us.
     A bound launch repeats the same scalars, so they are converted here once into the bytes CuPy
-    itself would pass (an int as int64, a float as float64, a NumPy scalar as its own type, None
-    as a null pointer), each in a 0-d array of its own behind a ``CNumpyArray`` (which points at
-    the array's data; a holder made from a bare scalar would point at a temporary).  Arrays,
-    pointer holders and anything else stay as they are."""
+    itself would pass (an int as int64, a float as float64, a NumPy scalar as its own type),
+    each in a 0-d array of its own behind a ``CNumpyArray`` (which points at the array's data; a
+    holder made from a bare scalar would point at a temporary), and None as CuPy passes it, a
+    ``CIntptr(0)``.  Arrays, pointer holders and anything else stay as they are."""
     if not _HELD:
         try:
-            from cupy.cuda.function import CNumpyArray, CPointer
-            _HELD.append((CNumpyArray, CPointer()))
+            from cupy.cuda.function import CIntptr, CNumpyArray
+            # None as CuPy's own launch passes it: a holder of the value 0.  (A bare CPointer()
+            # has a NULL ptr: the driver then gets a NULL kernelParams entry and refuses the
+            # launch with CUDA_ERROR_INVALID_VALUE - the attention replays on the H100, 2026-11-25.)
+            _HELD.append((CNumpyArray, CIntptr(0)))
         except ImportError:   # an older CuPy: CuPy converts per launch, as before
             _HELD.append(None)
     if _HELD[0] is None:
         return tuple(args), ()
-    numpy_arg, null = _HELD[0]
+    numpy_arg, null = _HELD[0]   # null: one shared holder of 0 (read-only to every launch)
     out, owners = [], []
     for a in args:
         if a is None:

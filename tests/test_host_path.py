@@ -307,12 +307,155 @@ def test_bound_scalars_are_held_once(kernel, fn):
     from rtkernels.kernel import _held
     held, owners = _held((None, 7, -3, 2.5, np.float32(1.5), np.int32(-9), np.bool_(True), "x", 1 << 70))
     assert all(isinstance(h, CPointer) for h in held[:7]) and held[7] == "x" and held[8] == 1 << 70
-    assert held[0].ptr == 0 and len(owners) == 6
+    # None as CuPy passes it: a holder pointing at the value 0 (a NULL holder would hand the
+    # driver a NULL kernelParams entry: CUDA_ERROR_INVALID_VALUE, H100 2026-11-25)
+    assert held[0].ptr != 0 and ctypes.string_at(held[0].ptr, 8) == bytes(8) and len(owners) == 6
     got = [np.frombuffer(ctypes.string_at(h.ptr, o.itemsize), o.dtype)[0] for h, o in zip(held[1:7], owners)]
     assert got == [7, -3, 2.5, np.float32(1.5), -9, True]
     assert [o.dtype for o in owners] == [np.int64, np.int64, np.float64, np.float32, np.int32, np.bool_]
     bound = kernel.bind((1,), (32,), None, None, None, 5, 1.5, _map(), free=3)
     assert all(isinstance(a, CPointer) for a in bound.tail[:2])
+
+
+# The parameter sizes of SRC's host_path(a, b, c, n, alpha, m), as the driver copies them.
+_SIZES = (8, 8, 8, 4, 4, 128)
+
+
+def _kernel_params(args) -> list:
+    """The bytes the driver reads for each argument of a launch handed to CuPy's Function: CuPy's
+    own conversion (cupy/cuda/function.pyx ``_pointer``) modelled - None as a holder of 0, a
+    ``CPointer`` as the bytes at its ``ptr`` (which must not be NULL: a NULL kernelParams entry
+    is CUDA_ERROR_INVALID_VALUE), a Python int as int64, a float as float64, NumPy scalars and
+    records as their own bytes."""
+    from cupy.cuda.function import CPointer
+    out = []
+    for a, size in zip(args, _SIZES, strict=True):
+        if a is None:
+            out.append(bytes(size))
+        elif isinstance(a, CPointer):
+            assert a.ptr != 0, f"a NULL holder at argument {len(out)}: the driver refuses the launch"
+            out.append(ctypes.string_at(a.ptr, size))
+        elif type(a) is int:
+            out.append(np.int64(a).tobytes()[:size])
+        elif type(a) is float:
+            out.append(np.float64(a).tobytes()[:size])
+        else:
+            assert isinstance(a, (np.generic, np.void)), type(a)
+            out.append(a.tobytes()[:size])
+    return out
+
+
+def test_inlined_replay_passes_the_launchers_parameter_bytes(kernel, fn):
+    """Every replay path (the first, through BoundLaunch.run; the inlined one after it) hands the
+    driver the bytes Kernel.launch does for every parameter, null pointers among the bound
+    arguments included (the attention forward binds optional pointers as None)."""
+    m = _map()
+    kernel.launch((2,), (64,), TorchLike(4096), None, None, 7, 0.5, m)
+    want = _kernel_params(fn.calls[-1][3])
+    for torch in (True, False):
+        launch = _arrays.Launch(kernel, (2,), (64,), 0, (None, None, 7, 0.5, m))
+        plan = _arrays.OutputPlan(launch, (4,), "f", torch)
+        a = _TorchArray(4096) if torch else None
+        for _ in range(3):
+            plan.replay((a,), 5)
+            got = _kernel_params(fn.calls[-1][3])
+            if torch:
+                assert got == want
+            else:   # no array: the first pointer is null too
+                assert got == [bytes(8)] + want[1:]
+        assert plan.fast, "the later replays take the inlined launch"
+
+
+def test_replays_opt_in_to_large_shared_memory_once(kernel, fn, monkeypatch):
+    """Dynamic shared memory over 48 KiB needs the function's MAX_DYNAMIC_SHARED_SIZE raised
+    before its first launch: the plan's bind does it (as Kernel.launch does) on the very Function
+    every replay, inlined or not, then launches."""
+    from cupy_backends.cuda.api import driver as cdrv
+    from rtkernels import device
+    events = []
+    fn.ptr = 0xF00
+    monkeypatch.setattr(device, "max_shared_per_block_optin", lambda dev=None: 227 * 1024)
+    monkeypatch.setattr(cdrv, "funcSetAttribute", lambda f, attr, n: events.append(("optin", f, attr, n)))
+    monkeypatch.setattr(kernel, "_smem_set", {})
+    record = fn.__call__
+
+    class Logged(RecordingFunction):
+        ptr = 0xF00
+
+        def __call__(self, grid, block, args, shared_mem, stream):
+            events.append(("launch", shared_mem))
+            record(grid, block, args, shared_mem, stream)
+    kernel.launch.__globals__["_fn"][0] = logged = Logged()
+    smem = 83016
+    plan = _arrays.OutputPlan(_arrays.Launch(kernel, (1, 4, 2), (512,), smem, (None, None, 7, 0.5, _map())),
+                              (4,), "f", True)
+    for _ in range(3):
+        plan.replay((_TorchArray(4096),), 5)
+    assert plan.fast and plan.fast[0][0] is logged   # the inlined launch uses the opted-in Function
+    assert events == [("optin", 0xF00, cdrv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)] + \
+        [("launch", smem)] * 3
+    events.clear()
+    monkeypatch.setattr(kernel, "_smem_set", {})   # the launcher path: the same opt-in
+    kernel.launch((1, 4, 2), (512,), None, None, None, 7, 0.5, _map(), shared_mem=smem)
+    assert events == [("optin", 0xF00, cdrv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                      ("launch", smem)]
+
+
+def test_every_call_of_a_module_function_matches_its_signature():
+    """Each call in rtkernels/ of a module-level function - by its bare name in its own module,
+    or as ``alias.name`` of an rtkernels module imported under an alias - binds to that
+    function's signature (a changed signature with a stale caller failed only on the GPU:
+    rowwise._replay from softmax_backward, 2026-11-25)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(rtk.__file__).parent
+    defs, trees = {}, {}
+    for path in sorted(root.rglob("*.py")):
+        mod = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        tree = trees[mod] = (path, ast.parse(path.read_text()))
+        defs[mod] = {n.name: n for n in tree[1].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    checked, bad = 0, []
+    for mod, (path, tree) in trees.items():
+        aliases = {}   # local name -> rtkernels module
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                base = f"{base}.{node.module}" if node.module else base
+                for al in node.names:
+                    if f"{base}.{al.name}" in defs:
+                        aliases[al.asname or al.name] = f"{base}.{al.name}"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args) \
+                    or any(k.arg is None for k in node.keywords):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in defs[mod]:
+                target = defs[mod][f.id]
+            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in aliases \
+                    and f.attr in defs[aliases[f.value.id]]:
+                target = defs[aliases[f.value.id]][f.attr]
+            else:
+                continue
+            a = target.args
+            if any(isinstance(d, (ast.Name, ast.Attribute)) and getattr(d, "id", "") == "property"
+                   for d in target.decorator_list):
+                continue
+            params = [p.arg for p in (*a.posonlyargs, *a.args)]
+            required = len(params) - len(a.defaults)
+            given = len(node.args)
+            kw = {k.arg for k in node.keywords}
+            kwonly = {p.arg for p in a.kwonlyargs}
+            needed_kwonly = {p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
+            ok = ((a.vararg is not None or given <= len(params))
+                  and all(p in kw for p in params[given:required])
+                  and (a.kwarg is not None or kw <= set(params[given:]) | kwonly)
+                  and needed_kwonly <= kw)
+            checked += 1
+            if not ok:
+                bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)[:100]} "
+                           f"-> {target.name}({', '.join(params)})")
+    assert checked > 100 and not bad, "\n".join(bad)
 
 
 def test_plan_key_of_torch_tensors_proves_layout(monkeypatch):

@@ -476,7 +476,7 @@ def softmax_backward(dy, y, *, log: bool = False, out=None, dtype: str | None = 
     key = _PLANS.key((dy, y, out), (op, bool(log), dtype, config))
     plan = _PLANS.get(key)
     if plan is not None:
-        return rw._replay(plan, (dy, y), out, stream)
+        return rw._replay(plan, (dy, y), out, stream, key[1])
     dt = rw._dtype_of(y, dtype, op)
     yv, (rows, n, ys) = rw._rows_of(y, op, stream, "y")
     rw._check_width(n, op)
