@@ -52,7 +52,7 @@ def test_persistent_barriers_that_do_not_fit_name_persistent(monkeypatch):
 
 
 def test_q_buffers_and_shared_memory():
-    plain = AttentionSm90Config(dtype="bfloat16", head_dim=128, causal=True, block_m=128, block_n=128, pingpong=True)
+    plain = AttentionSm90Config(dtype="bfloat16", head_dim=128, causal=True, block_m=128, block_n=128)
     pers = plain.replace(persistent=True)
     q, kv = 128 * 2 * 128, 128 * 2 * 128
     assert plain.q_buffers == 1 and plain.shared_mem_bytes == q + 4 * kv + 8 * 9 + 1024   # unchanged
@@ -332,13 +332,15 @@ def test_model_persistent_walk_has_no_deadlock_or_stale_tile(q_bufs, overlap, un
 
 # ---- builds: 4 compiles, shared ---------------------------------------------------------------
 def _persistent_config(dtype, d, causal):
-    """The persistent tile the tests and benchmark use: the heuristic's, except d128 non-causal,
-    whose 192x128 tile spills 4 B with the walk's state (NVRTC 13.5): the causal 128x128 overlap +
-    pingpong tile, which RTKERNELS_SM90_PERSISTENT=1's fallback picks too."""
-    if d > 120 and not causal and d <= 128:
-        return AttentionSm90Config(dtype=dtype, head_dim=d, causal=False, block_m=128, block_n=128,
-                                   intra_overlap=True, pingpong=True, persistent=True)
-    return A90.choose_config(dtype, d, causal).replace(persistent=True)
+    """The persistent tile the tests use: the heuristic's, except where it has pingpong (which the
+    walk rejects: it hung on the GPU) and d128 non-causal, whose 192x128 tile spills 4 B with the
+    walk's state (NVRTC 13.5): the 128x128 overlap tile without pingpong, which
+    RTKERNELS_SM90_PERSISTENT=1's fallback picks too."""
+    cfg = A90.choose_config(dtype, d, causal)
+    if (d > 120 and not causal and d <= 128) or cfg.pingpong:
+        return AttentionSm90Config(dtype=dtype, head_dim=d, causal=causal, block_m=128, block_n=128,
+                                   intra_overlap=True, pingpong=False, persistent=True)
+    return cfg.replace(persistent=True)
 
 
 @pytest.fixture(scope="module")

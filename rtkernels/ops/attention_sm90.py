@@ -80,6 +80,11 @@ class AttentionSm90Config(AttentionShape):
             self._fail("persistent", "False with cu_seqlens (varlen tiles come from the schedule table, one per CTA)")
         if self.pingpong and self.consumers < 2:
             self._fail("pingpong", "False unless block_m >= 128 (two or three consumer warpgroups take turns)")
+        if self.persistent and self.pingpong:
+            # The consumers' turn-taking named barriers are not carried from one tile to the next:
+            # the first pingpong tile walked persistently hung (d128 causal, H100, 2026-11-25).
+            self._fail("persistent", "False with pingpong=True (the warpgroups' turn-taking does not carry across "
+                                     "tiles)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             if self.persistent and self._smem_bytes(1, False) <= SMEM_LIMIT_SM90:
                 self._fail("persistent", f"False for block_m={self.block_m}, block_n={self.block_n}, num_stages="
@@ -222,7 +227,8 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
     heuristic's tile unless ptxas spills it, then the first of :data:`_MASKED_FALLBACK` that fits
     and does not (NVRTC 13.5: softcap spills 32-56 B in the 192x128 non-overlapped d120-128 tile;
     all three options together also d96 causal and d112).  Persistent tiles (RTKERNELS_SM90_PERSISTENT=1)
-    take the same fallback: the tile walk's state spilled 4-8 B of d128's 192x128 tile."""
+    take the same fallback, without pingpong (which the walk does not support): the tile walk's state
+    spilled 4-8 B of d128's 192x128 tile."""
     t = candidate(head_dim, causal)
     poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
     t = t._replace(persistent=persistent_choice(t, dtype, head_dim, causal, mask_flags))
@@ -235,8 +241,8 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
     for block_n in _MASKED_FALLBACK:
         try:
             options.append(AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=128,
-                                               block_n=block_n, intra_overlap=True, pingpong=True, exp2_poly=poly,
-                                               persistent=t.persistent, **mask_flags))
+                                               block_n=block_n, intra_overlap=True, pingpong=not t.persistent,
+                                               exp2_poly=poly, persistent=t.persistent, **mask_flags))
         except ConfigError:
             pass   # does not fit shared memory
     return first_without_spills(list(dict.fromkeys(options)), "sm_90a")
