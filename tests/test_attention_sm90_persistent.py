@@ -133,23 +133,8 @@ def test_compile_by_name_takes_persistent_with_the_heuristic_tile():
 
 
 # ---- model of the persistent walk's barrier protocol -------------------------------------------
-class _Bar:
-    """An mbarrier (PTX): a phase completes after `count` arrivals; try_wait.parity(P) passes while
-    the current phase's parity differs from P; a waiter more than a phase behind is caught."""
-
-    def __init__(self, count):
-        self.count, self.arrived, self.completed = count, 0, 0
-
-    def arrive(self):
-        self.arrived += 1
-        if self.arrived == self.count:
-            self.arrived, self.completed = 0, self.completed + 1
-
-    def try_wait(self, parity, expect_phase):
-        ok = (self.completed % 2) != parity
-        if ok:
-            assert self.completed == expect_phase + 1, "parity aliasing: waiter is a phase behind"
-        return ok
+# the mbarrier model of the one-tile protocol's test (phases counted exactly: parity aliasing is caught)
+from test_attention_sm90 import _Bar  # noqa: E402
 
 
 def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
