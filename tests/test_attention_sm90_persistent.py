@@ -62,7 +62,7 @@ def test_q_buffers_and_shared_memory():
     big = AttentionSm90Config(head_dim=256, block_m=128, block_n=80, persistent=True)
     assert big.q_buffers == 1 and big.shared_mem_bytes <= A90.SMEM_LIMIT_SM90
     assert big.template_params()["q_buffers"] == 1 and big.template_params()["persistent"] is True
-    assert pers.register_split == (32, 240) and plain.register_split == (24, 240)
+    assert pers.register_split == (40, 232) and plain.register_split == (24, 240)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -118,6 +118,9 @@ def test_env_knob(monkeypatch, built):
     # varlen stays one CTA per tile (asked directly: choose_config with mask flags compiles)
     assert not A90.persistent_choice(A90.candidate(64, True), "bfloat16", 64, True, {"is_varlen": True})
     assert A90.persistent_choice(A90.candidate(64, True), "bfloat16", 64, True, {"has_window": True})
+    # a pingpong tile (causal d128) walks without turns
+    assert A90.candidate(128, True).pingpong and A90.persistent_choice(A90.candidate(128, True), "bfloat16", 128,
+                                                                       True, {})
     monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "2")
     with pytest.raises(ConfigError) as e:
         A90.choose_config("bfloat16", 64, True)
@@ -137,15 +140,19 @@ def test_compile_by_name_takes_persistent_with_the_heuristic_tile():
 from test_attention_sm90 import _Bar  # noqa: E402
 
 
-def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
+def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng, regs=None):
     """One persistent CTA as the template runs it: a Q thread, a K and a V thread and 4 warps per
     consumer warpgroup as generators in random order; TMA loads land and O stores finish reading
     shared memory at random later times.  ``tiles``: per tile of the walk, (ring tiles the CTA
     streams, [key tiles each warpgroup computes]).  Ring positions count across tiles; Q tile k
     goes to buffer k % q_bufs once q_free says the tile q_bufs before it is done (staged O read by
     its store); with 2 buffers the store-read wait and release come after the next tile's first
-    S GEMM (or at its epilogue when it has no keys).  Checks: no deadlock, no stale or overwritten
-    K/V/Q, every warp reads its tiles in the template's order."""
+    S GEMM (or at its epilogue when it has no keys).  ``regs``: (launch, producer, consumer)
+    registers per thread - the setmaxnreg split, per warp: a producer warp's dec returns
+    32 x (launch - producer) to the CTA's pool, a consumer warp's inc waits until the pool holds
+    32 x (consumer - launch) (PTX: setmaxnreg.inc blocks until enough registers are free).  Checks:
+    no deadlock, no stale or overwritten K/V/Q, every warp reads its tiles in the template's order."""
+    pool = [0]
     full_k, full_v = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
     empty_k, empty_v = [_Bar(4 * consumers) for _ in range(stages)], [_Bar(4 * consumers) for _ in range(stages)]
     bar_q, q_free = [_Bar(1) for _ in range(q_bufs)], [_Bar(consumers) for _ in range(q_bufs)]
@@ -158,6 +165,11 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
     def wait(bar, phase):
         while not bar.try_wait(phase & 1, phase):
             yield
+
+    def producer_warp():   # setmaxnreg.dec (the Q / K / V threads' warps and the idle fourth)
+        if regs is not None and consumers > 1:
+            pool[0] += 32 * (regs[0] - regs[1])
+        yield
 
     def q_thread():
         for k in range(len(tiles)):
@@ -183,6 +195,11 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
 
     def warp(w):
         cw, lead = w // 4, w % 4 == 0
+        if regs is not None and consumers > 1:   # setmaxnreg.inc
+            need = 32 * (regs[2] - regs[0])
+            while pool[0] < need:
+                yield
+            pool[0] -= need
 
         def use(g, is_v):
             st = g % stages
@@ -265,6 +282,7 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
             yield
 
     actors = [q_thread(), ring_thread(False), ring_thread(True)] + [warp(w) for w in range(4 * consumers)]
+    actors += [producer_warp() for _ in range(4)]
     steps = 0
     while actors or reading:
         steps += 1
@@ -286,22 +304,36 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng):
     return seen, bases
 
 
+def _random_walk(rng, consumers):
+    """Per tile (ring tiles, [key tiles of each warpgroup]): full, empty (rows that see no key),
+    warpgroups stopping early (causal, own ranges)."""
+    tiles = []
+    for _ in range(int(rng.integers(3, 9))):
+        ring = int(rng.integers(0, 6))
+        own = [ring] * consumers if rng.random() < 0.5 else sorted(
+            int(rng.integers(0, ring + 1)) for _ in range(consumers))
+        own[-1] = ring if consumers > 1 or rng.random() < 0.8 else own[-1]
+        tiles.append((ring, own))
+    return tiles
+
+
+def _regs(consumers):
+    """(launch, producer, consumer) registers of the persistent config with this many consumer
+    warpgroups (the template's numbers: launch cap and setmaxnreg split)."""
+    cfg = AttentionSm90Config(head_dim=64, block_m=64 * consumers, block_n=64, persistent=True)
+    return (cfg.launch_registers, *cfg.register_split)
+
+
 @pytest.mark.parametrize("q_bufs", [1, 2])
 @pytest.mark.parametrize("overlap,under_pv", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("stages,consumers", [(2, 2), (3, 2), (2, 3), (2, 1)])
 def test_model_persistent_walk_has_no_deadlock_or_stale_tile(q_bufs, overlap, under_pv, stages, consumers):
-    """Tiles of every kind in a row: full, empty (rows that see no key), warpgroups stopping early
-    (causal, own ranges) - ring positions and Q phases wrap many times within one CTA."""
+    """Tiles of every kind in a row - ring positions and Q phases wrap many times within one CTA;
+    the consumers first take their registers from the producer's (the config's split)."""
     rng = np.random.default_rng(100 * stages + 10 * consumers + q_bufs)
     for _ in range(6):
-        tiles = []
-        for _ in range(int(rng.integers(3, 9))):
-            ring = int(rng.integers(0, 6))
-            own = [ring] * consumers if rng.random() < 0.5 else sorted(
-                int(rng.integers(0, ring + 1)) for _ in range(consumers))
-            own[-1] = ring if consumers > 1 or rng.random() < 0.8 else own[-1]
-            tiles.append((ring, own))
-        seen, bases = _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng)
+        tiles = _random_walk(rng, consumers)
+        seen, bases = _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng, _regs(consumers))
         for w, order in enumerate(seen):
             want = []
             for k, (_, own) in enumerate(tiles):
@@ -313,6 +345,34 @@ def test_model_persistent_walk_has_no_deadlock_or_stale_tile(q_bufs, overlap, un
                 else:
                     want += [x for i in range(n) for x in (("S", b + i), ("PV", b + i))]
             assert order == want, (w, tiles)
+
+
+def test_model_catches_a_register_split_past_the_launch_pool():
+    """The GPU hang of 2026-11-25 (H100): every 128-row (two-consumer) persistent tile hung, with
+    and without pingpong, while the 192-row tiles ran.  The persistent split was 32 / 240: 128 x 32
+    + 256 x 240 = 65536, but a 384-thread CTA holds 384 x 168 = 64512 - the eighth consumer warp's
+    setmaxnreg.inc waits forever.  The model deadlocks on that split, in a causal walk whose
+    warpgroups stop at their own rows, and runs with the config's."""
+    rng = np.random.default_rng(7)
+    tiles = [(4, [3, 4]), (3, [2, 3]), (2, [1, 2]), (1, [0, 1])]   # causal 128-row tiles, heaviest first
+    launch = AttentionSm90Config(head_dim=128, block_m=128, persistent=True).launch_registers
+    assert launch == 168
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate_walk(tiles, 2, 2, 2, True, True, rng, (launch, 32, 240))
+    _simulate_walk(tiles, 2, 2, 2, True, True, rng, _regs(2))
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_register_split_fits_the_launch_pool(consumers, persistent):
+    """setmaxnreg moves registers within what the CTA got at launch (threads x the launch-bounds
+    cap), not the 64 Ki file; the 3-consumer split is the whole 512 x 128."""
+    cfg = AttentionSm90Config(head_dim=128, block_m=64 * consumers, block_n=64, persistent=persistent)
+    p, c = cfg.register_split
+    assert 128 * p + 128 * consumers * c <= cfg.threads_per_block * cfg.launch_registers, (cfg, p, c)
+    assert cfg.launch_registers == {2: 168, 3: 128}[consumers]
+    if consumers == 3:
+        assert (p, c) == (32, 160)   # unchanged
 
 
 # ---- builds: 4 compiles, shared ---------------------------------------------------------------
@@ -343,6 +403,8 @@ def test_persistent_builds_without_spills_with_hgmma_and_tma(built, d, causal):
     cfg, k = built[(d, causal)]
     r = k.resources
     assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (cfg, r)
+    # the pool setmaxnreg shares out is threads x this count (the split fits it: the template asserts)
+    assert r.registers == cfg.launch_registers, (cfg, r)
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", k.sass, re.M)
     names = {o.split(".")[0] for o in ops}
     assert {"UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG"} <= names, names

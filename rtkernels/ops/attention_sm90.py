@@ -22,6 +22,7 @@ from .attention import AttentionShape
 FAMILY = "attention_sm90"
 SMEM_LIMIT_SM90 = _arch.limits("sm_90").max_smem_per_block_optin   # 227 KiB on H100/H200
 _ALIGN_SLACK = 1024                   # the template rounds the dynamic smem base up to 1 KiB
+LAUNCH_REGISTER_FILE = _arch.limits("sm_90").registers_per_block   # 64 Ki 32-bit registers
 
 
 @register_family
@@ -81,8 +82,10 @@ class AttentionSm90Config(AttentionShape):
         if self.pingpong and self.consumers < 2:
             self._fail("pingpong", "False unless block_m >= 128 (two or three consumer warpgroups take turns)")
         if self.persistent and self.pingpong:
-            # The consumers' turn-taking named barriers are not carried from one tile to the next:
-            # the first pingpong tile walked persistently hung (d128 causal, H100, 2026-11-25).
+            # The first pingpong tile walked persistently hung (d128 causal, H100, 2026-11-25) - as
+            # did the same tile without pingpong: the 2-consumer register split (register_split).
+            # Turns are balanced within each tile, but the CPU model does not carry them across
+            # tiles yet, so the walk keeps rejecting them.
             self._fail("persistent", "False with pingpong=True (the warpgroups' turn-taking does not carry across "
                                      "tiles)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
@@ -108,7 +111,10 @@ class AttentionSm90Config(AttentionShape):
                                 **{f: params[f] for f in cls.MASK_FIELDS[1:] if f in params})
         except (ConfigError, TypeError, ValueError, KeyError):
             return {}   # the constructor then reports the bad field itself
-        return {f: getattr(cfg, f) for f in _TILE_FIELDS}
+        tile = {f: getattr(cfg, f) for f in _TILE_FIELDS}
+        if params.get("persistent"):
+            tile["pingpong"] = False   # the walk runs without turns (validation says why)
+        return tile
 
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
@@ -144,15 +150,26 @@ class AttentionSm90Config(AttentionShape):
         return q_buffers * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
 
     @property
+    def launch_registers(self) -> int:
+        """Registers per thread the CTA holds at launch: __launch_bounds__(threads, 1) caps ptxas at
+        the 64 Ki file / threads in whole 8-register units (384 threads: 168, not 170.7; 512: 128)."""
+        return min(255, LAUNCH_REGISTER_FILE // self.threads_per_block // 8 * 8)
+
+    @property
     def register_split(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after setmaxnreg; the sum over the CTA's
-        threads stays within the 64 Ki register file (one CTA per SM)."""
+        """(producer, consumer) registers per thread after setmaxnreg.  setmaxnreg.inc waits until
+        the pool of the CTA's launch registers (``threads x launch_registers``) can pay for it, so
+        the split must fit that pool, not the 64 Ki file: at 384 threads the pool is 64512."""
         if self.consumers == 1:
-            return 256, 256            # 256 threads: every thread may already hold 255
+            return 256, 256            # 256 threads: every thread may already hold 255 (no setmaxnreg)
         if self.consumers == 2:
-            # persistent: the producer walks the tiles too (24 spilled 4 B of its loop state)
-            return (32 if self.persistent else 24), 240   # 128 * 32 + 256 * 240 = 65536
-        return 32, 160                 # 128 * 32 + 384 * 160 = 65536
+            # 128 * 24 + 256 * 240 = 64512, the whole pool.  Persistent: the producer walks the tiles
+            # too (24 spilled 4-16 B of its loop state), so it keeps 40 and the consumers take 232
+            # (d128 / d192 / d256 tiles 0 spills, NVRTC 13.5): 128 * 40 + 256 * 232 = 64512.  (The
+            # first persistent split, 32 / 240, asked 65536 of 64512: the consumers' setmaxnreg.inc
+            # never returned - the hang of every 128-row persistent tile, H100 2026-11-25.)
+            return (40, 232) if self.persistent else (24, 240)
+        return 32, 160                 # 128 * 32 + 384 * 160 = 65536 = 512 x 128
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
@@ -231,7 +248,8 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
     spilled 4-8 B of d128's 192x128 tile."""
     t = candidate(head_dim, causal)
     poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
-    t = t._replace(persistent=persistent_choice(t, dtype, head_dim, causal, mask_flags))
+    if persistent_choice(t, dtype, head_dim, causal, mask_flags):
+        t = t._replace(persistent=True, pingpong=False)   # the walk runs without turns (validation)
     cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
                               **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly, **mask_flags)
     if not any(mask_flags.values()) and not t.persistent:
@@ -274,8 +292,9 @@ def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
 
 # The persistent tile walk (AttentionSm90Config.persistent) is off by default: no same-run measurement
 # against the one-CTA-per-tile grid yet (tools/bench_attention.py --tune-sm90 --persistent-ab times
-# both).  RTKERNELS_SM90_PERSISTENT=1 turns it on for the heuristic's tile wherever it can run
-# (dense inputs, the tile with its barriers fits shared memory); 0 or unset: off.
+# both).  RTKERNELS_SM90_PERSISTENT=1 turns it on for the heuristic's tile (pingpong off: the walk
+# rejects it) wherever it can run (dense inputs, the tile with its barriers fits shared memory);
+# 0 or unset: off.
 def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_flags: dict) -> bool:
     """The heuristic's ``persistent``; ``RTKERNELS_SM90_PERSISTENT`` (0/1) sets it for tuning runs
     (read when a config is chosen: set it before the first call of a shape)."""
@@ -286,7 +305,8 @@ def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_
         return False
     try:
         AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, **mask_flags,
-                            **{f: getattr(tile, f) for f in _TILE_FIELDS if f != "persistent"}, persistent=True)
+                            **{f: getattr(tile, f) for f in _TILE_FIELDS if f not in ("persistent", "pingpong")},
+                            persistent=True)
     except ConfigError:
         return False   # its barriers do not fit beside the tile
     return True
