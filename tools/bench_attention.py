@@ -320,16 +320,18 @@ def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
 
 
 def parse_tiles(spec: str) -> list[dict]:
-    """``"192x112ov,128x128ovpp,128x64s3"`` -> attention_sm90 tile fields (``ov``: intra_overlap,
-    ``pp``: pingpong, ``sN``: num_stages, ``early``: softmax_under_pv=False)."""
+    """``"192x112ov,128x128ovpp,128x64s3,128x128ovpppst"`` -> attention_sm90 tile fields (``ov``:
+    intra_overlap, ``pp``: pingpong, ``sN``: num_stages, ``early``: softmax_under_pv=False, ``pst``:
+    persistent)."""
     import re
     out = []
     for tok in filter(None, (t.strip() for t in spec.split(","))):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?", tok)
+        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?(pst)?", tok)
         if not m:
-            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early], e.g. 192x112ov or 128x128ovpp")
+            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early][pst], e.g. 192x112ov or "
+                             "128x128ovpppst")
         out.append(dict(block_m=int(m[1]), block_n=int(m[2]), num_stages=int(m[3] or 2), intra_overlap=bool(m[4]),
-                        pingpong=bool(m[5]), softmax_under_pv=not m[6]))
+                        pingpong=bool(m[5]), softmax_under_pv=not m[6], persistent=bool(m[7])))
     return out
 
 
@@ -385,15 +387,101 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None, tiles
 
 
 def sm90_runner(kern, cfg, qc, kc, vc, oc, lse):
-    """A launcher of one attention_sm90 config with its tensor maps encoded once."""
+    """A launcher of one attention_sm90 config with its tensor maps encoded and launch recorded once
+    (a persistent config's grid from the device's SM count)."""
     from rtkernels.ops import attention_sm90 as H
     maps, scale = H.tensor_maps(cfg, qc, kc, vc, oc), 1.0 / qc.shape[3] ** 0.5
-    return lambda: H.launch(kern, cfg, qc, kc, vc, oc, lse, scale, maps=maps)
+    la, arrays = H.recorded_launch(kern, cfg, qc, kc, scale), (*maps, lse)
+    return lambda: la.run(arrays, None)
+
+
+def persistent_ab(head_dims, seqlens, dtype: str, torch, tiles=None, causals=(False, True), rounds: int = 3,
+                  save=None) -> list[dict]:
+    """The same tile with persistent off and on (attention_sm90.persistent), per (head_dim, causal,
+    seqlen) on FlashAttention's grid (batch = 16k / seqlen, heads = 2048 / head_dim): the heuristic's
+    tile plus ``tiles``; the two interleaved over ``rounds`` (median of each), outputs compared."""
+    import statistics
+    import cupy as cp
+    from concurrent.futures import ThreadPoolExecutor
+    import rtkernels as rtk
+    from rtkernels.ops import attention_sm90 as H
+    from rtkernels.errors import ConfigError
+    pairs = []
+    for d in head_dims:
+        for causal in causals:
+            for c in H.tile_space(dtype, d, causal, [dict(t, persistent=False) for t in (tiles or [])]):
+                if c.persistent:
+                    continue
+                try:
+                    pairs.append((c, c.replace(persistent=True)))
+                except ConfigError as exc:
+                    pairs.append((c, str(exc).splitlines()[0]))
+
+    def build(c):
+        if isinstance(c, str):
+            return None, c
+        try:
+            k = rtk.get_kernel(c, arch="sm_90a")
+        except Exception as exc:   # noqa: BLE001
+            return None, str(exc).splitlines()[0]
+        r = k.resources
+        return (None, f"{r.spill_stores} B spilled") if (r.spill_stores or r.spill_loads or r.stack_frame) else (k, "")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        built = list(ex.map(lambda pc: (build(pc[0]), build(pc[1])), pairs))
+    print(f"built {2 * len(pairs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
+        lambda t: t)
+    for d in head_dims:
+        for s in seqlens:
+            h, b = HIDDEN // d, max(1, TOKENS // s)
+            q, k, v = _inputs(b, s, h, d, dtype, torch)
+            qc, kc, vc = (as_cp(t) for t in (q, k, v))
+            outs = [cp.empty_like(qc), cp.empty_like(qc)]
+            lse = cp.empty((b, h, s), cp.float32)
+            for causal in causals:
+                flops = _flops(b, s, s, h, d, causal)
+                heur = H.choose_config(dtype, d, causal)
+                for (plain, pst), ((kp, notep), (kq, noteq)) in zip(pairs, built):
+                    if plain.head_dim != d or plain.causal != causal:
+                        continue
+                    row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "tile": _short90(plain),
+                           "heuristic": plain == heur}
+                    if kp is None or kq is None:
+                        row["note"] = f"plain: {notep}" if kp is None else f"persistent: {noteq}"
+                        rows.append(row)
+                        print(row, flush=True)
+                        continue
+                    row["q_buffers"] = pst.q_buffers
+                    runs = [sm90_runner(kp, plain, qc, kc, vc, outs[0], lse),
+                            sm90_runner(kq, pst, qc, kc, vc, outs[1], lse)]
+                    for r in runs:
+                        r()
+                    cp.cuda.get_current_stream().synchronize()
+                    a, bb = (o.view(cp.uint16).astype(cp.uint32) << 16 if dtype == "bfloat16" else o for o in outs)
+                    if dtype == "bfloat16":
+                        a, bb = a.view(cp.float32), bb.view(cp.float32)
+                    row["max_diff"] = float(cp.abs(a.astype(cp.float32) - bb.astype(cp.float32)).max())
+                    ms = [[], []]
+                    for _ in range(rounds):   # interleaved: clocks and neighbours drift alike for both
+                        for i, r in enumerate(runs):
+                            ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
+                    row["plain_tflops"] = flops / (statistics.median(ms[0]) * 1e-3) / 1e12
+                    row["pst_tflops"] = flops / (statistics.median(ms[1]) * 1e-3) / 1e12
+                    row["pst_vs_plain"] = row["pst_tflops"] / row["plain_tflops"]
+                    rows.append(row)
+                    print(row, flush=True)
+            del q, k, v, qc, kc, vc, outs
+            if save:
+                save(rows)
+    return rows
 
 
 def _short90(c) -> str:
     return (f"{c.block_m}x{c.block_n} s{c.num_stages}" + (" ov" if c.intra_overlap else "")
-            + (" pp" if c.pingpong else "") + ("" if c.softmax_under_pv or not c.intra_overlap else " early"))
+            + (" pp" if c.pingpong else "") + ("" if c.softmax_under_pv or not c.intra_overlap else " early")
+            + (" pst" if c.persistent else ""))
 
 
 def _short(cfg) -> str:
@@ -435,6 +523,9 @@ def main():
                                                  "192x112ov,128x176ovpp) instead of attention_sm90.tile_space")
     p.add_argument("--tune-sm90", action="store_true", help="time every sm_90 tile candidate (seqlen 4096 or the "
                                                             "last --seqlens) instead of the peer comparison")
+    p.add_argument("--persistent-ab", action="store_true",
+                   help="--tune-sm90: time each tile (the heuristic's plus --tiles) with persistent off and on, "
+                        "interleaved, at every --seqlens (default 512,1024,2048,4096)")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     p.add_argument("--grid", choices=["fa"], default=None,
@@ -462,6 +553,18 @@ def main():
 
     import cupy as cp
     cp.cuda.Device().synchronize()   # create the CUDA context first: it is not part of a warm start
+    if args.tune_sm90 and args.persistent_ab:
+        def save_ab(rows):
+            bu.save(args.out, "bench_attention_persistent" + sfx, {"env": env, "dtype": args.dtype, "rows": rows})
+        ab_seqlens = seqlens if "--seqlens" in sys.argv else [512, 1024, 2048, 4096]
+        ab_dims = head_dims if "--head-dims" in sys.argv else [64, 128]
+        rows = persistent_ab(ab_dims, ab_seqlens, args.dtype, torch, parse_tiles(args.tiles) if args.tiles else None,
+                             causals, save=save_ab)
+        print(f"\n{env['gpu']} ({env['sms']} SMs), {args.dtype}, {env['date']}: persistent vs one CTA per tile, "
+              "same tile, interleaved")
+        print(bu.table(rows, ["head_dim", "causal", "seqlen", "tile", "heuristic", "q_buffers", "plain_tflops",
+                              "pst_tflops", "pst_vs_plain", "max_diff", "note"]))
+        return
     if args.tune_sm90:
         def save(rows):
             bu.save(args.out, "bench_attention_tune_sm90" + sfx, {"env": env, "dtype": args.dtype, "rows": rows})

@@ -22,6 +22,7 @@ from .attention import AttentionShape
 FAMILY = "attention_sm90"
 SMEM_LIMIT_SM90 = _arch.limits("sm_90").max_smem_per_block_optin   # 227 KiB on H100/H200
 _ALIGN_SLACK = 1024                   # the template rounds the dynamic smem base up to 1 KiB
+LAUNCH_REGISTER_FILE = _arch.limits("sm_90").registers_per_block   # 64 Ki 32-bit registers
 
 
 @register_family
@@ -45,6 +46,9 @@ class AttentionSm90Config(AttentionShape):
     exp2_poly : of every 8 exponentials of the softmax, how many a polynomial computes on the FMA
         pipe instead of the MUFU unit (0-8; ``rtk::poly_exp2``): for kernels the 16-per-clock MUFU
         unit bounds, as softcap's extra tanh per score makes it.
+    persistent : one CTA per SM walks the (query tile, head, batch) tiles, causal heaviest first,
+        loading the next tile's Q and K/V while the current one computes and stores (dense inputs
+        only; two Q buffers where shared memory holds them, see :attr:`q_buffers`).
     """
 
     family: ClassVar[str] = FAMILY
@@ -61,6 +65,7 @@ class AttentionSm90Config(AttentionShape):
     pingpong: bool = False
     softmax_under_pv: bool = True
     exp2_poly: int = 0
+    persistent: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -71,9 +76,24 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("pingpong", (False, True))
         self._check_choice("softmax_under_pv", (False, True))
         self._check_int("exp2_poly", 0, 8)
+        self._check_choice("persistent", (False, True))
+        if self.persistent and self.is_varlen:
+            self._fail("persistent", "False with cu_seqlens (varlen tiles come from the schedule table, one per CTA)")
         if self.pingpong and self.consumers < 2:
             self._fail("pingpong", "False unless block_m >= 128 (two or three consumer warpgroups take turns)")
+        if self.persistent and self.pingpong:
+            # The first pingpong tile walked persistently hung (d128 causal, H100, 2026-11-25) - as
+            # did the same tile without pingpong: the 2-consumer register split (register_split).
+            # Turns are balanced within each tile, but the CPU model does not carry them across
+            # tiles yet, so the walk keeps rejecting them.
+            self._fail("persistent", "False with pingpong=True (the warpgroups' turn-taking does not carry across "
+                                     "tiles)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
+            if self.persistent and self._smem_bytes(1, False) <= SMEM_LIMIT_SM90:
+                self._fail("persistent", f"False for block_m={self.block_m}, block_n={self.block_n}, num_stages="
+                                         f"{self.num_stages} at head_dim={self.head_dim}: its Q buffer's release "
+                                         f"barriers take {self._smem_bytes(1, True)} B of shared memory, sm_90 has "
+                                         f"{SMEM_LIMIT_SM90} B")
             self._fail("block_n", f"a tile that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: block_m="
                                   f"{self.block_m}, block_n={self.block_n}, num_stages={self.num_stages} at "
                                   f"head_dim={self.head_dim} needs {self.shared_mem_bytes} B")
@@ -83,7 +103,7 @@ class AttentionSm90Config(AttentionShape):
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        if any(f in params for f in _TILE_FIELDS):
+        if any(f in params for f in _TILE_FIELDS if f != "persistent"):   # persistent=True keeps the tile
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
@@ -91,7 +111,10 @@ class AttentionSm90Config(AttentionShape):
                                 **{f: params[f] for f in cls.MASK_FIELDS[1:] if f in params})
         except (ConfigError, TypeError, ValueError, KeyError):
             return {}   # the constructor then reports the bad field itself
-        return {f: getattr(cfg, f) for f in _TILE_FIELDS}
+        tile = {f: getattr(cfg, f) for f in _TILE_FIELDS}
+        if params.get("persistent"):
+            tile["pingpong"] = False   # the walk runs without turns (validation says why)
+        return tile
 
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
@@ -108,27 +131,50 @@ class AttentionSm90Config(AttentionShape):
         return -(-self.head_dim // 64)
 
     @property
+    def q_buffers(self) -> int:
+        """Q tiles in shared memory: 2 when persistent and they fit (the next tile's Q lands while
+        this one computes; d <= 128 at 2 stages: e.g. d128 128x128 takes 2 x 32 + 128 KiB of K/V),
+        else 1 (d192 / d256 tiles fill shared memory with one: the next Q loads after the epilogue)."""
+        return 2 if self.persistent and self._smem_bytes(2, True) <= SMEM_LIMIT_SM90 else 1
+
+    @property
     def shared_mem_bytes(self) -> int:
-        """Q tile + num_stages x (K tile + V tile), each D_BLOCKS x rows x 128 B, the mbarriers and
-        1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
+        """q_buffers x Q tile + num_stages x (K tile + V tile), each D_BLOCKS x rows x 128 B, the
+        mbarriers and 1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
+        return self._smem_bytes(self.q_buffers, self.persistent)
+
+    def _smem_bytes(self, q_buffers: int, persistent: bool) -> int:
         q = self.block_m * 128 * self.d_blocks
         kv = self.block_n * 128 * self.d_blocks
-        bars = 8 * (1 + 4 * self.num_stages)
-        return q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
+        bars = 8 * (q_buffers * (2 if persistent else 1) + 4 * self.num_stages)   # + q_free[] when persistent
+        return q_buffers * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
+
+    @property
+    def launch_registers(self) -> int:
+        """Registers per thread the CTA holds at launch: __launch_bounds__(threads, 1) caps ptxas at
+        the 64 Ki file / threads in whole 8-register units (384 threads: 168, not 170.7; 512: 128)."""
+        return min(255, LAUNCH_REGISTER_FILE // self.threads_per_block // 8 * 8)
 
     @property
     def register_split(self) -> tuple[int, int]:
-        """(producer, consumer) registers per thread after setmaxnreg; the sum over the CTA's
-        threads stays within the 64 Ki register file (one CTA per SM)."""
+        """(producer, consumer) registers per thread after setmaxnreg.  setmaxnreg.inc waits until
+        the pool of the CTA's launch registers (``threads x launch_registers``) can pay for it, so
+        the split must fit that pool, not the 64 Ki file: at 384 threads the pool is 64512."""
         if self.consumers == 1:
-            return 256, 256            # 256 threads: every thread may already hold 255
+            return 256, 256            # 256 threads: every thread may already hold 255 (no setmaxnreg)
         if self.consumers == 2:
-            return 24, 240             # 128 * 24 + 256 * 240 = 64512
-        return 32, 160                 # 128 * 32 + 384 * 160 = 65536
+            # 128 * 24 + 256 * 240 = 64512, the whole pool.  Persistent: the producer walks the tiles
+            # too (24 spilled 4-16 B of its loop state), so it keeps 40 and the consumers take 232
+            # (d128 / d192 / d256 tiles 0 spills, NVRTC 13.5): 128 * 40 + 256 * 232 = 64512.  (The
+            # first persistent split, 32 / 240, asked 65536 of 64512: the consumers' setmaxnreg.inc
+            # never returned - the hang of every 128-row persistent tile, H100 2026-11-25.)
+            return (40, 232) if self.persistent else (24, 240)
+        return 32, 160                 # 128 * 32 + 384 * 160 = 65536 = 512 x 128
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
         p["smem_bytes"] = self.shared_mem_bytes
+        p["q_buffers"] = self.q_buffers
         p["producer_regs"], p["consumer_regs"] = self.register_split
         return p
 
@@ -142,6 +188,7 @@ class Tile(NamedTuple):
     pingpong: bool
     why: str
     softmax_under_pv: bool = True
+    persistent: bool = False
 
 
 _TILE_FIELDS = tuple(f for f in Tile._fields if f != "why")   # the config fields a Tile sets
@@ -196,20 +243,24 @@ def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> Atte
     other compile-time mask fields (has_window, has_softcap, is_varlen).  Masked variants take the
     heuristic's tile unless ptxas spills it, then the first of :data:`_MASKED_FALLBACK` that fits
     and does not (NVRTC 13.5: softcap spills 32-56 B in the 192x128 non-overlapped d120-128 tile;
-    all three options together also d96 causal and d112)."""
+    all three options together also d96 causal and d112).  Persistent tiles (RTKERNELS_SM90_PERSISTENT=1)
+    take the same fallback, without pingpong (which the walk does not support): the tile walk's state
+    spilled 4-8 B of d128's 192x128 tile."""
     t = candidate(head_dim, causal)
     poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
+    if persistent_choice(t, dtype, head_dim, causal, mask_flags):
+        t = t._replace(persistent=True, pingpong=False)   # the walk runs without turns (validation)
     cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
                               **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly, **mask_flags)
-    if not any(mask_flags.values()):
+    if not any(mask_flags.values()) and not t.persistent:
         return cfg
     from .attention_mask import first_without_spills
     options = [cfg]
     for block_n in _MASKED_FALLBACK:
         try:
             options.append(AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=128,
-                                               block_n=block_n, intra_overlap=True, pingpong=True, exp2_poly=poly,
-                                               **mask_flags))
+                                               block_n=block_n, intra_overlap=True, pingpong=not t.persistent,
+                                               exp2_poly=poly, persistent=t.persistent, **mask_flags))
         except ConfigError:
             pass   # does not fit shared memory
     return first_without_spills(list(dict.fromkeys(options)), "sm_90a")
@@ -237,6 +288,28 @@ def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
     if env:
         return int(env)
     return _EXP2_POLY_SOFTCAP[bool(causal)] if has_softcap else _EXP2_POLY_DENSE
+
+
+# The persistent tile walk (AttentionSm90Config.persistent) is off by default: no same-run measurement
+# against the one-CTA-per-tile grid yet (tools/bench_attention.py --tune-sm90 --persistent-ab times
+# both).  RTKERNELS_SM90_PERSISTENT=1 turns it on for the heuristic's tile (pingpong off: the walk
+# rejects it) wherever it can run (dense inputs, the tile with its barriers fits shared memory);
+# 0 or unset: off.
+def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_flags: dict) -> bool:
+    """The heuristic's ``persistent``; ``RTKERNELS_SM90_PERSISTENT`` (0/1) sets it for tuning runs
+    (read when a config is chosen: set it before the first call of a shape)."""
+    env = os.environ.get("RTKERNELS_SM90_PERSISTENT", "").strip()
+    if env not in ("", "0", "1"):
+        raise ConfigError.bad_value(FAMILY, "RTKERNELS_SM90_PERSISTENT", env, "0 or 1")
+    if env != "1" or mask_flags.get("is_varlen"):
+        return False
+    try:
+        AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, **mask_flags,
+                            **{f: getattr(tile, f) for f in _TILE_FIELDS if f not in ("persistent", "pingpong")},
+                            persistent=True)
+    except ConfigError:
+        return False   # its barriers do not fit beside the tile
+    return True
 
 
 # Key tiles of the masked fallback: two consumer warpgroups with 240 registers each (the causal
@@ -331,24 +404,45 @@ def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_, specs=None):
 
 
 _NO_MASK = (0, 0, 0.0)   # (window_left, window_right, softcap) of a config without those options
+# A persistent CTA holds an SM by itself: __launch_bounds__(threads, 1), setmaxnreg hands out the
+# whole register file, and every tile takes more than half the shared memory.
+PERSISTENT_CTAS_PER_SM = 1
 
 
-def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float, mask_args=_NO_MASK) -> Launch:
+def persistent_grid(cfg: AttentionSm90Config, batch: int, seqlen_q: int, nheads: int, sm_count: int) -> int:
+    """CTAs of a persistent launch: one per SM, never more than there are tiles (from the shapes
+    only: a CUDA graph replays it unchanged)."""
+    tiles = -(-seqlen_q // cfg.block_m) * nheads * batch
+    return max(1, min(tiles, sm_count * PERSISTENT_CTAS_PER_SM))
+
+
+def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float, mask_args=_NO_MASK,
+                    sm_count: int | None = None) -> Launch:
     """The launch for q_, k_ shapes without its array arguments (the four tensor maps, then lse);
-    ``mask_args``: (window_left, window_right, softcap) from AttentionMask.kernel_args."""
+    ``mask_args``: (window_left, window_right, softcap) from AttentionMask.kernel_args;
+    ``sm_count``: the SMs a persistent config's grid fills (default: the current device's; tests
+    pass a few to make each CTA walk many tiles)."""
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     # o, its strides, cu_seqlens and the schedule are varlen's (launch_varlen)
+    tail = (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale), None, 0, 0, None, None, None, nheads,
+            *mask_args)
+    if cfg.persistent:
+        if sm_count is None:
+            from .. import device
+            sm_count = device.sm_count()
+        return Launch(kern, (persistent_grid(cfg, batch, seqlen_q, nheads, sm_count),), (cfg.threads_per_block,),
+                      cfg.shared_mem_bytes, (*tail, batch))
     return Launch(kern, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
-                  cfg.shared_mem_bytes, (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale),
-                                         None, 0, 0, None, None, None, nheads, *mask_args))
+                  cfg.shared_mem_bytes, tail)
 
 
 def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, stream=None,
-           maps=None, mask_args=_NO_MASK) -> None:
+           maps=None, mask_args=_NO_MASK, sm_count: int | None = None) -> None:
     """One launch over CuPy views q_, k_, v_, o_ (bfloat16 as uint16) and lse_ (or None); ``maps``:
-    their :func:`tensor_maps`, when the caller encoded them once for repeated launches."""
-    recorded_launch(kern, cfg, q_, k_, softmax_scale, mask_args).run(
+    their :func:`tensor_maps`, when the caller encoded them once for repeated launches;
+    ``sm_count``: as :func:`recorded_launch`."""
+    recorded_launch(kern, cfg, q_, k_, softmax_scale, mask_args, sm_count).run(
         (*(maps or tensor_maps(cfg, q_, k_, v_, o_)), lse_), stream)
 
 
@@ -379,3 +473,17 @@ def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", ma
         cfg = choose_config(dtype, head_dim, causal, **dict(mask_flags))
         hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
     return hit
+
+
+def linear_tiles(m_tiles: int, heads: int, batch: int, causal: bool) -> list[tuple[int, int, int]]:
+    """(tile, head, batch) of each linear tile index of the persistent walk, in index order: the
+    mirror of ``rtk::attn::linear_tile`` (rtk/attn_mask.cuh) that the CPU tests check."""
+    out = []
+    for t in range(m_tiles * heads * batch):
+        if causal:
+            mt, r = divmod(t, heads * batch)
+            out.append((m_tiles - 1 - mt, r % heads, r // heads))
+        else:
+            r, tile = divmod(t, m_tiles)
+            out.append((tile, r % heads, r // heads))
+    return out

@@ -93,6 +93,32 @@ __device__ __forceinline__ bool tile_coord(const int2* __restrict__ schedule, in
     }
 }
 
+// Persistent kernels: linear tile index t (0 .. m_tiles * heads * batch - 1; each CTA walks
+// blockIdx.x, + gridDim.x, ...) -> (tile, head, batch); rtkernels.ops.attention_sm90.linear_tiles
+// mirrors it.  Heads run fastest over the same batch, so CTAs working at once on neighbouring
+// heads share a GQA group's K/V in L2.  CAUSAL: the query tile is the slowest index, from the
+// last (the tiles that see the most keys start first and the light ones fill the tail); else every
+// tile does the same work and the query tile is the fastest index: the CTAs working at once read
+// the same head's K/V.
+template <bool CAUSAL>
+__device__ __forceinline__ TileCoord linear_tile(int t, int m_tiles, int heads, int batch) {
+    TileCoord c;
+    if constexpr (CAUSAL) {
+        const int per_tile = heads * batch;
+        const int mt = t / per_tile;
+        const int r = t - mt * per_tile;
+        c.tile = m_tiles - 1 - mt;
+        c.batch = r / heads;
+        c.head = r - c.batch * heads;
+    } else {
+        const int r = t / m_tiles;
+        c.tile = t - r * m_tiles;
+        c.batch = r / heads;
+        c.head = r - c.batch * heads;
+    }
+    return c;
+}
+
 // ---- (b) tile ranges and (c) the element mask ----------------------------------------------------
 // Key tiles [n_min, n_max) a query tile visits; a visited tile n needs the element mask iff
 // n < n_mask_lo (left window edge) or n >= n_mask_hi (keys past seqlen_k, the diagonal or the
