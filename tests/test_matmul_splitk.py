@@ -381,11 +381,16 @@ def test_gpu_split_batched(schedule, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, M, N, K", [("bfloat16", 128, 4096, 14336), ("float16", 128, 4096, 14336),
-                                            ("bfloat16", 512, 6144, 4096), ("float16", 513, 10240, 8192)])
-def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K):
-    """Shapes the heuristic splits or streams: three calls (the later ones plan replays) give the
-    same bits, and the counters are back at zero after them."""
+@pytest.mark.parametrize("dtype, M, N, K, stream", [("bfloat16", 128, 4096, 14336, False),
+                                                    ("float16", 128, 4096, 14336, False),
+                                                    ("bfloat16", 512, 6144, 4096, True),
+                                                    ("float16", 513, 10240, 8192, True)])
+def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K, stream, monkeypatch):
+    """Shapes the heuristic splits, and (RTKERNELS_MATMUL_STREAM_K=1: the heuristic itself does not
+    stream) partial-wave shapes streamed: three calls (the later ones plan replays) give the same
+    bits, and the counters are back at zero after them."""
+    if stream:
+        monkeypatch.setenv("RTKERNELS_MATMUL_STREAM_K", "1")
     import cupy as cp
     from gpu_util import poison, random_array, to_f64
     import rtkernels as rtk
@@ -400,7 +405,7 @@ def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K):
         rtk.matmul(a, b, out=out, dtype=_dt(dtype))
         outs.append(out.get())
     last = out
-    cfg, grid = _plan_of(M, N, K)
+    cfg, grid = _plan_of(M, N, K, stream_k=True if stream else None)
     assert cfg.split_k > 1 or cfg.stream_k, cfg
     what = f"{dtype} {M}x{N}x{K} heuristic {'stream-K' if cfg.stream_k else f'split {cfg.split_k}'} " \
            f"{cfg.block_m}x{cfg.block_n} on {grid} CTAs"
