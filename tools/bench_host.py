@@ -159,22 +159,8 @@ def torch_ops(rows: Rows):
     # torch's dispatcher floor: the same schemas with one Python kernel that returns at once,
     # against that kernel called directly (what any Python-registered op costs)
     from rtkernels.torch._library import floor_op
-    att_floor, att_fn = floor_op(str(torch.ops.rtk.attention.default._schema).split("::", 1)[1], (o, lse))
-    sm_floor, sm_fn = floor_op(str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], x)
-    try:   # the floor of ops that return new tensors, as rtk's do (an older --tree lacks it)
-        att_ffloor, att_ffn = floor_op(str(torch.ops.rtk.attention.default._schema).split("::", 1)[1], (o, lse),
-                                       fresh=True)
-        sm_ffloor, sm_ffn = floor_op(str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], x, fresh=True)
-        rows.add("torch: floor op (new outputs), attention schema", lambda: att_ffloor(q, q, q, True))
-        rows.add("torch: floor fn (new outputs), attention schema", lambda: att_ffn(q, q, q, True))
-        rows.add("torch: floor op (new outputs), softmax schema", lambda: sm_ffloor(x))
-        rows.add("torch: floor fn (new outputs), softmax schema", lambda: sm_ffn(x))
-    except TypeError:
-        pass
-    rows.add("torch: floor op, attention schema", lambda: att_floor(q, q, q, True))
-    rows.add("torch: floor fn, attention schema", lambda: att_fn(q, q, q, True))
-    rows.add("torch: floor op, softmax schema", lambda: sm_floor(x))
-    rows.add("torch: floor fn, softmax schema", lambda: sm_fn(x))
+    add_floor_rows(rows, floor_op, str(torch.ops.rtk.attention.default._schema).split("::", 1)[1],
+                   str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], (o, lse), x, q, x)
 
     from rtkernels.ops._arrays import torch_stream_ptr
     rows.add("torch: current stream (raw getter)", lambda: torch_stream_ptr(torch, 0))
@@ -256,6 +242,27 @@ TARGETS = [
     ("torch: rtk.softmax(x)", "torch: torch.softmax(x)", 2.0, "rtk softmax <= 2x torch"),
 ]
 
+
+
+def add_floor_rows(rows, floor_op, att_schema: str, sm_schema: str, att_outs, sm_out, q, x, **kw) -> None:
+    """torch's dispatcher floor rows (also tools/host_model.py's): the attention and softmax schemas
+    with one Python kernel that returns at once, as an op and called directly; also the floor of ops
+    returning new tensors, as rtk's do, where ``floor_op`` has ``fresh`` (an older --tree lacks it)."""
+    att_floor, att_fn = floor_op(att_schema, att_outs, **kw)
+    sm_floor, sm_fn = floor_op(sm_schema, sm_out, **kw)
+    try:
+        att_ffloor, att_ffn = floor_op(att_schema, att_outs, fresh=True, **kw)
+        sm_ffloor, sm_ffn = floor_op(sm_schema, sm_out, fresh=True, **kw)
+        rows.add("torch: floor op (new outputs), attention schema", lambda: att_ffloor(q, q, q, True))
+        rows.add("torch: floor fn (new outputs), attention schema", lambda: att_ffn(q, q, q, True))
+        rows.add("torch: floor op (new outputs), softmax schema", lambda: sm_ffloor(x))
+        rows.add("torch: floor fn (new outputs), softmax schema", lambda: sm_ffn(x))
+    except TypeError:
+        pass
+    rows.add("torch: floor op, attention schema", lambda: att_floor(q, q, q, True))
+    rows.add("torch: floor fn, attention schema", lambda: att_fn(q, q, q, True))
+    rows.add("torch: floor op, softmax schema", lambda: sm_floor(x))
+    rows.add("torch: floor fn, softmax schema", lambda: sm_fn(x))
 
 def main() -> None:
     p = bu.parser(__doc__.splitlines()[0])

@@ -245,22 +245,9 @@ def setup(rows: Rows) -> None:
     rows.add("torch: op() layer, softmax schema, no-op kernel", lambda: sm_noop(tx))
     rows.add("torch: torch.ops.rtk.attention", lambda: att_op(q, q, q, True))
     rows.add("torch: torch.ops.rtk.softmax", lambda: sm_op(tx))
-    att_floor, att_fn = _library.floor_op(str(att_op._schema).split("::", 1)[1], (o, lse), device="CPU")
-    sm_floor, sm_fn = _library.floor_op(str(sm_op._schema).split("::", 1)[1], o, device="CPU")
-    try:   # the floor of ops that return new tensors, as rtk's do (an older --tree lacks it)
-        att_ffloor, att_ffn = _library.floor_op(str(att_op._schema).split("::", 1)[1], (o, lse), device="CPU",
-                                                fresh=True)
-        sm_ffloor, sm_ffn = _library.floor_op(str(sm_op._schema).split("::", 1)[1], o, device="CPU", fresh=True)
-        rows.add("torch: floor op (new outputs), attention schema", lambda: att_ffloor(q, q, q, True))
-        rows.add("torch: floor fn (new outputs), attention schema", lambda: att_ffn(q, q, q, True))
-        rows.add("torch: floor op (new outputs), softmax schema", lambda: sm_ffloor(tx))
-        rows.add("torch: floor fn (new outputs), softmax schema", lambda: sm_ffn(tx))
-    except TypeError:
-        pass
-    rows.add("torch: floor op, attention schema", lambda: att_floor(q, q, q, True))
-    rows.add("torch: floor fn, attention schema", lambda: att_fn(q, q, q, True))
-    rows.add("torch: floor op, softmax schema", lambda: sm_floor(tx))
-    rows.add("torch: floor fn, softmax schema", lambda: sm_fn(tx))
+    from bench_host import add_floor_rows
+    add_floor_rows(rows, _library.floor_op, str(att_op._schema).split("::", 1)[1], str(sm_op._schema).split("::", 1)[1],
+                   (o, lse), o, q, tx, device="CPU")
     rows.add("torch: empty_like(q) + new_empty(lse)",
              lambda: (torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)))
 
