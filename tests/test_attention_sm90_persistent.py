@@ -506,17 +506,24 @@ def test_gpu_small_grid_walks_many_tiles(case, sm_count):
     _check_case(case, sm_count)
 
 
-@pytest.mark.gpu
-def test_gpu_op_dispatches_persistent_with_env(monkeypatch):
-    _need_sm90()
-    import cupy as cp
-    from test_attention import _check
+def _persistent_knob_on(monkeypatch) -> list:
+    """RTKERNELS_SM90_PERSISTENT=1 with fresh kernel and plan memos; returns the list the configs of
+    A90.launch's calls are appended to."""
     monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")
     monkeypatch.setattr(A90, "_KERNELS", {})
     monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
     calls = []
     real = A90.launch
     monkeypatch.setattr(A90, "launch", lambda kern, cfg, *a, **kw: (calls.append(cfg), real(kern, cfg, *a, **kw)))
+    return calls
+
+
+@pytest.mark.gpu
+def test_gpu_op_dispatches_persistent_with_env(monkeypatch):
+    _need_sm90()
+    import cupy as cp
+    from test_attention import _check
+    calls = _persistent_knob_on(monkeypatch)
     case = (3, 1000, 1000, 5, 1, 64, True, "bfloat16")
     q, k, v, o, _ = _inputs(case, 1)
     o2, lse = rtk.attention(q, k, v, causal=True, out=o, dtype="bfloat16")
@@ -572,12 +579,7 @@ def test_gpu_window_and_softcap(monkeypatch, causal, window, softcap, d):
     from gpu_util import poison
     from test_attention_varlen import _forward_check
     from rtkernels.ops.attention_mask import mask_spec
-    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")
-    monkeypatch.setattr(A90, "_KERNELS", {})
-    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
-    calls = []
-    real = A90.launch
-    monkeypatch.setattr(A90, "launch", lambda kern, cfg, *a, **kw: (calls.append(cfg), real(kern, cfg, *a, **kw)))
+    calls = _persistent_knob_on(monkeypatch)
     dtype = "bfloat16" if d != 80 else "float16"
     case = (3, 777, 901, 5, 1, d, causal, dtype)
     q, k, v, o, _ = _inputs(case, 3)
