@@ -579,6 +579,7 @@ def test_gpu_window_and_softcap(monkeypatch, causal, window, softcap, d):
     from gpu_util import poison
     from test_attention_varlen import _forward_check
     from rtkernels.ops.attention_mask import mask_spec
+    real = A90.launch   # before the spy
     calls = _persistent_knob_on(monkeypatch)
     dtype = "bfloat16" if d != 80 else "float16"
     case = (3, 777, 901, 5, 1, d, causal, dtype)
