@@ -119,22 +119,12 @@ def torch_stream_ptr(torch, dev: int) -> int:
     return _RAW_STREAM[0](dev)
 
 
-_TORCH_STREAMS: dict = {}   # raw handle -> the holder CuPy's Function reads .ptr from
-
-
 def _torch_stream_arg(dev: int):
     """torch's current stream on ``dev`` as CuPy's Function takes it: the raw handle (one C call)
-    mapped to a cached holder, so a torch replay builds no stream object."""
+    through kernel._stream_arg's cache of holders, so a torch replay builds no stream object."""
     if not _RAW_STREAM:
         torch_stream_ptr(sys.modules["torch"], dev)
-    ptr = _RAW_STREAM[0](dev)
-    held = _TORCH_STREAMS.get(ptr)
-    if held is None:
-        from ..kernel import _StreamPtr
-        if len(_TORCH_STREAMS) > 256:
-            _TORCH_STREAMS.clear()
-        held = _TORCH_STREAMS[ptr] = _StreamPtr(ptr)
-    return held
+    return _STREAM_ARG[0](_RAW_STREAM[0](dev))   # bound by OutputPlan._first_replay, which runs first
 
 
 class _RawStream:
