@@ -244,6 +244,54 @@ def test_varlen_strided_qkv_and_scale(kernel):
                    cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
+def test_varlen_plans_replay_new_contents_and_graphs(kernel):
+    """A call with both max_seqlen hints records a launch plan (sm_90); later calls with the same
+    signatures replay it - with new cu_seqlens contents (same batch and totals) and new data - and
+    a CUDA graph captured from a replay runs again with new lengths written into cu_seqlens."""
+    import cupy as cp
+    from gpu_util import poison, random_array
+    from rtkernels.ops.attention import attention, _VARLEN_PLANS
+    rng = _seed()
+    layouts = ([5, 0, 130, 77, 300], [300, 77, 0, 130, 5], [100, 100, 112, 100, 100], [512, 0, 0, 0, 0])
+    total, h, hkv, d, dt = 512, 4, 2, 64, "float16"
+    cu = cp.zeros(len(layouts[0]) + 1, cp.int32)
+    q, k, v = (random_array(rng, (total, n, d), dt)[0] for n in (h, hkv, hkv))
+    o = cp.empty(q.shape, q.dtype)
+
+    def call():
+        return attention(q, k, v, causal=True, out=o, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=total,
+                         max_seqlen_k=total, window=(63, 0))
+
+    def refill(lens):
+        cu[...] = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+        for a in (q, k, v):
+            a[...] = random_array(rng, a.shape, dt)[0]
+        poison(o)
+        cp.cuda.Device().synchronize()   # (the graph runs on a non-blocking stream)
+
+    _VARLEN_PLANS.clear()
+    for i, lens in enumerate(layouts[:2]):
+        refill(lens)
+        _, lse = call()
+        cp.cuda.get_current_stream().synchronize()
+        _forward_check(q, k, v, dt, o, lse, f"call {i} lens={lens}", causal=True, window=(63, 0),
+                       cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert len(_VARLEN_PLANS) == (1 if kernel == "sm90" and sm90_mod.ENABLED else 0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        call()                      # the plan's workspace on this stream exists before capture
+        stream.synchronize()
+        stream.begin_capture()
+        _, lse = call()
+        graph = stream.end_capture()
+    for lens in layouts[2:]:
+        refill(lens)
+        graph.launch(stream)
+        stream.synchronize()
+        _forward_check(q, k, v, dt, o, lse, f"graph replay lens={lens}", causal=True, window=(63, 0),
+                       cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
 def test_varlen_torch_in_torch_out(kernel):
     torch = pytest.importorskip("torch")
     import cupy as cp
@@ -261,6 +309,13 @@ def test_varlen_torch_in_torch_out(kernel):
     bits = lambda t: cp.from_dlpack(t.view(torch.int16)).view(cp.uint16)   # noqa: E731
     _forward_check(bits(q), bits(k), bits(v), "bfloat16", bits(o), cp.from_dlpack(lse), "torch", causal=True,
                    softcap=50.0, cu_seqlens_q=cp.from_dlpack(cu), cu_seqlens_k=cp.from_dlpack(cu))
+    # with both hints: the first call records a plan, the next ones replay it on torch's stream
+    for _ in range(3):
+        o3, lse3 = attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, softcap=50.0,
+                             max_seqlen_q=300, max_seqlen_k=300)
+    assert isinstance(o3, torch.Tensor) and o3.dtype == torch.bfloat16 and lse3.shape == (4, sum(lens))
+    torch.cuda.synchronize()
+    assert torch.equal(o3, o) and torch.equal(lse3, lse), "replayed varlen plan differs from the full path"
 
 
 def test_bad_cu_seqlens_raise_and_launch_nothing():

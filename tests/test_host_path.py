@@ -521,3 +521,26 @@ def test_gpu_launch_paths_agree():
     assert torch.equal(tc, ta + tb)
     with pytest.raises(LaunchError, match="cpu"):
         k.launch((4,), (256,), ta.cpu(), tb, tc, n)
+
+
+def test_varlen_plan_key_needs_both_hints_and_fixes_cu_seqlens(monkeypatch):
+    """A varlen forward has a launch plan only with both max_seqlen hints as ints (without them the
+    full path reads cu_seqlens); cu_seqlens' signature and the hints are part of the key (they fix
+    the schedule's slots and the grid), cu_seqlens' address and contents are not."""
+    from rtkernels.ops import attention as att
+    monkeypatch.setattr(_arrays, "_NDARRAY", FakeArray)
+    monkeypatch.setattr(_arrays, "_MULTI_GPU", [False])
+    q, k = FakeArray((512, 4, 64), 1 << 20), FakeArray((512, 2, 64), 2 << 20)
+    cu = FakeArray((6,), 3 << 20, "int32")
+
+    def key(cu_=cu, mq=512, mk=512, **kw):
+        return att._varlen_plan_key(q, k, k, None, cu_, cu_, mq, mk, True, None, True, None, kw.get("window"),
+                                    None)
+
+    base = key()
+    assert base is not None
+    assert key(mq=None) is None and key(mk=None) is None and key(mq=True) is None and key(mq=512.0) is None
+    assert key(cu_=FakeArray((6,), 5 << 20, "int32")) == base                        # another address
+    assert key(cu_=FakeArray((7,), 3 << 20, "int32")) != base                        # another batch
+    assert key(cu_=FakeArray((6,), 3 << 20, "int64")) != base
+    assert key(mq=300) != base and key(window=(63, 0)) != base

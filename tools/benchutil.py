@@ -48,7 +48,12 @@ def time_cuda(fn, *, warmup: int = 3, repeat: int = 20, inputs=None) -> float:
 def time_batched(fn, warmup: int = 3, repeat: int = 10) -> float:
     """Median milliseconds per call of ``fn`` over ``repeat`` batches of back-to-back calls (a batch
     lasts >= ~2 ms), so the host's launch cost - larger for Triton's Python launcher - hides
-    behind the kernels instead of being timed as idle GPU between events."""
+    behind the kernels instead of being timed as idle GPU between events.
+
+    Each batch is queued behind a spin kernel that lasts longer than the host needs to enqueue
+    the batch (up to 400 us per call), so the first call's host time is hidden too: without it a
+    call of >= 2 ms ran as a batch of one and its host time was timed as GPU time (0.35 ms of a
+    varlen attention call's 2.2 ms on an H200, 2026-11-26)."""
     import cupy as cp
     for _ in range(warmup):
         fn()
@@ -60,6 +65,7 @@ def time_batched(fn, warmup: int = 3, repeat: int = 10) -> float:
     batch = max(1, min(50, int(2.0 / max(cp.cuda.get_elapsed_time(start, end), 1e-3))))
     times = []
     for _ in range(repeat):
+        _spin(cp, 1_000_000 + batch * 400_000)
         start.record()
         for _ in range(batch):
             fn()

@@ -11,6 +11,7 @@ lookup without touching the wrapper.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -20,7 +21,7 @@ from .._env import getenv_raw
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from . import views as _views
-from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as
+from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as, same_memory
 from .rowwise import _ClassOrInstance
 from .attention_mask import (SORT_MAX_BATCH, Varlen, check_varlen, first_without_spills, mask_spec, schedule,
                              varlen_slots)
@@ -525,11 +526,17 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         out, window, softcap or cu_seqlens; nothing is launched.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    plan_key = None if varlen else _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window,
-                                                     softcap)
-    plan = _FORWARD_PLANS.get(plan_key)
-    if plan is not None:
-        return _replay_forward(plan, q, k, v, out, return_lse, stream, plan_key[1])
+    if varlen:
+        plan_key = _varlen_plan_key(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    softmax_scale, return_lse, dtype, window, softcap)
+        vplan = _VARLEN_PLANS.get(plan_key)
+        if vplan is not None:
+            return vplan.replay(q, k, v, out, cu_seqlens_q, cu_seqlens_k, return_lse, stream, plan_key[1])
+    else:
+        plan_key = _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window, softcap)
+        plan = _FORWARD_PLANS.get(plan_key)
+        if plan is not None:
+            return _replay_forward(plan, q, k, v, out, return_lse, stream, plan_key[1])
     from ._arrays import as_device_array, new_like   # (below the replay: an import costs ~0.5 us a call)
     import cupy
     spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
@@ -584,8 +591,12 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags)
             if not tune:
                 if varlen:
-                    _sm90.launch_varlen(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, mask_args, vl,
-                                        _schedule_for(vl, cfg.block_m, causal, arch, stream), stream)
+                    sched = _schedule_for(vl, cfg.block_m, causal, arch, stream, workspace=(q, dev))
+                    _sm90.launch_varlen(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, mask_args, vl, sched, stream)
+                    if plan_key is not None and not staged and same_memory((q_, k_, v_, o_), (q, k, v, o)):
+                        _VARLEN_PLANS.put(plan_key, VarlenForwardPlan.record(
+                            kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, mask_args, vl, sched[1], causal,
+                            arch))
                     return (o, lse) if return_lse else o
                 _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream, mask_args=mask_args)
                 if plan_key is not None and not staged:
@@ -603,7 +614,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                 _sm90.launch(k, c, q_, k_, v_, o_, lse_, softmax_scale, stream)
                 return
             if varlen:
-                sched, slots = _schedule_for(vl, c.block_m, causal, arch, stream)
+                sched, slots = _schedule_for(vl, c.block_m, causal, arch, stream, workspace=(q, dev))
                 k.launch((nheads * slots,), (c.threads_per_block,), *args, vl.cu_q, vl.cu_k, sched, nheads,
                          *mask_args, shared_mem=c.shared_mem_bytes, stream=stream)
                 return
@@ -624,15 +635,23 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 
 
 def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, cu_tiles=None, cu_other=None,
-                  totals=None, max_seqlen=None):
+                  totals=None, max_seqlen=None, workspace=None):
     """(schedule table, slots) for ``block``-row tiles of the query sequences (keys set the work);
-    the backward passes its own tiles (``cu_tiles``, ``cu_other``, ``totals``, ``max_seqlen``)."""
+    the backward passes its own tiles (``cu_tiles``, ``cu_other``, ``totals``, ``max_seqlen``).
+    ``workspace``: (like, device) - the table goes to the stream's workspace (ops/workspace.py:
+    kept for good, so a CUDA graph that captured the call replays into memory it still owns)
+    instead of a new array that the pool would hand out again after the call."""
     cu_tiles = vl.cu_q if cu_tiles is None else cu_tiles
     cu_other = vl.cu_k if cu_other is None else cu_other
     total, total_other = (vl.total_q, vl.total_k) if totals is None else totals
     longest = vl.max_seqlen_q if max_seqlen is None else max_seqlen
     slots = varlen_slots(total, vl.batch, block, longest, compact=vl.batch <= SORT_MAX_BATCH)
-    return schedule(cu_tiles, cu_other, vl.batch, total, total_other, block, slots, descending, arch, stream), slots
+    table = None
+    if workspace is not None:
+        from .workspace import stream_workspace
+        table = stream_workspace(workspace[0], workspace[1], stream, 8 * slots, 0)[0]
+    return schedule(cu_tiles, cu_other, vl.batch, total, total_other, block, slots, descending, arch, stream,
+                    table), slots
 
 
 # ---- per-signature launch plans (Hopper kernel, heuristic tiles) ---------------------------------
@@ -661,6 +680,88 @@ def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, mask_args, q
                                                                 mask_args), o,
                                           (cfg, _sm90.map_specs(cfg, *views),
                                            None if lse is None else (tuple(lse.shape), lse.dtype)), like=q))
+
+
+# ---- varlen launch plans -----------------------------------------------------------------------
+# A varlen call's full path (checks, views, the schedule's and the kernel's argument lists) cost
+# 218 us of host time per forward call on an H200 host (CuPy arrays, 2026-11-26; 14 us for a
+# dense call replaying its plan), so at 16 x 512 tokens the host, not the GPU, set the pace.  What
+# the path decides depends on the arrays' signatures (cu_seqlens included: int32, contiguous,
+# batch + 1), the max_seqlen hints (the schedule's slots, the grid) and the options - not on
+# cu_seqlens' contents, which the kernels read on the device - so a call with both hints records
+# its two launches and later calls with the same key replay them (no host read: capturable).
+_VARLEN_PLANS = LaunchPlans(256)
+
+
+def _varlen_plan_key(q, k, v, out, cu_q, cu_k, max_q, max_k, causal, softmax_scale, return_lse, dtype, window,
+                     softcap):
+    """The plan key of a varlen forward call, or None (a missing or non-int hint: the full path
+    reads cu_seqlens, and its checks report bad hints)."""
+    if type(max_q) is not int or type(max_k) is not int or not _sm90.ENABLED:
+        return None
+    if getenv_raw("RTKERNELS_AUTOTUNE") is not None and _autotune.enabled():
+        return None
+    return _VARLEN_PLANS.key((q, k, v, out, cu_q, cu_k),
+                             (bool(causal), softmax_scale, bool(return_lse), dtype, window, softcap, max_q, max_k,
+                              getenv_raw("RTKERNELS_ARCH")))
+
+
+@dataclass(frozen=True)
+class VarlenForwardPlan:
+    """A recorded varlen forward: the schedule pre-kernel's launch and the Hopper kernel's, with
+    everything but the addresses fixed (tensor-map specs, o's strides, slots, scalars)."""
+    kern: object
+    cfg: object
+    specs: tuple                # the four tensor maps' (shape, strides, box)
+    out_shape: tuple
+    lse_shape: tuple | None
+    o_strides: tuple            # o's element strides along tokens and heads
+    scalars: tuple              # total_q, total_k, group, softmax_scale
+    nheads: int
+    slots: int
+    mask_args: tuple
+    sched: tuple                # (config, kernel, grid, block, smem, sorted?, batch, total, total_other, block_m, desc)
+
+    @classmethod
+    def record(cls, kern, cfg, views, o, lse, softmax_scale, mask_args, vl, slots, causal, arch):
+        from .attention_mask import SORT_MAX_BATCH, _schedule_kernels, _cdiv
+        q_, k_, _, o_ = views
+        _, total_q, nheads, _ = q_.shape
+        total_k, nheads_kv = k_.shape[1], k_.shape[2]
+        scfg, skerns = _schedule_kernels(arch)
+        if vl.batch <= SORT_MAX_BATCH:
+            sched = (skerns["attention_schedule_sorted"], (1,), (scfg.threads,), scfg.sort_smem_bytes(vl.batch), True)
+        else:
+            sched = (skerns["attention_schedule_batch_order"], (min(_cdiv(slots, 256), 65535),), (256,), 0, False)
+        item = o_.itemsize
+        return cls(kern, cfg, _sm90.map_specs(cfg, *views), tuple(o.shape),
+                   None if lse is None else tuple(lse.shape), (o_.strides[1] // item, o_.strides[2] // item),
+                   (total_q, total_k, nheads // nheads_kv, float(softmax_scale)), nheads, slots, tuple(mask_args),
+                   (*sched, vl.batch, vl.total_q, vl.total_k, cfg.block_m, int(bool(causal))))
+
+    def replay(self, q, k, v, out, cu_q, cu_k, return_lse, stream, dev):
+        from ._arrays import torch_stream_ptr
+        from .workspace import stream_workspace
+        import cupy
+        torch = not isinstance(q, cupy.ndarray)
+        if torch and stream is None:
+            stream = torch_stream_ptr(sys.modules["torch"], dev)
+        o = out if out is not None else empty_as(q, self.out_shape, q.dtype)
+        lse = empty_as(q, self.lse_shape, (sys.modules["torch"].float32 if torch else cupy.float32)) \
+            if return_lse else None
+        skern, sgrid, sblock, ssmem, sort, batch, total, total_other, block, desc = self.sched
+        table = stream_workspace(q, dev, stream, 8 * self.slots, 0)[0]   # as _schedule_for
+        if sort:
+            skern.launch(sgrid, sblock, cu_q, cu_k, batch, total, total_other, block, desc, table, self.slots,
+                         shared_mem=ssmem, stream=stream)
+        else:
+            skern.launch(sgrid, sblock, cu_q, batch, total, block, desc, table, self.slots, stream=stream)
+        maps = _sm90.tensor_maps(self.cfg, address(q), address(k), address(v), address(o), specs=self.specs)
+        total_q, total_k, group, scale = self.scalars
+        self.kern.launch((self.nheads * self.slots,), (self.cfg.threads_per_block,), *maps, lse, total_q, total_k,
+                         group, scale, o, self.o_strides[0], self.o_strides[1], cu_q, cu_k, table, self.nheads,
+                         *self.mask_args, shared_mem=self.cfg.shared_mem_bytes, stream=stream)
+        return (o, lse) if return_lse else o
 
 
 def _forward_args(extra, arrays) -> tuple:

@@ -418,7 +418,7 @@ def _schedule_kernels(arch: str):
 
 
 def schedule(cu_tiles, cu_other, batch: int, total: int, total_other: int, block: int, slots: int,
-             descending: bool, arch: str, stream=None):
+             descending: bool, arch: str, stream=None, table=None):
     """A (slots,) int32x2 table of (sequence, tile) per slot; (-1, 0) for unused slots.
 
     Tiles are ``block`` rows of the sequences in ``cu_tiles``; ``cu_other`` gives the length that
@@ -426,13 +426,15 @@ def schedule(cu_tiles, cu_other, batch: int, total: int, total_other: int, block
     block sorts them by that length (then by tile count, then index), longest first, and lays out
     each sequence's tiles back to back - ``descending`` puts its last tile first (the causal
     forward's heaviest).  More sequences: batch order, each sequence at its padded offset
-    (:func:`padded_offset_rows`), written by a grid-stride kernel.
+    (:func:`padded_offset_rows`), written by a grid-stride kernel.  ``table``: where to write it (an
+    array or address of >= 8 * slots bytes; default a new array from CuPy's pool).
     """
     import cupy
     from ._arrays import cupy_stream
     cfg, kerns = _schedule_kernels(arch)
-    with cupy_stream(stream):   # the pool hands the table's memory out again only after this stream's work
-        table = cupy.empty((slots, 2), cupy.int32)
+    if table is None:
+        with cupy_stream(stream):   # the pool hands the table's memory out again only after this stream's work
+            table = cupy.empty((slots, 2), cupy.int32)
     if batch <= SORT_MAX_BATCH:
         kerns["attention_schedule_sorted"].launch(
             (1,), (cfg.threads,), cu_tiles, cu_other, batch, total, total_other, block, int(descending), table,
