@@ -2,7 +2,7 @@
 
 CPU: validation messages, q_buffers / shared memory, the linear tile order's mirror (a
 permutation, causal heaviest first), the grid and kernel arguments of a persistent launch, the
-RTKERNELS_SM90_PERSISTENT knob, and four persistent builds (d64 / d128, causal and not) at
+RTKERNELS_SM90_PERSISTENT knob, the per-call short schedule, and four persistent builds (d64 / d128, causal and not) at
 sm_90a: no spills or local memory, HGMMA + TMA in the SASS, no ptxas wgmma/setmaxnreg notes.
 GPU (``-m gpu``, sm_90): the float64 reference and 2x error rule over awkward shapes with
 poisoned outputs and lse, on the device's grid and on a 3-CTA grid (every CTA walks many tiles:
@@ -127,6 +127,44 @@ def test_env_knob(monkeypatch, built):
     assert "RTKERNELS_SM90_PERSISTENT" in str(e.value)
     monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT")
     assert not A90.choose_config("bfloat16", 64, True).persistent   # default: off
+
+
+def test_short_schedule_picks_the_walk_per_call(monkeypatch, built):
+    """Unset knob: SHORT_SCHEDULE decides from the call's seqlen_k (key tiles of the heuristic's tile),
+    dense inputs only; 0 turns it off, 1 on everywhere; kernel_for memoizes per entry."""
+    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    bn = A90.candidate(64, False).block_n
+    assert A90.short_entry(64, False, 4 * bn, bn) == 0 and A90.short_entry(64, False, 4 * bn + 1, bn) is None
+    assert A90.short_entry(64, False, None, bn) is None and A90.short_entry(64, True, 512, bn) is None
+    assert A90.short_entry(256, False, 512, 80) is None
+    short = A90.choose_config("bfloat16", 64, False, seqlen_k=512)   # built (and cached) by the fixture
+    assert short.persistent and short == built[(64, False)][0]
+    assert short.replace(persistent=False) == A90.choose_config("bfloat16", 64, False)   # the same tile
+    assert not A90.choose_config("bfloat16", 64, False, seqlen_k=1024).persistent
+    assert not A90.choose_config("bfloat16", 64, True, seqlen_k=512).persistent      # causal: no entry
+    assert not A90.persistent_choice(A90.candidate(64, False), "bfloat16", 64, False, {"has_window": True}, 512)
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "0")
+    assert not A90.choose_config("bfloat16", 64, False, seqlen_k=512).persistent
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")
+    assert A90.choose_config("bfloat16", 64, False, seqlen_k=1024).persistent
+    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT")
+    # kernel_for: one memo entry per schedule, no compile for the plain tile (a stub kernel)
+    monkeypatch.setattr(A90, "_KERNELS", {})
+    from types import SimpleNamespace
+    stub = SimpleNamespace(resources=SimpleNamespace(spill_stores=0, spill_loads=0, stack_frame=0))
+    monkeypatch.setattr("rtkernels.kernel.get_kernel", lambda cfg, *a, **kw: stub)
+    _, a = A90.kernel_for("bfloat16", 64, False, "sm_90a", (), seqlen_k=512)
+    _, b = A90.kernel_for("bfloat16", 64, False, "sm_90a", (), seqlen_k=1024)
+    _, c = A90.kernel_for("bfloat16", 64, False, "sm_90a", ())
+    assert a.persistent and not b.persistent and b == c and len(A90._KERNELS) == 2
+    _, w = A90.kernel_for("bfloat16", 64, False, "sm_90a", (("has_window", True),), seqlen_k=512)
+    assert not w.persistent
+
+
+def test_short_schedule_entries_are_well_formed():
+    for lo, hi, causal, most, why in A90.SHORT_SCHEDULE:
+        assert 8 <= lo <= hi <= 256 and lo % 8 == 0 and hi % 8 == 0 and isinstance(causal, bool)
+        assert most >= 1 and why
 
 
 def test_compile_by_name_takes_persistent_with_the_heuristic_tile():
@@ -533,6 +571,33 @@ def test_gpu_op_dispatches_persistent_with_env(monkeypatch):
     # a second call with the same signature replays the recorded (persistent) launch
     from gpu_util import poison
     o3, lse3 = rtk.attention(q, k, v, causal=True, out=poison(cp.empty_like(o)), dtype="bfloat16")
+    cp.cuda.get_current_stream().synchronize()
+    assert cp.array_equal(o3, o2) and cp.array_equal(lse3, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen,want", [(512, True), (300, True), (1024, False)])
+def test_gpu_op_takes_the_walk_for_short_calls(monkeypatch, seqlen, want):
+    """Knob unset: rtk.attention takes the persistent walk where SHORT_SCHEDULE covers the call
+    (d64 non-causal, <= 4 key tiles) and the one-CTA-per-tile grid otherwise; both correct, and the
+    replayed plan gives the same bits."""
+    _need_sm90()
+    import cupy as cp
+    from gpu_util import poison
+    from test_attention import _check
+    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    monkeypatch.setattr(A90, "_KERNELS", {})
+    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
+    calls = []
+    real = A90.launch
+    monkeypatch.setattr(A90, "launch", lambda kern, cfg, *a, **kw: (calls.append(cfg), real(kern, cfg, *a, **kw)))
+    case = (3, seqlen, seqlen, 5, 1, 64, False, "bfloat16")
+    q, k, v, o, _ = _inputs(case, 7)
+    o2, lse = rtk.attention(q, k, v, causal=False, out=o, dtype="bfloat16")
+    cp.cuda.get_current_stream().synchronize()
+    assert calls and calls[-1].persistent == want, (seqlen, calls)
+    _check(q, k, v, False, "bfloat16", o2, lse)
+    o3, lse3 = rtk.attention(q, k, v, causal=False, out=poison(cp.empty_like(o)), dtype="bfloat16")
     cp.cuda.get_current_stream().synchronize()
     assert cp.array_equal(o3, o2) and cp.array_equal(lse3, lse)
 

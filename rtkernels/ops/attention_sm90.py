@@ -238,17 +238,20 @@ def candidate(head_dim: int, causal: bool) -> Tile:
     raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
 
 
-def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> AttentionSm90Config:
-    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90; ``mask_flags``: the
-    other compile-time mask fields (has_window, has_softcap, is_varlen).  Masked variants take the
+def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None = None,
+                  **mask_flags) -> AttentionSm90Config:
+    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90; ``seqlen_k``: the
+    call's keys per sequence, where :data:`SHORT_SCHEDULE` may change the schedule of short dense
+    problems (None: the per-head-dim choice); ``mask_flags``: the other compile-time mask fields
+    (has_window, has_softcap, is_varlen).  Masked variants take the
     heuristic's tile unless ptxas spills it, then the first of :data:`_MASKED_FALLBACK` that fits
     and does not (NVRTC 13.5: softcap spills 32-56 B in the 192x128 non-overlapped d120-128 tile;
-    all three options together also d96 causal and d112).  Persistent tiles (RTKERNELS_SM90_PERSISTENT=1)
-    take the same fallback, without pingpong (which the walk does not support): the tile walk's state
-    spilled 4-8 B of d128's 192x128 tile."""
+    all three options together also d96 causal and d112).  Persistent tiles (RTKERNELS_SM90_PERSISTENT=1,
+    or a short-schedule entry) take the same fallback, without pingpong (which the walk does not
+    support): the tile walk's state spilled 4-8 B of d128's 192x128 tile."""
     t = candidate(head_dim, causal)
     poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
-    if persistent_choice(t, dtype, head_dim, causal, mask_flags):
+    if persistent_choice(t, dtype, head_dim, causal, mask_flags, seqlen_k):
         t = t._replace(persistent=True, pingpong=False)   # the walk runs without turns (validation)
     cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
                               **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly, **mask_flags)
@@ -290,19 +293,57 @@ def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
     return _EXP2_POLY_SOFTCAP[bool(causal)] if has_softcap else _EXP2_POLY_DENSE
 
 
-# The persistent tile walk (AttentionSm90Config.persistent) is off by default: no same-run measurement
-# against the one-CTA-per-tile grid yet (tools/bench_attention.py --tune-sm90 --persistent-ab times
-# both).  RTKERNELS_SM90_PERSISTENT=1 turns it on for the heuristic's tile (pingpong off: the walk
-# rejects it) wherever it can run (dense inputs, the tile with its barriers fits shared memory);
-# 0 or unset: off.
-def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_flags: dict) -> bool:
-    """The heuristic's ``persistent``; ``RTKERNELS_SM90_PERSISTENT`` (0/1) sets it for tuning runs
-    (read when a config is chosen: set it before the first call of a shape)."""
+# The persistent tile walk (AttentionSm90Config.persistent) per call: where SHORT_SCHEDULE says the
+# call's problem is short enough (dense inputs only), else off.  RTKERNELS_SM90_PERSISTENT=1 turns it
+# on for the heuristic's tile (pingpong off: the walk rejects it) wherever it can run (dense inputs,
+# the tile with its barriers fits shared memory); 0 turns it off everywhere (short problems too);
+# unset: SHORT_SCHEDULE decides.
+#
+# (lowest head_dim, highest head_dim, causal, most key tiles per query tile of the heuristic's tile,
+# why): calls whose seqlen_k gives at most that many key tiles take the walk.  The criterion is the
+# key tiles, not the tile count against the SMs: at d64 on FlashAttention's grid S=512 (batch 32)
+# and S=1k (batch 16) both make 3072 query tiles of 192 rows, 23 per SM, and the walk gained only at
+# S=512 - what it saves is each CTA's fixed cost (launch, barrier setup, the exposed Q + first K/V
+# load, the store), paid once per query tile whose main loop is 4 key tiles at S=512 and 8 at 1k.
+# Measured (H100, 2026-11-25, tools/bench_attention.py --tune-sm90 --persistent-ab, bf16, 16k
+# tokens, same tile interleaved, TFLOP/s plain -> persistent):
+#   d64 non-causal  S=512 329 -> 382 (1.16)   1k 424 -> 421 (0.99)   4k 0.98   16k 0.97
+#   d80 non-causal  S=512 321 -> 382 (1.19)   1k 427 -> 449 (1.05)   4k 0.99   16k 1.00
+#   d64 / d80 causal S=512 1.00 / 1.00        1k 0.95 / 0.91         4k 0.89 / 0.92
+# d72-d96 share d80's tile, d8-d56 d64's (not measured apart).  Head dims 96-256 and the causal
+# cells: no entry until tools/bench_attention.py --short-ab measures them.
+SHORT_SCHEDULE: list[tuple[int, int, bool, int, str]] = [
+    (8, 96, False, 4, "d64 / d80 non-causal S=512 (4 key tiles of 128): 1.16 / 1.19x with the walk; at 1k "
+                      "(8 key tiles) 0.99 / 1.05x, within the noise of the grid's own rounds: kept off"),
+]
+
+
+def short_entry(head_dim: int, causal: bool, seqlen_k: int | None, block_n: int) -> int | None:
+    """Index of the :data:`SHORT_SCHEDULE` entry a dense call with ``seqlen_k`` keys falls in, or None
+    (``seqlen_k`` None: no call, the per-head-dim choice).  A few comparisons: the plan memo keeps
+    the result per signature, so the replayed calls never get here."""
+    if seqlen_k is None:
+        return None
+    key_tiles = -(-seqlen_k // block_n)
+    for i, (lo, hi, c, most, _why) in enumerate(SHORT_SCHEDULE):
+        if lo <= head_dim <= hi and c == causal and key_tiles <= most:
+            return i
+    return None
+
+
+def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_flags: dict,
+                      seqlen_k: int | None = None) -> bool:
+    """The heuristic's ``persistent`` for a call with ``seqlen_k`` keys (None: no call);
+    ``RTKERNELS_SM90_PERSISTENT`` (0/1) sets it for tuning runs (read when a config is chosen: set it
+    before the first call of a shape)."""
     env = os.environ.get("RTKERNELS_SM90_PERSISTENT", "").strip()
     if env not in ("", "0", "1"):
         raise ConfigError.bad_value(FAMILY, "RTKERNELS_SM90_PERSISTENT", env, "0 or 1")
-    if env != "1" or mask_flags.get("is_varlen"):
+    if env == "0" or mask_flags.get("is_varlen"):
         return False
+    if env == "":   # the short schedule: dense inputs only (the walk was measured on them)
+        if any(mask_flags.values()) or short_entry(head_dim, causal, seqlen_k, tile.block_n) is None:
+            return False
     try:
         AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, **mask_flags,
                             **{f: getattr(tile, f) for f in _TILE_FIELDS if f not in ("persistent", "pingpong")},
@@ -318,8 +359,16 @@ _MASKED_FALLBACK = (128, 112, 96, 80, 64)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Config]:
-    """Every config the heuristics can pick (head_dim 8..256 step 8 x dtype x causal)."""
-    return [choose_config(dt, d, c) for d in range(8, 257, 8) for dt in dtypes for c in (False, True)]
+    """Every config the heuristics can pick for dense inputs (head_dim 8..256 step 8 x dtype x
+    causal, and the short schedule's where an entry covers the head dim)."""
+    out = []
+    for d in range(8, 257, 8):
+        for dt in dtypes:
+            for c in (False, True):
+                out.append(choose_config(dt, d, c))
+                if any(lo <= d <= hi and cc == c for lo, hi, cc, _, _ in SHORT_SCHEDULE):
+                    out.append(choose_config(dt, d, c, seqlen_k=1))
+    return list(dict.fromkeys(out))
 
 
 def tile_space(dtype: str, head_dim: int, causal: bool, tiles=None) -> list[AttentionSm90Config]:
@@ -463,14 +512,18 @@ def launch_varlen(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_
 _KERNELS: dict = {}
 
 
-def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", mask_flags: tuple = ()):
-    """(Kernel, config), memoized per (dtype, head_dim, causal, arch, mask_flags): (name, value)
-    pairs of the other compile-time mask fields."""
-    key = (dtype, head_dim, causal, arch, mask_flags)
+def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", mask_flags: tuple = (),
+               seqlen_k: int | None = None):
+    """(Kernel, config), memoized per (dtype, head_dim, causal, arch, mask_flags, short-schedule
+    entry): mask_flags are (name, value) pairs of the other compile-time mask fields; ``seqlen_k``
+    the call's keys per sequence (dense calls: :data:`SHORT_SCHEDULE` may pick another schedule)."""
+    short = None if any(v for _, v in mask_flags) else short_entry(head_dim, causal, seqlen_k,
+                                                                   candidate(head_dim, causal).block_n)
+    key = (dtype, head_dim, causal, arch, mask_flags, short)
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
-        cfg = choose_config(dtype, head_dim, causal, **dict(mask_flags))
+        cfg = choose_config(dtype, head_dim, causal, seqlen_k if short is not None else None, **dict(mask_flags))
         hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
     return hit
 
