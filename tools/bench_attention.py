@@ -484,11 +484,12 @@ SHORT_TILES = "128x128ov,128x128ovpst,128x64ov,128x64ovpst,128x64s3ovpst,64x128o
 
 
 def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), rounds: int = 3,
-             tiles: str = SHORT_TILES) -> list[dict]:
+             tiles: str = SHORT_TILES, changed_only: bool = False) -> list[dict]:
     """Per (head_dim, causal, seqlen) on FlashAttention's grid: the per-head-dim config (old), the
     per-call choice (new: attention_sm90.kernel_for with the call's seqlen_k), the heuristic's tile
     persistent, ``tiles`` plain and persistent, and SDPA cuDNN - interleaved over ``rounds`` (median),
-    every output compared with the old config's.  A row per candidate."""
+    every output compared with the old config's.  A row per candidate.  ``changed_only``: only the
+    cells where new differs from old, timing old, new, old again (the run's noise) and cuDNN."""
     import statistics
     import cupy as cp
     from concurrent.futures import ThreadPoolExecutor
@@ -502,6 +503,10 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
             for s in seqlens:
                 old = H.choose_config(dtype, d, causal)
                 new = H.choose_config(dtype, d, causal, seqlen_k=s)
+                if changed_only:
+                    if new != old:
+                        cells[(d, causal, s)] = [("old", old), ("new", new), ("old again", old)]
+                    continue
                 cands = [("old", old), ("new", new)]
                 try:
                     cands.append(("heur pst", old.replace(persistent=True, pingpong=False)))
@@ -520,6 +525,9 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
                         uniq.append((name, c))
                 cells[(d, causal, s)] = uniq
     configs = list(dict.fromkeys(c for v in cells.values() for _, c in v))
+    if not configs:
+        print("no cell to time (changed_only: the per-call choice is the per-head-dim config everywhere)")
+        return []
 
     def build(c):
         try:
@@ -538,11 +546,15 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
     rows = []
     for d in head_dims:
         for s in seqlens:
+            if not any((d, causal, s) in cells for causal in causals):
+                continue
             h, b = HIDDEN // d, max(1, TOKENS // s)
             q, k, v = _inputs(b, s, h, d, dtype, torch)
             qc, kc, vc = (as_cp(t) for t in (q, k, v))
             lse = cp.empty((b, h, s), cp.float32)
             for causal in causals:
+                if (d, causal, s) not in cells:
+                    continue
                 flops = _flops(b, s, s, h, d, causal)
                 runs, names, crow = [], [], []
                 ref = None
@@ -603,6 +615,8 @@ def short_summary(rows) -> list[dict]:
         best = max(rtk_rows, key=lambda r: r["tflops"])
         old, new, cud = get("old"), get("new"), get("cudnn")
         out.append({"head_dim": key[0], "causal": key[1], "seqlen": key[2], "old": old, "new": new,
+                    "old_again": get("old again"),
+                    "old_tile": next(r["tile"] for r in cell if r["cand"] == "old"),
                     "new_tile": next(r["tile"] for r in cell if r["cand"] == "new"),
                     "best": best["tflops"], "best_tile": best["tile"], "cudnn": cud,
                     "new_vs_old": new / old if old and new else None,
@@ -663,6 +677,10 @@ def main():
                    help="short problems (default S 512,1024; head dims 64,80,128,256): the per-head-dim config, "
                         "the per-call choice, persistent and smaller tiles, SDPA cuDNN, interleaved; a summary "
                         "per cell last")
+    p.add_argument("--changed-only", action="store_true",
+                   help="--short-ab: only the cells where the per-call choice differs from the per-head-dim "
+                        "config: old, new, old again (the noise) and cuDNN, --rounds interleaved rounds")
+    p.add_argument("--rounds", type=int, default=3, help="--short-ab: interleaved rounds (median)")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     p.add_argument("--grid", choices=["fa"], default=None,
@@ -693,8 +711,8 @@ def main():
     if args.short_ab:
         sa_seqlens = seqlens if "--seqlens" in sys.argv else [512, 1024]
         sa_dims = head_dims if "--head-dims" in sys.argv else [64, 80, 128, 256]
-        rows = short_ab(sa_dims, sa_seqlens, args.dtype, torch, peers, causals,
-                        tiles=args.tiles if args.tiles else SHORT_TILES)
+        rows = short_ab(sa_dims, sa_seqlens, args.dtype, torch, peers, causals, rounds=args.rounds,
+                        tiles=args.tiles if args.tiles else SHORT_TILES, changed_only=args.changed_only)
         summary = short_summary(rows)
         bu.save(args.out, "bench_attention_short" + sfx, {"env": env, "dtype": args.dtype, "rows": rows,
                                                            "summary": summary})
@@ -702,8 +720,11 @@ def main():
         print(bu.table(rows, ["head_dim", "causal", "seqlen", "cand", "tile", "tflops", "vs_old", "vs_cudnn",
                               "max_diff_vs_old", "note"]))
         print("\nper cell: old = per-head-dim config, new = per-call choice, best = fastest rtk candidate")
-        print(bu.table(summary, ["head_dim", "causal", "seqlen", "old", "new", "new_tile", "new_vs_old", "cudnn",
-                                 "new_vs_cudnn", "best", "best_tile", "best_vs_cudnn"]))
+        cols = (["head_dim", "causal", "seqlen", "old_tile", "old", "old_again", "new_tile", "new", "new_vs_old",
+                 "cudnn", "new_vs_cudnn"] if args.changed_only else
+                ["head_dim", "causal", "seqlen", "old", "new", "new_tile", "new_vs_old", "cudnn", "new_vs_cudnn", "best",
+                 "best_tile", "best_vs_cudnn"])
+        print(bu.table(summary, cols))
         return
     if args.tune_sm90 and args.persistent_ab:
         def save_ab(rows):
