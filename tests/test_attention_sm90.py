@@ -430,7 +430,8 @@ def prebuilt(request):
     from rtkernels import device
     if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
         return
-    wanted = {A90.choose_config(it.callspec.params["dtype"], it.callspec.params["d"], it.callspec.params["causal"])
+    wanted = {A90.choose_config(it.callspec.params["dtype"], it.callspec.params["d"], it.callspec.params["causal"],
+                                seqlen_k=it.callspec.params["sk"])
               for it in request.session.items if getattr(it, "originalname", "") == "test_gpu_every_head_dim"}
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), wanted))
@@ -442,12 +443,17 @@ def _run(batch, sq, sk, h, hkv, d, causal, dtype, seed=None, **kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sk", [203, 1100])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_every_head_dim(prebuilt, launches, d, dtype, causal):
-    # seqlens that are no multiple of any tile, seqlen_q != seqlen_k, a GQA group of 2
-    _run(2, 113, 203, 4, 2, d, causal, dtype)
+def test_gpu_every_head_dim(prebuilt, launches, d, dtype, causal, sk):
+    # seqlens that are no multiple of any tile, seqlen_q != seqlen_k, a GQA group of 2; 203 keys run
+    # the SHORT_SCHEDULE row of the head dim, 1100 (past every row) the per-head-dim config
+    _run(2, 113, sk, 4, 2, d, causal, dtype)
+    want = A90.choose_config(dtype, d, causal, seqlen_k=sk)
+    assert launches and launches[-1] == want, (d, dtype, causal, sk, launches[-1:], want)
+    assert (want == A90.choose_config(dtype, d, causal)) == (A90.short_entry(d, causal, sk) is None)
     assert launches and launches[-1].head_dim == d
 
 

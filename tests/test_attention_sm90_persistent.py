@@ -2,13 +2,16 @@
 
 CPU: validation messages, q_buffers / shared memory, the linear tile order's mirror (a
 permutation, causal heaviest first), the grid and kernel arguments of a persistent launch, the
-RTKERNELS_SM90_PERSISTENT knob, and four persistent builds (d64 / d128, causal and not) at
-sm_90a: no spills or local memory, HGMMA + TMA in the SASS, no ptxas wgmma/setmaxnreg notes.
+RTKERNELS_SM90_PERSISTENT knob, the per-call short schedule (SHORT_SCHEDULE rows: boundaries, memo,
+validity over every head dim), four persistent builds (d64 / d128, causal and not) and the short
+rows' widest head dims at sm_90a: no spills or local memory, HGMMA + TMA in the SASS, no ptxas
+wgmma/setmaxnreg notes.
 GPU (``-m gpu``, sm_90): the float64 reference and 2x error rule over awkward shapes with
 poisoned outputs and lse, on the device's grid and on a 3-CTA grid (every CTA walks many tiles:
-where a wrong barrier phase shows), rtk.attention dispatching the persistent kernel, and a CUDA
-graph replay with new inputs.  Cheap first: a wrong phase hangs, so one tiny shape runs first
-(run under ``timeout``).
+where a wrong barrier phase shows), rtk.attention dispatching the persistent kernel, the short
+schedule's rows around their seqlen limits, and CUDA graph replays with new inputs (a captured
+persistent launch; a captured rtk.attention plan of a short row).  Cheap first: a wrong phase
+hangs, so one tiny shape runs first (run under ``timeout``).
 """
 from __future__ import annotations
 
@@ -127,6 +130,123 @@ def test_env_knob(monkeypatch, built):
     assert "RTKERNELS_SM90_PERSISTENT" in str(e.value)
     monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT")
     assert not A90.choose_config("bfloat16", 64, True).persistent   # default: off
+
+
+def _tile_of(cfg) -> tuple:
+    return tuple(getattr(cfg, f) for f in A90._TILE_FIELDS)
+
+
+def test_short_schedule_picks_its_tile_per_call(monkeypatch):
+    """Unset knob: a call whose seqlen_k makes at most the row's key tiles (of the row's own
+    block_n) runs the row's tile, one more key and the per-head-dim config; at both ends of every
+    row's head-dim range; dense inputs only; RTKERNELS_SM90_PERSISTENT=0 or 1 turn the rows off.
+    (No compile: a row's config is taken as written.)"""
+    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    for i, (lo, hi, causal, most, tile) in enumerate(A90.SHORT_SCHEDULE):
+        edge = most * tile.block_n
+        for d in (lo, hi):
+            assert A90.short_entry(d, causal, 1) == i and A90.short_entry(d, causal, edge) == i, (d, causal)
+            assert A90.short_entry(d, causal, edge + 1) is None, (d, causal, edge)
+            cfg = A90.choose_config("float16", d, causal, seqlen_k=edge)
+            assert _tile_of(cfg) == tuple(getattr(tile, f) for f in A90._TILE_FIELDS), (d, causal, cfg)
+            assert cfg.exp2_poly == A90._EXP2_POLY_DENSE and not cfg.has_window and not cfg.has_softcap
+            assert A90.choose_config("float16", d, causal, seqlen_k=edge + 1) == A90.choose_config("float16", d, causal)
+            for flag in ("has_window", "has_softcap", "is_varlen"):
+                assert A90.short_entry(d, causal, 1, {flag: True}) is None
+            assert A90.short_entry(d, causal, 1, {"has_window": False}) == i
+    assert A90.short_entry(64, False, None) is None
+    short = A90.choose_config("bfloat16", 64, True, seqlen_k=512)
+    assert short.persistent and (short.block_m, short.pingpong) == (128, False)
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "0")   # the per-head-dim configs, no walk
+    assert A90.short_entry(64, True, 512) is None
+    assert A90.choose_config("bfloat16", 64, True, seqlen_k=512) == A90.choose_config("bfloat16", 64, True)
+    assert not A90.choose_config("bfloat16", 64, True, seqlen_k=512).persistent
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")   # the per-head-dim tile walks (no row)
+    assert A90.short_entry(64, True, 512) is None
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "yes")
+    with pytest.raises(ConfigError, match="RTKERNELS_SM90_PERSISTENT"):
+        A90.choose_config("bfloat16", 64, True, seqlen_k=512)
+
+
+def test_short_schedule_kernel_memo(monkeypatch):
+    """kernel_for: one memo entry per (row, knob); masked calls never take a row (stub kernels: no
+    compile)."""
+    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    monkeypatch.setattr(A90, "_KERNELS", {})
+    from types import SimpleNamespace
+    stub = SimpleNamespace(resources=SimpleNamespace(spill_stores=0, spill_loads=0, stack_frame=0))
+    monkeypatch.setattr("rtkernels.kernel.get_kernel", lambda cfg, *a, **kw: stub)
+    _, a = A90.kernel_for("bfloat16", 64, False, "sm_90a", (), seqlen_k=512)
+    _, b = A90.kernel_for("bfloat16", 64, False, "sm_90a", (), seqlen_k=1024)
+    _, c = A90.kernel_for("bfloat16", 64, False, "sm_90a", ())
+    assert a.persistent and not b.persistent and b == c and len(A90._KERNELS) == 2
+    _, d = A90.kernel_for("bfloat16", 256, True, "sm_90a", (), seqlen_k=500)
+    assert (d.block_n, d.pingpong, d.persistent) == (64, False, False)
+    _, w = A90.kernel_for("bfloat16", 64, False, "sm_90a", (("has_window", True),), seqlen_k=512)
+    assert not w.persistent and w.has_window
+    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "0")
+    _, e = A90.kernel_for("bfloat16", 64, False, "sm_90a", (), seqlen_k=512)
+    assert e == c and len(A90._KERNELS) == 5   # its own entry: the knob is part of the key
+
+
+def test_short_schedule_rows_are_well_formed_and_fit():
+    """Rows: head-dim ranges on the multiples of 8, no two rows for one (head dim, causal), a reason
+    each; every row's tile is a valid config (shared memory, no pingpong with the walk) at every head
+    dim it covers, in both dtypes."""
+    seen = set()
+    for lo, hi, causal, most, tile in A90.SHORT_SCHEDULE:
+        assert 8 <= lo <= hi <= 256 and lo % 8 == 0 and hi % 8 == 0 and isinstance(causal, bool)
+        assert most >= 1 and len(tile.why) > 40 and "->" in tile.why
+        for d in range(lo, hi + 1, 8):
+            assert (d, causal) not in seen, (d, causal)
+            seen.add((d, causal))
+            for dt in ("float16", "bfloat16"):
+                cfg = A90.choose_config(dt, d, causal, seqlen_k=1)
+                assert cfg.shared_mem_bytes <= A90.SMEM_LIMIT_SM90 and not (cfg.persistent and cfg.pingpong)
+
+
+def _short_build_cases():
+    """(head_dim, causal) per row: the widest head dim (most registers, most shared memory) and, for
+    persistent rows whose range crosses it, the last head dim with two Q buffers; every head dim
+    with RTKERNELS_TEST_FULL_SWEEP=1."""
+    from sweep import FULL_SWEEP
+    out = []
+    for lo, hi, causal, _, tile in A90.SHORT_SCHEDULE:
+        dims = range(lo, hi + 1, 8) if FULL_SWEEP else [hi] + [
+            d for d in range(lo, hi, 8) if tile.persistent
+            and A90.choose_config("bfloat16", d, causal, seqlen_k=1).q_buffers
+            != A90.choose_config("bfloat16", d + 8, causal, seqlen_k=1).q_buffers]
+        out += [(d, causal) for d in dims]
+    return out
+
+
+@pytest.fixture(scope="module")
+def built_short(built):
+    """The short rows' configs at :func:`_short_build_cases` (bf16), compiled once - those the
+    persistent fixture already built are shared (d64 non-causal, d128 both)."""
+    from concurrent.futures import ThreadPoolExecutor
+    have = {c: k for c, k in built.values()}
+    cfgs = {case: A90.choose_config("bfloat16", *case, seqlen_k=1) for case in _short_build_cases()}
+    todo = [c for c in dict.fromkeys(cfgs.values()) if c not in have]
+    with ThreadPoolExecutor(2) as ex:
+        have.update(zip(todo, ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), todo)))
+    return {case: (c, have[c]) for case, c in cfgs.items()}
+
+
+def test_short_schedule_builds_without_spills(built_short):
+    """NVRTC 13.5, sm_90a: no spills or local memory, HGMMA + TMA, no ptxas wgmma/setmaxnreg notes."""
+    bad = []
+    for (d, causal), (cfg, k) in built_short.items():
+        r = k.resources
+        ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", k.sass, re.M)
+        names = {o.split(".")[0] for o in ops}
+        if r.spill_stores or r.spill_loads or r.stack_frame or any(o.startswith(("LDL", "STL")) for o in ops):
+            bad.append((d, causal, cfg.key(), "spills", r))
+        if not {"UTMALDG", "UTMASTG"} <= names or f"HGMMA.64x{cfg.block_n}x16.F32" not in k.sass:
+            bad.append((d, causal, cfg.key(), "no HGMMA / TMA"))
+        if any(c in k.module.log for c in PTXAS_NOTES):
+            bad.append((d, causal, cfg.key(), k.module.log))
+    assert not bad, bad
 
 
 def test_compile_by_name_takes_persistent_with_the_heuristic_tile():
@@ -535,6 +655,125 @@ def test_gpu_op_dispatches_persistent_with_env(monkeypatch):
     o3, lse3 = rtk.attention(q, k, v, causal=True, out=poison(cp.empty_like(o)), dtype="bfloat16")
     cp.cuda.get_current_stream().synchronize()
     assert cp.array_equal(o3, o2) and cp.array_equal(lse3, lse)
+
+
+# (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype, short?): every SHORT_SCHEDULE
+# row at its last seqlen_k (512 or 1024), one below and one above, at the ends of its head-dim range;
+# GQA, seqlen_q != seqlen_k (causal: bottom-right; seqlen_q > seqlen_k leaves rows that see no key)
+SHORT_CASES = [
+    (2, 500, 500, 4, 2, 64, False, "bfloat16", True), (2, 512, 512, 4, 1, 64, False, "float16", True),
+    (2, 513, 513, 4, 2, 64, False, "bfloat16", False), (2, 300, 512, 6, 2, 40, False, "bfloat16", True),
+    (2, 1000, 1000, 4, 2, 64, True, "bfloat16", True), (2, 1024, 1024, 4, 1, 64, True, "float16", True),
+    (2, 1025, 1025, 4, 2, 64, True, "bfloat16", False), (2, 513, 513, 4, 4, 24, True, "bfloat16", True),
+    (2, 1024, 1024, 4, 2, 80, False, "bfloat16", True), (2, 1025, 1025, 4, 2, 80, False, "bfloat16", False),
+    (2, 513, 1000, 4, 1, 96, False, "float16", True),
+    (2, 1000, 1024, 4, 2, 96, True, "bfloat16", True), (2, 512, 512, 4, 2, 72, True, "float16", True),
+    (2, 1025, 1025, 4, 2, 80, True, "bfloat16", False),
+    (2, 1000, 1000, 4, 2, 128, False, "bfloat16", True), (2, 1024, 1024, 4, 1, 112, False, "float16", True),
+    (2, 1025, 1025, 4, 2, 128, False, "bfloat16", False),
+    (2, 512, 512, 4, 2, 128, True, "bfloat16", True), (2, 500, 500, 4, 1, 120, True, "float16", True),
+    (2, 513, 513, 4, 2, 128, True, "bfloat16", False), (2, 1000, 300, 4, 2, 104, True, "bfloat16", True),
+    (2, 512, 512, 4, 2, 256, False, "bfloat16", True), (2, 500, 500, 4, 1, 136, False, "float16", True),
+    (2, 513, 513, 4, 2, 256, False, "bfloat16", False), (2, 1000, 512, 4, 2, 192, False, "bfloat16", True),
+    (2, 512, 512, 4, 2, 256, True, "bfloat16", True), (2, 500, 500, 4, 2, 248, True, "float16", True),
+    (2, 513, 513, 4, 1, 200, True, "bfloat16", False), (2, 333, 512, 4, 2, 192, True, "bfloat16", True),
+]
+
+
+@pytest.fixture(scope="module")
+def short_prebuilt():
+    """The configs SHORT_CASES run, compiled in parallel once (NVRTC releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from rtkernels import device
+    if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
+        return
+    cfgs = {A90.choose_config(c[7], c[5], c[6], seqlen_k=c[2]) for c in SHORT_CASES}
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), cfgs))
+
+
+def _op_spy(monkeypatch) -> list:
+    """Knob unset, fresh kernel and plan memos; returns the list A90.launch's configs go to."""
+    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    monkeypatch.setattr(A90, "_KERNELS", {})
+    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
+    calls = []
+    real = A90.launch
+    monkeypatch.setattr(A90, "launch", lambda kern, cfg, *a, **kw: (calls.append(cfg), real(kern, cfg, *a, **kw)))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHORT_CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_{}_{}_{}".format(
+    c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7], "short" if c[8] else "long"))
+def test_gpu_short_schedule(monkeypatch, short_prebuilt, case):
+    """Knob unset: rtk.attention runs the SHORT_SCHEDULE row's config up to the row's seqlen_k and the
+    per-head-dim config one key past it; float64 reference and the 2x rule with poisoned outputs;
+    the replayed plan gives the same bits."""
+    _need_sm90()
+    import cupy as cp
+    from gpu_util import poison
+    from test_attention import _check
+    calls = _op_spy(monkeypatch)
+    *shape, want_short = case
+    batch, sq, sk, h, hkv, d, causal, dtype = shape
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    q, k, v, o, _ = _inputs(tuple(shape), seed)
+    extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    o2, lse = rtk.attention(q, k, v, causal=causal, out=o, **extra)
+    cp.cuda.get_current_stream().synchronize()
+    plain = A90.choose_config(dtype, d, causal)
+    assert calls, case
+    cfg = calls[-1]
+    assert (cfg != plain) == want_short and cfg == A90.choose_config(dtype, d, causal, seqlen_k=sk), (case, cfg)
+    where = f"case={case} seed={seed} cfg={cfg.key()}"
+    try:
+        _check(q, k, v, causal, dtype, o2, lse)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{where}") from None
+    o3, lse3 = rtk.attention(q, k, v, causal=causal, out=poison(cp.empty_like(o)), **extra)
+    cp.cuda.get_current_stream().synchronize()
+    assert len(calls) == 1, where   # replayed: no second A90.launch
+    assert cp.array_equal(o3, o2) and cp.array_equal(lse3, lse), where
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,sk", [(64, True, 1000), (256, False, 512), (256, True, 480)])
+def test_gpu_short_plan_replays_in_a_cuda_graph(monkeypatch, d, causal, sk):
+    """rtk.attention's recorded launch of a short row (the walk; d256 causal: the plain 128x64
+    tile) captured in a CUDA graph on a side stream, replayed with new inputs in the same buffers
+    three times (the walk's grid comes from shapes: nothing read back)."""
+    _need_sm90()
+    import cupy as cp
+    from test_attention import _check
+    calls = _op_spy(monkeypatch)
+    case = (2, sk - 37, sk, 4, 2, d, causal, "bfloat16")
+    q, k, v, o, _ = _inputs(case, 5)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        rtk.attention(q, k, v, causal=causal, out=o, dtype="bfloat16")   # plans the launch, loads the module
+        s.synchronize()
+        s.begin_capture()
+        _, lse = rtk.attention(q, k, v, causal=causal, out=o, dtype="bfloat16")
+        graph = s.end_capture()
+    cfg = calls[-1]
+    assert len(calls) == 1 and cfg == A90.choose_config("bfloat16", d, causal, seqlen_k=sk) != A90.choose_config(
+        "bfloat16", d, causal), calls
+    for step in range(3):
+        seed = 200 + step
+        q2, k2, v2, _, _ = _inputs(case, seed)
+        for dst, src in ((q, q2), (k, k2), (v, v2)):
+            dst[...] = src
+        o.view(cp.uint8).fill(0xFF)
+        lse.view(cp.uint8).fill(0xFF)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        try:
+            _check(q, k, v, causal, "bfloat16", o, lse)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\ngraph replay {step} case={case} seed={seed} cfg={cfg.key()}") from None
 
 
 @pytest.mark.gpu

@@ -87,7 +87,7 @@ def _ours(q, k, v, causal, dtype, torch, hopper=True):
     lse = cp.empty((b, h, s), cp.float32)
     stream = torch.cuda.current_stream().cuda_stream if torch else None
     if hopper and H.eligible(arch, (qc, kc, vc, oc), kc.shape[1]):
-        kern, cfg = H.kernel_for(dtype, d, causal, arch)
+        kern, cfg = H.kernel_for(dtype, d, causal, arch, seqlen_k=kc.shape[1])   # as rtk.attention chooses
         launch = H.recorded_launch(kern, cfg, qc, kc, 1.0 / d ** 0.5)
         arrays = (*H.tensor_maps(cfg, qc, kc, vc, oc), lse)
         tag = "sm90 " + _short90(cfg)
@@ -478,6 +478,153 @@ def persistent_ab(head_dims, seqlens, dtype: str, torch, tiles=None, causals=(Fa
     return rows
 
 
+# --short-ab: schedules for short problems, per cell (tiles chosen for the causal diagonal's waste and
+# the per-query-tile fixed cost; see attention_sm90.SHORT_SCHEDULE)
+SHORT_TILES = "128x128ov,128x128ovpst,128x64ov,128x64ovpst,128x64s3ovpst,64x128ov,64x128ovpst,192x64ov,192x64ovpst"
+
+
+def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), rounds: int = 3,
+             tiles: str = SHORT_TILES, changed_only: bool = False) -> list[dict]:
+    """Per (head_dim, causal, seqlen) on FlashAttention's grid: the per-head-dim config (old), the
+    per-call choice (new: attention_sm90.kernel_for with the call's seqlen_k), the heuristic's tile
+    persistent, ``tiles`` plain and persistent, and SDPA cuDNN - interleaved over ``rounds`` (median),
+    every output compared with the old config's.  A row per candidate.  ``changed_only``: only the
+    cells where new differs from old, timing old, new, old again (the run's noise) and cuDNN."""
+    import statistics
+    import cupy as cp
+    from concurrent.futures import ThreadPoolExecutor
+    import rtkernels as rtk
+    from rtkernels.ops import attention_sm90 as H
+    from rtkernels.errors import ConfigError
+    extra = parse_tiles(tiles)
+    cells = {}
+    for d in head_dims:
+        for causal in causals:
+            for s in seqlens:
+                old = H.choose_config(dtype, d, causal)
+                new = H.choose_config(dtype, d, causal, seqlen_k=s)
+                if changed_only:
+                    if new != old:
+                        cells[(d, causal, s)] = [("old", old), ("new", new), ("old again", old)]
+                    continue
+                cands = [("old", old), ("new", new)]
+                try:
+                    cands.append(("heur pst", old.replace(persistent=True, pingpong=False)))
+                except ConfigError:
+                    pass
+                for t in extra:
+                    try:
+                        c = H.AttentionSm90Config(dtype=dtype, head_dim=d, causal=causal, **t)
+                    except ConfigError:
+                        continue
+                    cands.append((_short90(c), c))
+                seen, uniq = set(), []
+                for name, c in cands:
+                    if c not in seen or name in ("old", "new"):
+                        seen.add(c)
+                        uniq.append((name, c))
+                cells[(d, causal, s)] = uniq
+    configs = list(dict.fromkeys(c for v in cells.values() for _, c in v))
+    if not configs:
+        print("no cell to time (changed_only: the per-call choice is the per-head-dim config everywhere)")
+        return []
+
+    def build(c):
+        try:
+            k = rtk.get_kernel(c, arch="sm_90a")
+        except Exception as exc:   # noqa: BLE001
+            return c, None, str(exc).splitlines()[0][:80]
+        r = k.resources
+        spilled = r.spill_stores or r.spill_loads or r.stack_frame
+        return c, (None if spilled else k), (f"{r.spill_stores} B spilled" if spilled else "")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        built = {c: (k, note) for c, k, note in ex.map(build, configs)}
+    print(f"built {len(configs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
+        lambda t: t)
+    rows = []
+    for d in head_dims:
+        for s in seqlens:
+            if not any((d, causal, s) in cells for causal in causals):
+                continue
+            h, b = HIDDEN // d, max(1, TOKENS // s)
+            q, k, v = _inputs(b, s, h, d, dtype, torch)
+            qc, kc, vc = (as_cp(t) for t in (q, k, v))
+            lse = cp.empty((b, h, s), cp.float32)
+            for causal in causals:
+                if (d, causal, s) not in cells:
+                    continue
+                flops = _flops(b, s, s, h, d, causal)
+                runs, names, crow = [], [], []
+                ref = None
+                for name, c in cells[(d, causal, s)]:
+                    kern, note = built[c]
+                    row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "cand": name,
+                           "tile": _short90(c)}
+                    if kern is None:
+                        row["note"] = note
+                        rows.append(row)
+                        continue
+                    oc = cp.empty_like(qc)
+                    r = sm90_runner(kern, c, qc, kc, vc, oc, lse)
+                    r()
+                    cp.cuda.get_current_stream().synchronize()
+                    if ref is None:
+                        ref = oc
+                    else:
+                        a, bb = ((x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32) if dtype == "bfloat16"
+                                 else x.astype(cp.float32) for x in (ref, oc))
+                        row["max_diff_vs_old"] = float(cp.abs(a - bb).max())
+                    runs.append(r)
+                    names.append(row)
+                    crow.append(row)
+                if "sdpa_cudnn" in peers and torch is not None:
+                    run, _ = _sdpa(q, k, v, causal, peers["sdpa_cudnn"], torch)
+                    if run is not None:
+                        runs.append(run)
+                        names.append({"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "cand": "cudnn",
+                                      "tile": "SDPA cuDNN"})
+                ms = [[] for _ in runs]
+                for _ in range(rounds):   # interleaved: clocks and neighbours drift alike for all
+                    for i, r in enumerate(runs):
+                        ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
+                for row, m in zip(names, ms):
+                    row["tflops"] = flops / (statistics.median(m) * 1e-3) / 1e12
+                old_t = names[0]["tflops"]
+                cud = next((r["tflops"] for r in names if r["cand"] == "cudnn"), None)
+                for row in names:
+                    row["vs_old"] = row["tflops"] / old_t
+                    if cud:
+                        row["vs_cudnn"] = row["tflops"] / cud
+                    rows.append(row)
+                    print(row, flush=True)
+            del q, k, v, qc, kc, vc
+    return rows
+
+
+def short_summary(rows) -> list[dict]:
+    """One line per cell: old, new, the best rtk candidate, cuDNN, and the ratios the issue asks."""
+    out = []
+    for key in dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in rows):
+        cell = [r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == key and "tflops" in r]
+        get = lambda n: next((r["tflops"] for r in cell if r["cand"] == n), None)   # noqa: E731
+        rtk_rows = [r for r in cell if r["cand"] != "cudnn"]
+        if not rtk_rows:
+            continue
+        best = max(rtk_rows, key=lambda r: r["tflops"])
+        old, new, cud = get("old"), get("new"), get("cudnn")
+        out.append({"head_dim": key[0], "causal": key[1], "seqlen": key[2], "old": old, "new": new,
+                    "old_again": get("old again"),
+                    "old_tile": next(r["tile"] for r in cell if r["cand"] == "old"),
+                    "new_tile": next(r["tile"] for r in cell if r["cand"] == "new"),
+                    "best": best["tflops"], "best_tile": best["tile"], "cudnn": cud,
+                    "new_vs_old": new / old if old and new else None,
+                    "new_vs_cudnn": new / cud if cud and new else None,
+                    "best_vs_cudnn": best["tflops"] / cud if cud else None})
+    return out
+
+
 def _short90(c) -> str:
     return (f"{c.block_m}x{c.block_n} s{c.num_stages}" + (" ov" if c.intra_overlap else "")
             + (" pp" if c.pingpong else "") + ("" if c.softmax_under_pv or not c.intra_overlap else " early")
@@ -526,6 +673,14 @@ def main():
     p.add_argument("--persistent-ab", action="store_true",
                    help="--tune-sm90: time each tile (the heuristic's plus --tiles) with persistent off and on, "
                         "interleaved, at every --seqlens (default 512,1024,2048,4096)")
+    p.add_argument("--short-ab", action="store_true",
+                   help="short problems (default S 512,1024; head dims 64,80,128,256): the per-head-dim config, "
+                        "the per-call choice, persistent and smaller tiles, SDPA cuDNN, interleaved; a summary "
+                        "per cell last")
+    p.add_argument("--changed-only", action="store_true",
+                   help="--short-ab: only the cells where the per-call choice differs from the per-head-dim "
+                        "config: old, new, old again (the noise) and cuDNN, --rounds interleaved rounds")
+    p.add_argument("--rounds", type=int, default=3, help="--short-ab: interleaved rounds (median)")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     p.add_argument("--grid", choices=["fa"], default=None,
@@ -553,6 +708,24 @@ def main():
 
     import cupy as cp
     cp.cuda.Device().synchronize()   # create the CUDA context first: it is not part of a warm start
+    if args.short_ab:
+        sa_seqlens = seqlens if "--seqlens" in sys.argv else [512, 1024]
+        sa_dims = head_dims if "--head-dims" in sys.argv else [64, 80, 128, 256]
+        rows = short_ab(sa_dims, sa_seqlens, args.dtype, torch, peers, causals, rounds=args.rounds,
+                        tiles=args.tiles if args.tiles else SHORT_TILES, changed_only=args.changed_only)
+        summary = short_summary(rows)
+        bu.save(args.out, "bench_attention_short" + sfx, {"env": env, "dtype": args.dtype, "rows": rows,
+                                                           "summary": summary})
+        print(f"\n{env['gpu']} ({env['sms']} SMs), {args.dtype}, {env['date']}: every candidate, TFLOP/s")
+        print(bu.table(rows, ["head_dim", "causal", "seqlen", "cand", "tile", "tflops", "vs_old", "vs_cudnn",
+                              "max_diff_vs_old", "note"]))
+        print("\nper cell: old = per-head-dim config, new = per-call choice, best = fastest rtk candidate")
+        cols = (["head_dim", "causal", "seqlen", "old_tile", "old", "old_again", "new_tile", "new", "new_vs_old",
+                 "cudnn", "new_vs_cudnn"] if args.changed_only else
+                ["head_dim", "causal", "seqlen", "old", "new", "new_tile", "new_vs_old", "cudnn", "new_vs_cudnn", "best",
+                 "best_tile", "best_vs_cudnn"])
+        print(bu.table(summary, cols))
+        return
     if args.tune_sm90 and args.persistent_ab:
         def save_ab(rows):
             bu.save(args.out, "bench_attention_persistent" + sfx, {"env": env, "dtype": args.dtype, "rows": rows})

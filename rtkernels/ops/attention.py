@@ -588,7 +588,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         hopper = _sm90.eligible(arch, (q_, k_, v_, o_), seqlen_k)
         tune = _autotune.enabled() and spec.dense
         if hopper:
-            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags)
+            # short dense problems may take another schedule (attention_sm90.SHORT_SCHEDULE): chosen here,
+            # once per signature - later calls replay the recorded launch
+            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags, None if varlen else seqlen_k)
             if not tune:
                 if varlen:
                     sched = _schedule_for(vl, cfg.block_m, causal, arch, stream, workspace=(q, dev))

@@ -238,16 +238,24 @@ def candidate(head_dim: int, causal: bool) -> Tile:
     raise ConfigError.bad_value(FAMILY, "head_dim", head_dim, "a multiple of 8 in [8, 256]")
 
 
-def choose_config(dtype: str, head_dim: int, causal: bool, **mask_flags) -> AttentionSm90Config:
-    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90; ``mask_flags``: the
-    other compile-time mask fields (has_window, has_softcap, is_varlen).  Masked variants take the
+def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None = None,
+                  **mask_flags) -> AttentionSm90Config:
+    """The config the heuristics pick for (dtype, head_dim, causal) on sm_90; ``seqlen_k``: the
+    call's keys per sequence, where a :data:`SHORT_SCHEDULE` row may give short dense problems
+    another tile and the persistent walk (None: the per-head-dim choice); ``mask_flags``: the other
+    compile-time mask fields (has_window, has_softcap, is_varlen).  Masked variants take the
     heuristic's tile unless ptxas spills it, then the first of :data:`_MASKED_FALLBACK` that fits
     and does not (NVRTC 13.5: softcap spills 32-56 B in the 192x128 non-overlapped d120-128 tile;
-    all three options together also d96 causal and d112).  Persistent tiles (RTKERNELS_SM90_PERSISTENT=1)
-    take the same fallback, without pingpong (which the walk does not support): the tile walk's state
-    spilled 4-8 B of d128's 192x128 tile."""
-    t = candidate(head_dim, causal)
+    all three options together also d96 causal and d112).  Persistent tiles of
+    RTKERNELS_SM90_PERSISTENT=1 take the same fallback, without pingpong (which the walk does not
+    support): the tile walk's state spilled 4-8 B of d128's 192x128 tile."""
     poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
+    row = short_entry(head_dim, causal, seqlen_k, mask_flags)
+    if row is not None:   # checked without spills over the row's head dims (see SHORT_SCHEDULE)
+        t = SHORT_SCHEDULE[row][4]
+        return AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
+                                   **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly)
+    t = candidate(head_dim, causal)
     if persistent_choice(t, dtype, head_dim, causal, mask_flags):
         t = t._replace(persistent=True, pingpong=False)   # the walk runs without turns (validation)
     cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
@@ -290,18 +298,83 @@ def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
     return _EXP2_POLY_SOFTCAP[bool(causal)] if has_softcap else _EXP2_POLY_DENSE
 
 
-# The persistent tile walk (AttentionSm90Config.persistent) is off by default: no same-run measurement
-# against the one-CTA-per-tile grid yet (tools/bench_attention.py --tune-sm90 --persistent-ab times
-# both).  RTKERNELS_SM90_PERSISTENT=1 turns it on for the heuristic's tile (pingpong off: the walk
-# rejects it) wherever it can run (dense inputs, the tile with its barriers fits shared memory);
-# 0 or unset: off.
-def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_flags: dict) -> bool:
-    """The heuristic's ``persistent``; ``RTKERNELS_SM90_PERSISTENT`` (0/1) sets it for tuning runs
-    (read when a config is chosen: set it before the first call of a shape)."""
+# Short dense calls: per call, a SHORT_SCHEDULE row may replace the per-head-dim config (HEURISTICS,
+# tuned at S=4k) by another tile and the persistent tile walk.  RTKERNELS_SM90_PERSISTENT: unset, the
+# rows decide; 0, the per-head-dim configs everywhere (no row, no walk: the A/B baseline); 1, the
+# per-head-dim tile walks persistently wherever it can run (dense inputs, pingpong off since the walk
+# rejects it, the tile with its barriers fits shared memory), no row - for tuning runs.
+#
+# Row: (lowest head_dim, highest head_dim, causal, most key tiles, tile): a dense call whose seqlen_k
+# makes at most that many key tiles of the row's own block_n runs the row's tile.  Key tiles, not
+# query tiles against the SMs: at d64 on FlashAttention's grid S=512 (batch 32) and S=1k (batch 16)
+# both make 3072 query tiles of 192 rows, 23 per SM, and the walk gained only at S=512 - what it saves
+# is each CTA's fixed cost (launch, barrier setup, the exposed Q + first K/V load, the store), paid
+# once per query tile whose main loop is only a few key tiles.  Causal d <= 128 rows also take
+# 128-row query tiles (reasoned: the diagonal tile's masked part is a smaller share of less work, and
+# the walk, heaviest first, evens the SMs' finishing times).
+#
+# Measured: H200, 2026-11-26, `tools/bench_attention.py --short-ab` (bf16, FlashAttention's grid:
+# 16k tokens, hidden 2048; old, new and 9 tiles plain and persistent, SDPA cuDNN, 3 interleaved
+# rounds, median), TFLOP/s old -> row's tile (cuDNN); only where the row's tile beat the
+# per-head-dim config by more than 2% (the rest keep it: no extra compile).  The same config timed
+# twice in that run differed by up to 3.5% (d128 non-causal S=1k: 545 / 526).  Head dims between
+# the measured ones take the nearest measured head dim's tile family (d8-56 d64's, d72-96 d80's,
+# d104-120 d128's, d136-248 d256's - not timed apart; d136-192's per-head-dim tile is 128x112
+# pingpong, not d256's 128x80: `--short-ab --changed-only` times d192 too).  Every row's tile builds
+# without spills or local memory over its whole range (NVRTC 13.5, sm_90a; bf16, ptxas at
+# d8/32/56/64, 72/88/96, 104/112/120/128, 136/152/176/192/200/224/248/256).
+SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
+    (8, 64, False, 4, Tile(192, 128, 2, True, False, persistent=True, why=(
+        "d64 non-causal S=512 (4 key tiles): 331 -> 376 (387) walking the per-head-dim tile (H100 "
+        "2026-11-25: 1.16x); at 1k (8 key tiles) 424 -> 421: kept off"))),
+    (8, 64, True, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
+        "d64 causal S=512: 196 -> 230 (261); 1k: 276 -> 290 (310); 128x64 s3 walking 225 / 273, the "
+        "per-head-dim 192x112 walking 212 / 279"))),
+    (72, 96, False, 8, Tile(192, 128, 2, False, False, persistent=True, why=(
+        "d80 non-causal S=512: 346 -> 410 (349); 1k: 426 -> 452 (367) walking the per-head-dim tile "
+        "(H100 2026-11-25: 1.19x / 1.05x); 128x128 overlap walking 394 / 434"))),
+    (72, 96, True, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
+        "d80 causal S=512: 207 -> 245 (222); 1k: 291 -> 300 (268); 128x64 s3 walking 247 / 292, the "
+        "per-head-dim 192x112 walking 229 / 287"))),
+    (104, 128, False, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
+        "d128 non-causal S=512: 423 -> 492 (514); 1k: 545 -> 559 (574; the old config's second copy "
+        "526); the per-head-dim 192x128 spills 4 B walking (NVRTC 13.5), 192x64 walking 462 / 492"))),
+    (104, 128, True, 4, Tile(128, 128, 2, True, False, persistent=True, why=(
+        "d128 causal S=512: 275 -> 284 (335) walking the per-head-dim tile without pingpong (128x64 s3 "
+        "walking 287); at 1k 380 -> 374: kept off"))),
+    (136, 256, False, 8, Tile(128, 64, 2, True, False, persistent=True, why=(
+        "d256 non-causal S=512 (8 key tiles of 64): 476 -> 490 (516), 128x80 walking 483; at 1k "
+        "593 -> 555: kept off"))),
+    (136, 256, True, 8, Tile(128, 64, 2, True, False, why=(
+        "d256 causal S=512: 320 -> 329 (334), one CTA per tile (walking: 266 - the walk lost at every "
+        "causal d256 cell, 0.81-0.85x); at 1k 426 -> 430: kept off"))),
+]
+
+
+def short_entry(head_dim: int, causal: bool, seqlen_k: int | None, mask_flags: dict | None = None) -> int | None:
+    """Index of the :data:`SHORT_SCHEDULE` row a call with ``seqlen_k`` keys per sequence runs, or
+    None: the per-head-dim config (``seqlen_k`` None, masks / varlen - the rows were measured on
+    dense inputs - or ``RTKERNELS_SM90_PERSISTENT`` set).  A few comparisons: the plan memo keeps
+    the result per signature, so replayed calls never get here."""
+    if seqlen_k is None or (mask_flags and any(mask_flags.values())) or _persistent_env() != "":
+        return None
+    for i, (lo, hi, c, most, tile) in enumerate(SHORT_SCHEDULE):
+        if lo <= head_dim <= hi and c == causal and -(-seqlen_k // tile.block_n) <= most:
+            return i
+    return None
+
+
+def _persistent_env() -> str:
     env = os.environ.get("RTKERNELS_SM90_PERSISTENT", "").strip()
     if env not in ("", "0", "1"):
         raise ConfigError.bad_value(FAMILY, "RTKERNELS_SM90_PERSISTENT", env, "0 or 1")
-    if env != "1" or mask_flags.get("is_varlen"):
+    return env
+
+
+def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_flags: dict) -> bool:
+    """The per-head-dim config's ``persistent``: ``RTKERNELS_SM90_PERSISTENT=1`` (read when a config
+    is chosen: set it before the first call of a shape), where the walk can run."""
+    if _persistent_env() != "1" or mask_flags.get("is_varlen"):
         return False
     try:
         AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, **mask_flags,
@@ -318,8 +391,16 @@ _MASKED_FALLBACK = (128, 112, 96, 80, 64)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionSm90Config]:
-    """Every config the heuristics can pick (head_dim 8..256 step 8 x dtype x causal)."""
-    return [choose_config(dt, d, c) for d in range(8, 257, 8) for dt in dtypes for c in (False, True)]
+    """Every config the heuristics can pick for dense inputs (head_dim 8..256 step 8 x dtype x
+    causal, and the short schedule's where an entry covers the head dim)."""
+    out = []
+    for d in range(8, 257, 8):
+        for dt in dtypes:
+            for c in (False, True):
+                out.append(choose_config(dt, d, c))
+                if any(lo <= d <= hi and cc == c for lo, hi, cc, _, _ in SHORT_SCHEDULE):
+                    out.append(choose_config(dt, d, c, seqlen_k=1))
+    return list(dict.fromkeys(out))
 
 
 def tile_space(dtype: str, head_dim: int, causal: bool, tiles=None) -> list[AttentionSm90Config]:
@@ -463,14 +544,18 @@ def launch_varlen(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_
 _KERNELS: dict = {}
 
 
-def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", mask_flags: tuple = ()):
-    """(Kernel, config), memoized per (dtype, head_dim, causal, arch, mask_flags): (name, value)
-    pairs of the other compile-time mask fields."""
-    key = (dtype, head_dim, causal, arch, mask_flags)
+def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", mask_flags: tuple = (),
+               seqlen_k: int | None = None):
+    """(Kernel, config), memoized per (dtype, head_dim, causal, arch, mask_flags, short-schedule
+    row, RTKERNELS_SM90_PERSISTENT): mask_flags are (name, value) pairs of the other compile-time
+    mask fields; ``seqlen_k`` the call's keys per sequence (dense calls: a :data:`SHORT_SCHEDULE`
+    row may pick another config)."""
+    row = short_entry(head_dim, causal, seqlen_k, dict(mask_flags))
+    key = (dtype, head_dim, causal, arch, mask_flags, row, _persistent_env())
     hit = _KERNELS.get(key)
     if hit is None:
         from ..kernel import get_kernel
-        cfg = choose_config(dtype, head_dim, causal, **dict(mask_flags))
+        cfg = choose_config(dtype, head_dim, causal, seqlen_k if row is not None else None, **dict(mask_flags))
         hit = _KERNELS[key] = (get_kernel(cfg, arch=arch), cfg)
     return hit
 
