@@ -85,7 +85,7 @@ def test_heuristic_schedules_follow_the_sweep():
         c = h(*shape)
         assert _sched(c) == "s1", (shape, c)
     # partial last waves (96 and 160 tiles of 128 x 256 on 132 SMs, 0.83x / 0.87x cuBLAS unsplit): the
-    # model weighs stream-K there when asked, but rtk.matmul does not ask (it measured 0.40-0.49x)
+    # model weighs stream-K there when asked (rtk.matmul asks unless RTKERNELS_MATMUL_STREAM_K=0)
     for shape in ((512, 6144, 4096), (512, 10240, 8192)):
         assert h(*shape, stream_k=True).stream_k, shape
         assert _sched(h(*shape)) == "s1", shape
@@ -142,25 +142,34 @@ def test_split_ranges_are_balanced_and_cover_k(tiles, k_tiles, split_k):
     assert m90.counter_bytes(cfg, m, n, 1) == tiles * 2 * 4
 
 
-def _owners(tiles, k_tiles, grid):
-    """An independent model of the stream-K partition: every k-block iteration's owner CTA from
-    explicit ranges (sk_tiles from the DP + SK rule: all but floor(tiles / grid) - 1 waves)."""
+def _owners(tiles, k_tiles, grid, lanes=1):
+    """An independent model of the stream-K partition: every (tile, k-block)'s owner CTA from
+    explicit ranges (sk_tiles from the DP + SK rule: all but floor(tiles / grid) - 1 waves); with
+    lanes R, group g's range of the sets' k-blocks goes to CTAs gR .. gR + R - 1, lane r taking
+    tile jR + r of set j."""
     full, rem = divmod(tiles, grid)
     sk = 0 if rem == 0 else (rem + grid if full else rem)
-    S = sk * k_tiles
-    P = min(grid, S)
-    owner = np.empty(S, np.int64)
-    for c in range(P):
-        owner[c * S // P:(c + 1) * S // P] = c
-    return sk, owner
+    S = sk // lanes * k_tiles
+    P = min(grid // lanes, S)
+    group = np.empty(S, np.int64)
+    for g in range(P):
+        group[g * S // P:(g + 1) * S // P] = g
+    owner = np.empty((sk, k_tiles), np.int64)
+    for t in range(sk):
+        j, r = divmod(t, lanes)
+        owner[t] = group[j * k_tiles:(j + 1) * k_tiles] * lanes + r
+    return sk, owner.reshape(-1)
 
 
-@pytest.mark.parametrize("tiles, k_tiles, grid", [(96, 64, 132), (160, 128, 132), (480, 32, 132), (32, 64, 132),
-                                                  (2, 2, 4), (289, 3, 132), (7, 1, 132), (264, 5, 132),
-                                                  (133, 7, 132), (1, 300, 132), (5, 65, 16)])
-def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid):
-    sk, owner = _owners(tiles, k_tiles, grid)
-    sk_tiles, ctas = m90.stream_k_partition(tiles, k_tiles, grid)
+@pytest.mark.parametrize("tiles, k_tiles, grid, lanes", [
+    (96, 64, 132, 1), (160, 128, 132, 1), (480, 32, 132, 1), (32, 64, 132, 1), (2, 2, 4, 1), (289, 3, 132, 1),
+    (7, 1, 132, 1), (264, 5, 132, 1), (133, 7, 132, 1), (1, 300, 132, 1), (5, 65, 16, 1),
+    # lanes: 512 x 6144 / 10240 in 128 x 256 tiles (4 tile rows), 3000 x 5000 (24 rows, groups of 8)
+    (96, 64, 132, 4), (160, 128, 132, 4), (480, 32, 132, 4), (8, 3, 132, 4), (6, 5, 12, 2), (264, 5, 132, 2),
+    (136, 7, 132, 4), (12, 300, 132, 3)])
+def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid, lanes):
+    sk, owner = _owners(tiles, k_tiles, grid, lanes)
+    sk_tiles, ctas = m90.stream_k_partition(tiles, k_tiles, grid, lanes)
     assert sk_tiles == sk and (tiles - sk) % grid == 0
     assert sk <= tiles and (sk == 0 or sk >= grid or sk == tiles)
     seen = np.zeros((tiles, k_tiles), np.int64)
@@ -193,16 +202,35 @@ def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid):
         ps.sort()
         segs = ps[0][3]
         assert len(ps) == segs and [p[4] for p in ps] == list(range(segs)), "segments in k order, one per CTA"
-        assert [p[2] for p in ps] == list(range(ps[0][2], ps[0][2] + segs)), "consecutive CTAs"
+        assert [p[2] for p in ps] == list(range(ps[0][2], ps[0][2] + segs * lanes, lanes)), "consecutive groups"
+        assert all(p[2] % lanes == t % lanes for p in ps), "a tile's pieces run on its lane"
         assert all(p[5] == ps[0][5] for p in ps), "every piece computes the same slot list"
         # the reducer reads the pieces in k order from where they were stored
         assert [stored[s] for s in ps[0][5]] == [(t, p[0], p[1]) for p in ps]
         assert ps[0][0] == 0 and ps[-1][1] == k_tiles
+    # the R CTAs of a group run the same k-blocks (of their own tiles) side by side
+    for g in range(grid // lanes):
+        ks = [[(u[0] // lanes, u[1], u[2]) for u in ctas[g * lanes + r]] for r in range(lanes)]
+        assert all(k == ks[0] for k in ks), f"group {g}'s lanes walk different k-blocks"
     # workspace: two float32 tiles per CTA; counters for the stream-K tiles
     cfg = MatmulSm90Config(block_m=128, block_n=128, num_stages=6, stream_k=True)
     assert m90.workspace_bytes(cfg, 128 * tiles, 128, 64 * k_tiles, 1, grid) == 2 * grid * 128 * 128 * 4
     assert m90.counter_bytes(cfg, 128 * tiles, 128, 1, grid) >= sk * 2 * 4
-    assert m90.grid_size(128 * tiles, 128, 1, cfg, grid, 64 * k_tiles) == min(grid, tiles * k_tiles)
+    if lanes == 1:   # tiles in one column: one lane
+        assert m90.grid_size(128 * tiles, 128, 1, cfg, grid, 64 * k_tiles) == min(grid, tiles * k_tiles)
+
+
+@pytest.mark.parametrize("m, n, block_n, sms, lanes", [(512, 6144, 256, 132, 4), (3000, 5000, 256, 132, 4),
+                                                       (128, 4096, 128, 132, 1), (384, 4096, 256, 132, 3),
+                                                       (1024, 4096, 256, 132, 4), (1152, 4096, 256, 132, 1),
+                                                       (512, 6144, 256, 130, 2), (512, 2048, 256, 7, 1)])
+def test_stream_k_lanes_divide_rows_and_sms(m, n, block_n, sms, lanes):
+    """R divides the tile rows of every group_m group (8) and the SM count; the grid is one CTA per
+    SM, a multiple of R."""
+    cfg = MatmulSm90Config(block_m=128, block_n=block_n, num_stages=4 if block_n == 256 else 6, stream_k=True)
+    assert m90.stream_k_lanes(cfg, m, sms) == lanes
+    grid = m90.grid_size(m, n, 1, cfg, sms, 4096)
+    assert grid % lanes == 0 and grid == min(sms, -(-m // 128) * -(-n // block_n) * 64)
 
 
 # ---- compile ----------------------------------------------------------------------------------
@@ -303,9 +331,10 @@ def test_gpu_forced_split(dtype, shape, split_k, monkeypatch):
 
 
 # (M, N, K): few tiles (each over several CTAs), under a wave, and (2049 x 4100: 289 tiles of 128 x 256)
-# data-parallel waves before the stream-K tiles; K of 1-65 k-blocks, ranges crossing tile boundaries
+# data-parallel waves before the stream-K tiles; K of 1-65 k-blocks, ranges crossing tile boundaries;
+# lanes (on 132 SMs) 1, 2 (129 rows), 3 (300), 4 (512, 1000: 4 and 8 tile rows)
 STREAM_SHAPES = [(129, 72, 65), (7, 4100, 129), (300, 4100, 129), (513, 6144, 4104), (2049, 4100, 129),
-                 (129, 6144, 1000), (300, 72, 4104)]
+                 (129, 6144, 1000), (300, 72, 4104), (512, 6144, 4104), (1000, 4100, 700)]
 
 
 @pytest.mark.gpu
@@ -326,7 +355,8 @@ def test_gpu_forced_stream_k(dtype, shape, monkeypatch):
     cfg, grid = _plan_of(M, N, K, stream_k=True)
     assert cfg is not None and cfg.stream_k, cfg
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
-    what = f"{dtype} {shape} stream-K {cfg.block_m}x{cfg.block_n}, {tiles} tiles on {grid} CTAs"
+    lanes = m90.stream_k_lanes(cfg, M, grid)
+    what = f"{dtype} {shape} stream-K {cfg.block_m}x{cfg.block_n}, {tiles} tiles on {grid} CTAs, {lanes} lanes"
     _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), what)
 
 

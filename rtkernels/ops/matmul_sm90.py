@@ -9,6 +9,7 @@ same TMA producer (a measurement of the sm_80 instruction on Hopper; see docs/RE
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -301,37 +302,52 @@ def stream_k_weighed(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: 
             and tiles * k_blocks(k) >= MIN_KBLOCKS_PER_SPLIT * sm_count)
 
 
-def stream_k_partition(tiles: int, k_tiles: int, grid: int):
+def stream_k_partition(tiles: int, k_tiles: int, grid: int, lanes: int = 1):
     """The stream-K schedule of templates/matmul_sm90.cu.j2 (Walk, unit_at, fixup_of), in Python:
     (sk_tiles, ctas) where ``ctas[c]`` lists CTA c's work units in order as (tile, kb0, kb1, segs,
     seg, slot, slots): ``segs`` pieces of the tile (1: whole, no partial), this one's index ``seg``
     in k order, its workspace slot and the slots of all the tile's pieces in k order (None for
-    whole tiles)."""
+    whole tiles).  ``lanes`` (R, dividing ``grid`` and ``tiles``): groups of R CTAs share each
+    range, CTA gR + r running tile jR + r of every set j its group's range meets."""
     full, rem = divmod(tiles, grid)
     sk_tiles = 0 if rem == 0 else (rem + grid if full >= 1 else rem)
-    S = sk_tiles * k_tiles
-    P = min(grid, S)
-    cta_of = lambda i: ((i + 1) * P - 1) // S   # noqa: E731 - the owner of iteration i
-    start = lambda c: c * S // P                # noqa: E731
+    S = sk_tiles // lanes * k_tiles
+    P = min(grid // lanes, S)
+    group_of = lambda i: ((i + 1) * P - 1) // S   # noqa: E731 - the owner of iteration i
+    start = lambda g: g * S // P                  # noqa: E731
     ctas = []
     for c in range(grid):
+        g, r = divmod(c, lanes)
         units = []
-        if c < P:
-            it0, it1 = start(c), start(c + 1)
-            for t in range(it0 // k_tiles, (it1 - 1) // k_tiles + 1):
-                lo = t * k_tiles
-                c_first, c_last = cta_of(lo), cta_of(lo + k_tiles - 1)
-                segs = c_last - c_first + 1
+        if g < P:
+            it0, it1 = start(g), start(g + 1)
+            for j in range(it0 // k_tiles, (it1 - 1) // k_tiles + 1):
+                lo = j * k_tiles
+                g_first, g_last = group_of(lo), group_of(lo + k_tiles - 1)
+                segs = g_last - g_first + 1
                 kb0, kb1 = max(it0, lo) - lo, min(it1, lo + k_tiles) - lo
+                t = j * lanes + r
                 if segs == 1:
                     units.append((t, kb0, kb1, 1, 0, None, None))
                     continue
-                first = 2 * c_first + (0 if start(c_first) == lo else 1)
-                slots = [first] + [2 * (c_first + i) for i in range(1, segs)]
-                units.append((t, kb0, kb1, segs, c - c_first, 2 * c + (0 if lo + kb0 == it0 else 1), slots))
+                c_first = g_first * lanes + r
+                first = 2 * c_first + (0 if start(g_first) == lo else 1)
+                slots = [first] + [2 * (c_first + i * lanes) for i in range(1, segs)]
+                units.append((t, kb0, kb1, segs, g - g_first, 2 * c + (0 if lo + kb0 == it0 else 1), slots))
         units += [(t, 0, k_tiles, 1, 0, None, None) for t in range(sk_tiles + c, tiles, grid)]
         ctas.append(units)
     return sk_tiles, ctas
+
+
+def stream_k_lanes(cfg: "MatmulSm90Config", m: int, sm_count: int) -> int:
+    """Stream-K's lanes R: how many tiles of one B column (consecutive in the tile walk) run the
+    same k-blocks side by side.  The most that divide the tile rows of every group_m group (the
+    sets must not straddle a column) and the SM count (the grid stays one CTA per SM), up to
+    group_m.  Measured reason: see "Lanes" in templates/matmul_sm90.cu.j2 (without them the
+    phase read B once per tile row from DRAM)."""
+    tiles_m = -(-m // cfg.block_m)
+    rows = tiles_m if tiles_m <= cfg.group_m else math.gcd(tiles_m, cfg.group_m)
+    return max(r for r in range(1, rows + 1) if rows % r == 0 and sm_count % r == 0)
 
 
 def workspace_bytes(cfg: "MatmulSm90Config", m: int, n: int, k: int, batch: int, grid: int = 0) -> int:
@@ -375,8 +391,9 @@ def _schedules(tiles, m, n, k, batch, sm_count, stream_k: bool = True):
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
                      stream_k: bool = False, **layout) -> MatmulSm90Config:
     """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma.
-    ``stream_k``: also weigh the stream-K schedule (off in rtk.matmul: measured 0.40-0.62x cuBLAS
-    where this model picked it, H100 2026-11-25; see matmul.STREAM_K_ENV)."""
+    ``stream_k``: also weigh the stream-K schedule (rtk.matmul does unless RTKERNELS_MATMUL_STREAM_K=0;
+    before its lanes it measured 0.40-0.62x cuBLAS where this model picked it, H100 2026-11-25; see
+    matmul.STREAM_K_ENV)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
     # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
     wgmma = layout.get("mma", "wgmma") == "wgmma"
@@ -448,10 +465,15 @@ def operand_maps(ptr: int, rows: int, cols: int, ld: int, batch: int, batch_stri
 def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int, k: int = 1) -> int:
     """CTAs of the persistent grid: one per work unit (tile x split; ``k`` for the clamp of
     split_k to the k-blocks), at most one per SM; stream-K: one per SM (at most one per k-block:
-    the kernel gives every sharing CTA one k-block at least)."""
+    the kernel gives every sharing CTA one k-block at least), a multiple of its lanes (R divides
+    the SM count and the tiles, so that is the same number)."""
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
     units = tiles * (k_blocks(k) if cfg.stream_k else min(cfg.split_k, k_blocks(k)))
-    return max(1, min(units, sm_count))
+    grid = max(1, min(units, sm_count))
+    if cfg.stream_k:
+        lanes = stream_k_lanes(cfg, m, sm_count)
+        grid = max(lanes, grid // lanes * lanes)
+    return grid
 
 
 def tensor_maps(cfg: MatmulSm90Config, a_desc, b_desc, c_desc):
