@@ -68,40 +68,112 @@ def test_split_k_1_keeps_the_unsplit_signature():
 
 
 # ---- heuristic ------------------------------------------------------------------------------
-def _sched(cfg):
-    return "sk" if cfg.stream_k else f"s{cfg.split_k}"
+# The heuristic's pick (rtk.matmul's: stream_k weighed) at every shape of `tools/bench_matmul.py
+# --grid llm` (M x (N, K), W (N, K)), with the measurement behind it: H200, "ab" = `--streamk-ab`
+# of 2026-11-26 (whole tiles / split-K / stream-K launched directly), "grid" = `--grid llm --quick`
+# of 2026-11-25 with the whole-tile heuristic of then (docs/data/bench_matmul_grid_llm_final_
+# session8_2026-11-25_h200.json); x = cuBLAS's time over ours.
+GRID_PICKS = {
+    # M = 128: fewer tiles than SMs; the weight's read from DRAM bounds every schedule
+    (128, 6144, 4096): "128x64 s1",     # ab: 96 tiles 20.5 us 0.92x; 128x128 s2 23.6, s3 34.5
+    (128, 4096, 4096): "128x64 s1",     # ab: 64 tiles 17.6 us 0.94x; 128x128 s2-s4 19.6-19.8 (64 k-blocks)
+    (128, 14336, 4096): "128x128 s1",   # grid: 112 tiles 0.97x
+    (128, 28672, 4096): "128x256 s1",   # grid: 112 tiles 1.07x
+    (128, 4096, 14336): "128x128 s3",   # ab: 41.4 us 0.96x; s4 0.95x, s2 0.88x, 128x64 whole 0.85x, sk <= 0.89x
+    (128, 10240, 8192): "128x128 s1",   # grid: 80 tiles 0.97x (more than half the SMs: no split)
+    (128, 8192, 8192): "128x64 s1",     # ab: 43.1 us 0.92x; 128x128 s2 44.9, whole 45.5
+    (128, 28672, 8192): "128x256 s1",   # grid: 1.08x
+    (128, 8192, 28672): "128x64 s1",    # grid: 128 tiles 0.97x
+    (128, 4096, 128): "128x64 s1",      # grid: 0.94x (2 k-blocks: nothing to split)
+    (128, 4096, 256): "128x64 s1",      # grid: 1.00x
+    (128, 16384, 128): "128x128 s1",    # grid: 1.02x
+    # M = 512: one to seven waves; the tile shape that fills the last one
+    (512, 6144, 4096): "128x192 s1",    # ab: 128 tiles 37.2 us 1.02x; 128x256 44.9, 128x128 46.1, sk >= 45.7
+    (512, 4096, 4096): "128x128 s1",    # grid: 128 tiles 1.00x
+    (512, 14336, 4096): "128x256 s1",   # ab: 85.8 us 1.01x; 128x128 90.7, sk 89.8 (fill 85%, but the model
+    #                                     puts stream-K at 89.9 us against 89.7 whole: not 5% faster)
+    (512, 28672, 4096): "128x128 s1",   # ab: 162 us 0.97x; 128x192 165, 128x256 173, sk 169
+    (512, 4096, 14336): "128x128 s1",   # grid: 128 tiles 0.98x
+    (512, 10240, 8192): "128x256 sk",   # ab: 120 us 0.93x; whole 128x192 125, 128x128 131, 128x256 168
+    (512, 8192, 8192): "128x256 s1",    # grid: 128 tiles 1.01x
+    (512, 28672, 8192): "128x128 s1",   # grid: 896 tiles (97% fill) 0.96x, as 512x28672x4096 in ab
+    (512, 8192, 28672): "128x256 s1",   # grid: 1.01x
+    (512, 4096, 128): "128x128 s1",     # grid: 0.98x
+    (512, 4096, 256): "128x128 s1",     # grid: 0.98x
+    (512, 16384, 128): "128x256 s1",    # grid: 1.04x
+    # odd sizes
+    (1793, 1793, 1793): "128x256 s1",   # grid: 2.32x (cuBLAS off its fast path)
+    (4095, 4095, 4095): "128x256 s1",   # grid: 3.80x
+    (3000, 5000, 2000): "128x256 s1",   # ab: 93.0 us 0.92x; 128x192 94.6, 128x128 118, sk 102
+}
+# M >= 2048: >= 2 waves of 128 x 256 tiles filling >= 97% of their last one (132 = 4 x 33 SMs); the
+# grid ran 0.94-1.10x with 128x256 at every M = 2048 shape (M = 8192 / 16384 reasoned from that and
+# the 4096^3 / 8192^3 sweep, where 128x256 is the fastest tile)
+BIG_M_PICK = "128x256 s1"
 
 
-def test_heuristic_schedules_follow_the_sweep():
-    """The refit against the H100 sweep of 2026-11-25 (ops/matmul_sm90.py, schedules)."""
+def _pick(cfg):
+    return f"{cfg.block_m}x{cfg.block_n} {'sk' if cfg.stream_k else f's{cfg.split_k}'}"
+
+
+def _bench_grid():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench_matmul.py"
+    spec = importlib.util.spec_from_file_location("bench_matmul_grid", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [(m, n, k) for m in mod.LLM_MS for n, k in mod.LLM_NK] + mod.LLM_ODD
+
+
+def test_heuristic_picks_over_the_llm_grid():
+    """Every shape of the benchmark's grid gets the schedule that measured fastest (GRID_PICKS)."""
+    wrong = []
+    for m, n, k in _bench_grid():
+        want = GRID_PICKS.get((m, n, k), BIG_M_PICK if m >= 2048 else None)
+        assert want is not None, f"{m}x{n}x{k}: grid shape without an expectation in GRID_PICKS"
+        for layout in (dict(b_kmajor=True), dict(b_kmajor=False), dict(b_kmajor=True, has_bias=True, activation="gelu")):
+            got = _pick(m90.heuristic_config("bfloat16", m, n, k, sm_count=132, stream_k=True, **layout))
+            if got != want:
+                wrong.append(f"{m}x{n}x{k} {layout}: {got}, expected {want}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_heuristic_rules():
+    """The three rules of ops/matmul_sm90.py's heuristic, away from the grid's own shapes."""
     h = lambda *shape, **kw: m90.heuristic_config("bfloat16", *shape, sm_count=132, b_kmajor=True, **kw)  # noqa: E731
-    # 48 tiles of 128 x 128: s2 lost (29.5 vs 27.5 us); the weight's DRAM floor binds, nothing to gain
-    assert _sched(h(128, 6144, 4096)) == "s1"
-    # long K with few tiles: s2-s4 ran 53.5-54.7 us, unsplit 70.9: split or streamed
-    long_k = h(128, 4096, 14336)
-    assert long_k.split_k > 1 or long_k.stream_k, long_k
-    # big problems keep the data-parallel 128 x 256 tile; a split past one round always lost
-    for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (2048, 4096, 4096), (512, 8192, 8192), (512, 4096, 4096)):
-        c = h(*shape)
-        assert _sched(c) == "s1", (shape, c)
-    # partial last waves (96 and 160 tiles of 128 x 256 on 132 SMs, 0.83x / 0.87x cuBLAS unsplit): the
-    # model weighs stream-K there when asked, but rtk.matmul does not ask (it measured 0.40-0.49x)
-    for shape in ((512, 6144, 4096), (512, 10240, 8192)):
-        assert h(*shape, stream_k=True).stream_k, shape
-        assert _sched(h(*shape)) == "s1", shape
+    # RTKERNELS_MATMUL_STREAM_K=0 (stream_k False): whole tiles where stream-K would run
+    assert _pick(h(512, 10240, 8192)) == "128x128 s1"
+    assert _pick(h(512, 10240, 8192, stream_k=True)) == "128x256 sk"
     # mma.sync consumers never split nor stream
-    sync = h(512, 10240, 8192, mma="sync", tma_store=False)
-    assert _sched(sync) == "s1"
-    # short K: every split would keep fewer than MIN_KBLOCKS_PER_SPLIT k-blocks
-    assert h(128, 4096, 256).split_k == 1
-    for m, n, k in ((128, 4096, 4096), (128, 4096, 14336), (128, 8192, 28672), (512, 4096, 14336), (300, 4100, 129)):
+    sync = h(512, 10240, 8192, stream_k=True, mma="sync", tma_store=False)
+    assert not sync.stream_k and sync.split_k == 1
+    assert h(128, 4096, 14336, mma="sync", tma_store=False).split_k == 1
+    # split-K: one round of units, SPLIT_MIN_KBLOCKS each, only where whole tiles fill <= half the SMs
+    for m, n, k in ((128, 4096, 14336), (128, 512, 65536), (64, 2048, 8192), (300, 4100, 129), (256, 4096, 32768)):
         c = h(m, n, k)
-        tiles = -(-m // c.block_m) * -(-n // c.block_n)
-        if c.split_k > 1:   # one round, few tiles, MIN_KBLOCKS_PER_SPLIT each
-            assert tiles * c.split_k <= 132 and tiles <= 132 // m90.SPLIT_MAX_TILES_DIV, c
-            assert -(-k // 64) // c.split_k >= m90.MIN_KBLOCKS_PER_SPLIT, c
+        if c.split_k > 1:
+            tiles = -(-m // c.block_m) * -(-n // c.block_n)
+            assert (c.block_m, c.block_n) == m90.SPLIT_TILE and tiles * c.split_k <= 132, (m, n, k, c)
+            assert m90.k_blocks(k) // c.split_k >= m90.SPLIT_MIN_KBLOCKS, (m, n, k, c)
+    assert h(128, 512, 65536).split_k == 8          # 4 tiles, 1024 k-blocks: the most SPLITS has
+    assert h(64, 2048, 8192).split_k == 2           # 16 tiles, 128 k-blocks: 64 per split
+    assert h(300, 4100, 129).split_k == 1           # 3 k-blocks
+    # stream-K needs a full wave of 128 x 256 tiles: never at M = 128
+    for n, k in ((10240, 8192), (4096, 14336), (6144, 65536)):
+        assert not h(128, n, k, stream_k=True).stream_k, (n, k)
+    # the wave model: 128x192 where it fills the last wave that 128x256 and 128x128 leave ragged
+    assert m90.whole_tile_fill(m90._tile((128, 192)), 512, 6144, 1, 132) == pytest.approx(128 / 132)
+    assert _pick(h(4096, 4096, 4096)) == "128x256 s1" and _pick(h(8192, 8192, 8192)) == "128x256 s1"
+    # batched problems count every batch's tiles
+    assert _pick(h(512, 6144, 4096, 2, stream_k=True)) == _pick(h(1024, 6144, 4096, stream_k=True))
+
+
+def test_autotuner_candidates_keep_both_schedules():
+    """The autotuner still weighs split-K and stream-K where the heuristic does not pick them."""
     assert any(c.stream_k for c in m90.split_candidates("bfloat16", 512, 10240, 8192, 1, 132))
-    # many tiles: no split weighed (stream-K may be, for the autotuner, where the last wave is partial)
+    assert any(c.stream_k for c in m90.split_candidates("bfloat16", 512, 6144, 4096, 1, 132))
+    # many tiles: no split weighed (stream-K may be, where the last wave is partial)
     assert all(c.stream_k for c in m90.split_candidates("bfloat16", 8192, 8192, 8192, 1, 132))
 
 
@@ -142,25 +214,34 @@ def test_split_ranges_are_balanced_and_cover_k(tiles, k_tiles, split_k):
     assert m90.counter_bytes(cfg, m, n, 1) == tiles * 2 * 4
 
 
-def _owners(tiles, k_tiles, grid):
-    """An independent model of the stream-K partition: every k-block iteration's owner CTA from
-    explicit ranges (sk_tiles from the DP + SK rule: all but floor(tiles / grid) - 1 waves)."""
+def _owners(tiles, k_tiles, grid, lanes=1):
+    """An independent model of the stream-K partition: every (tile, k-block)'s owner CTA from
+    explicit ranges (sk_tiles from the DP + SK rule: all but floor(tiles / grid) - 1 waves); with
+    lanes R, group g's range of the sets' k-blocks goes to CTAs gR .. gR + R - 1, lane r taking
+    tile jR + r of set j."""
     full, rem = divmod(tiles, grid)
     sk = 0 if rem == 0 else (rem + grid if full else rem)
-    S = sk * k_tiles
-    P = min(grid, S)
-    owner = np.empty(S, np.int64)
-    for c in range(P):
-        owner[c * S // P:(c + 1) * S // P] = c
-    return sk, owner
+    S = sk // lanes * k_tiles
+    P = min(grid // lanes, S)
+    group = np.empty(S, np.int64)
+    for g in range(P):
+        group[g * S // P:(g + 1) * S // P] = g
+    owner = np.empty((sk, k_tiles), np.int64)
+    for t in range(sk):
+        j, r = divmod(t, lanes)
+        owner[t] = group[j * k_tiles:(j + 1) * k_tiles] * lanes + r
+    return sk, owner.reshape(-1)
 
 
-@pytest.mark.parametrize("tiles, k_tiles, grid", [(96, 64, 132), (160, 128, 132), (480, 32, 132), (32, 64, 132),
-                                                  (2, 2, 4), (289, 3, 132), (7, 1, 132), (264, 5, 132),
-                                                  (133, 7, 132), (1, 300, 132), (5, 65, 16)])
-def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid):
-    sk, owner = _owners(tiles, k_tiles, grid)
-    sk_tiles, ctas = m90.stream_k_partition(tiles, k_tiles, grid)
+@pytest.mark.parametrize("tiles, k_tiles, grid, lanes", [
+    (96, 64, 132, 1), (160, 128, 132, 1), (480, 32, 132, 1), (32, 64, 132, 1), (2, 2, 4, 1), (289, 3, 132, 1),
+    (7, 1, 132, 1), (264, 5, 132, 1), (133, 7, 132, 1), (1, 300, 132, 1), (5, 65, 16, 1),
+    # lanes: 512 x 6144 / 10240 in 128 x 256 tiles (4 tile rows), 3000 x 5000 (24 rows, groups of 8)
+    (96, 64, 132, 4), (160, 128, 132, 4), (480, 32, 132, 4), (8, 3, 132, 4), (6, 5, 12, 2), (264, 5, 132, 2),
+    (136, 7, 132, 4), (12, 300, 132, 3)])
+def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid, lanes):
+    sk, owner = _owners(tiles, k_tiles, grid, lanes)
+    sk_tiles, ctas = m90.stream_k_partition(tiles, k_tiles, grid, lanes)
     assert sk_tiles == sk and (tiles - sk) % grid == 0
     assert sk <= tiles and (sk == 0 or sk >= grid or sk == tiles)
     seen = np.zeros((tiles, k_tiles), np.int64)
@@ -193,16 +274,35 @@ def test_stream_k_partition_covers_each_k_block_once(tiles, k_tiles, grid):
         ps.sort()
         segs = ps[0][3]
         assert len(ps) == segs and [p[4] for p in ps] == list(range(segs)), "segments in k order, one per CTA"
-        assert [p[2] for p in ps] == list(range(ps[0][2], ps[0][2] + segs)), "consecutive CTAs"
+        assert [p[2] for p in ps] == list(range(ps[0][2], ps[0][2] + segs * lanes, lanes)), "consecutive groups"
+        assert all(p[2] % lanes == t % lanes for p in ps), "a tile's pieces run on its lane"
         assert all(p[5] == ps[0][5] for p in ps), "every piece computes the same slot list"
         # the reducer reads the pieces in k order from where they were stored
         assert [stored[s] for s in ps[0][5]] == [(t, p[0], p[1]) for p in ps]
         assert ps[0][0] == 0 and ps[-1][1] == k_tiles
+    # the R CTAs of a group run the same k-blocks (of their own tiles) side by side
+    for g in range(grid // lanes):
+        ks = [[(u[0] // lanes, u[1], u[2]) for u in ctas[g * lanes + r]] for r in range(lanes)]
+        assert all(k == ks[0] for k in ks), f"group {g}'s lanes walk different k-blocks"
     # workspace: two float32 tiles per CTA; counters for the stream-K tiles
     cfg = MatmulSm90Config(block_m=128, block_n=128, num_stages=6, stream_k=True)
     assert m90.workspace_bytes(cfg, 128 * tiles, 128, 64 * k_tiles, 1, grid) == 2 * grid * 128 * 128 * 4
     assert m90.counter_bytes(cfg, 128 * tiles, 128, 1, grid) >= sk * 2 * 4
-    assert m90.grid_size(128 * tiles, 128, 1, cfg, grid, 64 * k_tiles) == min(grid, tiles * k_tiles)
+    if lanes == 1:   # tiles in one column: one lane
+        assert m90.grid_size(128 * tiles, 128, 1, cfg, grid, 64 * k_tiles) == min(grid, tiles * k_tiles)
+
+
+@pytest.mark.parametrize("m, n, block_n, sms, lanes", [(512, 6144, 256, 132, 4), (3000, 5000, 256, 132, 4),
+                                                       (128, 4096, 128, 132, 1), (384, 4096, 256, 132, 3),
+                                                       (1024, 4096, 256, 132, 4), (1152, 4096, 256, 132, 1),
+                                                       (512, 6144, 256, 130, 2), (512, 2048, 256, 7, 1)])
+def test_stream_k_lanes_divide_rows_and_sms(m, n, block_n, sms, lanes):
+    """R divides the tile rows of every group_m group (8) and the SM count; the grid is one CTA per
+    SM, a multiple of R."""
+    cfg = MatmulSm90Config(block_m=128, block_n=block_n, num_stages=4 if block_n == 256 else 6, stream_k=True)
+    assert m90.stream_k_lanes(cfg, m, sms) == lanes
+    grid = m90.grid_size(m, n, 1, cfg, sms, 4096)
+    assert grid % lanes == 0 and grid == min(sms, -(-m // 128) * -(-n // block_n) * 64)
 
 
 # ---- compile ----------------------------------------------------------------------------------
@@ -303,9 +403,10 @@ def test_gpu_forced_split(dtype, shape, split_k, monkeypatch):
 
 
 # (M, N, K): few tiles (each over several CTAs), under a wave, and (2049 x 4100: 289 tiles of 128 x 256)
-# data-parallel waves before the stream-K tiles; K of 1-65 k-blocks, ranges crossing tile boundaries
+# data-parallel waves before the stream-K tiles; K of 1-65 k-blocks, ranges crossing tile boundaries;
+# lanes (on 132 SMs) 1, 2 (129 rows), 3 (300), 4 (512, 1000: 4 and 8 tile rows)
 STREAM_SHAPES = [(129, 72, 65), (7, 4100, 129), (300, 4100, 129), (513, 6144, 4104), (2049, 4100, 129),
-                 (129, 6144, 1000), (300, 72, 4104)]
+                 (129, 6144, 1000), (300, 72, 4104), (512, 6144, 4104), (1000, 4100, 700)]
 
 
 @pytest.mark.gpu
@@ -326,7 +427,8 @@ def test_gpu_forced_stream_k(dtype, shape, monkeypatch):
     cfg, grid = _plan_of(M, N, K, stream_k=True)
     assert cfg is not None and cfg.stream_k, cfg
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
-    what = f"{dtype} {shape} stream-K {cfg.block_m}x{cfg.block_n}, {tiles} tiles on {grid} CTAs"
+    lanes = m90.stream_k_lanes(cfg, M, grid)
+    what = f"{dtype} {shape} stream-K {cfg.block_m}x{cfg.block_n}, {tiles} tiles on {grid} CTAs, {lanes} lanes"
     _check(to_f64(out, dtype), ah @ bh, _cublas(a, b, dtype), what)
 
 
@@ -383,12 +485,14 @@ def test_gpu_split_batched(schedule, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, M, N, K, stream", [("bfloat16", 128, 4096, 14336, False),
                                                     ("float16", 128, 4096, 14336, False),
+                                                    ("bfloat16", 511, 10200, 8000, False),
                                                     ("bfloat16", 512, 6144, 4096, True),
                                                     ("float16", 513, 10240, 8192, True)])
 def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K, stream, monkeypatch):
-    """Shapes the heuristic splits, and (RTKERNELS_MATMUL_STREAM_K=1: the heuristic itself does not
-    stream) partial-wave shapes streamed: three calls (the later ones plan replays) give the same
-    bits, and the counters are back at zero after them."""
+    """Shapes the heuristic splits or streams itself (128x4096x14336: split-K; 511x10200x8000: a
+    ragged 512x10240x8192, stream-K), and partial-wave shapes streamed under
+    RTKERNELS_MATMUL_STREAM_K=1: three calls (the later ones plan replays) give the same bits, and
+    the counters are back at zero after them."""
     if stream:
         monkeypatch.setenv("RTKERNELS_MATMUL_STREAM_K", "1")
     import cupy as cp
@@ -414,6 +518,27 @@ def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K, stream, monkeypatc
     cp.cuda.Device().synchronize()
     ws = workspace._WORKSPACES[(cp.cuda.Device().id, cp.cuda.get_current_stream().ptr, False)]
     assert not ws.counters.view(cp.int32).any(), "a counter was left non-zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, trans_b", [(509, 6144, 4095, True), (500, 6100, 4000, False)])
+def test_gpu_heuristic_128x192_tiles(M, N, K, trans_b):
+    """Shapes whose last wave the heuristic fills with 128 x 192 tiles (512x6144x4096-like), ragged
+    in M, N and K (rows padded to 16 bytes, so TMA takes them), weight as (N, K) (a linear layer's)
+    and as (K, N): against float64 and cuBLAS."""
+    from gpu_util import poison, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    rng = np.random.default_rng(7)
+    a, ah = _aligned(rng, M, K, "bfloat16")
+    b, bh = _aligned(rng, *((N, K) if trans_b else (K, N)), "bfloat16")
+    out = poison(_empty((M, N), "bfloat16"))
+    rtk.matmul(a, b, out=out, dtype="bfloat16", trans_b=trans_b)
+    cfg, grid = _plan_of(M, N, K)
+    assert cfg is not None and (cfg.block_m, cfg.block_n, cfg.split_k, cfg.stream_k) == (128, 192, 1, False), cfg
+    ref = mm.matmul_reference(ah, bh, trans_b=trans_b)
+    _check(to_f64(out, "bfloat16"), ref, _cublas(a, b, "bfloat16", trans_b),
+           f"{M}x{N}x{K} 128x192 on {grid} CTAs, trans_b={trans_b}")
 
 
 @pytest.mark.gpu

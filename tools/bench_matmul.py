@@ -46,7 +46,10 @@ stream-K).  Writes matmul_grid_llm.json.  --splitk-sweep: few-tile and partial-w
 (SPLITK_SHAPES) with the Hopper kernel launched directly at split_k in SPLITK_SPLITS and with
 stream-K for its 128x256 and 128x128 tiles (128x64: unsplit and stream-K), beside cuBLAS, the
 heuristic's choice and the schedule model's estimate (to refit the model's constants in
-ops/matmul_sm90.py); writes matmul_splitk_sweep.json.
+ops/matmul_sm90.py); writes matmul_splitk_sweep.json.  --streamk-ab: AB_SHAPES (partial waves,
+few tiles) with stream-K with lanes against lanes = 1 (the schedule before them), whole tiles of
+128x256 / 128x192 / 128x128, split-K (M = 128), rtk.matmul's own pick and cuBLAS, interleaved;
+writes matmul_streamk_ab.json.
 """
 from __future__ import annotations
 
@@ -152,12 +155,17 @@ def main() -> None:
     p.add_argument("--layout", choices=("nt", "nn"), default="nt",
                    help="--grid: B as a linear layer's weight (N, K) (nt) or row-major (K, N) (nn)")
     p.add_argument("--splitk-sweep", action="store_true", help="only the split-K sweep of SPLITK_SHAPES")
+    p.add_argument("--streamk-ab", action="store_true",
+                   help="only stream-K with lanes vs without, whole tiles, splits, rtk.matmul and cuBLAS at AB_SHAPES")
     args = p.parse_args()
     if args.grid == "llm":
         grid_llm(args)
         return
     if args.splitk_sweep:
         splitk_sweep(args)
+        return
+    if args.streamk_ab:
+        streamk_ab(args)
         return
     if args.sweep:
         sweep(args)
@@ -505,13 +513,14 @@ def splitk_sweep(args) -> None:
                 grid = m90.grid_size(m, n, 1, cfg, sms, k)
                 sizes = (m90.workspace_bytes(cfg, m, n, k, 1, grid), m90.counter_bytes(cfg, m, n, 1, grid))
                 reduces = cfg.split_k > 1 or cfg.stream_k
+                extra = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
 
-                def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes, reduces=reduces):
+                def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes, reduces=reduces, extra=extra):
                     maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)),
                                            (w.data_ptr(), (1, n, k), (n * k, k, 1)),
                                            (out.data_ptr(), (1, m, n), (m * n, n, 1)))
                     ws = stream_workspace(a, dev, None, *sizes) if reduces else ()
-                    kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1,
+                    kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1, *extra,
                                 shared_mem=cfg.shared_mem_bytes)
                 label = _schedule_label(bm, bn, s, sk)
                 cands[label] = run
@@ -549,6 +558,105 @@ def splitk_sweep(args) -> None:
           "W (N, K)); model_us = the schedule model's estimate")
     print(benchutil.table(rows, ["shape", "config", "grid", "us", "model_us", "tflops", "vs_cublas", "best",
                                  "heuristic", "err"]))
+
+
+# --streamk-ab: the partial-wave and few-tile shapes of issue 20 (W (N, K), a linear layer's weight).
+AB_SHAPES = [(512, 6144, 4096), (512, 10240, 8192), (512, 14336, 4096), (512, 28672, 4096), (3000, 5000, 2000),
+             (128, 4096, 14336), (128, 8192, 8192), (128, 4096, 4096), (128, 6144, 4096)]
+# (label, block_m, block_n, stages, split_k, stream_k, lanes: None = the host's, 1 = stream-K before lanes)
+AB_CANDS = [("dp 128x256", 128, 256, 4, 1, False, None), ("dp 128x192", 128, 192, 5, 1, False, None),
+            ("dp 128x128", 128, 128, 6, 1, False, None),
+            ("sk-old 128x256", 128, 256, 4, 1, True, 1), ("sk 128x256", 128, 256, 4, 1, True, None),
+            ("sk 128x192", 128, 192, 5, 1, True, None), ("sk 128x128", 128, 128, 6, 1, True, None)]
+AB_SPLITS_M128 = [("s2 128x128", 128, 128, 6, 2, False, None), ("s3 128x128", 128, 128, 6, 3, False, None),
+                  ("s4 128x128", 128, 128, 6, 4, False, None), ("s4 128x256", 128, 256, 4, 4, False, None),
+                  ("dp 128x64", 128, 64, 8, 1, False, None), ("sk 128x64", 128, 64, 8, 1, True, None)]
+
+
+def streamk_ab(args) -> None:
+    """Stream-K with lanes against stream-K without them (lanes = 1: the schedule before 2026-11-26),
+    whole tiles, split-K, rtk.matmul's own pick and cuBLAS, interleaved in each pass; every kernel
+    launched directly (its config, grid and lanes shown) and checked against cuBLAS."""
+    import torch
+    import rtkernels as rtk
+    from rtkernels import device
+    from rtkernels.ops import matmul as mm
+    from rtkernels.ops import matmul_sm90 as m90
+    from rtkernels.ops.workspace import stream_workspace
+
+    tdt = getattr(torch, args.dtype)
+    sms = device.sm_count()
+    dev = torch.cuda.current_device()
+    repeat = 10 if args.quick else 20
+    passes = 3 if args.quick else max(3, args.passes)
+    rows, summary = [], []
+    for m, n, k in AB_SHAPES:
+        count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
+        sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
+                for _ in range(count)]
+        out = torch.empty(m, n, device="cuda", dtype=tdt)
+        ref = torch.matmul(sets[0][0], sets[0][1].T).float()
+        cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T),
+                 "rtk.matmul": lambda a, w: rtk.matmul(a, w, trans_b=True, out=out)}
+        info = {}
+        for label, bm, bn, st, s, sk, lanes in AB_CANDS + (AB_SPLITS_M128 if m <= 128 else []):
+            cfg = m90.MatmulSm90Config(dtype=args.dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
+                                       split_k=s, stream_k=sk)
+            if s > m90.k_blocks(k):
+                continue
+            kern = rtk.get_kernel(cfg)
+            grid = m90.grid_size(m, n, 1, cfg, sms, k)
+            lanes = (m90.stream_k_lanes(cfg, m, sms) if lanes is None else lanes) if sk else None
+            if sk and lanes == 1:   # the grid of the schedule before lanes: one CTA per SM
+                grid = max(1, min(sms, -(-m // bm) * -(-n // bn) * m90.k_blocks(k)))
+            sizes = (m90.workspace_bytes(cfg, m, n, k, 1, grid), m90.counter_bytes(cfg, m, n, 1, grid))
+            reduces = s > 1 or sk
+            extra = (lanes,) if sk else ()
+
+            def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes, reduces=reduces, extra=extra):
+                maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)),
+                                       (w.data_ptr(), (1, n, k), (n * k, k, 1)),
+                                       (out.data_ptr(), (1, m, n), (m * n, n, 1)))
+                ws = stream_workspace(a, dev, None, *sizes) if reduces else ()
+                kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1, *extra,
+                            shared_mem=cfg.shared_mem_bytes)
+            cands[label] = run
+            info[label] = (grid, lanes)
+        times = {c: [] for c in cands}
+        for _ in range(passes):
+            for c, fn in cands.items():
+                times[c].append(benchutil.time_queued(fn, sets, repeat=repeat)[0])
+        med = {c: statistics.median(v) for c, v in times.items()}
+        flops = 2.0 * m * n * k
+        picked = mm._plans90[next(key for key in reversed(list(mm._plans90)) if key[1:5] == (m, n, k, 1))][1]
+        pick = f"{'sk' if picked.stream_k else f's{picked.split_k}'} {picked.block_m}x{picked.block_n}"
+        best = min((c for c in med if c not in ("cuBLAS", "rtk.matmul")), key=med.get)
+        for c, ms in med.items():
+            cands[c](*sets[0])
+            err = float(((out.float() - ref).abs().max() / ref.abs().max()).item()) if c != "cuBLAS" else 0.0
+            grid, lanes = info.get(c, (None, None))
+            rows.append({"shape": f"{m}x{n}x{k}", "config": c, "grid": grid, "lanes": lanes, "us": ms * 1e3,
+                         "tflops": flops / ms / 1e9, "vs_cublas": med["cuBLAS"] / ms, "err": err,
+                         "best": c == best, "note": pick if c == "rtk.matmul" else ""})
+        summary.append({"shape": f"{m}x{n}x{k}", "cublas_us": med["cuBLAS"] * 1e3, "rtk_pick": pick,
+                        "rtk_vs_cublas": med["cuBLAS"] / med["rtk.matmul"],
+                        "dp_best_vs_cublas": med["cuBLAS"] / min(v for c, v in med.items() if c.startswith("dp")),
+                        "sk_old_vs_cublas": med["cuBLAS"] / med["sk-old 128x256"],
+                        "sk_new_vs_cublas": med["cuBLAS"] / med["sk 128x256"],
+                        "best": best, "best_vs_cublas": med["cuBLAS"] / med[best]})
+        print(f"  {m}x{n}x{k}: cuBLAS {med['cuBLAS'] * 1e3:.1f} us, rtk.matmul ({pick}) "
+              f"{med['rtk.matmul'] * 1e3:.1f} us, best {best} {med[best] * 1e3:.1f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    env = benchutil.environment()
+    benchutil.save(args.out, "matmul_streamk_ab", {"environment": env, "dtype": args.dtype, "rows": rows,
+                                                   "summary": summary})
+    print(f"{env['gpu']}  {args.dtype}  ({sms} SMs)  stream-K A/B (W (N, K); kernels launched directly; "
+          "sk-old = lanes 1, the schedule before lanes)")
+    print(benchutil.table(rows, ["shape", "config", "grid", "lanes", "us", "tflops", "vs_cublas", "err", "best",
+                                 "note"]))
+    print(benchutil.table(summary, ["shape", "cublas_us", "rtk_pick", "rtk_vs_cublas", "dp_best_vs_cublas",
+                                    "sk_old_vs_cublas", "sk_new_vs_cublas", "best", "best_vs_cublas"]))
 
 
 def argparse_suppress():

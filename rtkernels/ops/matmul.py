@@ -53,11 +53,13 @@ SM90_MMA = os.environ.get("RTKERNELS_MATMUL_SM90_MMA", "wgmma")
 # call signature is first planned (it is part of the plan keys).
 SPLIT_K_ENV = "RTKERNELS_MATMUL_SPLIT_K"
 # RTKERNELS_MATMUL_STREAM_K=1: the Hopper kernel (wgmma consumers) runs the stream-K schedule on
-# its heuristic's tile.  The heuristic itself does not pick stream-K: where its model chose it, the
-# schedule measured 0.40-0.62x cuBLAS (512 x {6144, 10240, 14336, 28672} x K, H100 2026-11-25,
-# `tools/bench_matmul.py --grid llm`) against 0.83-1.01x for the whole-tile schedule - correct
-# (tests/test_matmul_splitk.py), not yet fast.  Read like RTKERNELS_MATMUL_SPLIT_K; the two cannot
-# both force a schedule; 0 or unset: off.
+# its heuristic's tile; 0: never; unset: the heuristic weighs it (matmul_sm90.heuristic_config).
+# Until 2026-11-26 the heuristic did not: where its model chose stream-K, it measured 0.40-0.62x
+# cuBLAS (512 x {6144, 10240, 14336, 28672} x K, H100 2026-11-25) because the tiles sharing a B
+# column ran their k-blocks at different times and each re-read B from DRAM (ncu, H200: 171 MB
+# against 57 MB for whole tiles at 512x6144x4096); the kernel's lanes fix that (see
+# templates/matmul_sm90.cu.j2, "Lanes").  Read like RTKERNELS_MATMUL_SPLIT_K; the two cannot both
+# force a schedule.
 STREAM_K_ENV = "RTKERNELS_MATMUL_STREAM_K"
 # float16 / bfloat16 with at most 16 rows of C (the batch folded in) run the GEMV kernel
 # (ops/gemv.py, :func:`_plan_gemv`); False (or RTKERNELS_MATMUL_GEMV=0 at import) leaves them to
@@ -834,7 +836,7 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
                       tma_store=tma_store, mma=SM90_MMA)
         sms = device.sm_count()
-        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=False, **layout)
+        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=stream_k is not False, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
             return None
         if forced is not None and SM90_MMA == "wgmma":
@@ -855,10 +857,12 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         split = None
         if cfg.split_k > 1 or cfg.stream_k:
             split = (m90.workspace_bytes(cfg, m, n, k, batch, grid), m90.counter_bytes(cfg, m, n, batch, grid))
-        plan = _plans90[key] = (get_kernel(cfg), cfg, grid, split)
-    kern, cfg, grid, split = plan
+        # stream-K's lanes, its last kernel argument (see matmul_sm90.stream_k_lanes)
+        lanes = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
+        plan = _plans90[key] = (get_kernel(cfg), cfg, grid, split, lanes)
+    kern, cfg, grid, split, lanes = plan
     c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
-    scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned)
+    scalars = (m, n, k, batch, int(batch_a != 0), int(batch_b != 0), ldc, batch_c, c_aligned, *lanes)
     return (Launch(kern, (grid, 1, 1), (cfg.threads_per_block, 1, 1), cfg.shared_mem_bytes, scalars),
             (cfg, a_map, b_map, c_map if tma_store else None, split))
 
@@ -908,9 +912,10 @@ def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, 
         if cfg.split_k > 1 or cfg.stream_k:
             ws = _split_workspace((m90.workspace_bytes(cfg, m, n, k, batch, grid),
                                    m90.counter_bytes(cfg, m, n, batch, grid)), scratch, stream)
+        lanes = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
         get_kernel(cfg).launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma,
                                mb, mc, biv, scratch, *ws, m, n, k, batch, int(a_map[0][0] > 1), int(b_map[0][0] > 1),
-                               ldc, batch_c, c_aligned, shared_mem=cfg.shared_mem_bytes, stream=stream)
+                               ldc, batch_c, c_aligned, *lanes, shared_mem=cfg.shared_mem_bytes, stream=stream)
 
     cands = m90.candidate_configs(dtype, **layout) + m90.split_candidates(dtype, m, n, k, batch, sms, **layout)
     return autotune.pick("matmul_sm90", key, cands, run, default)

@@ -9,6 +9,7 @@ same TMA producer (a measurement of the sm_80 instruction on Hopper; see docs/RE
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -175,16 +176,25 @@ class _Tile:
 # queued back to back (`tools/bench_matmul.py --quick`): 802 / 810 TFLOP/s = 1.00x / 1.01x cuBLAS
 # (Triton, plain tiled: 766 / 773); the sweep's figures above are lower for both because it
 # synchronizes after every call.
+# Checked on partial waves with whole tiles launched directly (H200 2026-11-26, `--streamk-ab`,
+# 128x256 / 128x192 / 128x128 us): the model's pick ran fastest at 512x6144x4096 (128x192: 44.9 /
+# 37.2 / 46.1), 512x14336x4096 (128x256: 85.8 / 100 / 90.7), 512x28672x4096 (128x128: 173 / 165 /
+# 162) and 3000x5000x2000 (128x256: 93.0 / 94.6 / 118); at 512x10240x8192 it picks 128x128 (131)
+# where 128x192 ran 125, and stream-K (120) runs there instead (see the schedules below).
 TILES = (
     _Tile(128, 256, 4, 1.00, "two m64n256 chains, 4 x 48 KiB ring: 709 / 802 TFLOP/s at 4096 / 8192"),
     _Tile(256, 128, 4, 0.93, "2 x m64n128 per warpgroup: 692-710 / 694-697 (0.99x / 0.87x of 128x256)"),
+    # 3 N boxes: 623-638 / 698-701 (0.89x / 0.88x) at the squares; picked where its tile count fills
+    # the last wave that 128x256's and 128x128's leave ragged: 512x6144x4096 is 4 x 32 = 128 tiles
+    # (one wave of 132) against 96 of 128x256 and 192 (1.45 waves) of 128x128, and ran 37.2 us
+    # against 44.9 / 46.1 (1.02x / 0.84x / 0.82x cuBLAS, H200 2026-11-26, `--streamk-ab`).
+    _Tile(128, 192, 5, 0.89, "3 N boxes, 5 x 40 KiB ring: the wave filler between 128x256 and 128x128"),
     _Tile(128, 128, 6, 0.91, "half the tile, for SM fill on mid-size problems: 675-693 / 685-691 (0.97x / 0.86x)"),
     _Tile(128, 64, 8, 0.55, "thin N (N <= 64) or small problems only: 433 / 409 (0.61x / 0.51x)"),
 )
 # Tried by the autotuner, never picked without a measurement.
 TUNE_ONLY = (
     _Tile(128, 256, 3, 1.00, "one 256-column epilogue pass, shallower ring: 702-714 / 724-736 (1.01x / 0.92x)"),
-    _Tile(128, 192, 5, 0.89, "3 N boxes: 623-638 / 698-701 (0.89x / 0.88x); 128x192 tiles divide 6144-wide N"),
     _Tile(256, 128, 3, 0.89, "shallower ring: 645 / 677"),
 )
 
@@ -219,29 +229,59 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
 #   on 32 / 64 / 96 / 128 SMs): bytes / 2.9 TB/s + 6 us fits these within 10%.
 # * fixup: splitting costs a near-constant 4-5 us per 128 x 128 tile (64 KiB of partial) and 8-10 us
 #   per 128 x 256 tile, whatever the split count: 128x4096x4096 128 x 128 s2-s4 23.0-24.1 us against
-#   an 18.8 us floor, 128 x 256 s2 31.1 us against 22.8 us of main loop, s4-s8 28.1-32.1 us.  Taken
-#   once per CTA for stream-K too (each CTA stores at most two partials and reduces about one tile);
-#   stream-K's own fixup is reasoned from split-K's, not yet measured (the sweep's "sk" rows).
-# * split-K only while the tiles leave two thirds of the SMs idle (tiles <= SMs / 3) and the units
-#   fit one round (tiles x s <= SMs): 128x6144x4096's 48 tiles of 128 x 128 ran 27.5 us unsplit and
-#   29.5 us at s2; every split past one round lost (512x4096x4096 128 x 128: s1 27.3, s2 38.7 us;
-#   128x4096x4096 128 x 128 s6 / s8 33.7 / 33.9 us).  Stream-K only above that (tiles > SMs / 3),
-#   where it replaces split-K: with fewer tiles it cuts them as finely as s = SMs / tiles would.
-# * a split-K or stream-K schedule must beat the data-parallel one by SCHEDULE_MARGIN (the model's
-#   error on the sweep is 5-10%).
+#   an 18.8 us floor, 128 x 256 s2 31.1 us against 22.8 us of main loop, s4-s8 28.1-32.1 us.
+# * stream-K's fixup, STREAM_K_FIXUP_US = 14: what its 128 x 256 schedule ran above its compute term,
+#   H200 2026-11-26 (`--streamk-ab`, lanes): 512 x {10240 x 8192, 14336 x 4096, 28672 x 4096,
+#   6144 x 4096} and 3000x5000x2000 ran 120 / 89.8 / 169 / 47.2 / 102 us against 108 / 75.9 /
+#   151 / 33.1 / 81.4 us of compute: 11.7-20.6 us more, median 14 (split-K's 8.4 us for a 128 x 256
+#   tile, the value before, left stream-K 3-14% faster in the model than it ran).
+# * the autotuner's split-K candidates (splits_for) only while the tiles leave two thirds of the
+#   SMs idle (tiles <= SMs / SPLIT_MAX_TILES_DIV) and the units fit one round (tiles x s <= SMs):
+#   128x6144x4096's 48 tiles of 128 x 128 ran 27.5 us unsplit and 29.5 us at s2; every split past
+#   one round lost (512x4096x4096 128 x 128: s1 27.3, s2 38.7 us; 128x4096x4096 128 x 128 s6 / s8
+#   33.7 / 33.9 us); its stream-K candidates above that (stream_k_weighed).
+# * SCHEDULE_MARGIN: a cut schedule must beat whole tiles by 5% in the model (its error on the
+#   sweeps is 5-10%).
 # * MIN_KBLOCKS_PER_SPLIT = 4: the ring is 4-6 stages deep; a split shorter than its ring never
-#   reaches steady state.
-# The data-parallel tile itself is chosen as before (estimated_cost: rounds x tile area /
-# efficiency), without the floor, under which every tile would tie.
+#   reaches steady state (the autotuner's candidates, splits_for / stream_k_weighed).
+#
+# The heuristic (heuristic_config), refit to the H200 A/B of 2026-11-26 where whole tiles of the
+# right shape beat both cut schedules at every shape but one:
+# 1. whole tiles of the TILES entry with the least estimated_cost (rounds x tile area / efficiency;
+#    128x192 fills the waves the others leave ragged, see TILES);
+# 2. split-K where the whole tiles keep at most SPLIT_MAX_FILL of the SMs busy and K is long: the
+#    SPLIT_TILE tiles cut into the most splits s of SPLITS that fit one round (tiles x s <= SMs) and
+#    keep SPLIT_MIN_KBLOCKS k-blocks each.  128x4096x14336 (64 tiles of 128 x 64, 224 k-blocks):
+#    128 x 128 s3 41.4 us = 0.96x cuBLAS, s4 42.1, s2 45.1, whole 128 x 64 46.9, stream-K 128 x 64 /
+#    128 x 128 50.4 / 44.8, 128 x 256 s4 49.5 (twice the partial per tile).  With 64 k-blocks the
+#    fixup eats the gain: 128x4096x4096 whole 128 x 64 17.6 us, 128 x 128 s2-s4 19.6-19.8.
+#    More than half the SMs busy: whole tiles (128x6144x4096 128 x 64 20.5 us, 128 x 128 s2 23.6;
+#    128x8192x8192 128 x 64 43.1, 128 x 128 s2 44.9).
+# 3. stream-K of 128 x 256 tiles only where (a) there is at least one full wave of them (below it,
+#    at M = 128, every stream-K schedule lost to whole tiles or split-K: 0.49-0.89x cuBLAS against
+#    0.92-0.96x), (b) every wave shape of WAVE_TILES leaves the SMs idle for more than
+#    1 - STREAM_K_MAX_FILL of its rounds, and (c) the model puts it SCHEDULE_MARGIN below the best
+#    of them.  512x10240x8192: 160 / 216 / 320 tiles fill 61 / 82 / 81% of their 2 / 2 / 3 rounds;
+#    stream-K 120 us (0.93x) against 125 (128x192) and 131 (128x128).  Not at 512x14336x4096 (fill
+#    85%: 128x256 whole 85.8 us, stream-K 89.8; (c) says 89.9 against 89.7 modelled), 512x6144x4096
+#    and 512x28672x4096 (97%: 37.2 / 162 us whole, 45.7-48.4 / 169 streamed) nor 3000x5000x2000
+#    (91%: 93.0 whole, 102 streamed).
 SPLITS = (1, 2, 3, 4, 6, 8)
 KBLOCK_US = 0.69
 DRAM_BYTES_PER_US = 2.9e6
 DRAM_RAMP_US = 6.0
 FIXUP_US_PER_KIB = 0.066
+STREAM_K_FIXUP_US = 14.0
 SPLIT_FILL_KBLOCKS = 1.0
 SPLIT_MAX_TILES_DIV = 3
 SCHEDULE_MARGIN = 0.95
 MIN_KBLOCKS_PER_SPLIT = 4
+SPLIT_MAX_FILL = 0.5
+SPLIT_TILE = (128, 128)
+SPLIT_MIN_KBLOCKS = 64
+STREAM_K_TILE = (128, 256)
+WAVE_TILES = ((128, 256), (128, 192), (128, 128))
+STREAM_K_MAX_FILL = 0.9
 
 
 def k_blocks(k: int) -> int:
@@ -268,7 +308,8 @@ def schedule_us(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: int, 
     fix = FIXUP_US_PER_KIB * tile.block_m * tile.block_n * 4 / 1024
     if stream_k:
         compute = (-(-tiles * kb // sm_count) + SPLIT_FILL_KBLOCKS) * per
-        fix = fix if tiles % sm_count else 0.0   # G dividing the tiles leaves nothing to stream
+        # G dividing the tiles leaves nothing to stream; other tiles' fixup scaled by their area
+        fix = STREAM_K_FIXUP_US * tile.block_m * tile.block_n / (128 * 256) if tiles % sm_count else 0.0
     else:
         split_k = min(split_k, kb)
         rounds = -(-tiles * split_k // sm_count)
@@ -301,37 +342,52 @@ def stream_k_weighed(tile: _Tile, m: int, n: int, k: int, batch: int, sm_count: 
             and tiles * k_blocks(k) >= MIN_KBLOCKS_PER_SPLIT * sm_count)
 
 
-def stream_k_partition(tiles: int, k_tiles: int, grid: int):
+def stream_k_partition(tiles: int, k_tiles: int, grid: int, lanes: int = 1):
     """The stream-K schedule of templates/matmul_sm90.cu.j2 (Walk, unit_at, fixup_of), in Python:
     (sk_tiles, ctas) where ``ctas[c]`` lists CTA c's work units in order as (tile, kb0, kb1, segs,
     seg, slot, slots): ``segs`` pieces of the tile (1: whole, no partial), this one's index ``seg``
     in k order, its workspace slot and the slots of all the tile's pieces in k order (None for
-    whole tiles)."""
+    whole tiles).  ``lanes`` (R, dividing ``grid`` and ``tiles``): groups of R CTAs share each
+    range, CTA gR + r running tile jR + r of every set j its group's range meets."""
     full, rem = divmod(tiles, grid)
     sk_tiles = 0 if rem == 0 else (rem + grid if full >= 1 else rem)
-    S = sk_tiles * k_tiles
-    P = min(grid, S)
-    cta_of = lambda i: ((i + 1) * P - 1) // S   # noqa: E731 - the owner of iteration i
-    start = lambda c: c * S // P                # noqa: E731
+    S = sk_tiles // lanes * k_tiles
+    P = min(grid // lanes, S)
+    group_of = lambda i: ((i + 1) * P - 1) // S   # noqa: E731 - the owner of iteration i
+    start = lambda g: g * S // P                  # noqa: E731
     ctas = []
     for c in range(grid):
+        g, r = divmod(c, lanes)
         units = []
-        if c < P:
-            it0, it1 = start(c), start(c + 1)
-            for t in range(it0 // k_tiles, (it1 - 1) // k_tiles + 1):
-                lo = t * k_tiles
-                c_first, c_last = cta_of(lo), cta_of(lo + k_tiles - 1)
-                segs = c_last - c_first + 1
+        if g < P:
+            it0, it1 = start(g), start(g + 1)
+            for j in range(it0 // k_tiles, (it1 - 1) // k_tiles + 1):
+                lo = j * k_tiles
+                g_first, g_last = group_of(lo), group_of(lo + k_tiles - 1)
+                segs = g_last - g_first + 1
                 kb0, kb1 = max(it0, lo) - lo, min(it1, lo + k_tiles) - lo
+                t = j * lanes + r
                 if segs == 1:
                     units.append((t, kb0, kb1, 1, 0, None, None))
                     continue
-                first = 2 * c_first + (0 if start(c_first) == lo else 1)
-                slots = [first] + [2 * (c_first + i) for i in range(1, segs)]
-                units.append((t, kb0, kb1, segs, c - c_first, 2 * c + (0 if lo + kb0 == it0 else 1), slots))
+                c_first = g_first * lanes + r
+                first = 2 * c_first + (0 if start(g_first) == lo else 1)
+                slots = [first] + [2 * (c_first + i * lanes) for i in range(1, segs)]
+                units.append((t, kb0, kb1, segs, g - g_first, 2 * c + (0 if lo + kb0 == it0 else 1), slots))
         units += [(t, 0, k_tiles, 1, 0, None, None) for t in range(sk_tiles + c, tiles, grid)]
         ctas.append(units)
     return sk_tiles, ctas
+
+
+def stream_k_lanes(cfg: "MatmulSm90Config", m: int, sm_count: int) -> int:
+    """Stream-K's lanes R: how many tiles of one B column (consecutive in the tile walk) run the
+    same k-blocks side by side.  The most that divide the tile rows of every group_m group (the
+    sets must not straddle a column) and the SM count (the grid stays one CTA per SM), up to
+    group_m.  Measured reason: see "Lanes" in templates/matmul_sm90.cu.j2 (without them the
+    phase read B once per tile row from DRAM)."""
+    tiles_m = -(-m // cfg.block_m)
+    rows = tiles_m if tiles_m <= cfg.group_m else math.gcd(tiles_m, cfg.group_m)
+    return max(r for r in range(1, rows + 1) if rows % r == 0 and sm_count % r == 0)
 
 
 def workspace_bytes(cfg: "MatmulSm90Config", m: int, n: int, k: int, batch: int, grid: int = 0) -> int:
@@ -360,39 +416,57 @@ def _config(tile: _Tile, dtype: str, split_k: int = 1, stream_k: bool = False, *
                             split_k=split_k, stream_k=stream_k, **layout)
 
 
-def _schedules(tiles, m, n, k, batch, sm_count, stream_k: bool = True):
-    """(time, split_k, stream_k, tile area, index) of every split-K / stream-K schedule weighed."""
-    out = []
-    for i, t in enumerate(tiles):
-        area = t.block_m * t.block_n
-        out += [(schedule_us(t, m, n, k, batch, sm_count, s), s, False, area, i)
-                for s in splits_for(t, m, n, k, batch, sm_count) if s > 1]
-        if stream_k and stream_k_weighed(t, m, n, k, batch, sm_count):
-            out.append((schedule_us(t, m, n, k, batch, sm_count, stream_k=True), 1, True, area, i))
-    return out
+def whole_tile_fill(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> float:
+    """The share of its rounds' SM slots that whole tiles of ``tile`` keep busy: tiles / (rounds x SMs)."""
+    tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
+    return tiles / (-(-tiles // sm_count) * sm_count)
+
+
+def _tile(shape: tuple[int, int]) -> _Tile:
+    return next(t for t in TILES if (t.block_m, t.block_n) == shape)
+
+
+def heuristic_split_k(dp: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -> int:
+    """Rule 2 above: the split count of SPLIT_TILE tiles where whole tiles of ``dp`` keep at most
+    SPLIT_MAX_FILL of the SMs busy and K is long; 1 elsewhere."""
+    if arch_mod.matmul_tiles(m, n, dp.block_m, dp.block_n, batch=batch) > SPLIT_MAX_FILL * sm_count:
+        return 1
+    tiles = arch_mod.matmul_tiles(m, n, *SPLIT_TILE, batch=batch)
+    return max(s for s in SPLITS if s == 1 or (tiles * s <= sm_count and k_blocks(k) // s >= SPLIT_MIN_KBLOCKS))
+
+
+def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
+    """Rule 3 above: a full wave of STREAM_K_TILE tiles, a ragged last wave for every shape of
+    WAVE_TILES, and the model's stream-K time SCHEDULE_MARGIN below their best."""
+    sk = _tile(STREAM_K_TILE)
+    if arch_mod.matmul_tiles(m, n, sk.block_m, sk.block_n, batch=batch) <= sm_count:
+        return False
+    wave = [_tile(s) for s in WAVE_TILES]
+    if max(whole_tile_fill(t, m, n, batch, sm_count) for t in wave) >= STREAM_K_MAX_FILL:
+        return False
+    whole = min(schedule_us(t, m, n, k, batch, sm_count) for t in wave)
+    return schedule_us(sk, m, n, k, batch, sm_count, stream_k=True) < SCHEDULE_MARGIN * whole
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
                      stream_k: bool = False, **layout) -> MatmulSm90Config:
-    """The heuristic's config; ``layout``: a_kmajor, b_kmajor, has_bias, activation, tma_store, mma.
-    ``stream_k``: also weigh the stream-K schedule (off in rtk.matmul: measured 0.40-0.62x cuBLAS
-    where this model picked it, H100 2026-11-25; see matmul.STREAM_K_ENV)."""
+    """The heuristic's config (rules 1-3 above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
+    tma_store, mma.  ``stream_k``: also weigh the stream-K schedule (rtk.matmul does unless
+    RTKERNELS_MATMUL_STREAM_K=0; see matmul.STREAM_K_ENV)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
     # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
     wgmma = layout.get("mma", "wgmma") == "wgmma"
     tiles = TILES if wgmma else [t for t in TILES if t.block_m == 128]
-    # the data-parallel tile: ties go to the smaller tile (less work wasted on the zero-filled border)
-    _, _, i = min((estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n, i) for i, t in enumerate(tiles))
-    dp = _config(tiles[i], dtype, **layout)
-    if not wgmma:
-        return dp
-    # ties among the others go to fewer splits, then to split-K, then to the smaller tile
-    cands = _schedules(tiles, m, n, k, batch, sm_count, stream_k)
-    if cands:
-        best, split_k, sk, _, j = min(cands)
-        if best < SCHEDULE_MARGIN * schedule_us(tiles[i], m, n, k, batch, sm_count):
-            return _config(tiles[j], dtype, split_k, sk, **layout)
-    return dp
+    # 1. whole tiles; ties go to the smaller tile (less work wasted on the zero-filled border)
+    dp = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
+    if not wgmma:   # the partials are stored from wgmma accumulators
+        return _config(dp, dtype, **layout)
+    split_k = heuristic_split_k(dp, m, n, k, batch, sm_count)
+    if split_k > 1:
+        return _config(_tile(SPLIT_TILE), dtype, split_k, **layout)
+    if stream_k and stream_k_pays(m, n, k, batch, sm_count):
+        return _config(_tile(STREAM_K_TILE), dtype, stream_k=True, **layout)
+    return _config(dp, dtype, **layout)
 
 
 def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
@@ -448,10 +522,15 @@ def operand_maps(ptr: int, rows: int, cols: int, ld: int, batch: int, batch_stri
 def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int, k: int = 1) -> int:
     """CTAs of the persistent grid: one per work unit (tile x split; ``k`` for the clamp of
     split_k to the k-blocks), at most one per SM; stream-K: one per SM (at most one per k-block:
-    the kernel gives every sharing CTA one k-block at least)."""
+    the kernel gives every sharing CTA one k-block at least), a multiple of its lanes (R divides
+    the SM count and the tiles, so that is the same number)."""
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
     units = tiles * (k_blocks(k) if cfg.stream_k else min(cfg.split_k, k_blocks(k)))
-    return max(1, min(units, sm_count))
+    grid = max(1, min(units, sm_count))
+    if cfg.stream_k:
+        lanes = stream_k_lanes(cfg, m, sm_count)
+        grid = max(lanes, grid // lanes * lanes)
+    return grid
 
 
 def tensor_maps(cfg: MatmulSm90Config, a_desc, b_desc, c_desc):
