@@ -283,17 +283,49 @@ def _ab_rounds(args, cands, sets, rounds=3):
     return best
 
 
+def nmajor_candidates(old, new, n, sms):
+    """[(label, thunk)] of the N-major A/B: ``old`` the session-8 tiling (register slots, global
+    split), ``new`` the route's sm_90 config (gemv._nmajor_sm90: the same with a cluster split where
+    measured faster), and candidates for the small-N gap (every SM's bytes in flight, the split):
+    * s8+cluster / s8+global: the split's two reductions at the session-8 split (the rule's inputs);
+    * u4: twice the register slots (M <= 8 unroll 4, M = 9..16 unroll 2) under an explicit cap of
+      128 (ptxas, NVRTC 13.5: 128 registers, no spill; the estimate's floor rejects them): 128 /
+      64 KiB in flight per SM instead of 64 / 32 KiB;
+    * fit: the largest split (cluster, <= 8) whose tiles x split fit one wave of 2 CTAs per SM
+      (6144: 2 instead of 3, whose 288 CTAs overflow 264 slots; 8192: 2 instead of 1, whose 128
+      CTAs leave the second CTA slot of every SM empty); u4 fit: both;
+    * w16: one CTA of 16 warps along K per SM (the split halves: its 15 partial sums meet in shared
+      memory, a smaller cluster), u4's slots, 128 registers;
+    * staged: shared-memory slots with the row-contiguous piece layout (was the 64-byte-apart
+      layout's bank conflict the staged slots' cap? the previous run: 43% of copy at 14336 x 4096)."""
+    from rtkernels.ops.gemv import CLUSTER_MAX
+    u = 4 if new.m_tiles == 1 else 2
+    tiles = new.tiles(n)
+    fit = min(CLUSTER_MAX, max(1, 2 * sms // tiles)) if tiles < 2 * sms else 1
+    fit1 = min(CLUSTER_MAX, max(1, sms // tiles)) if tiles < sms else 1
+    return [("s8", lambda: old), ("new", lambda: new),
+            ("s8+cluster", lambda: old.replace(cluster=True)),
+            ("s8+global", lambda: new.replace(cluster=False)),
+            ("u4", lambda: new.replace(unroll=u, max_registers=128)),
+            ("fit", lambda: new.replace(split_k=fit, cluster=fit > 1)),
+            ("u4 fit", lambda: new.replace(split_k=fit, cluster=fit > 1, unroll=u, max_registers=128)),
+            ("w16", lambda: new.replace(num_warps=16, warps_k=16, ctas_per_sm=1, unroll=u, max_registers=128,
+                                        split_k=fit1, cluster=fit1 > 1)),
+            ("staged", lambda: new.replace(staged=True, unroll=4 if new.m_tiles == 1 else 3,
+                                           cluster=new.split_k > 1))]
+
+
 def nmajor_ab(args, torch, copy_gbs):
-    """N-major bf16 (x @ b, b (K, N) row-major), every SHAPES entry and M in --ms: the session-8
-    tiling (register slots, one-launch global split), the sm_90 tiling (staged slots, cluster
-    split), the two halves of the change alone, neighbouring splits and slot counts, and cuBLAS,
-    interleaved in rounds (min of the rounds' medians), each checked against float32."""
+    """N-major bf16 (x @ b, b (K, N) row-major), the --shapes (default SHAPES) and M in --ms: the
+    session-8 tiling, the route's sm_90 config and the candidates of :func:`nmajor_candidates`, and
+    cuBLAS, interleaved in rounds (min of the rounds' medians), each checked against float32."""
     import cupy as cp
     from rtkernels import device
     from rtkernels.ops import gemv, matmul as mm
     rows = []
     sms = device.sm_count()
-    for (n, k) in SHAPES:
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")]
+    for (n, k) in shapes:
         count = max(2, -(-SET_BYTES // (2 * n * k)))
         tw = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
         ws = [cp.asarray(w.view(torch.int16)).view(cp.uint16) for w in tw]
@@ -307,14 +339,7 @@ def nmajor_ab(args, torch, copy_gbs):
             h = dict(weight_dtype="bfloat16", n_major=True, x_vec=4, sm_count=sms)
             old = gemv.heuristic_config("bfloat16", m, n, k, sm90=False, **h)
             new = gemv.heuristic_config("bfloat16", m, n, k, sm90=True, **h)
-            s = new.split_k
-            named = [("s8", lambda: old), ("new", lambda: new),
-                     ("s8+cluster", lambda: old.replace(cluster=True)),
-                     ("staged+global", lambda: new.replace(cluster=False)),
-                     ("new split-1", lambda: new.replace(split_k=s - 1, cluster=s - 1 > 1)),
-                     ("new split+1", lambda: new.replace(split_k=s + 1, cluster=True)),
-                     ("new unroll+1", lambda: new.replace(unroll=new.unroll + 1)),
-                     ("new unroll-1", lambda: new.replace(unroll=new.unroll - 1))]
+            named = nmajor_candidates(old, new, n, sms)
             cands = _variants(named)
             _precompile([c for _, c in cands])
             tref = tx.float() @ tw[0].float()
@@ -505,8 +530,9 @@ def main():
     p.add_argument("--sweep-dense", action="store_true", help="also time the dense GEMV tilings at 4 shapes")
     p.add_argument("--tiles", action="store_true", help="also time rtk.matmul's tile kernels on the bf16 rows")
     p.add_argument("--nmajor-ab", action="store_true",
-                   help="only the N-major A/B (session-8 tiling vs the sm_90 staged/cluster one, cuBLAS)")
+                   help="only the N-major A/B (session-8 tiling, the sm_90 route, candidates, cuBLAS)")
     p.add_argument("--quant-ab", action="store_true", help="with --nmajor-ab: also int8 staged slots at 4 shapes")
+    p.add_argument("--shapes", default="", help="with --nmajor-ab: NxK,NxK,... (default: every bench shape)")
     args = p.parse_args()
     import cupy as cp  # noqa: F401
     import torch
@@ -527,7 +553,8 @@ def main():
         if qab:
             print("\nint8 weights, % of device copy over the 8-bit bytes (route vs staged slots):")
             print(ab_table(qab, "kind"))
-        print("\nN-major bf16 (x @ b), % of device copy (s8: session-8 tiling; new: sm_90 staged + cluster):")
+        print("\nN-major bf16 (x @ b), % of device copy (s8: session-8 tiling; new: the sm_90 route's config; "
+              "a variant equal to an earlier column: -):")
         print(ab_table(ab, None))
         return
     rows, cache, dcache, failed = [], {}, {}, []

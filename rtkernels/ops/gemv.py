@@ -84,9 +84,9 @@ class QuantGemvConfig(KernelConfig):
     the N tiles (so loads run on across tile ends) instead of one CTA per tile.  ``m_tiles``: 1 for
     up to 8 rows of x, 2 for up to 16.  ``w_vec`` bytes per weight load and ``x_vec`` elements per
     x load, lowered by the host when K, a stride or a base is not aligned for 16 bytes.
-    ``staged`` (sm_80+ cp.async; chosen on sm_90): the ``unroll`` slots live in shared memory
+    ``staged`` (sm_80+ cp.async): the ``unroll`` slots live in shared memory
     (``num_warps * unroll * loads_per_slot * 512`` bytes), so the bytes in flight are not bounded
-    by registers; needs ``w_vec`` >= 4.  ``cluster`` (sm_90): the ``split_k`` (2..8) CTAs of a tile
+    by registers; needs ``w_vec`` >= 4 (measured slower than register slots: no heuristic picks it).  ``cluster`` (sm_90): the ``split_k`` (2..8) CTAs of a tile
     form a cluster and add their sums through distributed shared memory (no workspace).
     """
 
@@ -332,49 +332,47 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 #   51.4 against 47.0 (the two-launch split of that run; cuBLAS 68.2 / 60.8 there, which no swept
 #   tiling reached).
 #
-# Session 9 (reasoned, to be measured: tools/bench_quant_matmul.py --nmajor-ab): on sm_90 the dense
-# N-major tiling keeps its slots in shared memory and splits K over clusters (_nmajor_sm90 below).
-# Why: the one-launch global split's last arriver added the partials one dependent L2 round trip
-# per split and output, in one warp, after every other CTA had finished (4096^2 M = 1: 8 outputs x
-# 4 splits per lane, ~5 us at ~300 cycles each: the 58% -> 45% of copy the session-8 refit lost);
-# and M = 9..16 ran one register slot per warp (32 KiB in flight per SM).
+# Session 9, measured (H200, 2026-11-26, tools/bench_quant_matmul.py --nmajor-ab; % of the device
+# copy, 4.19 TB/s; cuBLAS in the same run).  The first sm_90 tiling kept the slots in shared memory
+# (QuantGemvConfig.staged: cp.async, then ld.shared back) and split K over clusters; it lost
+# everywhere: 14336 x 4096 M = 1 43.5 against the register slots' 82.7, 28672 x 8192 47.1 against
+# 92.3, 8192^2 46.2 against 73.8, at 3, 4 or 5 slots alike (43.4 / 43.5 / 42.9) and with a global
+# split (8192^2 42.4).  Why (SASS, NVRTC 13.5): per 16 bytes the staged slot costs an LDGSTS, an
+# LDS.128 back and three padding LDS, against one LDG: ~36 instructions per 16 bytes of the main
+# loop at M = 1 against ~27 (neither issue-bound: an SM's 4 warp-instructions per clock against
+# ~16-18 weight bytes per clock of its DRAM share); the slots' own waits are the register
+# slots' (DEPBAR.LE SB0, slots - 1, per item).  What the numbers point at is a cap on the copies' rate, not on the bytes in flight: a
+# plateau at ~43% that the slot count (96 to 160 KiB requested per SM) does not move, where Little's
+# law would need ~9 us of latency.  The likeliest cap was the shared-memory side of the copies: the
+# N-major lanes of one 128-byte weight row (8 lanes, 16 bytes each) wrote their pieces 64 bytes
+# apart, 4 bank-conflicting wavefronts per row, 16 per copy of 512 bytes (plus 4 to read back)
+# against the register slots' none; the template now writes a row's pieces contiguously (one
+# wavefront) and the A/B's "staged" variant measures whether that was it.  Staged slots stay a
+# config option (and the quantized sweep's) but no heuristic picks them.
+#
+# The cluster split on the session-8 register tiling (s8+cluster) is the best variant where K is
+# split: 4096^2 M = 1 / 4 / 16 40.8 / 40.6 / 34.8 against the global split's 36.5 / 28.0 / 17.8,
+# 6144 x 4096 47.8 / 46.9 / 41.2 against 38.8 / 33.3 / 22.4, 4096 x 14336 M = 16 48.8 against 42.7;
+# but at 4096 x 14336 M = 1 the global split won (68.3 against 58.2; M = 4 58.8 / 58.7).  The
+# global split's cost is its tail: the last arriving split adds, in one warp, per lane 8 outputs x
+# split_k dependent L2 reads at M <= 8 (16 x split_k with two m tiles), after every other split
+# has finished, a fixed cost that a long K slice per CTA amortizes; the cluster's is a cluster
+# barrier and co-scheduled CTAs (why that costs 10 points at 4096 x 14336 M = 1 is not known).  So: a cluster where the K slice per CTA is short (K / split_k <
+# _CLUSTER_K: 1024 at 4096^2, 1365 at 6144 x 4096) or two m tiles double the tail; the global split
+# for long slices at M <= 8 (3584 at 4096 x 14336).  Where K is not split (N >= ~8000 on 132 SMs)
+# the session-8 tiling as it is.
 # RTKERNELS_GEMV_SM90=0 keeps the session-8 tiling on sm_90 (the A/B baseline).
 USE_SM90_NMAJOR = os.environ.get("RTKERNELS_GEMV_SM90", "1") != "0"
+_CLUSTER_K = 2048
 
 
-def _nmajor_sm90(m_tiles: int, n: int, k: int, w_vec: int, sm_count: int, need: int) -> dict:
-    """Tiling fields of the dense N-major GEMV on sm_90 (staged slots, cluster split-K).
-
-    * 2 CTAs of 8 warps (8 along K: a CTA is a 64-column tile) per SM, unroll 4 staged slots at
-      M <= 8 (64 KiB of slots + 30 KiB of sums per CTA), 3 at M = 9..16 (48 + 60 KiB): 128 / 96 KiB
-      in flight per SM against the register slots' 64 / 32 KiB (Little's law: ~23-34 KiB at
-      1-1.5 us, more while DRAM queues lengthen under load);
-    * split_k (a cluster of 2..8 CTAs) where the 64-column tiles leave CTA slots empty: the split
-      of the best slot use, tiles x split / (slots x waves), over at most two waves of
-      2 x sm_count slots, the smaller split on ties (132 SMs: N = 4096 4, 6144 5, 8192 2,
-      10240 3, 14336 1), and at most one split per unroll items of every warp;
-    * w_vec < 4 (rows of N not a multiple of 2 elements apart): register slots, global split.
-    """
-    ctas, warps_k = _CTAS_PER_SM, _WARPS_K
-    unroll = 4 if m_tiles == 1 else 3
-    staged = w_vec >= 4
-    tiles = -(-n // 64)
-    slots = ctas * sm_count
-    nblk = -(-k // 16)
-    split = 1
-    if tiles < slots:
-        best = -1.0
-        for s in range(1, CLUSTER_MAX + 1):
-            if s > 1 and (tiles * s > 2 * slots or s * warps_k * unroll > nblk):
-                break
-            eff = tiles * s / (slots * -(-(tiles * s) // slots))
-            if eff > best + 1e-9:
-                best, split = eff, s
-    if not staged:   # the session-8 register tiling (its split fills both CTA slots, global sums)
-        unroll = 2 if m_tiles == 1 else 1
-        split = 1 if tiles >= need else max(1, min(-(-2 * need // tiles), nblk // (2 * warps_k), 16))
-    return dict(row_tiles=4, warps_k=warps_k, unroll=unroll, num_warps=_WARPS, ctas_per_sm=ctas, split_k=split,
-                staged=staged, cluster=staged and split > 1)
+def _nmajor_sm90(cfg: QuantGemvConfig, k: int) -> QuantGemvConfig:
+    """The sm_90 dense N-major config from the session-8 one ``cfg`` (register slots, its split):
+    the split-K CTAs of a tile as one cluster (DSMEM sums, no workspace) where the notes above
+    measured it faster: split_k 2..8 and a K slice per CTA under _CLUSTER_K or two m tiles."""
+    if 2 <= cfg.split_k <= CLUSTER_MAX and (cfg.m_tiles == 2 or k < _CLUSTER_K * cfg.split_k):
+        return cfg.replace(cluster=True)
+    return cfg
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
@@ -382,7 +380,7 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
                      x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None) -> QuantGemvConfig:
     """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
-    ``sm90``: use the sm_90 options (staged slots, cluster split-K) where chosen; default: the
+    ``sm90``: N-major split-K through clusters where chosen (:func:`_nmajor_sm90`); default: the
     target arch is sm_90 and RTKERNELS_GEMV_SM90 is not 0."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
@@ -391,11 +389,6 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     need = math.ceil(_FILL * sm_count)
     m_tiles = 1 if m <= 8 else 2
     dense = weight_dtype in DENSE_DTYPES
-    if n_major and sm90:
-        return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype,
-                               has_bias=has_bias, activation=activation or "none", m_tiles=m_tiles, persistent=True,
-                               n_major=True, w_vec=w_vec, x_vec=min(x_vec, 4),
-                               **_nmajor_sm90(m_tiles, n, k, w_vec, sm_count, need))
     # ptxas (NVRTC 13.5, sm_90) under a cap of 112, 16 below the 128 the kernel gets (margin for
     # other NVRTC versions, tests/test_quant_matmul.py): unroll 4 fits every one-m-tile variant
     # without spilling.  Narrower loads (K, a stride or a base not 16-byte aligned: a byte-by-byte
@@ -421,11 +414,12 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     if tiles < need:
         split = max(1, min(-(-fill // tiles), nblk // (2 * warps_k), 16))
     x_vec = min(x_vec, 4 if n_major else 8)
-    return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
-                           has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
-                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
-                           warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
-                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
+    cfg = QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
+                          has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
+                          m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
+                          warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
+                          n_major=n_major, w_vec=w_vec, x_vec=x_vec)
+    return _nmajor_sm90(cfg, k) if n_major and sm90 else cfg
 
 
 def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
