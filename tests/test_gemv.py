@@ -33,6 +33,11 @@ DENSE = dict(dtype="bfloat16", weight_dtype="bfloat16")
     (dict(DENSE, n_major=True, row_tiles=4, unroll=2, x_vec=8), "x_vec"),
     (dict(DENSE, n_major=True, row_tiles=4, unroll=2, m_tiles=2, x_vec=4), "unroll"),   # 136 registers > 128
     (dict(DENSE, n_major=1), "n_major"),
+    (dict(DENSE, staged=True, w_vec=2), "w_vec"),                      # cp.async moves 4, 8 or 16 bytes
+    (dict(DENSE, cluster=True), "cluster"),                             # split_k 1: no cluster to form
+    (dict(DENSE, cluster=True, split_k=9), "cluster"),                  # portable clusters: at most 8
+    (dict(DENSE, staged=True, unroll=16, ctas_per_sm=2), "unroll"),     # slots past the shared memory
+    (dict(DENSE, staged=1), "staged"),
 ])
 def test_dense_config_errors(bad, field):
     with pytest.raises(ConfigError) as e:
@@ -83,10 +88,30 @@ def test_heuristic_refit():
     assert h("bfloat16", 16, 14336, 4096, **d).tag() == "r1u4w4k4s1c4p"
     assert h("bfloat16", 16, 4096, 4096, **d).tag() == "r1u4w8k8s1c2p"
     assert h("bfloat16", 1, 14336, 4096, **d).tag() == "r1u4w8k4s1c2p"
-    assert h("bfloat16", 1, 14336, 4096, n_major=True, **d).tag() == "nr4u2w8k8s1c2p"
-    assert h("bfloat16", 16, 14336, 4096, n_major=True, **d).tag() == "nr4u1w8k8s1c2p"
-    assert h("bfloat16", 1, 4096, 4096, n_major=True, **d).tag() == "nr4u2w8k8s4c2p"
-    assert h("bfloat16", 16, 4096, 4096, n_major=True, **d).tag() == "nr4u1w8k8s4c2p"
+    d8 = dict(d, sm90=False)   # the session-8 register tiling (RTKERNELS_GEMV_SM90=0, sm_80)
+    assert h("bfloat16", 1, 14336, 4096, n_major=True, **d8).tag() == "nr4u2w8k8s1c2p"
+    assert h("bfloat16", 16, 14336, 4096, n_major=True, **d8).tag() == "nr4u1w8k8s1c2p"
+    assert h("bfloat16", 1, 4096, 4096, n_major=True, **d8).tag() == "nr4u2w8k8s4c2p"
+    assert h("bfloat16", 16, 4096, 4096, n_major=True, **d8).tag() == "nr4u1w8k8s4c2p"
+
+
+@pytest.mark.parametrize("n, k, split, cluster_ms", [
+    (4096, 4096, 4, (1, 4, 16)), (6144, 4096, 3, (1, 4, 16)), (4096, 14336, 4, (16,)), (8192, 8192, 1, ()),
+    (14336, 4096, 1, ()), (28672, 8192, 1, ()), (129, 4096, 16, ())])
+def test_nmajor_sm90_heuristic(n, k, split, cluster_ms):
+    """sm_90 N-major (gemv._nmajor_sm90, the H200 A/B of 2026-11-26): the session-8 register tiling
+    and its split, the split-K CTAs as a cluster where the K slice per CTA is short or two m tiles
+    double the global split's tail (4096 x 14336 M <= 8 keeps the global split, split 16 too); no
+    staged slots (measured slower); a cluster needs no workspace."""
+    for m in (1, 4, 16):
+        d = dict(weight_dtype="bfloat16", n_major=True, sm_count=132)
+        c = gemv.heuristic_config("bfloat16", m, n, k, sm90=True, **d)
+        s8 = gemv.heuristic_config("bfloat16", m, n, k, sm90=False, **d)
+        assert not c.staged and c.split_k == split and c.cluster == (m in cluster_ms), c.tag()
+        assert c.replace(cluster=False) == s8, (c.tag(), s8.tag())
+        assert c.registers_needed <= c.register_cap and 2 * (c.shared_mem_bytes + 1024) <= 228 * 1024, c.tag()
+        if c.cluster:
+            assert gemv.workspace_bytes(c, m, n) == (0, 0), c.tag()
 
 
 # ---- the route ---------------------------------------------------------------------------------------
@@ -204,17 +229,24 @@ def dense_kernels():
     h = gemv.heuristic_config
     cfgs = [h("bfloat16", 1, 4096, 4096, weight_dtype="bfloat16", sm_count=132),
             h("float16", 16, 14336, 4096, weight_dtype="float16", n_major=True, has_bias=True, activation="silu",
-              sm_count=132),
+              sm_count=132, sm90=False),
             # two m tiles at unroll 4 (4 x 4 CTAs); N-major split-K (the last arriver's epilogue)
             h("bfloat16", 16, 14336, 4096, weight_dtype="bfloat16", has_bias=True, activation="gelu", sm_count=132),
-            h("bfloat16", 1, 4096, 4096, weight_dtype="bfloat16", n_major=True, has_bias=True, sm_count=132)]
+            h("bfloat16", 1, 4096, 4096, weight_dtype="bfloat16", n_major=True, has_bias=True, sm_count=132,
+              sm90=False)]
     assert cfgs[2].unroll == 4 and cfgs[2].m_tiles == 2 and cfgs[3].split_k > 1
     # N-major split-K with two m tiles: 124 registers of 128 (NVRTC 13.5), 20 bytes of spill under
     # the headroom cap of 112, so it is checked at its own cap only (the GPU host's NVRTC runs this too)
     tight = h("bfloat16", 16, 4096, 4096, weight_dtype="bfloat16", n_major=True, has_bias=True, activation="silu",
-              sm_count=132)
+              sm_count=132, sm90=False)
     assert tight.split_k > 1 and tight.m_tiles == 2
-    jobs = [(c, "sm_90a") for c in cfgs + [tight]] + [(c, "sm_80") for c in cfgs]
+    # sm_90: N-major with a cluster split at both m tile counts (the route's choice there), and
+    # staged slots (a config option) on sm_80 (cp.async) without the cluster
+    sm90 = [h("bfloat16", m, 4096, 4096, weight_dtype="bfloat16", n_major=True, has_bias=True, activation="gelu",
+              sm_count=132, sm90=True) for m in (1, 16)]
+    assert all(c.cluster and not c.staged for c in sm90)
+    jobs = [(c, "sm_90a") for c in cfgs + [tight] + sm90] + [(c, "sm_80") for c in cfgs]
+    jobs.append((sm90[1].replace(cluster=False, split_k=1, staged=True, unroll=3), "sm_80"))
     jobs += [(c.replace(max_registers=c.register_cap - HEADROOM), "sm_90a") for c in cfgs]
     with ThreadPoolExecutor(2) as ex:
         kerns = list(ex.map(lambda j: rtk.get_kernel(j[0], "quant_gemv", arch=j[1]), jobs))
@@ -231,8 +263,13 @@ def test_dense_modes_compile_clean(dense_kernels):
         # every slot's MMAs (k16 steps x row tiles x m tiles) are there, unrolled
         steps = cfg.block_k // 16
         assert s["hmma"] >= steps * cfg.row_tiles * cfg.m_tiles * cfg.unroll, (arch, cfg.key(), s["hmma"])
-        # the slots' weight loads (prologue and refill) and the x loads, 16 bytes wide (x: 8 bytes N-major)
-        assert s["ldg_128"] >= 2 * cfg.loads_per_slot * cfg.unroll, (arch, cfg.key(), s["ldg_128"])
+        # the slots' weight loads (prologue and refill) and the x loads, 16 bytes wide (x: 8 bytes N-major);
+        # staged: 16-byte cp.async copies (LDGSTS) and the slot's 16-byte reads back
+        if cfg.staged:
+            assert s["ldgsts"] >= 2 * cfg.loads_per_slot * cfg.unroll, (arch, cfg.key(), s["ldgsts"])
+            assert s["lds"] >= cfg.loads_per_slot * cfg.unroll, (arch, cfg.key(), s["lds"])
+        else:
+            assert s["ldg_128"] >= 2 * cfg.loads_per_slot * cfg.unroll, (arch, cfg.key(), s["ldg_128"])
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
@@ -342,6 +379,62 @@ def test_gemv_gpu(prebuilt, launches, m, n, k, i, j):
         assert cfg.n_major == (n_major and n > 1), f"{what}: the other layout ran"   # (K, 1) row-major is K-major
         _check(out, a64, b64, bias64, act, dtype, what)
         launches.clear()
+
+
+# the sm_90 options against the session-8 path of the same tiling: (M, N, K, n_major, split)
+# (N = 7 N-major: rows of 14 bytes, 2-byte loads, no cp.async: the cluster split alone)
+VARIANT_CASES = [(1, 4100, 4097, True, 4), (7, 132, 1032, True, 8), (16, 1000, 4096, True, 3),
+                 (16, 7, 9, True, 2), (1, 129, 4096, False, 5), (16, 1000, 1032, False, 2), (4, 4096, 4096, True, 4),
+                 (9, 4104, 72, False, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, n_major, split", VARIANT_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}{'N' if c[3] else 'K'}s{c[4]}" for c in VARIANT_CASES])
+def test_staged_and_cluster_variants_gpu(m, n, k, n_major, split):
+    """Staged slots (cp.async into shared memory) and the cluster split-K (DSMEM sums) give the
+    bits of the register slots and the global-memory split of the same tiling (same MMAs, the
+    same split-order sums), within twice the float32 product's error of float64; poisoned outputs,
+    padded groups (K slices shorter than the slots), rows past N and K tails; graph-free (no
+    workspace) so two runs must match too."""
+    import cupy as cp
+    from gpu_util import poison, random_array
+    from rtkernels import device
+    if not device.current_arch().startswith("sm_9"):
+        pytest.skip("clusters need sm_90")
+    dtype = "bfloat16" if (m + n) % 2 else "float16"
+    rng = np.random.default_rng(77 * m + n + k)
+    a, a64 = random_array(rng, (m, k), dtype)
+    bias, bias64 = random_array(rng, (n,), dtype)
+    b, b64 = _weights(rng, n, k, dtype, n_major)
+    wt = b if n_major else b.T          # the stored weight: (K, N) or (N, K), contiguous
+    base, ints = mm._plan_gemv(dtype, m, n, k, 1, a.data.ptr, wt.data.ptr, True, not n_major, k,
+                               n if n_major else k, n, 0, 0, 0, True, "silu", device.sm_count())
+    ref_cfg = base.replace(staged=False, cluster=False, split_k=split,
+                           unroll=min(base.unroll, 2 if base.m_tiles == 1 or not n_major else 1))
+    variants = [ref_cfg, ref_cfg.replace(cluster=True)]
+    assert (base.w_vec >= 4) == (n >= 8), base.tag()
+    if base.w_vec >= 4:
+        variants += [base.replace(staged=True, cluster=False, split_k=split),
+                     base.replace(staged=True, cluster=True, split_k=split),
+                     base.replace(staged=True, cluster=False, split_k=1, unroll=2)]
+    # the A/B's candidates: twice the register slots under an explicit cap of 128 (bench --nmajor-ab "u4")
+    if n_major:
+        variants.append(ref_cfg.replace(cluster=True, unroll=4 if base.m_tiles == 1 else 2, max_registers=128))
+    outs = []
+    for cfg in variants:
+        for _ in range(2):
+            out = poison(cp.empty((m, n), dtype=a.dtype))
+            gemv.launch(cfg, ints, (wt, a, None, None, bias, out), (wt, a, None, None, bias, out), None)
+            outs.append((cfg, out))
+        what = f"M={m} N={n} K={k} {dtype} {'N' if n_major else 'K'}-major {cfg.tag()} w_vec={cfg.w_vec}"
+        assert cp.array_equal(outs[-2][1], outs[-1][1]), f"{what}: two runs differ"
+        _check(out, a64, b64, bias64, "silu", dtype, what)
+    for cfg, out in outs[2:]:   # the same split, the same order of sums: the same bits
+        if cfg.split_k != split:
+            continue
+        diff = int(cp.count_nonzero(out.view(cp.uint16) != outs[0][1].view(cp.uint16)))
+        assert diff == 0, f"M={m} N={n} K={k}: {cfg.tag()} differs from {ref_cfg.tag()} in {diff} outputs"
 
 
 @pytest.mark.gpu

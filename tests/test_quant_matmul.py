@@ -348,7 +348,10 @@ def test_quantized_matmul_gpu(m, n, k, kind, group, zeros):
 # warps along N and K, 16 warps, one CTA per tile, row_tiles 2, split-K beside persistence
 TILINGS = [dict(), dict(ctas_per_sm=1, unroll=3), dict(num_warps=8, warps_k=4, unroll=3),
            dict(num_warps=16, warps_k=16, ctas_per_sm=1, unroll=2), dict(persistent=False, unroll=6),
-           dict(row_tiles=2, unroll=2, ctas_per_sm=1), dict(split_k=3, ctas_per_sm=1, unroll=4)]
+           dict(row_tiles=2, unroll=2, ctas_per_sm=1), dict(split_k=3, ctas_per_sm=1, unroll=4),
+           # staged slots (shared memory, cp.async), with a cluster split (sm_90), padded groups of 12
+           dict(staged=True, unroll=8), dict(staged=True, unroll=4, split_k=3, cluster=True),
+           dict(staged=True, unroll=12, ctas_per_sm=1, split_k=2)]
 TILING_KINDS = [("int8", 128, True, "bfloat16"), ("float8_e4m3", None, False, "float16"),
                 ("uint8", 64, True, "bfloat16")]
 
@@ -362,10 +365,13 @@ def test_tilings_gpu(m):
     n, k = 2200, 4160   # 65 blocks of 64 over 8 warps
     rng = np.random.default_rng(40 + m)
     cases = [(kd, _case(rng, m, n, k, kd[3], *kd[:3])) for kd in TILING_KINDS]
+    from rtkernels import device
     for i, t in enumerate(TILINGS):
         (kind, group, zeros, dtype), (x, x64, qd, sd, zd, q, s, z) = cases[i % len(cases)]
         base = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group or 0, has_zeros=zeros)
         cfg = base.replace(**t)
+        if cfg.cluster and not device.current_arch().startswith("sm_9"):
+            continue   # (clusters need sm_90)
         wdt = "float8_e4m3" if kind == "float8_e4m3" else None
         outs = []
         for _ in range(2):

@@ -258,6 +258,178 @@ def run_dense_case(args, torch, rtk, n, k, m, kind, copy_gbs, dsets_cache):
 DENSE_SWEEP_SHAPES = ((4096, 4096), (14336, 4096), (10240, 8192), (28672, 8192))
 
 
+def _variants(named):
+    """[(label, config)] of the (label, thunk) pairs whose config is valid, first of each config kept."""
+    from rtkernels.errors import ConfigError
+    out, seen = [], set()
+    for label, make in named:
+        try:
+            c = make()
+        except ConfigError:
+            continue
+        if c.key() not in seen:
+            seen.add(c.key())
+            out.append((label, c))
+    return out
+
+
+def _ab_rounds(args, cands, sets, rounds=3):
+    """min over ``rounds`` interleaved rounds of each candidate's queued median (ms)."""
+    from benchutil import time_queued
+    best = [float("inf")] * len(cands)
+    for _ in range(rounds):
+        for i, call in enumerate(cands):
+            best[i] = min(best[i], time_queued(call, sets, repeat=args.repeat)[0])
+    return best
+
+
+def nmajor_candidates(old, new, n, sms):
+    """[(label, thunk)] of the N-major A/B: ``old`` the session-8 tiling (register slots, global
+    split), ``new`` the route's sm_90 config (gemv._nmajor_sm90: the same with a cluster split where
+    measured faster), and candidates for the small-N gap (every SM's bytes in flight, the split):
+    * s8+cluster / s8+global: the split's two reductions at the session-8 split (the rule's inputs);
+    * u4: twice the register slots (M <= 8 unroll 4, M = 9..16 unroll 2) under an explicit cap of
+      128 (ptxas, NVRTC 13.5: 128 registers, no spill; the estimate's floor rejects them): 128 /
+      64 KiB in flight per SM instead of 64 / 32 KiB;
+    * fit: the largest split (cluster, <= 8) whose tiles x split fit one wave of 2 CTAs per SM
+      (6144: 2 instead of 3, whose 288 CTAs overflow 264 slots; 8192: 2 instead of 1, whose 128
+      CTAs leave the second CTA slot of every SM empty); u4 fit: both;
+    * w16: one CTA of 16 warps along K per SM (the split halves: its 15 partial sums meet in shared
+      memory, a smaller cluster), u4's slots, 128 registers;
+    * staged: shared-memory slots with the row-contiguous piece layout (was the 64-byte-apart
+      layout's bank conflict the staged slots' cap? the previous run: 43% of copy at 14336 x 4096)."""
+    from rtkernels.ops.gemv import CLUSTER_MAX
+    u = 4 if new.m_tiles == 1 else 2
+    tiles = new.tiles(n)
+    fit = min(CLUSTER_MAX, max(1, 2 * sms // tiles)) if tiles < 2 * sms else 1
+    fit1 = min(CLUSTER_MAX, max(1, sms // tiles)) if tiles < sms else 1
+    return [("s8", lambda: old), ("new", lambda: new),
+            ("s8+cluster", lambda: old.replace(cluster=True)),
+            ("s8+global", lambda: new.replace(cluster=False)),
+            ("u4", lambda: new.replace(unroll=u, max_registers=128)),
+            ("fit", lambda: new.replace(split_k=fit, cluster=fit > 1)),
+            ("u4 fit", lambda: new.replace(split_k=fit, cluster=fit > 1, unroll=u, max_registers=128)),
+            ("w16", lambda: new.replace(num_warps=16, warps_k=16, ctas_per_sm=1, unroll=u, max_registers=128,
+                                        split_k=fit1, cluster=fit1 > 1)),
+            ("staged", lambda: new.replace(staged=True, unroll=4 if new.m_tiles == 1 else 3,
+                                           cluster=new.split_k > 1))]
+
+
+def nmajor_ab(args, torch, copy_gbs):
+    """N-major bf16 (x @ b, b (K, N) row-major), the --shapes (default SHAPES) and M in --ms: the
+    session-8 tiling, the route's sm_90 config and the candidates of :func:`nmajor_candidates`, and
+    cuBLAS, interleaved in rounds (min of the rounds' medians), each checked against float32."""
+    import cupy as cp
+    from rtkernels import device
+    from rtkernels.ops import gemv, matmul as mm
+    rows = []
+    sms = device.sm_count()
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")]
+    for (n, k) in shapes:
+        count = max(2, -(-SET_BYTES // (2 * n * k)))
+        tw = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        ws = [cp.asarray(w.view(torch.int16)).view(cp.uint16) for w in tw]
+        for m in [int(v) for v in args.ms.split(",")]:
+            tx = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = cp.asarray(tx.view(torch.int16)).view(cp.uint16)
+            out = cp.empty((m, n), dtype=cp.uint16)
+            tout = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            _, ints = mm._plan_gemv("bfloat16", m, n, k, 1, x.data.ptr, ws[0].data.ptr, True, False,
+                                    k if m > 1 else 0, n, n if m > 1 else 0, 0, 0, 0, False, "none", sms)
+            h = dict(weight_dtype="bfloat16", n_major=True, x_vec=4, sm_count=sms)
+            old = gemv.heuristic_config("bfloat16", m, n, k, sm90=False, **h)
+            new = gemv.heuristic_config("bfloat16", m, n, k, sm90=True, **h)
+            named = nmajor_candidates(old, new, n, sms)
+            cands = _variants(named)
+            _precompile([c for _, c in cands])
+            tref = tx.float() @ tw[0].float()
+            calls, errs = [], []
+            for label, cfg in cands:
+                def call(w, cfg=cfg):
+                    gemv.launch(cfg, ints, (w, x, None, None, None, out), (w, x, None, None, None, out), None)
+                call(ws[0])
+                got = torch.from_dlpack(out).view(torch.bfloat16).float()
+                errs.append(float((got - tref).abs().max() / tref.abs().max()))
+                calls.append(call)
+
+            def cublas(w):
+                torch.matmul(tx, w, out=tout)
+            # cuBLAS on the same memory (the CuPy arrays are views of these tensors)
+            tsets = [(w,) for w in tw]
+            wsets = [(w,) for w in ws]
+            best = [float("inf")] * (len(calls) + 1)
+            from benchutil import time_queued
+            for _ in range(3):   # rounds: every rtk variant, then cuBLAS
+                for i, call in enumerate(calls):
+                    best[i] = min(best[i], time_queued(call, wsets, repeat=args.repeat)[0])
+                best[-1] = min(best[-1], time_queued(cublas, tsets, repeat=args.repeat)[0])
+            pct = lambda ms: 100 * 2 * n * k / (ms * 1e-3) / 1e9 / copy_gbs   # noqa: E731
+            for (label, cfg), ms, err in zip(cands, best, errs):
+                rows.append({"N": n, "K": k, "M": m, "variant": label, "tiles": cfg.tag(), "us": ms * 1e3,
+                             "%copy": pct(ms), "vs_cublas": best[-1] / ms, "rel_err": err})
+            rows.append({"N": n, "K": k, "M": m, "variant": "cuBLAS", "tiles": "-", "us": best[-1] * 1e3,
+                         "%copy": pct(best[-1]), "vs_cublas": 1.0, "rel_err": float("nan")})
+            line = ", ".join(f"{lb} {pct(ms):.0f}" for (lb, _), ms in zip(cands, best))
+            print(f"N-major A/B N={n} K={k} M={m}: {line}, cuBLAS {pct(best[-1]):.0f} (% copy)", flush=True)
+        del tw, ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def quant_ab(args, torch, copy_gbs):
+    """int8 per-channel and group-128 at the large shapes, M in {1, 16}: the route's config against
+    staged slots (6, 8, 12 in flight) through config=, interleaved, %copy of the 8-bit weight."""
+    import cupy as cp
+    import rtkernels as rtk
+    from rtkernels.ops import quant_matmul as qm
+    rows = []
+    for (n, k) in ((14336, 4096), (8192, 8192), (28672, 8192), (8192, 28672)):
+        for kind, group in (("int8", None), ("int8", 128)):
+            count = max(2, -(-SET_BYTES // (n * k)))
+            sets = _as_torch(torch, _weights(cp, n, k, kind, group, count), kind)
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                base = qm.heuristic_config("bfloat16", m, n, k, weight_dtype=kind, group_size=group or 0,
+                                           sm_count=device_sms())
+                named = [("route", lambda: base)] + [
+                    (f"staged u{u} c{c}", lambda u=u, c=c: base.replace(staged=True, unroll=u, ctas_per_sm=c))
+                    for u, c in ((6, 2), (8, 2), (12, 1), (16, 1))]
+                cands = _variants(named)
+                _precompile([c for _, c in cands])
+                calls = []
+                for _, cfg in cands:
+                    def call(q, s_, z, cfg=cfg):
+                        rtk.quantized_matmul(x, q, s_, group_size=group, out=out, config=cfg)
+                    calls.append(call)
+                best = _ab_rounds(args, calls, sets)
+                for (label, cfg), ms in zip(cands, best):
+                    rows.append({"N": n, "K": k, "M": m, "kind": kind + (f"_g{group}" if group else ""),
+                                 "variant": label, "tiles": cfg.tag(), "us": ms * 1e3,
+                                 "%copy": 100 * n * k / (ms * 1e-3) / 1e9 / copy_gbs})
+                print(f"quant A/B N={n} K={k} M={m} {kind} g{group}: " +
+                      ", ".join(f"{lb} {100 * n * k / (ms * 1e-3) / 1e9 / copy_gbs:.1f}" for (lb, _), ms in
+                                zip(cands, best)), flush=True)
+            del sets
+    return rows
+
+
+def ab_table(rows, col) -> str:
+    """%copy per (shape, M) row for each variant (columns), the best rtk variant and cuBLAS."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    keys = list(dict.fromkeys((r["N"], r["K"], r["M"]) + ((r[col],) if col else ()) for r in rows))
+    by = {((r["N"], r["K"], r["M"]) + ((r[col],) if col else ()), r["variant"]): r for r in rows}
+    head = ["N x K", "M"] + ([col] if col else []) + variants
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        cells = [f"{key[0]}x{key[1]}", str(key[2])] + ([key[3]] if col else [])
+        for v in variants:
+            r = by.get((key, v))
+            cells.append("-" if r is None else f"{r['%copy']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _precompile(cfgs) -> None:
     """Compile the sweep's kernels in parallel up front (NVRTC releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -357,6 +529,10 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time tile candidates at 4 shapes")
     p.add_argument("--sweep-dense", action="store_true", help="also time the dense GEMV tilings at 4 shapes")
     p.add_argument("--tiles", action="store_true", help="also time rtk.matmul's tile kernels on the bf16 rows")
+    p.add_argument("--nmajor-ab", action="store_true",
+                   help="only the N-major A/B (session-8 tiling, the sm_90 route, candidates, cuBLAS)")
+    p.add_argument("--quant-ab", action="store_true", help="with --nmajor-ab: also int8 staged slots at 4 shapes")
+    p.add_argument("--shapes", default="", help="with --nmajor-ab: NxK,NxK,... (default: every bench shape)")
     args = p.parse_args()
     import cupy as cp  # noqa: F401
     import torch
@@ -367,6 +543,20 @@ def main():
     env["torch"] = torch.__version__
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
+    if args.nmajor_ab:
+        ab = nmajor_ab(args, torch, copy_gbs)
+        qab = quant_ab(args, torch, copy_gbs) if args.quant_ab else []
+        path = benchutil.save(args.out, "gemv_ab", {"environment": env, "copy_GBs": copy_gbs, "nmajor_ab": ab,
+                                                    "quant_ab": qab, "seconds": time.time() - t0})
+        print(f"\n{env['gpu']} ({env['date']}): device copy {copy_gbs:.0f} GB/s; JSON {path}; {time.time() - t0:.0f} s")
+        print(benchutil.table(ab, ["N", "K", "M", "variant", "tiles", "us", "%copy", "vs_cublas", "rel_err"]))
+        if qab:
+            print("\nint8 weights, % of device copy over the 8-bit bytes (route vs staged slots):")
+            print(ab_table(qab, "kind"))
+        print("\nN-major bf16 (x @ b), % of device copy (s8: session-8 tiling; new: the sm_90 route's config; "
+              "a variant equal to an earlier column: -):")
+        print(ab_table(ab, None))
+        return
     rows, cache, dcache, failed = [], {}, {}, []
     ms_list = [int(v) for v in args.ms.split(",")]
     reads = {}

@@ -9,6 +9,7 @@ candidate tilings of the benchmark's sweep, the load widths, and the launch (one
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,10 +29,15 @@ GROUP_MULTIPLE = 64         # group scales apply per 64-element block of K (4 la
 # Shared memory for the cross-warp sums: up to 64 KiB lets two CTAs share an SM on sm_80+ (the
 # N-major dense tiling with two m tiles and 8 warps along K needs 56 KiB)
 _SMEM_LIMIT = 64 * 1024
+# staged / cluster configs (sm_90): the 228 KiB of an SM's shared memory over ctas_per_sm CTAs, less
+# the 1 KiB the hardware reserves per CTA, at most the 227 KiB one CTA may opt into
+_SM90_SMEM_PER_SM = 228 * 1024
+_SM90_SMEM_MAX = 227 * 1024
+CLUSTER_MAX = 8   # portable cluster size: split_k with cluster=True
 
 
 def register_estimate(row_tiles: int, unroll: int, m_tiles: int, group: bool, zeros: bool, *, dense: bool = False,
-                      n_major: bool = False) -> int:
+                      n_major: bool = False, staged: bool = False) -> int:
     """Registers the quant_gemv kernel needs per thread at least, from its arrays: the slots'
     weights (4 per 16-byte load: 2 loads per row tile and slot, N-major 1), their group scales /
     zero points (2 per row tile and slot each), x of the current and the next item (2 x the x
@@ -40,16 +46,20 @@ def register_estimate(row_tiles: int, unroll: int, m_tiles: int, group: bool, ze
     sum), plus about 40 for addresses, loop state and the dequantization temporaries.  A floor that
     rejects configs bound to spill: ptxas (NVRTC 13.5, sm_90) gave the heuristic's configs 100-128
     registers under a cap of 128 (this estimate: 88-112), and none of them spills under 112
-    (tests/test_quant_matmul.py, HEADROOM; the dense modes: tests/test_gemv.py)."""
+    (tests/test_quant_matmul.py, HEADROOM; the dense modes: tests/test_gemv.py).  ``staged``: the
+    slots live in shared memory, so the weights of one slot only (scales and zero points stay per
+    slot)."""
     loads = row_tiles if n_major else 2 * row_tiles
-    slot = 4 * loads + (2 * row_tiles if group else 0) + (2 * row_tiles if zeros else 0)
+    weights = 4 * loads
     if n_major:
         # and each slot's 4 k-row addresses and bounds: ptxas (NVRTC 13.5, sm_90) gave two m tiles
         # 115 registers at unroll 1 and 152 (52 bytes of spill under 128) at unroll 2
-        slot += 12
+        weights += 12
+    side = (2 * row_tiles if group else 0) + (2 * row_tiles if zeros else 0)
+    slots = weights + unroll * side if staged else unroll * (weights + side)
     acc = 4 * row_tiles * m_tiles * (2 if group else 1)
     x_elems = 4 if n_major else (8 if dense else 16)
-    return unroll * slot + x_elems * m_tiles + acc + 40
+    return slots + x_elems * m_tiles + acc + 40
 
 
 @register_family
@@ -74,6 +84,10 @@ class QuantGemvConfig(KernelConfig):
     the N tiles (so loads run on across tile ends) instead of one CTA per tile.  ``m_tiles``: 1 for
     up to 8 rows of x, 2 for up to 16.  ``w_vec`` bytes per weight load and ``x_vec`` elements per
     x load, lowered by the host when K, a stride or a base is not aligned for 16 bytes.
+    ``staged`` (sm_80+ cp.async): the ``unroll`` slots live in shared memory
+    (``num_warps * unroll * loads_per_slot * 512`` bytes), so the bytes in flight are not bounded
+    by registers; needs ``w_vec`` >= 4 (measured slower than register slots: no heuristic picks it).  ``cluster`` (sm_90): the ``split_k`` (2..8) CTAs of a tile
+    form a cluster and add their sums through distributed shared memory (no workspace).
     """
 
     family: ClassVar[str] = "quant_gemv"
@@ -98,6 +112,8 @@ class QuantGemvConfig(KernelConfig):
     n_major: bool = False
     w_vec: int = 16
     x_vec: int = 8
+    staged: bool = False
+    cluster: bool = False
 
     expects_tensor_cores: ClassVar[bool] = True
     # (no expected_global_width: inspect holds loads and stores to it, and the outputs are M x N
@@ -115,7 +131,7 @@ class QuantGemvConfig(KernelConfig):
             self._check_choice("weight_dtype", WEIGHT_DTYPES + DENSE_DTYPES)
         self._check_dtype("scale_dtype", SCALE_DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("has_zeros", "has_bias", "persistent", "n_major"):
+        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         if self.group_size != 0:
@@ -124,7 +140,7 @@ class QuantGemvConfig(KernelConfig):
             self._fail("has_zeros", "False for float8_e4m3 weights (zero points are for integer weights)")
         self._check_choice("m_tiles", (1, 2))
         self._check_choice("row_tiles", (1, 2, 4))
-        self._check_int("unroll", 1, 8)
+        self._check_int("unroll", 1, 16 if self.staged else 8)
         self._check_int("num_warps", 1, 16, power_of_two=True)
         self._check_int("warps_k", 1, self.num_warps, power_of_two=True)
         self._check_int("split_k", 1, 64)
@@ -146,6 +162,11 @@ class QuantGemvConfig(KernelConfig):
                                       "float16 / bfloat16 weights)")
             if self.row_tiles != 4:
                 self._fail("row_tiles", "4 with n_major (8 lanes x 8 consecutive n: 64 rows per warp)")
+        if self.staged and self.w_vec < 4:
+            self._fail("w_vec", "4, 8 or 16 with staged=True (cp.async moves 4, 8 or 16 bytes)")
+        if self.cluster and not 2 <= self.split_k <= CLUSTER_MAX:
+            self._fail("cluster", f"False unless split_k is 2..{CLUSTER_MAX} (split_k={self.split_k}: the "
+                                  "cluster is the split-K CTAs of a tile)")
         if self.x_vec > self.x_elems:
             self._fail("x_vec", f"at most {self.x_elems} (the x elements a lane reads per item)")
         # the slots, x and accumulators must fit the register cap or they spill (every slot's loads
@@ -156,7 +177,13 @@ class QuantGemvConfig(KernelConfig):
                                  f"unroll={self.unroll}, m_tiles={self.m_tiles}) fit the cap of "
                                  f"{self.register_cap} (ctas_per_sm={self.ctas_per_sm}, "
                                  f"num_warps={self.num_warps}); lower unroll, row_tiles or ctas_per_sm")
-        if self.shared_mem_bytes > _SMEM_LIMIT:
+        if self.staged or self.cluster:
+            limit = min(_SM90_SMEM_MAX, _SM90_SMEM_PER_SM // self.ctas_per_sm - 1024)
+            if self.shared_mem_bytes > limit:
+                self._fail("unroll", f"such that the staged slots and sums ({self.shared_mem_bytes} bytes) fit the "
+                                     f"{limit} bytes of shared memory each of ctas_per_sm={self.ctas_per_sm} CTAs "
+                                     "gets; lower unroll, warps_k or ctas_per_sm")
+        elif self.shared_mem_bytes > _SMEM_LIMIT:
             self._fail("warps_k", f"such that the cross-warp sums fit {_SMEM_LIMIT // 1024} KiB of shared memory "
                                   f"(needs {self.shared_mem_bytes} bytes)")
 
@@ -204,7 +231,7 @@ class QuantGemvConfig(KernelConfig):
     @property
     def registers_needed(self) -> int:
         return register_estimate(self.row_tiles, self.unroll, self.m_tiles, self.group_size > 0, self.has_zeros,
-                                 dense=self.dense, n_major=self.n_major)
+                                 dense=self.dense, n_major=self.n_major, staged=self.staged)
 
     @property
     def bytes_in_flight_per_sm(self) -> int:
@@ -213,9 +240,14 @@ class QuantGemvConfig(KernelConfig):
 
     @property
     def shared_mem_bytes(self) -> int:
-        """Two buffers (by tile parity) of the partial sums of warps 1.. along K, float32 accumulator
-        fragments of 32 lanes."""
-        return 2 * (self.warps_k - 1) * self.warps_n * self.row_tiles * self.m_tiles * 4 * 32 * 4
+        """Two buffers (by tile parity) of the partial sums of warps 1.. along K (float32 accumulator
+        fragments of 32 lanes), the cluster's exchange (one such set per warp along N) and the
+        staged slots (512 bytes per warp, slot and load)."""
+        frag = self.warps_n * self.row_tiles * self.m_tiles * 4 * 32 * 4
+        red = 2 * (self.warps_k - 1) * frag
+        xch = frag if self.cluster else 0
+        stages = self.num_warps * self.unroll * self.loads_per_slot * 512 if self.staged else 0
+        return red + xch + stages
 
     def template_params(self):
         p = super().template_params()
@@ -234,7 +266,8 @@ class QuantGemvConfig(KernelConfig):
     def tag(self) -> str:
         """Short name of the tiling (benchmark tables)."""
         return (f"{'n' if self.n_major else ''}r{self.row_tiles}u{self.unroll}w{self.num_warps}k{self.warps_k}"
-                f"s{self.split_k}c{self.ctas_per_sm}{'p' if self.persistent else ''}")
+                f"s{self.split_k}c{self.ctas_per_sm}{'p' if self.persistent else ''}{'m' if self.staged else ''}"
+                f"{'x' if self.cluster else ''}")
 
 
 # ---- heuristics ---------------------------------------------------------------------------------
@@ -258,7 +291,7 @@ class QuantGemvConfig(KernelConfig):
 #   every warp keeps two 64-element blocks: the partials cost a second launch and
 #   4 * split_k * M * N bytes.
 _TILE_FIELDS = ("row_tiles", "unroll", "num_warps", "warps_k", "split_k", "ctas_per_sm", "persistent",
-                "max_registers")   # what config= overrides
+                "max_registers", "staged", "cluster")   # what config= overrides
 _WARPS = 8
 _WARPS_K = 8
 _CTAS_PER_SM = 2
@@ -298,13 +331,61 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 #   do not fill both CTA slots of every SM: 4096^2 M = 1 split 4 58.3 against split 2 54.9, M = 16
 #   51.4 against 47.0 (the two-launch split of that run; cuBLAS 68.2 / 60.8 there, which no swept
 #   tiling reached).
+#
+# Session 9, measured (H200, 2026-11-26, tools/bench_quant_matmul.py --nmajor-ab; % of the device
+# copy, 4.19 TB/s; cuBLAS in the same run).  The first sm_90 tiling kept the slots in shared memory
+# (QuantGemvConfig.staged: cp.async, then ld.shared back) and split K over clusters; it lost
+# everywhere: 14336 x 4096 M = 1 43.5 against the register slots' 82.7, 28672 x 8192 47.1 against
+# 92.3, 8192^2 46.2 against 73.8, at 3, 4 or 5 slots alike (43.4 / 43.5 / 42.9) and with a global
+# split (8192^2 42.4).  Why (SASS, NVRTC 13.5): per 16 bytes the staged slot costs an LDGSTS, an
+# LDS.128 back and three padding LDS, against one LDG: ~36 instructions per 16 bytes of the main
+# loop at M = 1 against ~27 (neither issue-bound: an SM's 4 warp-instructions per clock against
+# ~16-18 weight bytes per clock of its DRAM share); the slots' own waits are the register
+# slots' (DEPBAR.LE SB0, slots - 1, per item).  What the numbers point at is a cap on the copies' rate, not on the bytes in flight: a
+# plateau at ~43% that the slot count (96 to 160 KiB requested per SM) does not move, where Little's
+# law would need ~9 us of latency.  The likeliest cap was the shared-memory side of the copies: the
+# N-major lanes of one 128-byte weight row (8 lanes, 16 bytes each) wrote their pieces 64 bytes
+# apart, 4 bank-conflicting wavefronts per row, 16 per copy of 512 bytes (plus 4 to read back)
+# against the register slots' none; the template now writes a row's pieces contiguously (one
+# wavefront) and the A/B's "staged" variant measures whether that was it.  Staged slots stay a
+# config option (and the quantized sweep's) but no heuristic picks them.
+#
+# The cluster split on the session-8 register tiling (s8+cluster) is the best variant where K is
+# split: 4096^2 M = 1 / 4 / 16 40.8 / 40.6 / 34.8 against the global split's 36.5 / 28.0 / 17.8,
+# 6144 x 4096 47.8 / 46.9 / 41.2 against 38.8 / 33.3 / 22.4, 4096 x 14336 M = 16 48.8 against 42.7;
+# but at 4096 x 14336 M = 1 the global split won (68.3 against 58.2; M = 4 58.8 / 58.7).  The
+# global split's cost is its tail: the last arriving split adds, in one warp, per lane 8 outputs x
+# split_k dependent L2 reads at M <= 8 (16 x split_k with two m tiles), after every other split
+# has finished, a fixed cost that a long K slice per CTA amortizes; the cluster's is a cluster
+# barrier and co-scheduled CTAs (why that costs 10 points at 4096 x 14336 M = 1 is not known).  So: a cluster where the K slice per CTA is short (K / split_k <
+# _CLUSTER_K: 1024 at 4096^2, 1365 at 6144 x 4096) or two m tiles double the tail; the global split
+# for long slices at M <= 8 (3584 at 4096 x 14336).  Where K is not split (N >= ~8000 on 132 SMs)
+# the session-8 tiling as it is.
+# RTKERNELS_GEMV_SM90=0 keeps the session-8 tiling on sm_90 (the A/B baseline).
+USE_SM90_NMAJOR = os.environ.get("RTKERNELS_GEMV_SM90", "1") != "0"
+_CLUSTER_K = 2048
+
+
+def _nmajor_sm90(cfg: QuantGemvConfig, k: int) -> QuantGemvConfig:
+    """The sm_90 dense N-major config from the session-8 one ``cfg`` (register slots, its split):
+    the split-K CTAs of a tile as one cluster (DSMEM sums, no workspace) where the notes above
+    measured it faster: split_k 2..8 and a K slice per CTA under _CLUSTER_K or two m tiles."""
+    if 2 <= cfg.split_k <= CLUSTER_MAX and (cfg.m_tiles == 2 or k < _CLUSTER_K * cfg.split_k):
+        return cfg.replace(cluster=True)
+    return cfg
+
+
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
                      scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
-                     x_vec: int = 8, sm_count: int | None = None) -> QuantGemvConfig:
-    """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths."""
+                     x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None) -> QuantGemvConfig:
+    """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
+    ``sm90``: N-major split-K through clusters where chosen (:func:`_nmajor_sm90`); default: the
+    target arch is sm_90 and RTKERNELS_GEMV_SM90 is not 0."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
+    if sm90 is None:
+        sm90 = USE_SM90_NMAJOR and device.current_arch().startswith("sm_90")
     need = math.ceil(_FILL * sm_count)
     m_tiles = 1 if m <= 8 else 2
     dense = weight_dtype in DENSE_DTYPES
@@ -333,11 +414,12 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     if tiles < need:
         split = max(1, min(-(-fill // tiles), nblk // (2 * warps_k), 16))
     x_vec = min(x_vec, 4 if n_major else 8)
-    return QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
-                           has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
-                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
-                           warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
-                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
+    cfg = QuantGemvConfig(dtype=dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype, group_size=group_size,
+                          has_zeros=has_zeros, has_bias=has_bias, activation=activation or "none",
+                          m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
+                          warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
+                          n_major=n_major, w_vec=w_vec, x_vec=x_vec)
+    return _nmajor_sm90(cfg, k) if n_major and sm90 else cfg
 
 
 def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
@@ -386,8 +468,9 @@ def vec_width(k: int, ptr: int, stride: int | None, itemsize: int, widest: int) 
 # int32 counters; None without split-K); its scalars (M, N, K, ldw, ldx, ldo, ngroups).
 def workspace_bytes(cfg: QuantGemvConfig, m: int, n: int) -> tuple[int, int]:
     """(partial bytes, counter bytes) of a launch of ``cfg`` on M x N outputs: (split_k, M, N)
-    float32 partials and one counter per (tile, warp along N); (0, 0) without split-K."""
-    if cfg.split_k == 1:
+    float32 partials and one counter per (tile, warp along N); (0, 0) without split-K or with a
+    cluster split (its sums meet in shared memory)."""
+    if cfg.split_k == 1 or cfg.cluster:
         return 0, 0
     return 4 * cfg.split_k * m * n, 4 * cfg.tiles(n) * cfg.warps_n
 
@@ -408,12 +491,12 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
     grid, block = cfg.grid(n, device.sm_count()), (cfg.threads_per_block, 1, 1)
     keep = same_memory(views_, arrays)
     sizes = workspace_bytes(cfg, m, n)
-    ws = _split_workspace(sizes, arrays[1], stream) if cfg.split_k > 1 else (None, None)
+    ws = _split_workspace(sizes, arrays[1], stream) if sizes[0] else (None, None)
     main = Launch(kern, grid, block, cfg.shared_mem_bytes, ints)
     main.run((*views_, *ws), stream)
     if not keep:
         return None
-    return OutputPlan.of(main, arrays[5], extra=sizes if cfg.split_k > 1 else None, like=arrays[1])
+    return OutputPlan.of(main, arrays[5], extra=sizes if sizes[0] else None, like=arrays[1])
 
 
 def replay(plan: OutputPlan, inputs: tuple, out, stream):
