@@ -19,8 +19,11 @@ dweight / dbias are **deterministic**: the rows kernel runs one resident wave of
 its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and writing one
 float32 partial row; a second kernel sums the partial rows of each column in a fixed order and
 rounds once to the weight's dtype.  The bits depend on the grid (the SM count and the config), so
-they repeat run to run on one GPU model.  Extra memory: ``2 * workers * n`` float32 (LayerNorm;
-RMSNorm half), e.g. 264 workers x 4096 columns = 8.6 MB.  There is no atomics mode.
+they repeat run to run on one GPU model.  Extra memory: ``2 * parts * n`` float32 (LayerNorm;
+RMSNorm half), parts = workers / merge_cluster, e.g. 132 x 4096 columns = 2.2 MB.  There is no
+atomics mode.  The rows kernel's column sums may live in shared memory (``acc_smem``), the
+workers of a cluster may merge theirs on chip before writing (``merge_cluster``), and the kernel
+for the saved statistics is compiled apart from the one that recomputes them (``split_stats``).
 """
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ class NormBwdConfig(_BwdRowConfig):
 
     family: ClassVar[str] = "norm_bwd"
     template: ClassVar[str] = "norm_bwd.cu.j2"
-    kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_bwd_rows", "layernorm_bwd_rows", "norm_bwd_colsum")
+    kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_bwd_rows", "layernorm_bwd_rows", "rmsnorm_bwd_rows_recompute",
+                                          "layernorm_bwd_rows_recompute", "norm_bwd_colsum")
     weight_dtype: str = "float16"
     two_pass: bool = False
     streaming: bool = True    # evict-first (.cs) loads of dy, x and stores of dx
@@ -82,15 +86,35 @@ class NormBwdConfig(_BwdRowConfig):
     # resident workers: 256 x 32 rows, not 264 with 8 of them walking a 32nd row alone at the end):
     # the same rows per worker on the critical path, no latency-bound last row, fewer partial rows.
     balance: bool = True
+    # The float32 dweight / dbias column sums of resident rows in this thread's words of shared
+    # memory instead of 16-32 registers held across the row loop (see _NORM_BWD_ACC_SMEM).
+    acc_smem: bool = False
+    # > 1 (sm_90, acc_smem, lane-group or block rows): clusters of this many independent workers
+    # whose sums block 0 adds through distributed shared memory at the end: one partial row (two
+    # for LayerNorm) per cluster instead of per block (see _NORM_BWD_MERGE).
+    merge_cluster: int = 1
+    # *_bwd_rows compiled for the saved statistics only (the recompute path in its own kernel,
+    # *_bwd_rows_recompute); False: one kernel with both paths, as the first version (its registers).
+    split_stats: bool = True
 
     def __post_init__(self):
-        for name in ("prefetch", "balance"):
+        for name in ("prefetch", "balance", "acc_smem", "split_stats"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
         self._check_int("blocks_per_sm", 0, 32)
         super().__post_init__()
         self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
+        self._check_choice("merge_cluster", (1, 2, 4, 8))
+        if self.merge_cluster > 1 and (not self.acc_smem or self.cluster_size > 1 or self.two_pass):
+            self._fail("merge_cluster", f"1 unless acc_smem=True with lane-group or block rows (acc_smem="
+                                        f"{self.acc_smem}, cluster_size={self.cluster_size}, two_pass={self.two_pass})")
+        if self.acc_smem and self.two_pass:
+            self._fail("acc_smem", "False with two_pass (its chunk's sums are in registers already)")
+        if self.shared_mem_bytes > rw._SMEM_MAX:
+            self._fail("acc_smem" if self.acc_smem else "ring_rows",
+                       f"a setting that needs at most {rw._SMEM_MAX} B of shared memory per block "
+                       f"({self.shared_mem_bytes} B requested)")
         if self.blocks_per_sm and self.blocks_per_sm * self.block_size > 2048:
             self._fail("blocks_per_sm", f"at most {2048 // self.block_size} (2048 threads per SM) with "
                                         f"block_size={self.block_size}, or 0")
@@ -98,8 +122,20 @@ class NormBwdConfig(_BwdRowConfig):
     @property
     def shared_mem_bytes(self) -> int:
         """Dynamic shared memory: ring_rows stages of dy and x (16 bytes per slot each) and the
-        saved statistics (two floats per thread)."""
-        return self.ring_rows * self.block_size * (32 * self.vecs_per_thread + 8)
+        saved statistics (two floats per thread); then with acc_smem the dweight and dbias sums
+        (float32, vecs_per_thread * vec per thread each; RMSNorm's kernel leaves the dbias half
+        unused - one size for the config's kernels)."""
+        ring = self.ring_rows * self.block_size * (32 * self.vecs_per_thread + 8)
+        return ring + (8 * self.block_size * self.vecs_per_thread * self.vec if self.acc_smem else 0)
+
+    @property
+    def min_arch(self) -> int:
+        return 90 if self.merge_cluster > 1 else super().min_arch
+
+    @property
+    def launch_cluster(self) -> int:
+        """Blocks per cluster at launch: a row's cluster, or merge_cluster workers."""
+        return self.cluster_size * self.merge_cluster
 
 
 @register_family
@@ -147,6 +183,22 @@ _BWD_TWO_PASS_BLOCK = 256
 # Per row class (lane groups, a block, a cluster per row):
 _NORM_BWD_RING_ROWS = {"group": 0, "block": 0, "cluster": 0}
 _NORM_BWD_BLOCKS_PER_SM = {"group": 0, "block": 0, "cluster": 0}   # 0: every block that fits
+# Occupancy is what the rows kernel lacks (ncu, H200, 2026-11-25: 8192 x 16384 RMSNorm / LayerNorm
+# at 53% / 43% of DRAM peak with 2 blocks of 256 per SM - register-limited, 25% occupancy, 0.56
+# eligible warps per scheduler, 58% of stalls on global loads; 32768 x 4096 RMSNorm at 79% with 3).
+# Reasoned, not yet measured: the dweight / dbias sums in shared memory (acc_smem) free 8-32
+# registers, and the saved-statistics kernel without the recompute path (split_stats) frees 7-14
+# more (bf16, ptxas sm_90: 16k cluster rows 94 -> 72 RMSNorm, 106 -> 80 LayerNorm = 3 blocks per
+# SM; 4k 80 -> 64 / 96 -> 77 = 4 / 3; 1k lane groups 116 -> 80 / 152 -> 96 = 6 / 5 blocks of 128).
+# More blocks mean more partial rows; merge_cluster sums 4 workers' rows on chip (sm_90), so the
+# partial rows stay at ~1 per SM (4k RMSNorm: 132 x 16 KiB instead of 528).
+_NORM_BWD_ACC_SMEM = {"group": True, "block": True, "cluster": True}
+_NORM_BWD_MERGE = {"group": 4, "block": 4, "cluster": 1}   # sm_90; clusters of row blocks: 1
+# Threads per SM the register cap aims at (min_blocks = this / block_size; 0: no cap): 1024 = 64
+# registers, which ptxas meets without spilling for 16-element threads with acc_smem (16k cluster
+# rows: 72 -> 63 RMSNorm, 80 -> 63 LayerNorm, +3% instructions; 4 blocks of 256 per SM instead of
+# 3).  Lane groups (32 elements per thread) spill under 64 and keep ptxas's choice (5-6 x 128).
+_NORM_BWD_THREADS_PER_SM = {"group": 0, "block": 1024, "cluster": 1024}
 
 
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None) -> KernelConfig:
@@ -168,8 +220,12 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
         # threads: norm_bwd's 16-bit LayerNorm takes 95-135 registers and needs no more).
         cfg = cls(**common, block_size=block, **fields)
         if family == "norm_bwd" and not cfg.two_pass:
-            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cfg.row_class] if vec * size == 16 else 0,
-                              blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cfg.row_class])
+            cls_ = cfg.row_class
+            acc = _NORM_BWD_ACC_SMEM[cls_]
+            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cls_] if vec * size == 16 else 0,
+                              blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cls_], acc_smem=acc,
+                              merge_cluster=_NORM_BWD_MERGE[cls_] if acc and hopper else 1,
+                              min_blocks=max(1, _NORM_BWD_THREADS_PER_SM[cls_] // cfg.block_size))
         return cfg
 
     gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
@@ -245,11 +301,11 @@ def _resident_workers(k, cfg) -> int:
     device at once, or ``blocks_per_sm`` per SM when that is fewer.  A worker that finds no room
     waits for a whole worker to finish - a second wave that doubles the kernel's time - so clusters
     are counted by the driver (which places them GPC by GPC), not by SMs x blocks per SM."""
-    workers = rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)
+    workers = rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.launch_cluster)
     if getattr(cfg, "blocks_per_sm", 0):
         _, sms = rw._arch_info()
-        workers = min(workers, max(1, sms * cfg.blocks_per_sm // cfg.cluster_size))
-    return workers
+        workers = min(workers, max(1, sms * cfg.blocks_per_sm // cfg.launch_cluster))
+    return workers * cfg.merge_cluster   # merge_cluster: each block of a cluster is a worker
 
 
 # ---- array checks shared by the ops -------------------------------------------------------------
@@ -393,19 +449,22 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     while vec > 1 and rw._ptr(wv) % min(16, vec * dtypes.itemsize(wdt)):
         vec //= 2
     cfg = _config_for("norm_bwd", config, n, dt, vec, op, weight_dtype=wdt)
-    k = get_kernel(cfg, "layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
+    k = get_kernel(cfg, ("layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
+                   + ("" if rstd is not None else "_recompute"))
     units = -(-rows // cfg.rows_per_block)
     resident = _resident_workers(k, cfg)
     workers = min(units, resident)
     if cfg.balance and units > resident:
         workers = -(-units // -(-units // resident))   # as many rows each as ceil(units / resident)
+    m = cfg.merge_cluster
+    workers = -(-workers // m) * m             # whole clusters (resident is a multiple of m)
     ldp = -(-n // 4) * 4                       # float4-aligned partial rows
-    nparts = (2 if layer else 1) * workers
+    nparts = (2 if layer else 1) * (workers // m)
     rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), cfg.shared_mem_bytes,
                          (rows, n, dys, xs, dxs, ldp, float(eps)))
     cols = _colsum_columns(n)
     colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // cols), 2 if dbias is not None else 1),
-                    (1024,), 0, (workers, n, ldp, cols))
+                    (1024,), 0, (workers // m, n, ldp, cols))
     plan = _NormBwdPlan(rows_launch, colsum, OutputPlan.of(rows_launch, out), (max(nparts, 1), ldp),
                         rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None)
     # launch
