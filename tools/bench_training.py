@@ -52,7 +52,8 @@ NORM_VARIANTS = {
     "old": _OLD,
     "split": dict(_OLD, split_stats=True),                     # + the saved-statistics kernel alone
     "acc": dict(_OLD, split_stats=True, acc_smem=True),        # + sums in shared memory
-    "acc_64reg": dict(_OLD, split_stats=True, acc_smem=True, min_blocks=-1),   # + 64-register cap
+    "acc_64reg": dict(_OLD, split_stats=True, acc_smem=True, min_blocks=-1,   # + 64-register cap (lane groups spill)
+                      only=(2048, 4096, 8192, 16384, 32768, 65536)),
     "acc_merge4": dict(_OLD, split_stats=True, acc_smem=True, merge_cluster=4, only=(1024, 2048, 4096)),
     "merge2": dict(merge_cluster=2, only=(1024, 2048, 4096)),  # the heuristic with pairs
     "merge8": dict(merge_cluster=8, only=(1024, 2048, 4096)),
