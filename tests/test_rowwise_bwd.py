@@ -1,8 +1,9 @@
-"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / blocks_per_sm).
+"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / bulk_rows / blocks_per_sm).
 
 CPU: the knobs' validation, the heuristic's choice, a few configs compile without spills (one
 module each, shared through a module fixture; every heuristic config with
-RTKERNELS_TEST_FULL_SWEEP=1) and the ring's copies are cp.async (LDGSTS).
+RTKERNELS_TEST_FULL_SWEEP=1), the ring's copies are cp.async (LDGSTS) and the bulk stages'
+cp.async.bulk (UBLKCP).
 GPU (-m gpu): every variant against the float64 references with several rows per worker (a ragged
 last wave), the saved statistics given and recomputed, poisoned outputs, and the same bits twice.
 """
@@ -35,6 +36,12 @@ from sweep import FULL_SWEEP
      "merge_cluster"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, two_pass=True, acc_smem=True), "acc_smem"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, split_stats=0), "split_stats"),
+    (dict(dtype="bfloat16", vec=4, threads_per_row=256, block_size=256, bulk_rows=2), "bulk_rows"),  # 8-byte vectors
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=2, ring_rows=2), "bulk_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=2, two_pass=True), "bulk_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=5), "bulk_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=512, block_size=512, vecs_per_thread=16, bulk_rows=4),
+     "bulk_rows"),                                                                      # 512 KiB of stages
 ])
 def test_load_ahead_config_errors_name_the_field(params, field):
     with pytest.raises(ConfigError) as e:
@@ -50,14 +57,19 @@ def test_ring_shared_memory():
     assert cfg.replace(ring_rows=0).shared_mem_bytes == 0
     # acc_smem: after the ring, float32 dweight and dbias sums for the thread's 2 x 8 elements
     assert cfg.replace(acc_smem=True).shared_mem_bytes == cfg.shared_mem_bytes + 256 * 2 * 8 * 4 * 2
+    # bulk stages: dy and x, 16 bytes a slot (the statistics sit in static shared memory)
+    assert cfg.replace(ring_rows=0, bulk_rows=2).shared_mem_bytes == 2 * 256 * 2 * 2 * 16
+    assert cfg.replace(ring_rows=0, bulk_rows=2).min_arch == 90
 
 
-@pytest.mark.parametrize("n, arch, acc, merge, min_blocks", [
-    (1024, "sm_90", True, 4, 1), (4096, "sm_90", True, 4, 4), (16384, "sm_90", True, 1, 4),
-    (4096, "sm_80", True, 1, 4), (65536, "sm_90", True, 1, 2),
+@pytest.mark.parametrize("n, arch, layer, acc, merge, min_blocks", [   # measured winners (rowwise_bwd.py)
+    (1024, "sm_90", False, False, 1, 1), (1024, "sm_90", True, False, 1, 1),
+    (4096, "sm_90", False, False, 1, 1), (4096, "sm_90", True, True, 1, 4),
+    (16384, "sm_90", False, True, 1, 4), (16384, "sm_90", True, True, 1, 4),
+    (4096, "sm_80", True, True, 1, 4), (65536, "sm_90", False, True, 1, 2),
 ])
-def test_plan_bwd_occupancy_knobs(n, arch, acc, merge, min_blocks):
-    cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch)
+def test_plan_bwd_occupancy_knobs(n, arch, layer, acc, merge, min_blocks):
+    cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, layer=layer)
     assert (cfg.acc_smem, cfg.merge_cluster, cfg.min_blocks, cfg.split_stats) == (acc, merge, min_blocks, True)
     assert cfg.launch_cluster == cfg.cluster_size * merge and cfg.min_arch == (90 if cfg.launch_cluster > 1 else 80)
 
@@ -68,8 +80,9 @@ def test_plan_bwd_occupancy_knobs(n, arch, acc, merge, min_blocks):
 ])
 def test_plan_bwd_loads_directly(n, dtype, vec):
     # measured: loading ahead (ring or prefetch) lost to direct loads at every row class (rowwise_bwd.py)
-    cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90")
-    assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm) == (0, False, 0)
+    for layer in (False, True):
+        cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90", layer=layer)
+        assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm, cfg.bulk_rows) == (0, False, 0, 0)
 
 
 # ---- a few configs compile without spills (CPU) ------------------------------------------------------
@@ -84,7 +97,11 @@ COMPILED = [   # (label, config, arch): the ring knob at each row class, prefetc
     ("16k cluster, the heuristic's direct loads", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90"), "sm_90"),
     ("sm_80 8k 512-thread block ring", rb.plan_bwd("norm_bwd", 8192, "bfloat16", 8, "sm_80").replace(ring_rows=2),
      "sm_80"),
-    ("4k block, the heuristic's merged clusters", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90"), "sm_90"),
+    ("4k block, merged clusters", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(
+        acc_smem=True, merge_cluster=4, min_blocks=4), "sm_90"),
+    ("1k group bulk stages", rb.plan_bwd("norm_bwd", 1024, "bfloat16", 8, "sm_90").replace(bulk_rows=2), "sm_90"),
+    ("16k cluster bulk stages, sums in shared memory",
+     rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).replace(bulk_rows=2), "sm_90"),
     ("16k cluster, the first version", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").replace(
         split_stats=False, acc_smem=False, min_blocks=1), "sm_90"),
 ]
@@ -113,7 +130,7 @@ def test_occupancy_knobs_cut_registers(compiled):
 
 
 def test_merged_clusters_read_peers_once(compiled):
-    cfg, ks = compiled["4k block, the heuristic's merged clusters"]
+    cfg, ks = compiled["4k block, merged clusters"]
     assert cfg.merge_cluster == 4
     for name, k in ks.items():
         # the merge: one barrier.cluster pair, and peers' 16-byte chunks through DSMEM
@@ -123,9 +140,13 @@ def test_merged_clusters_read_peers_once(compiled):
 def test_ring_copies_by_cp_async(compiled):
     for label, (cfg, ks) in compiled.items():
         for name, k in ks.items():
-            assert ("LDGSTS" in k.sass) == (cfg.ring_rows > 0), (label, name)
-            if cfg.ring_rows == 0:
+            # the bulk stages' saved statistics: two 4-byte cp.async per row beside the bulk copies
+            assert ("LDGSTS" in k.sass) == (cfg.ring_rows > 0 or cfg.bulk_rows > 0), (label, name)
+            assert ("UBLKCP" in k.sass) == (cfg.bulk_rows > 0), (label, name)
+            if cfg.ring_rows == 0 and cfg.bulk_rows == 0:
                 assert sass_stats(k.sass)["ldg_128"] >= 1, (label, name)
+            if cfg.bulk_rows:   # dy and x come only through the stages (the weight: 16-byte loads)
+                assert "SYNCS" in k.sass, (label, name)
 
 
 @pytest.mark.slow
@@ -155,6 +176,9 @@ LOAD_AHEAD = {
     "old": dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1),
     "acc_regs": dict(acc_smem=False, merge_cluster=1),
     "acc_smem_unmerged": dict(merge_cluster=1),
+    # round 2: the next rows through cp.async.bulk stages per row team (sm_90)
+    "bulk2": dict(bulk_rows=2),
+    "bulk3_accreg": dict(bulk_rows=3, acc_smem=False, min_blocks=1),
 }
 LOAD_AHEAD_CASES = [(1024, 3001), (4096, 1111), (16384, 301)]
 # the ring on row classes the heuristic does not pick: narrow lane groups with rows past the end of
@@ -166,14 +190,42 @@ RING_CLASSES = [
 ]
 
 
+# bulk stages on row classes the heuristic does not pick: lane groups of 8 (8 teams per block, a
+# ragged row), a barrier cluster (RowTeam) with a partial last slot per block, an unaligned block
+# row, merged clusters with fewer rows than workers (teams whose rows are all past the end)
+BULK_CLASSES = [
+    (200, 1001, dict(threads_per_row=8, block_size=64, vecs_per_thread=4, bulk_rows=3)),
+    (5000, 333, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2, bulk_rows=2)),
+    (3000, 517, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, bulk_rows=4, blocks_per_sm=2)),
+    (4096, 5, dict(threads_per_row=256, block_size=256, vecs_per_thread=2, acc_smem=True, merge_cluster=4,
+                   bulk_rows=2)),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(LOAD_AHEAD))
 @pytest.mark.parametrize("n, rows", LOAD_AHEAD_CASES)
 def test_norm_backward_load_ahead_gpu(n, rows, variant):
     from rtkernels import device
+    from rtkernels.ops import rowwise as rw
     arch = device.current_arch()
-    _check_config(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
-                  .replace(**LOAD_AHEAD[variant]), n, rows, variant)
+    if LOAD_AHEAD[variant].get("bulk_rows") and rw._arch_number(arch) < 90:
+        pytest.skip("bulk copies need sm_90")
+    # the heuristic's tile per op (its occupancy knobs differ at 4k): each distinct config once
+    cfgs = dict.fromkeys(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
+                         .replace(**LOAD_AHEAD[variant]) for layer in (False, True))
+    for cfg in cfgs:
+        _check_config(cfg, n, rows, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, rows, fields", BULK_CLASSES)
+def test_norm_backward_bulk_row_classes_gpu(n, rows, fields):
+    from rtkernels import device
+    from rtkernels.ops import rowwise as rw
+    if rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("bulk copies need sm_90")
+    _check_config(NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, **fields), n, rows, str(fields))
 
 
 # shared-memory sums merged by clusters on shapes the heuristic does not pick: narrow lane groups,
@@ -252,7 +304,7 @@ def test_cluster_workers_fit_the_device_gpu():
     if rw._arch_number(arch) < 90:
         pytest.skip("clusters need sm_90")
     for n in (8192, 16384, 65536):
-        cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
+        cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=True)
         k = rtk.get_kernel(cfg, "layernorm_bwd_rows")
         cap = rb._cluster_capacity(k, cfg)
         workers = rb._resident_workers(k, cfg)
