@@ -1,8 +1,9 @@
-"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / blocks_per_sm).
+"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / bulk_rows / blocks_per_sm).
 
 CPU: the knobs' validation, the heuristic's choice, a few configs compile without spills (one
 module each, shared through a module fixture; every heuristic config with
-RTKERNELS_TEST_FULL_SWEEP=1) and the ring's copies are cp.async (LDGSTS).
+RTKERNELS_TEST_FULL_SWEEP=1), the ring's copies are cp.async (LDGSTS) and the bulk stages'
+cp.async.bulk (UBLKCP).
 GPU (-m gpu): every variant against the float64 references with several rows per worker (a ragged
 last wave), the saved statistics given and recomputed, poisoned outputs, and the same bits twice.
 """
@@ -28,6 +29,19 @@ from sweep import FULL_SWEEP
      "ring_rows"),                                                                      # > 227 KiB of ring
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, blocks_per_sm=9), "blocks_per_sm"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, prefetch=1), "prefetch"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, merge_cluster=2), "merge_cluster"),  # no acc_smem
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, cluster_size=2, acc_smem=True,
+          merge_cluster=2), "merge_cluster"),                                          # row clusters
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, acc_smem=True, merge_cluster=3),
+     "merge_cluster"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, two_pass=True, acc_smem=True), "acc_smem"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, split_stats=0), "split_stats"),
+    (dict(dtype="bfloat16", vec=4, threads_per_row=256, block_size=256, bulk_rows=2), "bulk_rows"),  # 8-byte vectors
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=2, ring_rows=2), "bulk_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=2, two_pass=True), "bulk_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=5), "bulk_rows"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=512, block_size=512, vecs_per_thread=16, bulk_rows=4),
+     "bulk_rows"),                                                                      # 512 KiB of stages
 ])
 def test_load_ahead_config_errors_name_the_field(params, field):
     with pytest.raises(ConfigError) as e:
@@ -41,6 +55,23 @@ def test_ring_shared_memory():
     # per stage: dy and x, 16 bytes a slot, 2 slots per thread, and two statistics per thread
     assert cfg.shared_mem_bytes == 3 * 256 * (2 * 2 * 16 + 2 * 4)
     assert cfg.replace(ring_rows=0).shared_mem_bytes == 0
+    # acc_smem: after the ring, float32 dweight and dbias sums for the thread's 2 x 8 elements
+    assert cfg.replace(acc_smem=True).shared_mem_bytes == cfg.shared_mem_bytes + 256 * 2 * 8 * 4 * 2
+    # bulk stages: dy and x, 16 bytes a slot (the statistics sit in static shared memory)
+    assert cfg.replace(ring_rows=0, bulk_rows=2).shared_mem_bytes == 2 * 256 * 2 * 2 * 16
+    assert cfg.replace(ring_rows=0, bulk_rows=2).min_arch == 90
+
+
+@pytest.mark.parametrize("n, arch, layer, acc, merge, min_blocks", [   # measured winners (rowwise_bwd.py)
+    (1024, "sm_90", False, False, 1, 1), (1024, "sm_90", True, False, 1, 1),
+    (4096, "sm_90", False, False, 1, 1), (4096, "sm_90", True, True, 1, 4),
+    (16384, "sm_90", False, True, 1, 4), (16384, "sm_90", True, True, 1, 4),
+    (4096, "sm_80", True, True, 1, 4), (65536, "sm_90", False, True, 1, 2),
+])
+def test_plan_bwd_occupancy_knobs(n, arch, layer, acc, merge, min_blocks):
+    cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, layer=layer)
+    assert (cfg.acc_smem, cfg.merge_cluster, cfg.min_blocks, cfg.split_stats) == (acc, merge, min_blocks, True)
+    assert cfg.launch_cluster == cfg.cluster_size * merge and cfg.min_arch == (90 if cfg.launch_cluster > 1 else 80)
 
 
 @pytest.mark.parametrize("n, dtype, vec", [
@@ -49,8 +80,9 @@ def test_ring_shared_memory():
 ])
 def test_plan_bwd_loads_directly(n, dtype, vec):
     # measured: loading ahead (ring or prefetch) lost to direct loads at every row class (rowwise_bwd.py)
-    cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90")
-    assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm) == (0, False, 0)
+    for layer in (False, True):
+        cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90", layer=layer)
+        assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm, cfg.bulk_rows) == (0, False, 0, 0)
 
 
 # ---- a few configs compile without spills (CPU) ------------------------------------------------------
@@ -60,10 +92,18 @@ COMPILED = [   # (label, config, arch): the ring knob at each row class, prefetc
     ("16k cluster ring", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").replace(ring_rows=2), "sm_90"),
     ("64k 512-thread cluster ring (128-register cap), float32 weights",
      rb.plan_bwd("norm_bwd", 65536, "bfloat16", 8, "sm_90", weight_dtype="float32").replace(ring_rows=2), "sm_90"),
-    ("4k block prefetch", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(prefetch=True), "sm_90"),
+    ("4k block prefetch", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(prefetch=True, min_blocks=1),
+     "sm_90"),
     ("16k cluster, the heuristic's direct loads", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90"), "sm_90"),
     ("sm_80 8k 512-thread block ring", rb.plan_bwd("norm_bwd", 8192, "bfloat16", 8, "sm_80").replace(ring_rows=2),
      "sm_80"),
+    ("4k block, merged clusters", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(
+        acc_smem=True, merge_cluster=4, min_blocks=4), "sm_90"),
+    ("1k group bulk stages", rb.plan_bwd("norm_bwd", 1024, "bfloat16", 8, "sm_90").replace(bulk_rows=2), "sm_90"),
+    ("16k cluster bulk stages, sums in shared memory",
+     rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).replace(bulk_rows=2), "sm_90"),
+    ("16k cluster, the first version", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").replace(
+        split_stats=False, acc_smem=False, min_blocks=1), "sm_90"),
 ]
 ROWS_KERNELS = ("rmsnorm_bwd_rows", "layernorm_bwd_rows")
 
@@ -80,12 +120,33 @@ def test_load_ahead_kernels_compile_without_spills(compiled):
     assert bad == []
 
 
+def test_occupancy_knobs_cut_registers(compiled):
+    """What the heuristic's acc_smem / split_stats / min_blocks are for: 4 blocks of 256 threads per
+    SM (<= 64 registers) where the first version's 16k kernels took 2 (> 85)."""
+    for name in ROWS_KERNELS:
+        new = compiled["16k cluster, the heuristic's direct loads"][1][name].resources.registers
+        old = compiled["16k cluster, the first version"][1][name].resources.registers
+        assert new <= 64 < 85 < old, (name, new, old)
+
+
+def test_merged_clusters_read_peers_once(compiled):
+    cfg, ks = compiled["4k block, merged clusters"]
+    assert cfg.merge_cluster == 4
+    for name, k in ks.items():
+        # the merge: one barrier.cluster pair, and peers' 16-byte chunks through DSMEM
+        assert "mapa.shared::cluster" in k.ptx and "ld.shared::cluster.v4.f32" in k.ptx, name
+
+
 def test_ring_copies_by_cp_async(compiled):
     for label, (cfg, ks) in compiled.items():
         for name, k in ks.items():
-            assert ("LDGSTS" in k.sass) == (cfg.ring_rows > 0), (label, name)
-            if cfg.ring_rows == 0:
+            # the bulk stages' saved statistics: two 4-byte cp.async per row beside the bulk copies
+            assert ("LDGSTS" in k.sass) == (cfg.ring_rows > 0 or cfg.bulk_rows > 0), (label, name)
+            assert ("UBLKCP" in k.sass) == (cfg.bulk_rows > 0), (label, name)
+            if cfg.ring_rows == 0 and cfg.bulk_rows == 0:
                 assert sass_stats(k.sass)["ldg_128"] >= 1, (label, name)
+            if cfg.bulk_rows:   # dy and x come only through the stages (the weight: 16-byte loads)
+                assert "SYNCS" in k.sass, (label, name)
 
 
 @pytest.mark.slow
@@ -108,9 +169,16 @@ def test_every_norm_bwd_heuristic_config_compiles_without_spills(arch):
 # several rows each and the last wave is ragged (blocks_per_sm=1: ~4x the rows per worker).
 LOAD_AHEAD = {
     "direct": dict(ring_rows=0, prefetch=False),
-    "prefetch": dict(ring_rows=0, prefetch=True),
+    "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2),
     "ring3_1blk": dict(ring_rows=3, blocks_per_sm=1),
+    # the first version's kernel (both statistics paths in one, sums in registers, no cap)
+    "old": dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1),
+    "acc_regs": dict(acc_smem=False, merge_cluster=1),
+    "acc_smem_unmerged": dict(merge_cluster=1),
+    # round 2: the next rows through cp.async.bulk stages per row team (sm_90)
+    "bulk2": dict(bulk_rows=2),
+    "bulk3_accreg": dict(bulk_rows=3, acc_smem=False, min_blocks=1),
 }
 LOAD_AHEAD_CASES = [(1024, 3001), (4096, 1111), (16384, 301)]
 # the ring on row classes the heuristic does not pick: narrow lane groups with rows past the end of
@@ -122,14 +190,64 @@ RING_CLASSES = [
 ]
 
 
+# bulk stages on row classes the heuristic does not pick: lane groups of 8 (8 teams per block, a
+# ragged row), a barrier cluster (RowTeam) with a partial last slot per block, an unaligned block
+# row, merged clusters with fewer rows than workers (teams whose rows are all past the end)
+BULK_CLASSES = [
+    (200, 1001, dict(threads_per_row=8, block_size=64, vecs_per_thread=4, bulk_rows=3)),
+    (5000, 333, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2, bulk_rows=2)),
+    (3000, 517, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, bulk_rows=4, blocks_per_sm=2)),
+    (4096, 5, dict(threads_per_row=256, block_size=256, vecs_per_thread=2, acc_smem=True, merge_cluster=4,
+                   bulk_rows=2)),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(LOAD_AHEAD))
 @pytest.mark.parametrize("n, rows", LOAD_AHEAD_CASES)
 def test_norm_backward_load_ahead_gpu(n, rows, variant):
     from rtkernels import device
+    from rtkernels.ops import rowwise as rw
     arch = device.current_arch()
-    _check_config(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
-                  .replace(**LOAD_AHEAD[variant]), n, rows, variant)
+    if LOAD_AHEAD[variant].get("bulk_rows") and rw._arch_number(arch) < 90:
+        pytest.skip("bulk copies need sm_90")
+    # the heuristic's tile per op (its occupancy knobs differ at 4k): each distinct config once
+    cfgs = dict.fromkeys(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
+                         .replace(**LOAD_AHEAD[variant]) for layer in (False, True))
+    for cfg in cfgs:
+        _check_config(cfg, n, rows, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, rows, fields", BULK_CLASSES)
+def test_norm_backward_bulk_row_classes_gpu(n, rows, fields):
+    from rtkernels import device
+    from rtkernels.ops import rowwise as rw
+    if rw._arch_number(device.current_arch()) < 90:
+        pytest.skip("bulk copies need sm_90")
+    _check_config(NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, **fields), n, rows, str(fields))
+
+
+# shared-memory sums merged by clusters on shapes the heuristic does not pick: narrow lane groups,
+# 2- and 1-element vectors (2- and 1-float shared chunks), clusters of 8, rows fewer than workers
+ACC_CLASSES = [
+    (200, 1001, dict(threads_per_row=8, block_size=64, vecs_per_thread=4, acc_smem=True, merge_cluster=2)),
+    (3000, 517, dict(threads_per_row=128, block_size=128, vecs_per_thread=4, acc_smem=True, merge_cluster=8)),
+    (1002, 333, dict(vec=2, threads_per_row=128, block_size=128, vecs_per_thread=4, acc_smem=True,
+                     merge_cluster=4, min_blocks=8)),
+    (999, 77, dict(vec=1, threads_per_row=256, block_size=256, vecs_per_thread=4, acc_smem=True, merge_cluster=2)),
+    (4096, 5, dict(threads_per_row=256, block_size=256, vecs_per_thread=2, acc_smem=True, merge_cluster=4)),
+    (5000, 333, dict(threads_per_row=128, block_size=128, vecs_per_thread=8, cluster_size=2, acc_smem=True,
+                     ring_rows=2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, rows, fields", ACC_CLASSES)
+def test_norm_backward_acc_smem_merge_gpu(n, rows, fields):
+    fields = dict(fields)
+    _check_config(NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", **{"vec": 8, **fields}), n, rows,
+                  str(fields))
 
 
 @pytest.mark.gpu
@@ -144,7 +262,7 @@ def _check_config(cfg, n, rows, variant):
     from rtkernels.ops import rowwise as rw
     cp, random_array, to_f64, poison = _gpu()
     dtype = "bfloat16"
-    if cfg.cluster_size > 1 and rw._arch_number(device.current_arch()) < 90:
+    if cfg.launch_cluster > 1 and rw._arch_number(device.current_arch()) < 90:
         pytest.skip("clusters need sm_90")
     rng = np.random.default_rng(n + rows)
     x, x64 = random_array(rng, (rows, n), dtype, scale=2.0)
@@ -186,7 +304,7 @@ def test_cluster_workers_fit_the_device_gpu():
     if rw._arch_number(arch) < 90:
         pytest.skip("clusters need sm_90")
     for n in (8192, 16384, 65536):
-        cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
+        cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=True)
         k = rtk.get_kernel(cfg, "layernorm_bwd_rows")
         cap = rb._cluster_capacity(k, cfg)
         workers = rb._resident_workers(k, cfg)

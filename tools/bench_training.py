@@ -14,9 +14,10 @@ the host is slower) and the candidates of a case alternate over several rounds (
     PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
         [--variants [NAME,...]]
 
---variants: the norm backward's load-ahead variants (NORM_VARIANTS: direct loads, prefetch in
-registers, shared-memory rings of 2-4 rows, fewer blocks per SM, other tiles) timed beside the
-heuristic config in the same rounds, each as % of the same copy, with its tile and worker count.
+--variants [NAMES|default|all]: the norm backward's variants (NORM_VARIANTS: the first version
+"old", then the column sums in shared memory, the register cap, clusters merging partial rows, the
+load-ahead schemes) timed beside the heuristic config in the same rounds, each as % of the same
+copy, with its tile, registers, resident workers and partial rows.
 
 Targets (issue 21): norm / softmax backward >= 0.85x copy at widths 1k-16k and >= 1.5x torch
 eager; cross-entropy (loss + grad) >= 0.85x copy and >= 2x torch; AdamW >= 0.85x copy and >= 1.0x
@@ -42,27 +43,42 @@ QUICK_CE_CASES = ((4096, 50257), (4096, 128256))
 
 
 # Overrides of the heuristic NormBwdConfig timed by --variants (invalid ones are skipped; "only"
-# limits one to the widths listed).  direct = the first version's rows kernel (nothing in flight
-# during a row's reduction and stores, one worker per resident block; the column sum is the new one).
+# limits one to the widths listed).  The heuristic ("rtk") is now (2026-11-26) split_stats with
+# the sums in registers at 1k and 4k RMSNorm, acc_smem + the 64-register cap at 4k LayerNorm and
+# 16k, no merged clusters.  prev_default = round 1's heuristic (acc_smem everywhere, merge_cluster 4
+# on lane-group / block rows, the cap on block / cluster rows); old = the first version's kernel
+# (2026-11-25: one kernel for saved and recomputed statistics, sums in registers, ptxas's count).
+_OLD = dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1, ring_rows=0, prefetch=False)
 NORM_VARIANTS = {
-    "direct": dict(ring_rows=0, prefetch=False, balance=False),
-    "direct_balanced": dict(ring_rows=0, prefetch=False),
-    "prefetch": dict(ring_rows=0, prefetch=True),
+    "prev_default": "prev_default",
+    "old": _OLD,
+    "split": dict(_OLD, split_stats=True),                     # + the saved-statistics kernel alone
+    "acc": dict(_OLD, split_stats=True, acc_smem=True),        # + sums in shared memory
+    "acc_64reg": dict(_OLD, split_stats=True, acc_smem=True, min_blocks=-1,   # + 64-register cap (lane groups spill)
+                      only=(2048, 4096, 8192, 16384, 32768, 65536)),
+    "acc_merge4": dict(_OLD, split_stats=True, acc_smem=True, merge_cluster=4, only=(1024, 2048, 4096)),
+    "merge2": dict(acc_smem=True, merge_cluster=2, only=(1024, 2048, 4096)),
+    # the next rows in flight per row team through cp.async.bulk stages (sm_90), on the heuristic
+    "bulk2": dict(bulk_rows=2),
+    "bulk3": dict(bulk_rows=3),
+    # bulk stages with the sums in registers and no cap, where the heuristic keeps them in shared
+    # memory (4k LayerNorm, 16k): the stages' shared memory instead of the sums'
+    "bulk2_accreg": dict(bulk_rows=2, acc_smem=False, min_blocks=1, only=(2048, 4096, 8192, 16384, 32768, 65536)),
+    # earlier load-ahead variants (rejected 2026-11-25), now on the new kernel
+    "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2, prefetch=False),
-    "ring2_unbalanced": dict(ring_rows=2, prefetch=False, balance=False),
-    "ring3": dict(ring_rows=3, prefetch=False),
-    "ring2_2blk": dict(ring_rows=2, prefetch=False, blocks_per_sm=2),
-    "ring3_1blk": dict(ring_rows=3, prefetch=False, blocks_per_sm=1),
-    "ring4_1blk": dict(ring_rows=4, prefetch=False, blocks_per_sm=1),
-    # 1k: 256-thread blocks of lane groups (half the partial rows of 128-thread blocks)
-    "grp256_ring2": dict(block_size=256, ring_rows=2, prefetch=False, only=(1024, 2048)),
-    # 16k: 8 blocks of 256 threads x 1 vector (half the registers per thread, more blocks per SM)
-    "c8v1_ring2": dict(cluster_size=8, vecs_per_thread=1, ring_rows=2, prefetch=False, only=(8192, 16384)),
-    "c8v1_direct": dict(cluster_size=8, vecs_per_thread=1, ring_rows=0, prefetch=False, only=(8192, 16384)),
 }
+DEFAULT_VARIANTS = "prev_default,old,bulk2,bulk3,bulk2_accreg"
 
 
-def _norm_variants(args, n):
+def _prev_default(base):
+    """Round 1's heuristic on `base`'s tile (rowwise_bwd.py before 2026-11-26)."""
+    cls_ = base.row_class
+    return base.replace(acc_smem=True, merge_cluster=4 if cls_ in ("group", "block") else 1,
+                        min_blocks=1 if cls_ == "group" else max(1, 1024 // base.block_size))
+
+
+def _norm_variants(args, n, layer):
     """name -> NormBwdConfig for --variants at width n (bf16 rows and weights, 16-byte vectors)."""
     if not args.variants:
         return {}
@@ -70,18 +86,29 @@ def _norm_variants(args, n):
     from rtkernels.ops import rowwise as rw
     from rtkernels.ops import rowwise_bwd as rb
     arch, _ = rw._arch_info()
-    base = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16")
-    names = list(NORM_VARIANTS) if args.variants == "all" else args.variants.split(",")
+    base = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
+    names = list(NORM_VARIANTS) if args.variants == "all" else \
+        (DEFAULT_VARIANTS if args.variants == "default" else args.variants).split(",")
     out = {}
     for name in names:
+        if NORM_VARIANTS[name] == "prev_default":
+            out[name] = _prev_default(base)
+            continue
         fields = dict(NORM_VARIANTS[name])
         only = fields.pop("only", None)
         if only and n not in only:
             continue
+        if fields.get("min_blocks") == -1:   # the heuristic's cap: 1024 threads per SM (64 registers)
+            fields["min_blocks"] = max(1, 1024 // base.block_size)
+        if fields.get("merge_cluster", 1) > 1 and base.cluster_size > 1:
+            continue
         try:
-            out[name] = base.replace(**fields)
+            cfg = base.replace(**fields)
         except ConfigError as exc:
             print(f"  variant {name} at n={n}: {exc}", flush=True)
+            continue
+        if cfg != base and cfg not in out.values():   # the heuristic is timed as "rtk" already
+            out[name] = cfg
     return out
 
 
@@ -92,7 +119,10 @@ def _describe(rtk, cfg, layer) -> str:
     r = k.resources
     return (f"{cfg.threads_per_row}x{cfg.vecs_per_thread}v{cfg.vec} blk{cfg.block_size} cl{cfg.cluster_size} "
             f"ring{cfg.ring_rows} pf{int(cfg.prefetch)} bps{cfg.blocks_per_sm} bal{int(cfg.balance)} "
-            f"regs{r.registers} smem{cfg.shared_mem_bytes} resident_workers{rb._resident_workers(k, cfg)}")
+            f"acc_smem{int(cfg.acc_smem)} split{int(cfg.split_stats)} min_blocks{cfg.min_blocks} "
+            f"merge{cfg.merge_cluster} bulk{cfg.bulk_rows} regs{r.registers} smem{cfg.shared_mem_bytes} "
+            f"resident_workers{rb._resident_workers(k, cfg)} "
+            f"partial_rows{rb._resident_workers(k, cfg) // cfg.merge_cluster * (2 if layer else 1)}")
 
 
 def _torch():
@@ -168,7 +198,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 y, rstd = rtk.rmsnorm(x, w, eps=1e-6, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.rmsnorm_backward(dy, x, w, eps=1e-6, out=dx, **kw)
-                for name, cfg in _norm_variants(args, n).items():
+                for name, cfg in _norm_variants(args, n, False).items():
                     fns[f"v_{name}"] = lambda cfg=cfg: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, config=cfg, **kw)
                     described[f"v_{name}"] = _describe(rtk, cfg, False)
                 nbytes = 3 * rows * n * 2 + 2 * n * 2 + rows * 4       # + weight read, dweight written, rstd
@@ -181,7 +211,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 y, mean, rstd = rtk.layernorm(x, w, b, eps=1e-5, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.layernorm_backward(dy, x, w, b, eps=1e-5, out=dx, **kw)
-                for name, cfg in _norm_variants(args, n).items():
+                for name, cfg in _norm_variants(args, n, True).items():
                     fns[f"v_{name}"] = lambda cfg=cfg: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx,
                                                                               config=cfg, **kw)
                     described[f"v_{name}"] = _describe(rtk, cfg, True)
@@ -204,7 +234,8 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
             if op != "softmax":
                 from rtkernels.ops import rowwise_bwd as rb
                 from rtkernels.ops import rowwise as rw
-                cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, rw._arch_info()[0], weight_dtype="bfloat16")
+                cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, rw._arch_info()[0], weight_dtype="bfloat16",
+                                  layer=op == "layernorm")
                 r["rtk_cfg"] = _describe(rtk, cfg, op == "layernorm")
                 r.update({f"{k}_cfg": v for k, v in described.items()})
             rows_out.append(r)

@@ -13,14 +13,18 @@ a cluster of blocks per row, chosen on the host by :func:`plan_bwd` (same config
 forward: ``vec``, ``threads_per_row``, ``block_size``, ``vecs_per_thread``, ``cluster_size``,
 ``cluster_push``, ``two_pass``; the norm backward's workers also ``ring_rows`` / ``prefetch``: the
 next rows in flight through a shared-memory ring or a second register set while one row is
-reduced and written, and ``blocks_per_sm`` / ``balance``: how many workers walk the rows).
+reduced and written, or (sm_90) ``bulk_rows``: the next rows of each row team in shared-memory
+stages filled by cp.async.bulk, and ``blocks_per_sm`` / ``balance``: how many workers walk the rows).
 
 dweight / dbias are **deterministic**: the rows kernel runs one resident wave of workers, each adding
 its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and writing one
 float32 partial row; a second kernel sums the partial rows of each column in a fixed order and
 rounds once to the weight's dtype.  The bits depend on the grid (the SM count and the config), so
-they repeat run to run on one GPU model.  Extra memory: ``2 * workers * n`` float32 (LayerNorm;
-RMSNorm half), e.g. 264 workers x 4096 columns = 8.6 MB.  There is no atomics mode.
+they repeat run to run on one GPU model.  Extra memory: ``2 * parts * n`` float32 (LayerNorm;
+RMSNorm half), parts = workers / merge_cluster, e.g. 132 x 4096 columns = 2.2 MB.  There is no
+atomics mode.  The rows kernel's column sums may live in shared memory (``acc_smem``), the
+workers of a cluster may merge theirs on chip before writing (``merge_cluster``), and the kernel
+for the saved statistics is compiled apart from the one that recomputes them (``split_stats``).
 """
 from __future__ import annotations
 
@@ -70,7 +74,8 @@ class NormBwdConfig(_BwdRowConfig):
 
     family: ClassVar[str] = "norm_bwd"
     template: ClassVar[str] = "norm_bwd.cu.j2"
-    kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_bwd_rows", "layernorm_bwd_rows", "norm_bwd_colsum")
+    kernels: ClassVar[tuple[str, ...]] = ("rmsnorm_bwd_rows", "layernorm_bwd_rows", "rmsnorm_bwd_rows_recompute",
+                                          "layernorm_bwd_rows_recompute", "norm_bwd_colsum")
     weight_dtype: str = "float16"
     two_pass: bool = False
     streaming: bool = True    # evict-first (.cs) loads of dy, x and stores of dx
@@ -82,15 +87,46 @@ class NormBwdConfig(_BwdRowConfig):
     # resident workers: 256 x 32 rows, not 264 with 8 of them walking a 32nd row alone at the end):
     # the same rows per worker on the critical path, no latency-bound last row, fewer partial rows.
     balance: bool = True
+    # The float32 dweight / dbias column sums of resident rows in this thread's words of shared
+    # memory instead of 16-32 registers held across the row loop (see _NORM_BWD_ACC_SMEM).
+    acc_smem: bool = False
+    # > 1 (sm_90, acc_smem, lane-group or block rows): clusters of this many independent workers
+    # whose sums block 0 adds through distributed shared memory at the end: one partial row (two
+    # for LayerNorm) per cluster instead of per block (see _NORM_BWD_MERGE).
+    merge_cluster: int = 1
+    # *_bwd_rows compiled for the saved statistics only (the recompute path in its own kernel,
+    # *_bwd_rows_recompute); False: one kernel with both paths, as the first version (its registers).
+    split_stats: bool = True
+    # > 0 (sm_90): each row team (lane group, block, a cluster row's block) keeps this many of its
+    # next rows in flight in shared-memory stages filled by cp.async.bulk - one lane per team
+    # issues them, completion on an mbarrier per stage (see the template's BwdBulk).
+    bulk_rows: int = 0
 
     def __post_init__(self):
-        for name in ("prefetch", "balance"):
+        for name in ("prefetch", "balance", "acc_smem", "split_stats"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
         self._check_int("blocks_per_sm", 0, 32)
+        self._check_int("bulk_rows", 0, 4)
         super().__post_init__()
+        if self.bulk_rows:
+            if self.vec * dtypes.itemsize(self.dtype) != 16:
+                self._fail("bulk_rows", f"0 unless vec * itemsize == 16 bytes (vec={self.vec}, {self.dtype})")
+            if self.two_pass or self.prefetch or self.ring_rows:
+                self._fail("bulk_rows", f"0 with two_pass, prefetch or ring_rows (two_pass={self.two_pass}, "
+                                        f"prefetch={self.prefetch}, ring_rows={self.ring_rows})")
         self._check_dtype("weight_dtype", tuple(dict.fromkeys((self.dtype, "float32"))))
+        self._check_choice("merge_cluster", (1, 2, 4, 8))
+        if self.merge_cluster > 1 and (not self.acc_smem or self.cluster_size > 1 or self.two_pass):
+            self._fail("merge_cluster", f"1 unless acc_smem=True with lane-group or block rows (acc_smem="
+                                        f"{self.acc_smem}, cluster_size={self.cluster_size}, two_pass={self.two_pass})")
+        if self.acc_smem and self.two_pass:
+            self._fail("acc_smem", "False with two_pass (its chunk's sums are in registers already)")
+        if self.shared_mem_bytes > rw._SMEM_MAX:
+            self._fail("bulk_rows" if self.bulk_rows else "acc_smem" if self.acc_smem else "ring_rows",
+                       f"a setting that needs at most {rw._SMEM_MAX} B of shared memory per block "
+                       f"({self.shared_mem_bytes} B requested)")
         if self.blocks_per_sm and self.blocks_per_sm * self.block_size > 2048:
             self._fail("blocks_per_sm", f"at most {2048 // self.block_size} (2048 threads per SM) with "
                                         f"block_size={self.block_size}, or 0")
@@ -98,8 +134,21 @@ class NormBwdConfig(_BwdRowConfig):
     @property
     def shared_mem_bytes(self) -> int:
         """Dynamic shared memory: ring_rows stages of dy and x (16 bytes per slot each) and the
-        saved statistics (two floats per thread)."""
-        return self.ring_rows * self.block_size * (32 * self.vecs_per_thread + 8)
+        saved statistics (two floats per thread), or bulk_rows stages of dy and x; then with acc_smem the dweight and dbias sums
+        (float32, vecs_per_thread * vec per thread each; RMSNorm's kernel leaves the dbias half
+        unused - one size for the config's kernels)."""
+        ring = self.ring_rows * self.block_size * (32 * self.vecs_per_thread + 8)
+        ring += self.bulk_rows * self.block_size * 32 * self.vecs_per_thread   # dy and x per stage
+        return ring + (8 * self.block_size * self.vecs_per_thread * self.vec if self.acc_smem else 0)
+
+    @property
+    def min_arch(self) -> int:
+        return 90 if self.merge_cluster > 1 or self.bulk_rows else super().min_arch
+
+    @property
+    def launch_cluster(self) -> int:
+        """Blocks per cluster at launch: a row's cluster, or merge_cluster workers."""
+        return self.cluster_size * self.merge_cluster
 
 
 @register_family
@@ -147,12 +196,42 @@ _BWD_TWO_PASS_BLOCK = 256
 # Per row class (lane groups, a block, a cluster per row):
 _NORM_BWD_RING_ROWS = {"group": 0, "block": 0, "cluster": 0}
 _NORM_BWD_BLOCKS_PER_SM = {"group": 0, "block": 0, "cluster": 0}   # 0: every block that fits
+# Occupancy is what the rows kernel lacks (ncu, H200, 2026-11-25: 8192 x 16384 RMSNorm / LayerNorm
+# at 53% / 43% of DRAM peak with 2 blocks of 256 per SM - register-limited, 25% occupancy, 0.56
+# eligible warps per scheduler, 58% of stalls on global loads; 32768 x 4096 RMSNorm at 79% with 3).
+# Knobs that buy blocks per SM: the saved-statistics kernel without the recompute path
+# (split_stats, 7-14 registers), the dweight / dbias sums in shared memory (acc_smem, 8-32), a
+# 64-register cap (min_blocks), and merge_cluster (sm_90: 4 workers sum their partial rows on chip,
+# so more workers do not mean more partial rows).  Measured (H200, 2026-11-26, bench_training.py
+# --quick --variants, bf16, 192 MiB per case, % of a 1 GiB copy, RMSNorm / LayerNorm):
+#                                        1k group      4k block      16k cluster
+#   first version (ptxas's registers)    76.2 / 72.5   71.4 / 57.0   62.0 / 47.5
+#   + split_stats                        76.7 / 72.7   72.0 / 57.0   62.2 / 47.7
+#   + acc_smem                           70.1 / 69.3   70.6 / 60.5   62.5 / 54.9
+#   + acc_smem + 64 registers            (spills)      71.1 / 60.7   67.5 / 59.1
+#   + acc_smem + merge_cluster 4         66.0 / 61.8   67.6 / 57.8   -
+# split_stats is free; acc_smem + the cap pay where registers bound the blocks per SM (16k: 3 -> 4
+# blocks of 256; 4k LayerNorm: 3 -> 4) and cost where they did not (1k lane groups: the shared
+# round trip per row, ~10% more instructions; 4k RMSNorm: 72.0 without, 71.1 with); merging
+# clusters lost everywhere (the merge's cluster barriers hold every worker of a cluster at the end).
+# Per row class, (RMSNorm, LayerNorm):
+_NORM_BWD_ACC_SMEM = {"group": (False, False), "block": (False, True), "cluster": (True, True)}
+_NORM_BWD_MERGE = {"group": 1, "block": 1, "cluster": 1}   # sm_90; kept as a knob
+# Threads per SM the register cap aims at (min_blocks = this / block_size; 0: no cap): 1024 = 64
+# registers, which ptxas meets without spilling for 16-element threads with acc_smem (16k cluster
+# rows: 72 -> 63 RMSNorm, 80 -> 63 LayerNorm, +3% instructions; 4 blocks of 256 per SM instead of
+# 3).  Lane groups (32 elements per thread) spill under 64 and keep ptxas's choice.
+_NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (1024, 1024)}
+# Rows in flight per row team through bulk-copy stages (bulk_rows, sm_90): 0 until measured.
+_NORM_BWD_BULK_ROWS = {"group": 0, "block": 0, "cluster": 0}
 
 
-def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None) -> KernelConfig:
+def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None,
+             layer: bool = False) -> KernelConfig:
     """The heuristic config of ``family`` ("norm_bwd" or "softmax_bwd") for rows of ``n`` elements
     accessed ``vec`` at a time; like :func:`rowwise.plan`, n matters only through the power of two
-    >= n / vec."""
+    >= n / vec.  ``layer``: the config for layernorm_backward (norm_bwd's occupancy knobs differ
+    by op where measured)."""
     size = dtypes.itemsize(dtype)
     nvec = rw._pow2_ceil(-(-n // vec))
     vmax = min(8, max(1, _BWD_ELEMS_PER_THREAD[family][size] // vec))
@@ -168,8 +247,14 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
         # threads: norm_bwd's 16-bit LayerNorm takes 95-135 registers and needs no more).
         cfg = cls(**common, block_size=block, **fields)
         if family == "norm_bwd" and not cfg.two_pass:
-            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cfg.row_class] if vec * size == 16 else 0,
-                              blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cfg.row_class])
+            cls_ = cfg.row_class
+            acc = _NORM_BWD_ACC_SMEM[cls_][int(layer)]
+            wide = vec * size == 16
+            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cls_] if wide else 0,
+                              blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cls_], acc_smem=acc,
+                              merge_cluster=_NORM_BWD_MERGE[cls_] if acc and hopper else 1,
+                              bulk_rows=_NORM_BWD_BULK_ROWS[cls_] if wide and hopper else 0,
+                              min_blocks=max(1, _NORM_BWD_THREADS_PER_SM[cls_][int(layer)] // cfg.block_size))
         return cfg
 
     gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
@@ -190,8 +275,8 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
 
 
 @lru_cache(maxsize=1024)
-def _planned(family, n_bucket, dtype, vec, arch, weight_dtype):
-    return plan_bwd(family, n_bucket, dtype, vec, arch, weight_dtype=weight_dtype)
+def _planned(family, n_bucket, dtype, vec, arch, weight_dtype, layer):
+    return plan_bwd(family, n_bucket, dtype, vec, arch, weight_dtype=weight_dtype, layer=layer)
 
 
 def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
@@ -207,7 +292,9 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
                     if (1 << k) * vec > 1 << 20:
                         break
                     for wdt in wdts:
-                        seen.setdefault(plan_bwd(family, (1 << k) * vec, dtype, vec, arch, weight_dtype=wdt), family)
+                        for layer in ((False, True) if family == "norm_bwd" else (False,)):
+                            seen.setdefault(plan_bwd(family, (1 << k) * vec, dtype, vec, arch, weight_dtype=wdt,
+                                                     layer=layer), family)
                 vec //= 2
     return [(family, cfg) for cfg, family in seen.items()]
 
@@ -216,7 +303,8 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weig
     arch, _ = rw._arch_info()
     cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
     if config is None:
-        return _planned(family, rw._pow2_ceil(-(-n // vec)) * vec, dtype, vec, arch, weight_dtype)
+        return _planned(family, rw._pow2_ceil(-(-n // vec)) * vec, dtype, vec, arch, weight_dtype,
+                        op == "layernorm_backward")
     if not isinstance(config, cls):
         raise ConfigError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}", family=op,
                           field="config", value=config)
@@ -245,11 +333,11 @@ def _resident_workers(k, cfg) -> int:
     device at once, or ``blocks_per_sm`` per SM when that is fewer.  A worker that finds no room
     waits for a whole worker to finish - a second wave that doubles the kernel's time - so clusters
     are counted by the driver (which places them GPC by GPC), not by SMs x blocks per SM."""
-    workers = rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)
+    workers = rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.launch_cluster)
     if getattr(cfg, "blocks_per_sm", 0):
         _, sms = rw._arch_info()
-        workers = min(workers, max(1, sms * cfg.blocks_per_sm // cfg.cluster_size))
-    return workers
+        workers = min(workers, max(1, sms * cfg.blocks_per_sm // cfg.launch_cluster))
+    return workers * cfg.merge_cluster   # merge_cluster: each block of a cluster is a worker
 
 
 # ---- array checks shared by the ops -------------------------------------------------------------
@@ -393,19 +481,22 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     while vec > 1 and rw._ptr(wv) % min(16, vec * dtypes.itemsize(wdt)):
         vec //= 2
     cfg = _config_for("norm_bwd", config, n, dt, vec, op, weight_dtype=wdt)
-    k = get_kernel(cfg, "layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
+    k = get_kernel(cfg, ("layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
+                   + ("" if rstd is not None else "_recompute"))
     units = -(-rows // cfg.rows_per_block)
     resident = _resident_workers(k, cfg)
     workers = min(units, resident)
     if cfg.balance and units > resident:
         workers = -(-units // -(-units // resident))   # as many rows each as ceil(units / resident)
+    m = cfg.merge_cluster
+    workers = -(-workers // m) * m             # whole clusters (resident is a multiple of m)
     ldp = -(-n // 4) * 4                       # float4-aligned partial rows
-    nparts = (2 if layer else 1) * workers
+    nparts = (2 if layer else 1) * (workers // m)
     rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), cfg.shared_mem_bytes,
                          (rows, n, dys, xs, dxs, ldp, float(eps)))
     cols = _colsum_columns(n)
     colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // cols), 2 if dbias is not None else 1),
-                    (1024,), 0, (workers, n, ldp, cols))
+                    (1024,), 0, (workers // m, n, ldp, cols))
     plan = _NormBwdPlan(rows_launch, colsum, OutputPlan.of(rows_launch, out), (max(nparts, 1), ldp),
                         rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None)
     # launch
