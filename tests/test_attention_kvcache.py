@@ -148,6 +148,15 @@ def test_num_splits_heuristic():
     for ctas in range(1, 140):
         s = choose_num_splits(ctas, 1 << 20, sms)
         assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= sms)
+    # compute-heavy CTAs (>= HEAVY_ROWS query rows per kv head): two per SM, >= 16 x rows keys per split
+    heavy = kv_mod.HEAVY_ROWS
+    assert choose_num_splits(64, 8192, sms, rows=64) == 4          # B8 S8k 32/8, seqlen_q 16: 256 CTAs
+    assert choose_num_splits(64, 8192, sms, rows=heavy - 1) == 1   # below: the decode rule
+    assert choose_num_splits(264, 8192, sms, rows=64) == 1
+    assert choose_num_splits(8, 2048, sms, rows=128) == 2048 // (kv_mod.HEAVY_KEYS_PER_ROW * 128)
+    for ctas in range(1, 300):
+        s = choose_num_splits(ctas, 1 << 20, sms, rows=64)
+        assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= kv_mod.COMPUTE_FILL * sms)
 
 
 # ---- references -----------------------------------------------------------------------------------
@@ -842,6 +851,42 @@ def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_strea
         cp.cuda.Device().synchronize()
         assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
         assert np.array_equal(lse_eager.get(), lse.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
+def test_gpu_speculative_default_rows_mode_graph_replay(page):
+    """seqlen_q 16 x group 4 = 64 rows per kv head: the default is the rows mode with the heavy
+    split rule (several splits, combine launch or fused merge); captured in a CuPy graph and
+    replayed with new lengths (ragged, 0 and 1 among them), against the reference each time."""
+    import cupy as cp
+    from gpu_util import to_f64
+    cap = 4096
+    x = _make(_seed(), 3, 16, 32, 8, 128, "bfloat16", page, cap, lens=[cap - 16] * 3)
+    out = cp.empty(x.q.shape, x.q.dtype)
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, None, None, out)
+    plan, _ = kv_mod._plan(arrays, True, None, True, None, "bfloat16")
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.warp_split == "rows" and plan.num_splits > 1, plan
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        _call(x, out=out)
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, return_lse=True)
+        graph = s.end_capture()
+    rng = np.random.default_rng(_seed())
+    for step, fixed in enumerate(([0, 1, cap - 16], None, None)):
+        x.lens_h = np.array(fixed if fixed else rng.integers(0, cap - 16, size=3), np.int32)
+        x.lens.set(x.lens_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"rows-mode graph replay {step} lens {x.lens_h.tolist()}")
+        eager, lse_eager = _call(x, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
 
 
 @pytest.mark.gpu

@@ -221,11 +221,15 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
 ]
 
 # Which warp split serves which row count (rows = seqlen_q x GQA group per kv head).
-# Keys mode everywhere by default.  Measured (H100, 2026-11-25, seqlen_q 16 x group 4 = 64 rows,
-# B8 S8k 32/8 d128): keys mode with two 32-row tiles (each reading K/V) 67% of copy; the rows mode
-# (K/V read once for all 64 rows, one m-tile per warp, one __syncthreads per tile) only 51%, and
-# 22% paged.  The rows mode stays selectable for measurement until it beats keys mode.
-ROWS_MODE_ABOVE = 1 << 30   # rows mode is opt-in (RTKERNELS_DECODE_WARP_SPLIT=rows): see below
+# Keys mode up to 32 rows, rows mode above.  Measured (H100, 2026-11-25, seqlen_q 16 x group 4 = 64
+# rows, B8 S8k 32/8 d128): keys mode with two 32-row tiles 67% of copy, the rows mode 51% - but that
+# rows mode ran 64 CTAs (one row tile, no split: half the SMs) and its 64-key tiles spilled (36 B at
+# 255 registers, causal).  ncu of the keys mode there (H200, 2026-11-26): one warp per scheduler
+# issuing every 2.6 cycles (latency-bound, ALU the busiest pipe), L2 hit rate 62% (the second row
+# tile re-reads K/V), DRAM at 39% of peak.  The rows mode reads K/V once for up to 128 rows,
+# rescales O once per 32 keys instead of 16 and, split to two CTAs per SM (COMPUTE_FILL), runs two
+# warps per scheduler.  Reasoned from that profile; tools/bench_decode.py --variants times both.
+ROWS_MODE_ABOVE = 32
 # Decoding (<= 16 rows): "keys" until the rows mode's several-kv-heads-per-CTA variant (each CTA
 # reads a key's kv_heads x head_dim run contiguously, the DRAM-locality hypothesis of issue #15)
 # is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
@@ -242,6 +246,15 @@ MIN_KEYS_PER_SPLIT = 256
 # 64 CTAs with 64 KB in flight each already pull the HBM's bandwidth.
 NO_SPLIT_FILL = 0.45
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
+# CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
+# compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows), so one 4-warp CTA per SM is
+# latency-bound (see ROWS_MODE_ABOVE); their grids split until every SM holds COMPUTE_FILL CTAs.
+# Their partials are heavier too (rows x head_dim float32 per split against keys x head_dim x 4
+# bytes of K/V): at least HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V
+# bytes.  Reasoned (ncu, B8 S8k seqlen_q 16: 128 CTAs of one warp per scheduler).
+HEAVY_ROWS = 32
+COMPUTE_FILL = 2
+HEAVY_KEYS_PER_ROW = 16
 # The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
 # launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.
 # Reasoned: a CTA keeps ~32 KB of loads in flight, ~1 us each round trip.
@@ -309,8 +322,9 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
             if kv * rw <= 8:
                 for bn in ((block_n,) if block_n else (64, 32, 16)):
                     iters = -(-kv * bn * chunks // threads)
-                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d > 128's O
-                    too_big = bn > max(16, target // kv) or (hd_pad > 128 and bn > 32)
+                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d >= 128's O
+                    # (d128, 64-key tiles, causal: 255 registers and 36 B of spills, NVRTC 13.5 sm_90)
+                    too_big = bn > max(16, target // kv) or (hd_pad >= 128 and bn > 32)
                     if not block_n and (too_big or (bn > 16 and iters > MAX_LOAD_ITERS)):
                         continue
                     if not block_n and iters > MAX_LOAD_ITERS and kv > 1:
@@ -363,7 +377,7 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
                       family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
-def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False) -> int:
+def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
     x row tiles) over a cache of ``capacity`` keys per sequence.
 
@@ -375,11 +389,19 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False) -
         70.6% at 33 (264 CTAs, two per SM), 75.0% at 8; B1 S128k 94.2% at 8, 91.6% at 16, 88.9% at
         33 - less the old merge's ~0.33 us per split, 8 and 16 splits run the same, 33 no faster.
         So sms // ctas splits: never a second CTA on an SM (its SM's slower share would finish last).
+    CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
+    of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
     No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
     actual lengths): the plan must not read device data.
     """
     if ctas <= 0:
         return 1
+    if rows >= HEAVY_ROWS:
+        # compute-heavy CTAs (``rows`` query rows per kv head): fill every SM COMPUTE_FILL times
+        if ctas >= COMPUTE_FILL * sms:
+            return 1
+        min_keys = max(MIN_KEYS_PER_SPLIT, HEAVY_KEYS_PER_ROW * rows)
+        return max(1, min(COMPUTE_FILL * sms // ctas, capacity // min_keys, MAX_SPLITS))
     if paged and NO_SPLIT_FILL * sms <= ctas < PAGED_FILL * sms:
         # A paged CTA waits on a block-table read before each page's copies, so one CTA per SM
         # leaves bandwidth idle: B8 S8k 32/8 d128 paged16 ran 61.8% of copy unsplit (64 CTAs) vs
@@ -595,8 +617,9 @@ ORDER = {"splits": 0, "heads": 1}
 DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
-# num_stages, num_warps), order ("splits"/"heads"), combine ("fused"/"kernel") and num_splits
-# overriding the heuristics; part of every plan's key.  None in normal use.
+# num_stages, num_warps), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits and
+# split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule) overriding the heuristics;
+# part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
 
@@ -627,12 +650,15 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
-    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms, p.paged))
+    head_rows = min(cfg.rows, max(rows_total, 1))   # query rows per kv head of a CTA: its FLOPs per K/V byte
+    cta_rows = cfg.kv_heads * head_rows
+    split_rows = 1 if v.get("split_rule") == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
+    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms, p.paged,
+                                                                             split_rows))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
     rows_all = p.batch * p.seqlen_q * p.nheads
-    cta_rows = cfg.kv_heads * min(cfg.rows, max(rows_total, 1))
     fused = False
     if num_splits > 1:
         fits = 16 + 4 * cta_rows * num_splits <= cfg.shared_mem_bytes   # the merge's weights
