@@ -36,6 +36,7 @@ kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
     dict(num_stages=7), dict(paged="yes"), dict(q_in_regs="no"), dict(warp_split="heads"), dict(kv_heads=2),
     dict(kv_heads=3, warp_split="rows"), dict(num_warps=4, warp_split="rows", kv_heads=8, rows=16),
     dict(rows=16, warp_split="rows", num_warps=4, kv_heads=2), dict(num_warps=9, warp_split="rows", rows=144),
+    dict(schedule="persistent"), dict(schedule="streamk", warp_split="rows", rows=64, num_warps=4),
 ])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
@@ -365,6 +366,7 @@ COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal, choose_
     ("sm_90", "float16", 256, 128, True, True, {}),                                # rows: Q in shared memory
     ("sm_80", "bfloat16", 128, 8, True, False, {}),
     ("sm_80", "float16", 256, 16, False, True, {}),
+    ("sm_90", "bfloat16", 128, 8, True, False, dict(schedule="streamk")),             # stream-K: keys mode
 ]
 
 
@@ -629,6 +631,77 @@ def test_gpu_rows_mode_many_rows(variant, sq, hkv):
         plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None), True, None, True, splits,
                                "bfloat16")
         assert plan.config.warp_split == "rows", plan.config
+
+
+# schedule="streamk" (opt-in): the grid shares all key tiles equally; items cut by CTA boundaries
+# are merged by their last CTA.  Cases: one long sequence over every CTA, many short items per CTA,
+# ragged lengths with 0 and 1, pages, appends, several query rows (causal), padded head dims.
+STREAMK_CASES = [   # (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, lens)
+    (1, 1, 32, 8, 128, "bfloat16", None, 0, 20000, [19999]),
+    (1, 1, 8, 1, 128, "float16", 64, 1, 9000, [8000]),
+    (37, 1, 16, 4, 128, "bfloat16", None, 0, 300, None),
+    (6, 1, 16, 16, 64, "float16", 16, 0, 1500, None),
+    (5, 4, 24, 4, 80, "bfloat16", 32, 4, 900, None),
+    (3, 2, 16, 2, 256, "float16", None, 2, 700, None),
+    (2, 1, 8, 8, 96, "bfloat16", None, 0, 40, [0, 1]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,lens", STREAMK_CASES)
+def test_gpu_streamk_against_float64_reference(variant, batch, sq, h, hkv, d, dtype, page, new, cap, lens):
+    variant(dict(schedule="streamk"))
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, lens)
+    plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None), True, None, True, None,
+                           "bfloat16" if dtype == "bfloat16" else None)
+    print(plan.config, "grid", plan.split.grid)
+    assert plan.config.schedule == "streamk" and plan.split.grid[0] > 1, plan
+
+
+@pytest.mark.gpu
+def test_gpu_streamk_graph_replay_with_new_lengths(variant):
+    """Captured once; replays with new ragged lengths move every CTA boundary (W is read on the
+    device); the merge counters are back at zero after every launch."""
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(schedule="streamk"))
+    cap = 3000
+    x = _make(_seed(), 5, 1, 32, 8, 128, "bfloat16", 16, cap, lens=[cap] * 5)
+    out = cp.empty(x.q.shape, x.q.dtype)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        _call(x, out=out, return_lse=True)
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, return_lse=True)
+        graph = s.end_capture()
+    rng = np.random.default_rng(_seed())
+    for step, fixed in enumerate(([0, 1, cap, 17, 2999], None, None, [cap] * 5)):
+        x.lens_h = np.array(fixed if fixed else rng.integers(0, cap + 1, size=5), np.int32)
+        x.lens.set(x.lens_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"stream-K graph replay {step} lens {x.lens_h.tolist()}")
+        eager, lse_eager = _call(x, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
+
+
+@pytest.mark.gpu
+def test_gpu_streamk_bad_page_gives_nan_for_that_sequence_only(variant):
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(schedule="streamk"))
+    x = _make(_seed(), 3, 1, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
+    x.table_h[1, 100] = 1 << 30
+    x.table.set(x.table_h)
+    o, lse = _call(x, return_lse=True)
+    cp.cuda.Device().synchronize()
+    got = to_f64(o, "bfloat16")
+    assert np.isnan(got[1]).all() and np.isnan(lse.get()[1]).all(), "sequence 1 must be NaN"
+    assert not np.isnan(got[[0, 2]]).any() and not np.isnan(lse.get()[[0, 2]]).any(), "others must be finite"
 
 
 @pytest.mark.gpu

@@ -26,8 +26,9 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 ``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
-order splits|heads, combine fused|kernel, split_rule decode) on the ``--variant-layouts``; ``--splits`` adds forced
-split counts for the default and every variant.  ``--host-profile`` times the pieces of a call.
+order splits|heads, combine fused|kernel, split_rule decode, schedule streamk) on the
+``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
+``--host-profile`` times the pieces of a call.
 """
 from __future__ import annotations
 
@@ -161,6 +162,8 @@ def _short(plan):
     cfg = plan.config
     mode = "K" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h"
     comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
+    if cfg.schedule == "streamk":   # a grid of a few CTAs per SM sharing the key tiles
+        return f"SK r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{plan.split.grid[0]}"
     return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}"
 
 

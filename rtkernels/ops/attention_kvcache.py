@@ -48,6 +48,7 @@ COMBINE_THREADS = 256     # one output row per combine CTA
 APPEND_THREADS = 256
 _GRID_X_MAX = 2 ** 31 - 1
 WARP_SPLITS = ("keys", "rows")
+SCHEDULES = ("split", "streamk")
 
 
 @register_family
@@ -74,6 +75,8 @@ class AttentionDecodeConfig(AttentionShape):
     paged : K/V addressed through a block table (page sizes: multiples of 16).
     q_in_regs : keep Q's A fragments in registers (keys mode: read from shared memory once; rows
         mode: loaded from global memory straight into registers, no Q tile in shared memory).
+    schedule : "split": one CTA per (row tile, split, sequence, head group).  "streamk" (keys mode,
+        one row tile): a grid of a few CTAs per SM sharing all key tiles equally (template header).
     """
 
     family: ClassVar[str] = FAMILY
@@ -92,6 +95,7 @@ class AttentionDecodeConfig(AttentionShape):
     q_in_regs: bool = True
     warp_split: str = "keys"
     kv_heads: int = 1
+    schedule: str = "split"
 
     def __post_init__(self):
         self._check_shape()
@@ -101,6 +105,9 @@ class AttentionDecodeConfig(AttentionShape):
         self._check_choice("paged", (False, True))
         self._check_choice("q_in_regs", (False, True))
         self._check_choice("kv_heads", (1, 2, 4, 8))
+        self._check_choice("schedule", SCHEDULES)
+        if self.schedule == "streamk" and self.warp_split != "keys":
+            self._fail("schedule", "'split' with warp_split='rows' ('streamk' is keys mode only)")
         if self.warp_split == "keys":
             self._check_choice("rows", (16, 32, 48, 64))
             self._check_choice("num_warps", (1, 2, 4, 8))
@@ -344,7 +351,7 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
                   nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
                   block_n: int | None = None, num_stages: int | None = None,
-                  num_warps: int | None = None) -> AttentionDecodeConfig:
+                  num_warps: int | None = None, schedule: str = "split") -> AttentionDecodeConfig:
     """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
     rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
     (tuning: tools/bench_decode.py --variants)."""
@@ -370,7 +377,8 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
         hd_pad = -(-head_dim // 16) * 16
         cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=rows, block_n=bn,
                                     num_warps=t.num_warps, num_stages=t.num_stages, paged=paged,
-                                    q_in_regs=rows * hd_pad <= 2048)   # Q fragments: <= 32 registers
+                                    q_in_regs=rows * hd_pad <= 2048,   # Q fragments: <= 32 registers
+                                    schedule=schedule)
         if cfg.shared_mem_bytes <= limit:
             return cfg
     raise ConfigError(f"{OP}: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per block",
@@ -617,9 +625,9 @@ ORDER = {"splits": 0, "heads": 1}
 DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
-# num_stages, num_warps), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits and
-# split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule) overriding the heuristics;
-# part of every plan's key.  None in normal use.
+# num_stages, num_warps, schedule), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
+# and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule) overriding the
+# heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
 
@@ -645,8 +653,13 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     if empty or (p.seqlen_q == 0 and p.seqlen_new == 0):
         return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
     rows_total = p.seqlen_q * group
+    fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule") if f in v}
     cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
-                        **{f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps") if f in v})
+                        **fields)
+    if cfg.schedule == "streamk" and rows_total > cfg.rows:   # stream-K takes one row tile per item
+        fields["schedule"] = "split"
+        cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
+                            **fields)
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
@@ -655,6 +668,8 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     split_rows = 1 if v.get("split_rule") == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
     num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms, p.paged,
                                                                              split_rows))
+    if cfg.schedule == "streamk":
+        return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch)
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
@@ -686,6 +701,31 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                                  (COMBINE_THREADS,), 0, (args,))
     return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
                 lse_off, counter_bytes, torch, p.device)
+
+
+def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, out_shape, out_dtype, lse_shape, f32,
+                  torch: bool) -> Plan:
+    """schedule="streamk": as many CTAs as fit on the SMs at once (the kernel's occupancy), never more
+    than the work units (key tiles of all items at full capacity); partials: two slots of rows x
+    head_dim float32 (and rows lse) per CTA; a merge counter per (sequence, kv head)."""
+    from ..arch import occupancy
+    from ..kernel import get_kernel
+    kernel = get_kernel(cfg, "attention_decode", arch=arch)
+    per_sm = occupancy(arch, cfg.threads_per_block, kernel.resources.registers, 0, cfg.shared_mem_bytes).blocks_per_sm
+    units = p.batch * p.nheads_kv * max(1, -(-p.capacity // cfg.block_n))
+    grid = max(1, min(max(1, per_sm) * sms, units))
+    args = _args(p, cfg, 1, 1)
+    append = None
+    if p.seqlen_new > 0:
+        n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
+        append = Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
+                        (APPEND_THREADS,), 0, (args,))
+    split = None
+    if p.seqlen_q > 0:
+        split = Launch(kernel, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
+    lse_off = 4 * grid * 2 * cfg.rows * p.head_dim
+    return Plan(split, None, append, cfg, 1, False, out_shape, out_dtype, lse_shape, f32,
+                lse_off + 4 * grid * 2 * cfg.rows, lse_off, 4 * p.batch * p.nheads_kv, torch, p.device)
 
 
 # ---- workspace (split-KV partials, fused-merge counters) per (device, stream): ops/workspace.py ----
