@@ -21,7 +21,7 @@ import rtkernels as rtk
 from rtkernels import inspect as rtk_inspect
 from rtkernels.errors import ConfigError
 from rtkernels.ops.attention_kvcache import (ARGS_DTYPE, DECODE_ARGS, DECODE_PTRS, HEURISTICS, MAX_SPLITS,
-                                             MIN_KEYS_PER_SPLIT, NO_SPLIT_FILL, PTRS_DTYPE, AttentionDecodeConfig,
+                                             MIN_KEYS_PER_SPLIT, PTRS_DTYPE, AttentionDecodeConfig,
                                              attention_kvcache, attention_kvcache_reference, check,
                                              check_kvcache_inputs, choose_config, choose_num_splits,
                                              combine_reference, max_rows, rows_for)
@@ -70,9 +70,10 @@ def _c_struct_fields(source: str, name: str):
         decl = " ".join(decl.split())
         if not decl:
             continue
-        m = re.match(r"(?:const\s+)?(long long|int\*|int|float\*|float|T\*)\s+(.*)", decl)
+        m = re.match(r"(?:const\s+)?(long long|int\*|int|unsigned|float\*|float|T\*)\s+(.*)", decl)
         ctype, names = m.group(1), [n.strip() for n in m.group(2).split(",")]
-        fields += [(n, {"long long": "i8", "int": "i4", "float": "f4"}.get(ctype, "u8")) for n in names]
+        fields += [(n, {"long long": "i8", "int": "i4", "unsigned": "u4", "float": "f4"}.get(ctype, "u8"))
+                   for n in names]
     return fields
 
 
@@ -87,7 +88,18 @@ def test_args_struct_matches_the_template():
     assert PTRS_DTYPE.itemsize == 8 * len(DECODE_PTRS)
     c_size = sum(int(t[1]) for _, t in DECODE_ARGS)
     assert ARGS_DTYPE.itemsize == c_size and c_size % 8 == 0
-    assert sum(t == "i4" or t == "f4" for _, t in DECODE_ARGS) % 2 == 0
+    assert sum(t in ("i4", "u4", "f4") for _, t in DECODE_ARGS) % 2 == 0
+
+
+def test_page_divisor_divides_every_key():
+    """The kernels' key // page_size without a division: (umulhi(key, magic) + key) >> shift."""
+    keys = np.concatenate([np.arange(1 << 16), np.random.default_rng(0).integers(0, 2 ** 31 - 2 ** 16, 1 << 16),
+                           np.arange(2 ** 31 - 2 ** 16 - 4096, 2 ** 31 - 2 ** 16)]).astype(np.uint64)
+    for ps in list(range(16, 4097, 16)) + [2 ** 20, 2 ** 31 - 2 ** 16 - 16]:
+        magic, shift = kv_mod.page_divisor(ps)
+        assert 0 < magic < 2 ** 32
+        q = (((keys * np.uint64(magic)) >> np.uint64(32)) + keys) >> np.uint64(shift)
+        assert np.array_equal(q, keys // np.uint64(ps)), ps
 
 
 def test_template_renders_constexpr_block():
@@ -134,25 +146,37 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
 
 def test_num_splits_heuristic():
     sms = 132
-    # enough CTAs for ~half the SMs already: no split (measured: B8 S8k, 64 CTAs, 1 split fastest)
+    # a grid of >= one CTA per SM: no split (H200: B64 S2k 512 CTAs 93.1% unsplit vs 86.8% at 2)
     assert choose_num_splits(132, 1 << 20, sms) == 1
-    assert choose_num_splits(64, 8192, sms) == 1 and NO_SPLIT_FILL * sms <= 64
     assert choose_num_splits(1024, 1024, sms) == 1
-    # B=1, 8 kv heads, 32k keys: one CTA per SM (16 x 8 = 128 CTAs), never a second one
-    assert choose_num_splits(8, 32768, sms) == 16
-    assert choose_num_splits(32, 32768, sms) == 4
+    # fewer CTAs than SMs: fill every resident slot once (H200: B8 S8k, 64 CTAs, 51.5% unsplit)
+    assert choose_num_splits(64, 8192, sms) == 4
+    assert choose_num_splits(64, 8192, sms, ctas_per_sm=1) == 2
+    assert choose_num_splits(100, 8192, sms) == 2                  # 200 CTAs: no SM idle
+    assert choose_num_splits(8, 32768, sms) == 33
+    assert choose_num_splits(8, 32768, sms, ctas_per_sm=1) == 16
+    assert choose_num_splits(128, 8192, sms, ctas_per_sm=1) == 1   # one CTA per SM already (8-warp tiles)
+    # paged: two CTAs per SM whatever the occupancy (block-table reads)
+    assert choose_num_splits(64, 8192, sms, paged=True, ctas_per_sm=1) == 4
+    assert choose_num_splits(132, 8192, sms, paged=True) == 2
     # short caches: no split shorter than MIN_KEYS_PER_SPLIT keys
     assert choose_num_splits(8, 1024, sms) == 1024 // MIN_KEYS_PER_SPLIT
     assert choose_num_splits(1, 100, sms) == 1
-    # at most MAX_SPLITS, and never more CTAs than SMs
+    # at most MAX_SPLITS, never more CTAs than resident slots, and below one CTA per SM every slot filled
     assert choose_num_splits(1, 1 << 24, sms) == MAX_SPLITS
-    for ctas in range(1, 140):
-        s = choose_num_splits(ctas, 1 << 20, sms)
-        assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= sms)
+    for per_sm in (1, 2, 3):
+        for ctas in range(1, 300):
+            s = choose_num_splits(ctas, 1 << 20, sms, ctas_per_sm=per_sm)
+            assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= per_sm * sms)
+            assert ctas >= sms or s == MAX_SPLITS or ctas * (s + 1) > per_sm * sms, (ctas, per_sm, s)   # filled
+    # the old rule (the A/B baseline): no split from 0.45 CTA per SM
+    assert kv_mod._old_num_splits(64, 8192, sms, False, 1) == 1
+    assert kv_mod._old_num_splits(8, 32768, sms, False, 1) == 16
     # compute-heavy CTAs (>= HEAVY_ROWS query rows per kv head): two per SM, >= 16 x rows keys per split
     heavy = kv_mod.HEAVY_ROWS
     assert choose_num_splits(64, 8192, sms, rows=64) == 4          # B8 S8k 32/8, seqlen_q 16: 256 CTAs
-    assert choose_num_splits(64, 8192, sms, rows=heavy - 1) == 1   # below: the decode rule
+    assert choose_num_splits(150, 8192, sms, rows=heavy - 1) == 1  # below: the decode rule (>= 1 CTA per SM)
+    assert choose_num_splits(150, 8192, sms, rows=64) == 1
     assert choose_num_splits(264, 8192, sms, rows=64) == 1
     assert choose_num_splits(8, 2048, sms, rows=128) == 2048 // (kv_mod.HEAVY_KEYS_PER_ROW * 128)
     for ctas in range(1, 300):
@@ -548,6 +572,8 @@ GPU_CASES = [
     (2, 2, 12, 4, 192, "bfloat16", None, True, 2, 300),
     (4, 4, 16, 4, 128, "float16", None, False, 0, 600),      # non-causal, several rows
     (2, 1, 4, 4, 256, "bfloat16", 16, True, 1, 1000),
+    (3, 16, 32, 8, 128, "bfloat16", 48, True, 2, 1000),     # rows mode (64 rows), page 48: one per chunk
+    (3, 1, 32, 8, 128, "float16", 80, True, 1, 1000),       # keys mode, page 80
 ]
 
 
@@ -714,7 +740,7 @@ def test_gpu_transposed_cache_layout(variant, v):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("page", [16, 48, 64, 80, 256])   # 48, 80: the page divisor's non-power-of-two path
 def test_gpu_appends_cross_page_boundaries(page):
     # every sequence ends one key before a page boundary, then appends 3 keys
     lens = [page - 1, 2 * page - 1, 3 * page - 2, 0]

@@ -185,7 +185,7 @@ DECODE_ARGS: tuple[tuple[str, str], ...] = (
     ("batch", "i4"), ("seqlen_q", "i4"), ("nheads_kv", "i4"), ("group", "i4"),
     ("seqlen_new", "i4"), ("capacity", "i4"), ("num_splits", "i4"), ("row_tiles", "i4"),
     ("page_size", "i4"), ("num_blocks", "i4"), ("order", "i4"), ("fused", "i4"),
-    ("softmax_scale", "f4"), ("scale_log2", "f4"),
+    ("page_magic", "u4"), ("page_shift", "i4"), ("softmax_scale", "f4"), ("scale_log2", "f4"),
 )
 # 8-byte fields first, then an even number of 4-byte ones: NumPy's packed layout equals C's.
 ARGS_DTYPE = np.dtype([(name, "<" + t) for name, t in DECODE_ARGS])
@@ -247,11 +247,18 @@ DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # 
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
 # bytes per query row).  Reasoned.
 MIN_KEYS_PER_SPLIT = 256
-# No split at all once the grid has this fraction of a CTA per SM.  Measured (H100, bf16,
-# 2026-11-25, .gpu/splits_sweep.json): B8 S8k 32/8 (64 CTAs on 132 SMs) 93.0% of copy at 1
-# split, 86.5 / 84.4 / 82.1% at 4 / 8 / 16 splits; B64 S2k (512 CTAs) 94.8% at 1 split, 88.3% at 8.
-# 64 CTAs with 64 KB in flight each already pull the HBM's bandwidth.
-NO_SPLIT_FILL = 0.45
+# A decode grid of fewer CTAs than SMs is split until it fills every resident slot once
+# (ctas_per_sm x SMs CTAs, the kernel's occupancy: 2 for the d<=128 keys-mode tiles on sm_90).
+# Measured, H200 (2026-11-26, bf16, copy 4.23 TB/s): one CTA pulls ~34 GB/s and an SM ~30-34 GB/s
+# with one or two CTAs, so the HBM needs ~125+ busy SMs: B8 S8k 32/8 (64 CTAs) ran 51.5% of copy
+# unsplit against 85.7% at 2 splits (128 CTAs); seqlen_q 8 there (64 CTAs of 32 rows) 46.2 / 72.4 /
+# 73.9% at 1 / 2 / 4 splits: the second CTA per SM adds a little.  A grid of >= one CTA per SM is
+# not split: B16 S4k d64 (256 CTAs) 88.2% unsplit vs 82.5% at 2; B64 S2k (512) 93.1 vs 86.8;
+# B128 S1k (1024) 90.8 vs 82.1 - each extra CTA per SM costs its own ramp and merge.
+# H100 (2026-11-25, .gpu/splits_sweep.json), where 64 CTAs already pulled 3 TB/s: B8 S8k 93.0% at
+# 1 split, 86.5% at 4 (the old rule: no split above 0.45 CTA per SM); B1 S32k 77.1% at 16 splits,
+# 70.6% at 33 and B1 S128k 94.2 / 91.6 / 88.9% at 8 / 16 / 33 - with the first combine (a serial
+# loop, ~0.33 us per split, since replaced), which those many-split figures include.
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows), so one 4-warp CTA per SM is
@@ -385,20 +392,19 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
                       family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
-def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1) -> int:
+def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
+                      ctas_per_sm: int = 2) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
-    x row tiles) over a cache of ``capacity`` keys per sequence.
+    x row tiles) over a cache of ``capacity`` keys per sequence, on ``sms`` SMs holding
+    ``ctas_per_sm`` CTAs of this kernel each (its occupancy).
 
-    Measured (H100, bf16, 2026-11-25, .gpu/splits_sweep.json; the combine of that version cost
-    ~0.33 us per split, a serial loop, since replaced):
-      - a grid of >= NO_SPLIT_FILL x sms CTAs runs at the roof unsplit (B8 S8k: 93.0% of copy at 1
-        split, 86.5% at 4); more splits only add partial-result traffic and the merge.
-      - below that, fill each SM with ONE CTA: B1 S32k (8 CTAs) 77.1% at 16 splits (128 CTAs) vs
-        70.6% at 33 (264 CTAs, two per SM), 75.0% at 8; B1 S128k 94.2% at 8, 91.6% at 16, 88.9% at
-        33 - less the old merge's ~0.33 us per split, 8 and 16 splits run the same, 33 no faster.
-        So sms // ctas splits: never a second CTA on an SM (its SM's slower share would finish last).
-    CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
-    of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
+    - a grid of >= one CTA per SM is not split (measured, see the comment above MIN_KEYS_PER_SPLIT:
+      splits there only add CTAs, each with its own ramp, partials and merge);
+    - a smaller grid is split until it fills every resident slot once: ctas_per_sm x sms CTAs
+      (B8 S8k 32/8: 64 CTAs -> 4 splits; B1 S32k: 8 CTAs -> 33), so no SM is left idle.
+    - paged caches (each page waits on a block-table read): split until PAGED_FILL CTAs per SM.
+    - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
+      of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
     No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
     actual lengths): the plan must not read device data.
     """
@@ -410,12 +416,26 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
             return 1
         min_keys = max(MIN_KEYS_PER_SPLIT, HEAVY_KEYS_PER_ROW * rows)
         return max(1, min(COMPUTE_FILL * sms // ctas, capacity // min_keys, MAX_SPLITS))
-    if paged and NO_SPLIT_FILL * sms <= ctas < PAGED_FILL * sms:
+    slots = max(1, ctas_per_sm) * sms
+    if paged and ctas < PAGED_FILL * sms:
         # A paged CTA waits on a block-table read before each page's copies, so one CTA per SM
         # leaves bandwidth idle: B8 S8k 32/8 d128 paged16 ran 61.8% of copy unsplit (64 CTAs) vs
         # 83.8% at 4 splits (256 CTAs, two per SM), contiguous 87.5% / 86.1% (H100, 2026-11-25).
+        return max(1, min(max(slots, PAGED_FILL * sms) // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    if ctas >= sms:
+        return 1
+    return max(1, min(slots // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _old_num_splits(ctas: int, capacity: int, sms: int, paged: bool, rows: int) -> int:
+    """The rule before 2026-11-26 (H100-fitted: no split from 0.45 CTA per SM, else one CTA per SM;
+    paged grids from 0.45 to 2 CTAs per SM split to two): tools/bench_decode.py's A/B baseline
+    (variant split_rule "old")."""
+    if rows >= HEAVY_ROWS or ctas <= 0:
+        return choose_num_splits(ctas, capacity, sms, paged, rows)
+    if paged and 0.45 * sms <= ctas < PAGED_FILL * sms:
         return max(1, min(PAGED_FILL * sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-    if ctas >= NO_SPLIT_FILL * sms:
+    if ctas >= 0.45 * sms:
         return 1
     return max(1, min(sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
@@ -612,8 +632,19 @@ def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_ti
     a["batch"], a["seqlen_q"], a["nheads_kv"], a["group"] = p.batch, p.seqlen_q, p.nheads_kv, p.nheads // p.nheads_kv
     a["seqlen_new"], a["capacity"], a["num_splits"], a["row_tiles"] = p.seqlen_new, p.capacity, num_splits, row_tiles
     a["page_size"], a["num_blocks"], a["order"], a["fused"] = p.page_size, p.num_blocks, order, int(fused)
+    if p.paged:
+        a["page_magic"], a["page_shift"] = page_divisor(p.page_size)
     a["softmax_scale"], a["scale_log2"] = p.softmax_scale, p.softmax_scale * math.log2(math.e)
     return a[()]
+
+
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """(magic, shift) with key // page_size == (umulhi(key, magic) + key) >> shift for every
+    0 <= key < 2^31 (Granlund-Montgomery with a 33-bit multiplier whose top bit is the ``+ key``;
+    no overflow since key + umulhi(key, magic) <= 2 key < 2^32): the kernels divide keys by the
+    runtime page size without a division instruction sequence."""
+    shift = (page_size - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - page_size)) // page_size + 1, shift
 
 
 # CTA order: kv-head groups fastest (1) puts the CTAs of one (sequence, split) - which read the
@@ -626,7 +657,8 @@ DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
 # num_stages, num_warps, schedule), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
-# and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule) overriding the
+# and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
+# 2026-11-26, no split from 0.45 CTA per SM; "fill1": small grids split to one CTA per SM) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
@@ -665,11 +697,18 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     ctas = row_tiles * p.batch * head_groups
     head_rows = min(cfg.rows, max(rows_total, 1))   # query rows per kv head of a CTA: its FLOPs per K/V byte
     cta_rows = cfg.kv_heads * head_rows
-    split_rows = 1 if v.get("split_rule") == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
-    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms, p.paged,
-                                                                             split_rows))
     if cfg.schedule == "streamk":
         return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch)
+    kernel = get_kernel(cfg, "attention_decode", arch=arch) if rows_total > 0 else None
+    if not (num_splits or v.get("num_splits")):
+        rule = v.get("split_rule")
+        split_rows = 1 if rule == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
+        if rule == "old":
+            num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
+        else:
+            per_sm = 1 if rule == "fill1" else _ctas_per_sm(cfg, kernel, arch)
+            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged, split_rows, per_sm)
+    num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
@@ -689,8 +728,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                         (APPEND_THREADS,), 0, (args,))
     part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
-        split = Launch(get_kernel(cfg, "attention_decode", arch=arch), (ctas * num_splits,), (cfg.threads_per_block,),
-                       cfg.shared_mem_bytes, (args,))
+        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
         if num_splits > 1:
             lse_off = 4 * num_splits * rows_all * p.head_dim
             part_bytes = lse_off + 4 * num_splits * rows_all
@@ -703,17 +741,25 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                 lse_off, counter_bytes, torch, p.device)
 
 
+def _ctas_per_sm(cfg: AttentionDecodeConfig, kernel, arch: str) -> int:
+    """CTAs of this kernel resident per SM (registers, shared memory, threads); 1 without a kernel."""
+    if kernel is None:
+        return 1
+    from ..arch import occupancy
+    occ = occupancy(arch, cfg.threads_per_block, kernel.resources.registers, 0, cfg.shared_mem_bytes)
+    return max(1, occ.blocks_per_sm)
+
+
 def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, out_shape, out_dtype, lse_shape, f32,
                   torch: bool) -> Plan:
     """schedule="streamk": as many CTAs as fit on the SMs at once (the kernel's occupancy), never more
     than the work units (key tiles of all items at full capacity); partials: two slots of rows x
     head_dim float32 (and rows lse) per CTA; a merge counter per (sequence, kv head)."""
-    from ..arch import occupancy
     from ..kernel import get_kernel
     kernel = get_kernel(cfg, "attention_decode", arch=arch)
-    per_sm = occupancy(arch, cfg.threads_per_block, kernel.resources.registers, 0, cfg.shared_mem_bytes).blocks_per_sm
+    per_sm = _ctas_per_sm(cfg, kernel, arch)
     units = p.batch * p.nheads_kv * max(1, -(-p.capacity // cfg.block_n))
-    grid = max(1, min(max(1, per_sm) * sms, units))
+    grid = max(1, min(per_sm * sms, units))
     args = _args(p, cfg, 1, 1)
     append = None
     if p.seqlen_new > 0:
