@@ -21,7 +21,7 @@ import rtkernels as rtk
 from rtkernels import inspect as rtk_inspect
 from rtkernels.errors import ConfigError
 from rtkernels.ops.attention_kvcache import (ARGS_DTYPE, DECODE_ARGS, DECODE_PTRS, HEURISTICS, MAX_SPLITS,
-                                             MIN_KEYS_PER_SPLIT, NO_SPLIT_FILL, PTRS_DTYPE, AttentionDecodeConfig,
+                                             MIN_KEYS_PER_SPLIT, PTRS_DTYPE, AttentionDecodeConfig,
                                              attention_kvcache, attention_kvcache_reference, check,
                                              check_kvcache_inputs, choose_config, choose_num_splits,
                                              combine_reference, max_rows, rows_for)
@@ -36,6 +36,7 @@ kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
     dict(num_stages=7), dict(paged="yes"), dict(q_in_regs="no"), dict(warp_split="heads"), dict(kv_heads=2),
     dict(kv_heads=3, warp_split="rows"), dict(num_warps=4, warp_split="rows", kv_heads=8, rows=16),
     dict(rows=16, warp_split="rows", num_warps=4, kv_heads=2), dict(num_warps=9, warp_split="rows", rows=144),
+    dict(schedule="persistent"), dict(schedule="streamk", warp_split="rows", rows=64, num_warps=4),
 ])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
@@ -69,9 +70,10 @@ def _c_struct_fields(source: str, name: str):
         decl = " ".join(decl.split())
         if not decl:
             continue
-        m = re.match(r"(?:const\s+)?(long long|int\*|int|float\*|float|T\*)\s+(.*)", decl)
+        m = re.match(r"(?:const\s+)?(long long|int\*|int|unsigned|float\*|float|T\*)\s+(.*)", decl)
         ctype, names = m.group(1), [n.strip() for n in m.group(2).split(",")]
-        fields += [(n, {"long long": "i8", "int": "i4", "float": "f4"}.get(ctype, "u8")) for n in names]
+        fields += [(n, {"long long": "i8", "int": "i4", "unsigned": "u4", "float": "f4"}.get(ctype, "u8"))
+                   for n in names]
     return fields
 
 
@@ -86,7 +88,18 @@ def test_args_struct_matches_the_template():
     assert PTRS_DTYPE.itemsize == 8 * len(DECODE_PTRS)
     c_size = sum(int(t[1]) for _, t in DECODE_ARGS)
     assert ARGS_DTYPE.itemsize == c_size and c_size % 8 == 0
-    assert sum(t == "i4" or t == "f4" for _, t in DECODE_ARGS) % 2 == 0
+    assert sum(t in ("i4", "u4", "f4") for _, t in DECODE_ARGS) % 2 == 0
+
+
+def test_page_divisor_divides_every_key():
+    """The kernels' key // page_size without a division: (umulhi(key, magic) + key) >> shift."""
+    keys = np.concatenate([np.arange(1 << 16), np.random.default_rng(0).integers(0, 2 ** 31 - 2 ** 16, 1 << 16),
+                           np.arange(2 ** 31 - 2 ** 16 - 4096, 2 ** 31 - 2 ** 16)]).astype(np.uint64)
+    for ps in list(range(16, 4097, 16)) + [2 ** 20, 2 ** 31 - 2 ** 16 - 16]:
+        magic, shift = kv_mod.page_divisor(ps)
+        assert 0 < magic < 2 ** 32
+        q = (((keys * np.uint64(magic)) >> np.uint64(32)) + keys) >> np.uint64(shift)
+        assert np.array_equal(q, keys // np.uint64(ps)), ps
 
 
 def test_template_renders_constexpr_block():
@@ -133,21 +146,42 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
 
 def test_num_splits_heuristic():
     sms = 132
-    # enough CTAs for ~half the SMs already: no split (measured: B8 S8k, 64 CTAs, 1 split fastest)
+    # a grid of >= one CTA per SM: no split (H200: B64 S2k 512 CTAs 93.1% unsplit vs 86.8% at 2)
     assert choose_num_splits(132, 1 << 20, sms) == 1
-    assert choose_num_splits(64, 8192, sms) == 1 and NO_SPLIT_FILL * sms <= 64
     assert choose_num_splits(1024, 1024, sms) == 1
-    # B=1, 8 kv heads, 32k keys: one CTA per SM (16 x 8 = 128 CTAs), never a second one
-    assert choose_num_splits(8, 32768, sms) == 16
-    assert choose_num_splits(32, 32768, sms) == 4
+    # fewer CTAs than SMs: fill every resident slot once (H200: B8 S8k, 64 CTAs, 51.5% unsplit)
+    assert choose_num_splits(64, 8192, sms) == 4
+    assert choose_num_splits(64, 8192, sms, ctas_per_sm=1) == 2
+    assert choose_num_splits(100, 8192, sms) == 2                  # 200 CTAs: no SM idle
+    assert choose_num_splits(8, 32768, sms) == 33
+    assert choose_num_splits(8, 32768, sms, ctas_per_sm=1) == 16
+    assert choose_num_splits(128, 8192, sms, ctas_per_sm=1) == 1   # one CTA per SM already (8-warp tiles)
+    # paged: two CTAs per SM whatever the occupancy (block-table reads)
+    assert choose_num_splits(64, 8192, sms, paged=True, ctas_per_sm=1) == 4
+    assert choose_num_splits(132, 8192, sms, paged=True) == 2
     # short caches: no split shorter than MIN_KEYS_PER_SPLIT keys
     assert choose_num_splits(8, 1024, sms) == 1024 // MIN_KEYS_PER_SPLIT
     assert choose_num_splits(1, 100, sms) == 1
-    # at most MAX_SPLITS, and never more CTAs than SMs
+    # at most MAX_SPLITS, never more CTAs than resident slots, and below one CTA per SM every slot filled
     assert choose_num_splits(1, 1 << 24, sms) == MAX_SPLITS
-    for ctas in range(1, 140):
-        s = choose_num_splits(ctas, 1 << 20, sms)
-        assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= sms)
+    for per_sm in (1, 2, 3):
+        for ctas in range(1, 300):
+            s = choose_num_splits(ctas, 1 << 20, sms, ctas_per_sm=per_sm)
+            assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= per_sm * sms)
+            assert ctas >= sms or s == MAX_SPLITS or ctas * (s + 1) > per_sm * sms, (ctas, per_sm, s)   # filled
+    # the old rule (the A/B baseline): no split from 0.45 CTA per SM
+    assert kv_mod._old_num_splits(64, 8192, sms, False, 1) == 1
+    assert kv_mod._old_num_splits(8, 32768, sms, False, 1) == 16
+    # compute-heavy CTAs (>= HEAVY_ROWS query rows per kv head): two per SM, >= 16 x rows keys per split
+    heavy = kv_mod.HEAVY_ROWS
+    assert choose_num_splits(64, 8192, sms, rows=64) == 4          # B8 S8k 32/8, seqlen_q 16: 256 CTAs
+    assert choose_num_splits(150, 8192, sms, rows=heavy - 1) == 1  # below: the decode rule (>= 1 CTA per SM)
+    assert choose_num_splits(150, 8192, sms, rows=64) == 1
+    assert choose_num_splits(264, 8192, sms, rows=64) == 1
+    assert choose_num_splits(8, 2048, sms, rows=128) == 2048 // (kv_mod.HEAVY_KEYS_PER_ROW * 128)
+    for ctas in range(1, 300):
+        s = choose_num_splits(ctas, 1 << 20, sms, rows=64)
+        assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= kv_mod.COMPUTE_FILL * sms)
 
 
 # ---- references -----------------------------------------------------------------------------------
@@ -356,6 +390,7 @@ COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal, choose_
     ("sm_90", "float16", 256, 128, True, True, {}),                                # rows: Q in shared memory
     ("sm_80", "bfloat16", 128, 8, True, False, {}),
     ("sm_80", "float16", 256, 16, False, True, {}),
+    ("sm_90", "bfloat16", 128, 8, True, False, dict(schedule="streamk")),             # stream-K: keys mode
 ]
 
 
@@ -537,6 +572,8 @@ GPU_CASES = [
     (2, 2, 12, 4, 192, "bfloat16", None, True, 2, 300),
     (4, 4, 16, 4, 128, "float16", None, False, 0, 600),      # non-causal, several rows
     (2, 1, 4, 4, 256, "bfloat16", 16, True, 1, 1000),
+    (3, 16, 32, 8, 128, "bfloat16", 48, True, 2, 1000),     # rows mode (64 rows), page 48: one per chunk
+    (3, 1, 32, 8, 128, "float16", 80, True, 1, 1000),       # keys mode, page 80
 ]
 
 
@@ -622,6 +659,77 @@ def test_gpu_rows_mode_many_rows(variant, sq, hkv):
         assert plan.config.warp_split == "rows", plan.config
 
 
+# schedule="streamk" (opt-in): the grid shares all key tiles equally; items cut by CTA boundaries
+# are merged by their last CTA.  Cases: one long sequence over every CTA, many short items per CTA,
+# ragged lengths with 0 and 1, pages, appends, several query rows (causal), padded head dims.
+STREAMK_CASES = [   # (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, lens)
+    (1, 1, 32, 8, 128, "bfloat16", None, 0, 20000, [19999]),
+    (1, 1, 8, 1, 128, "float16", 64, 1, 9000, [8000]),
+    (37, 1, 16, 4, 128, "bfloat16", None, 0, 300, None),
+    (6, 1, 16, 16, 64, "float16", 16, 0, 1500, None),
+    (5, 4, 24, 4, 80, "bfloat16", 32, 4, 900, None),
+    (3, 2, 16, 2, 256, "float16", None, 2, 700, None),
+    (2, 1, 8, 8, 96, "bfloat16", None, 0, 40, [0, 1]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,lens", STREAMK_CASES)
+def test_gpu_streamk_against_float64_reference(variant, batch, sq, h, hkv, d, dtype, page, new, cap, lens):
+    variant(dict(schedule="streamk"))
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, lens)
+    plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None), True, None, True, None,
+                           "bfloat16" if dtype == "bfloat16" else None)
+    print(plan.config, "grid", plan.split.grid)
+    assert plan.config.schedule == "streamk" and plan.split.grid[0] > 1, plan
+
+
+@pytest.mark.gpu
+def test_gpu_streamk_graph_replay_with_new_lengths(variant):
+    """Captured once; replays with new ragged lengths move every CTA boundary (W is read on the
+    device); the merge counters are back at zero after every launch."""
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(schedule="streamk"))
+    cap = 3000
+    x = _make(_seed(), 5, 1, 32, 8, 128, "bfloat16", 16, cap, lens=[cap] * 5)
+    out = cp.empty(x.q.shape, x.q.dtype)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        _call(x, out=out, return_lse=True)
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, return_lse=True)
+        graph = s.end_capture()
+    rng = np.random.default_rng(_seed())
+    for step, fixed in enumerate(([0, 1, cap, 17, 2999], None, None, [cap] * 5)):
+        x.lens_h = np.array(fixed if fixed else rng.integers(0, cap + 1, size=5), np.int32)
+        x.lens.set(x.lens_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"stream-K graph replay {step} lens {x.lens_h.tolist()}")
+        eager, lse_eager = _call(x, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
+
+
+@pytest.mark.gpu
+def test_gpu_streamk_bad_page_gives_nan_for_that_sequence_only(variant):
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(schedule="streamk"))
+    x = _make(_seed(), 3, 1, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
+    x.table_h[1, 100] = 1 << 30
+    x.table.set(x.table_h)
+    o, lse = _call(x, return_lse=True)
+    cp.cuda.Device().synchronize()
+    got = to_f64(o, "bfloat16")
+    assert np.isnan(got[1]).all() and np.isnan(lse.get()[1]).all(), "sequence 1 must be NaN"
+    assert not np.isnan(got[[0, 2]]).any() and not np.isnan(lse.get()[[0, 2]]).any(), "others must be finite"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", [dict(warp_split="keys"), dict(warp_split="rows")], ids=("keys", "rows"))
 def test_gpu_transposed_cache_layout(variant, v):
@@ -632,7 +740,7 @@ def test_gpu_transposed_cache_layout(variant, v):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("page", [16, 48, 64, 80, 256])   # 48, 80: the page divisor's non-power-of-two path
 def test_gpu_appends_cross_page_boundaries(page):
     # every sequence ends one key before a page boundary, then appends 3 keys
     lens = [page - 1, 2 * page - 1, 3 * page - 2, 0]
@@ -842,6 +950,42 @@ def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_strea
         cp.cuda.Device().synchronize()
         assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
         assert np.array_equal(lse_eager.get(), lse.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
+def test_gpu_speculative_default_rows_mode_graph_replay(page):
+    """seqlen_q 16 x group 4 = 64 rows per kv head: the default is the rows mode with the heavy
+    split rule (several splits, combine launch or fused merge); captured in a CuPy graph and
+    replayed with new lengths (ragged, 0 and 1 among them), against the reference each time."""
+    import cupy as cp
+    from gpu_util import to_f64
+    cap = 2048   # 24 CTAs of 64 rows: 2 splits (>= 1024 keys each)
+    x = _make(_seed(), 3, 16, 32, 8, 128, "bfloat16", page, cap, lens=[cap - 16] * 3)
+    out = cp.empty(x.q.shape, x.q.dtype)
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, None, None, out)
+    plan, _ = kv_mod._plan(arrays, True, None, True, None, "bfloat16")
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.warp_split == "rows" and plan.num_splits > 1, plan
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        _call(x, out=out)
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, return_lse=True)
+        graph = s.end_capture()
+    rng = np.random.default_rng(_seed())
+    for step, fixed in enumerate(([0, 1, cap - 16], None, None)):
+        x.lens_h = np.array(fixed if fixed else rng.integers(0, cap - 16, size=3), np.int32)
+        x.lens.set(x.lens_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"rows-mode graph replay {step} lens {x.lens_h.tolist()}")
+        eager, lse_eager = _call(x, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
 
 
 @pytest.mark.gpu

@@ -26,8 +26,9 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 ``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
-order splits|heads, combine fused|kernel) on the ``--variant-layouts``; ``--splits`` adds forced
-split counts for the default and every variant.  ``--host-profile`` times the pieces of a call.
+order splits|heads, combine fused|kernel, split_rule decode|old|fill1, schedule streamk) on the
+``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
+``--host-profile`` times the pieces of a call.
 """
 from __future__ import annotations
 
@@ -161,6 +162,8 @@ def _short(plan):
     cfg = plan.config
     mode = "K" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h"
     comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
+    if cfg.schedule == "streamk":   # a grid of a few CTAs per SM sharing the key tiles
+        return f"SK r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{plan.split.grid[0]}"
     return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}"
 
 
@@ -423,6 +426,7 @@ def main():
     shape_cols = ["batch", "seqlen_k", "heads", "head_dim", "seqlen_q"]
     if args.splits or args.variants:   # the sweeps first: the default table is the last thing printed
         names = ["rtk_contig"] + [f"rtk_contig@{v}" for v in args.variants]
+        other_layouts = [lay for lay in args.variant_layouts if lay != "contig"]
         sweep = []
         for r in rows:
             for n in names:
@@ -430,11 +434,14 @@ def main():
                 e["candidate"] = n[len("rtk_contig"):] or "default"
                 e["cfg"] = r.get(f"{n}_cfg", r.get(f"{n}_error", "")[:40])
                 e["%copy"] = r.get(f"{n}_%copy", "")
+                for lay in other_layouts:   # the same candidate on the other variant layouts
+                    e[lay] = r.get(f"rtk_{lay}{n[len('rtk_contig'):]}_%copy", "")
                 for k in args.splits:
                     e[f"x{k}"] = r.get(f"{n}_x{k}_%copy", "")
                 sweep.append(e)
         print("\nvariants x forced splits (contig, % of copy):")
-        print(bu.table(sweep, shape_cols + ["candidate", "cfg", "%copy"] + [f"x{k}" for k in args.splits]))
+        print(bu.table(sweep, shape_cols + ["candidate", "cfg", "%copy"] + other_layouts
+                       + [f"x{k}" for k in args.splits]))
     cols = shape_cols + [f"rtk_{lay}_%copy" for lay in args.layouts]
     cols += [c for c in ("sdpa_cudnn_%copy", "sdpa_cudnn_nhd_%copy", "sdpa_flash_%copy") if any(c in r for r in rows)]
     cols += ["rtk/cudnn"] + [f"{lay}/contig" for lay in args.layouts if lay.startswith("paged")]

@@ -48,6 +48,7 @@ COMBINE_THREADS = 256     # one output row per combine CTA
 APPEND_THREADS = 256
 _GRID_X_MAX = 2 ** 31 - 1
 WARP_SPLITS = ("keys", "rows")
+SCHEDULES = ("split", "streamk")
 
 
 @register_family
@@ -74,6 +75,8 @@ class AttentionDecodeConfig(AttentionShape):
     paged : K/V addressed through a block table (page sizes: multiples of 16).
     q_in_regs : keep Q's A fragments in registers (keys mode: read from shared memory once; rows
         mode: loaded from global memory straight into registers, no Q tile in shared memory).
+    schedule : "split": one CTA per (row tile, split, sequence, head group).  "streamk" (keys mode,
+        one row tile): a grid of a few CTAs per SM sharing all key tiles equally (template header).
     """
 
     family: ClassVar[str] = FAMILY
@@ -92,6 +95,7 @@ class AttentionDecodeConfig(AttentionShape):
     q_in_regs: bool = True
     warp_split: str = "keys"
     kv_heads: int = 1
+    schedule: str = "split"
 
     def __post_init__(self):
         self._check_shape()
@@ -101,6 +105,9 @@ class AttentionDecodeConfig(AttentionShape):
         self._check_choice("paged", (False, True))
         self._check_choice("q_in_regs", (False, True))
         self._check_choice("kv_heads", (1, 2, 4, 8))
+        self._check_choice("schedule", SCHEDULES)
+        if self.schedule == "streamk" and self.warp_split != "keys":
+            self._fail("schedule", "'split' with warp_split='rows' ('streamk' is keys mode only)")
         if self.warp_split == "keys":
             self._check_choice("rows", (16, 32, 48, 64))
             self._check_choice("num_warps", (1, 2, 4, 8))
@@ -178,7 +185,7 @@ DECODE_ARGS: tuple[tuple[str, str], ...] = (
     ("batch", "i4"), ("seqlen_q", "i4"), ("nheads_kv", "i4"), ("group", "i4"),
     ("seqlen_new", "i4"), ("capacity", "i4"), ("num_splits", "i4"), ("row_tiles", "i4"),
     ("page_size", "i4"), ("num_blocks", "i4"), ("order", "i4"), ("fused", "i4"),
-    ("softmax_scale", "f4"), ("scale_log2", "f4"),
+    ("page_magic", "u4"), ("page_shift", "i4"), ("softmax_scale", "f4"), ("scale_log2", "f4"),
 )
 # 8-byte fields first, then an even number of 4-byte ones: NumPy's packed layout equals C's.
 ARGS_DTYPE = np.dtype([(name, "<" + t) for name, t in DECODE_ARGS])
@@ -221,11 +228,15 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
 ]
 
 # Which warp split serves which row count (rows = seqlen_q x GQA group per kv head).
-# Keys mode everywhere by default.  Measured (H100, 2026-11-25, seqlen_q 16 x group 4 = 64 rows,
-# B8 S8k 32/8 d128): keys mode with two 32-row tiles (each reading K/V) 67% of copy; the rows mode
-# (K/V read once for all 64 rows, one m-tile per warp, one __syncthreads per tile) only 51%, and
-# 22% paged.  The rows mode stays selectable for measurement until it beats keys mode.
-ROWS_MODE_ABOVE = 1 << 30   # rows mode is opt-in (RTKERNELS_DECODE_WARP_SPLIT=rows): see below
+# Keys mode up to 32 rows, rows mode above.  Measured (H100, 2026-11-25, seqlen_q 16 x group 4 = 64
+# rows, B8 S8k 32/8 d128): keys mode with two 32-row tiles 67% of copy, the rows mode 51% - but that
+# rows mode ran 64 CTAs (one row tile, no split: half the SMs) and its 64-key tiles spilled (36 B at
+# 255 registers, causal).  ncu of the keys mode there (H200, 2026-11-26): one warp per scheduler
+# issuing every 2.6 cycles (latency-bound, ALU the busiest pipe), L2 hit rate 62% (the second row
+# tile re-reads K/V), DRAM at 39% of peak.  The rows mode reads K/V once for up to 128 rows,
+# rescales O once per 32 keys instead of 16 and, split to two CTAs per SM (COMPUTE_FILL), runs two
+# warps per scheduler.  Reasoned from that profile; tools/bench_decode.py --variants times both.
+ROWS_MODE_ABOVE = 32
 # Decoding (<= 16 rows): "keys" until the rows mode's several-kv-heads-per-CTA variant (each CTA
 # reads a key's kv_heads x head_dim run contiguously, the DRAM-locality hypothesis of issue #15)
 # is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
@@ -236,12 +247,28 @@ DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # 
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
 # bytes per query row).  Reasoned.
 MIN_KEYS_PER_SPLIT = 256
-# No split at all once the grid has this fraction of a CTA per SM.  Measured (H100, bf16,
-# 2026-11-25, .gpu/splits_sweep.json): B8 S8k 32/8 (64 CTAs on 132 SMs) 93.0% of copy at 1
-# split, 86.5 / 84.4 / 82.1% at 4 / 8 / 16 splits; B64 S2k (512 CTAs) 94.8% at 1 split, 88.3% at 8.
-# 64 CTAs with 64 KB in flight each already pull the HBM's bandwidth.
-NO_SPLIT_FILL = 0.45
+# A decode grid of fewer CTAs than SMs is split until it fills every resident slot once
+# (ctas_per_sm x SMs CTAs, the kernel's occupancy: 2 for the d<=128 keys-mode tiles on sm_90).
+# Measured, H200 (2026-11-26, bf16, copy 4.23 TB/s): one CTA pulls ~34 GB/s and an SM ~30-34 GB/s
+# with one or two CTAs, so the HBM needs ~125+ busy SMs: B8 S8k 32/8 (64 CTAs) ran 51.5% of copy
+# unsplit against 85.7% at 2 splits (128 CTAs); seqlen_q 8 there (64 CTAs of 32 rows) 46.2 / 72.4 /
+# 73.9% at 1 / 2 / 4 splits: the second CTA per SM adds a little.  A grid of >= one CTA per SM is
+# not split: B16 S4k d64 (256 CTAs) 88.2% unsplit vs 82.5% at 2; B64 S2k (512) 93.1 vs 86.8;
+# B128 S1k (1024) 90.8 vs 82.1 - each extra CTA per SM costs its own ramp and merge.
+# H100 (2026-11-25, .gpu/splits_sweep.json), where 64 CTAs already pulled 3 TB/s: B8 S8k 93.0% at
+# 1 split, 86.5% at 4 (the old rule: no split above 0.45 CTA per SM); B1 S32k 77.1% at 16 splits,
+# 70.6% at 33 and B1 S128k 94.2 / 91.6 / 88.9% at 8 / 16 / 33 - with the first combine (a serial
+# loop, ~0.33 us per split, since replaced), which those many-split figures include.
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
+# CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
+# compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows), so one 4-warp CTA per SM is
+# latency-bound (see ROWS_MODE_ABOVE); their grids split until every SM holds COMPUTE_FILL CTAs.
+# Their partials are heavier too (rows x head_dim float32 per split against keys x head_dim x 4
+# bytes of K/V): at least HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V
+# bytes.  Reasoned (ncu, B8 S8k seqlen_q 16: 128 CTAs of one warp per scheduler).
+HEAVY_ROWS = 32
+COMPUTE_FILL = 2
+HEAVY_KEYS_PER_ROW = 16
 # The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
 # launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.
 # Reasoned: a CTA keeps ~32 KB of loads in flight, ~1 us each round trip.
@@ -309,8 +336,9 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
             if kv * rw <= 8:
                 for bn in ((block_n,) if block_n else (64, 32, 16)):
                     iters = -(-kv * bn * chunks // threads)
-                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d > 128's O
-                    too_big = bn > max(16, target // kv) or (hd_pad > 128 and bn > 32)
+                    # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d >= 128's O
+                    # (d128, 64-key tiles, causal: 255 registers and 36 B of spills, NVRTC 13.5 sm_90)
+                    too_big = bn > max(16, target // kv) or (hd_pad >= 128 and bn > 32)
                     if not block_n and (too_big or (bn > 16 and iters > MAX_LOAD_ITERS)):
                         continue
                     if not block_n and iters > MAX_LOAD_ITERS and kv > 1:
@@ -330,7 +358,7 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
                   nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
                   block_n: int | None = None, num_stages: int | None = None,
-                  num_warps: int | None = None) -> AttentionDecodeConfig:
+                  num_warps: int | None = None, schedule: str = "split") -> AttentionDecodeConfig:
     """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
     rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
     (tuning: tools/bench_decode.py --variants)."""
@@ -356,36 +384,58 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
         hd_pad = -(-head_dim // 16) * 16
         cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=rows, block_n=bn,
                                     num_warps=t.num_warps, num_stages=t.num_stages, paged=paged,
-                                    q_in_regs=rows * hd_pad <= 2048)   # Q fragments: <= 32 registers
+                                    q_in_regs=rows * hd_pad <= 2048,   # Q fragments: <= 32 registers
+                                    schedule=schedule)
         if cfg.shared_mem_bytes <= limit:
             return cfg
     raise ConfigError(f"{OP}: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per block",
                       family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
-def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False) -> int:
+def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
+                      ctas_per_sm: int = 2) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
-    x row tiles) over a cache of ``capacity`` keys per sequence.
+    x row tiles) over a cache of ``capacity`` keys per sequence, on ``sms`` SMs holding
+    ``ctas_per_sm`` CTAs of this kernel each (its occupancy).
 
-    Measured (H100, bf16, 2026-11-25, .gpu/splits_sweep.json; the combine of that version cost
-    ~0.33 us per split, a serial loop, since replaced):
-      - a grid of >= NO_SPLIT_FILL x sms CTAs runs at the roof unsplit (B8 S8k: 93.0% of copy at 1
-        split, 86.5% at 4); more splits only add partial-result traffic and the merge.
-      - below that, fill each SM with ONE CTA: B1 S32k (8 CTAs) 77.1% at 16 splits (128 CTAs) vs
-        70.6% at 33 (264 CTAs, two per SM), 75.0% at 8; B1 S128k 94.2% at 8, 91.6% at 16, 88.9% at
-        33 - less the old merge's ~0.33 us per split, 8 and 16 splits run the same, 33 no faster.
-        So sms // ctas splits: never a second CTA on an SM (its SM's slower share would finish last).
+    - a grid of >= one CTA per SM is not split (measured, see the comment above MIN_KEYS_PER_SPLIT:
+      splits there only add CTAs, each with its own ramp, partials and merge);
+    - a smaller grid is split until it fills every resident slot once: ctas_per_sm x sms CTAs
+      (B8 S8k 32/8: 64 CTAs -> 4 splits; B1 S32k: 8 CTAs -> 33), so no SM is left idle.
+    - paged caches (each page waits on a block-table read): split until PAGED_FILL CTAs per SM.
+    - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
+      of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
     No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
     actual lengths): the plan must not read device data.
     """
     if ctas <= 0:
         return 1
-    if paged and NO_SPLIT_FILL * sms <= ctas < PAGED_FILL * sms:
+    if rows >= HEAVY_ROWS:
+        # compute-heavy CTAs (``rows`` query rows per kv head): fill every SM COMPUTE_FILL times
+        if ctas >= COMPUTE_FILL * sms:
+            return 1
+        min_keys = max(MIN_KEYS_PER_SPLIT, HEAVY_KEYS_PER_ROW * rows)
+        return max(1, min(COMPUTE_FILL * sms // ctas, capacity // min_keys, MAX_SPLITS))
+    slots = max(1, ctas_per_sm) * sms
+    if paged and ctas < PAGED_FILL * sms:
         # A paged CTA waits on a block-table read before each page's copies, so one CTA per SM
         # leaves bandwidth idle: B8 S8k 32/8 d128 paged16 ran 61.8% of copy unsplit (64 CTAs) vs
         # 83.8% at 4 splits (256 CTAs, two per SM), contiguous 87.5% / 86.1% (H100, 2026-11-25).
+        return max(1, min(max(slots, PAGED_FILL * sms) // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    if ctas >= sms:
+        return 1
+    return max(1, min(slots // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _old_num_splits(ctas: int, capacity: int, sms: int, paged: bool, rows: int) -> int:
+    """The rule before 2026-11-26 (H100-fitted: no split from 0.45 CTA per SM, else one CTA per SM;
+    paged grids from 0.45 to 2 CTAs per SM split to two): tools/bench_decode.py's A/B baseline
+    (variant split_rule "old")."""
+    if rows >= HEAVY_ROWS or ctas <= 0:
+        return choose_num_splits(ctas, capacity, sms, paged, rows)
+    if paged and 0.45 * sms <= ctas < PAGED_FILL * sms:
         return max(1, min(PAGED_FILL * sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-    if ctas >= NO_SPLIT_FILL * sms:
+    if ctas >= 0.45 * sms:
         return 1
     return max(1, min(sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
@@ -582,8 +632,19 @@ def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_ti
     a["batch"], a["seqlen_q"], a["nheads_kv"], a["group"] = p.batch, p.seqlen_q, p.nheads_kv, p.nheads // p.nheads_kv
     a["seqlen_new"], a["capacity"], a["num_splits"], a["row_tiles"] = p.seqlen_new, p.capacity, num_splits, row_tiles
     a["page_size"], a["num_blocks"], a["order"], a["fused"] = p.page_size, p.num_blocks, order, int(fused)
+    if p.paged:
+        a["page_magic"], a["page_shift"] = page_divisor(p.page_size)
     a["softmax_scale"], a["scale_log2"] = p.softmax_scale, p.softmax_scale * math.log2(math.e)
     return a[()]
+
+
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """(magic, shift) with key // page_size == (umulhi(key, magic) + key) >> shift for every
+    0 <= key < 2^31 (Granlund-Montgomery with a 33-bit multiplier whose top bit is the ``+ key``;
+    no overflow since key + umulhi(key, magic) <= 2 key < 2^32): the kernels divide keys by the
+    runtime page size without a division instruction sequence."""
+    shift = (page_size - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - page_size)) // page_size + 1, shift
 
 
 # CTA order: kv-head groups fastest (1) puts the CTAs of one (sequence, split) - which read the
@@ -595,8 +656,10 @@ ORDER = {"splits": 0, "heads": 1}
 DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
-# num_stages, num_warps), order ("splits"/"heads"), combine ("fused"/"kernel") and num_splits
-# overriding the heuristics; part of every plan's key.  None in normal use.
+# num_stages, num_warps, schedule), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
+# and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
+# 2026-11-26, no split from 0.45 CTA per SM; "fill1": small grids split to one CTA per SM) overriding the
+# heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
 
@@ -622,17 +685,34 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     if empty or (p.seqlen_q == 0 and p.seqlen_new == 0):
         return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
     rows_total = p.seqlen_q * group
+    fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule") if f in v}
     cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
-                        **{f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps") if f in v})
+                        **fields)
+    if cfg.schedule == "streamk" and rows_total > cfg.rows:   # stream-K takes one row tile per item
+        fields["schedule"] = "split"
+        cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
+                            **fields)
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
-    num_splits = int(num_splits or v.get("num_splits") or choose_num_splits(ctas, p.capacity, sms, p.paged))
+    head_rows = min(cfg.rows, max(rows_total, 1))   # query rows per kv head of a CTA: its FLOPs per K/V byte
+    cta_rows = cfg.kv_heads * head_rows
+    if cfg.schedule == "streamk":
+        return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch)
+    kernel = get_kernel(cfg, "attention_decode", arch=arch) if rows_total > 0 else None
+    if not (num_splits or v.get("num_splits")):
+        rule = v.get("split_rule")
+        split_rows = 1 if rule == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
+        if rule == "old":
+            num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
+        else:
+            per_sm = 1 if rule == "fill1" else _ctas_per_sm(cfg, kernel, arch)
+            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged, split_rows, per_sm)
+    num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
     rows_all = p.batch * p.seqlen_q * p.nheads
-    cta_rows = cfg.kv_heads * min(cfg.rows, max(rows_total, 1))
     fused = False
     if num_splits > 1:
         fits = 16 + 4 * cta_rows * num_splits <= cfg.shared_mem_bytes   # the merge's weights
@@ -648,8 +728,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                         (APPEND_THREADS,), 0, (args,))
     part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
-        split = Launch(get_kernel(cfg, "attention_decode", arch=arch), (ctas * num_splits,), (cfg.threads_per_block,),
-                       cfg.shared_mem_bytes, (args,))
+        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
         if num_splits > 1:
             lse_off = 4 * num_splits * rows_all * p.head_dim
             part_bytes = lse_off + 4 * num_splits * rows_all
@@ -660,6 +739,39 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                                  (COMBINE_THREADS,), 0, (args,))
     return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
                 lse_off, counter_bytes, torch, p.device)
+
+
+def _ctas_per_sm(cfg: AttentionDecodeConfig, kernel, arch: str) -> int:
+    """CTAs of this kernel resident per SM (registers, shared memory, threads); 1 without a kernel."""
+    if kernel is None:
+        return 1
+    from ..arch import occupancy
+    occ = occupancy(arch, cfg.threads_per_block, kernel.resources.registers, 0, cfg.shared_mem_bytes)
+    return max(1, occ.blocks_per_sm)
+
+
+def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, out_shape, out_dtype, lse_shape, f32,
+                  torch: bool) -> Plan:
+    """schedule="streamk": as many CTAs as fit on the SMs at once (the kernel's occupancy), never more
+    than the work units (key tiles of all items at full capacity); partials: two slots of rows x
+    head_dim float32 (and rows lse) per CTA; a merge counter per (sequence, kv head)."""
+    from ..kernel import get_kernel
+    kernel = get_kernel(cfg, "attention_decode", arch=arch)
+    per_sm = _ctas_per_sm(cfg, kernel, arch)
+    units = p.batch * p.nheads_kv * max(1, -(-p.capacity // cfg.block_n))
+    grid = max(1, min(per_sm * sms, units))
+    args = _args(p, cfg, 1, 1)
+    append = None
+    if p.seqlen_new > 0:
+        n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
+        append = Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
+                        (APPEND_THREADS,), 0, (args,))
+    split = None
+    if p.seqlen_q > 0:
+        split = Launch(kernel, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
+    lse_off = 4 * grid * 2 * cfg.rows * p.head_dim
+    return Plan(split, None, append, cfg, 1, False, out_shape, out_dtype, lse_shape, f32,
+                lse_off + 4 * grid * 2 * cfg.rows, lse_off, 4 * p.batch * p.nheads_kv, torch, p.device)
 
 
 # ---- workspace (split-KV partials, fused-merge counters) per (device, stream): ops/workspace.py ----
