@@ -48,7 +48,26 @@ def test_config_derived_values():
     assert AttentionBwdSm90BigConfig.needs_arch_specific
     assert [BIG.column_split(d) for d in (136, 176, 192, 200, 248)] == [64, 96, 96, 96, 128]
     for cfg in BIG.heuristic_configs(("bfloat16",)):
-        assert cfg.shared_mem_bytes <= B90.SMEM_LIMIT_SM90 and cfg.num_stages == 2, cfg
+        # two stages, except "qk" with 96 keys and the bulk dQ reduction (one fits)
+        assert cfg.shared_mem_bytes <= B90.SMEM_LIMIT_SM90 and cfg.num_stages == (1 if cfg.layout == "qk" else 2), cfg
+
+
+def test_choose_config_rule():
+    """Non-causal head dims <= 192, neither deterministic nor masked: "qk", 96 keys, bulk dQ, one
+    stage; everything else "kt" with 64 keys and two stages (bulk dQ where it fits and allowed)."""
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            for det in (False, True):
+                cfg = BIG.choose_config("bfloat16", d, causal, det)
+                if not causal and not det and d <= 192:
+                    assert (cfg.layout, cfg.key_block, cfg.dq_mode, cfg.num_stages) == ("qk", 96, "bulk", 1), cfg
+                else:
+                    assert (cfg.layout, cfg.key_block, cfg.num_stages) == ("kt", 64, 2), cfg
+                    assert cfg.dq_mode == ("bulk" if not det and d <= 192 else "red"), cfg
+    for flag in ("has_window", "has_softcap", "is_varlen"):
+        cfg = BIG.choose_config("float16", 176, False, False, **{flag: True})
+        assert (cfg.layout, cfg.key_block, cfg.dq_mode) == ("kt", 64, "red"), (flag, cfg)
+    assert B90.choose_config("bfloat16", 192, False, False) == BIG.choose_config("bfloat16", 192, False, False)
 
 
 def test_qk_layout_derived_values():
@@ -349,6 +368,26 @@ def test_gpu_varlen_window_softcap(dtype, d, det):
     rng = np.random.default_rng(d)
     vl_tests._varlen_backward(rng, vl_tests.SHORT_Q, vl_tests.SHORT_K, 6, 2, d, dtype, True, (100, 0), 30.0,
                               deterministic=det)
+
+
+@pytest.mark.gpu
+def test_gpu_host_nvrtc_builds_dispatched_qk_clean():
+    """The "qk" configs the op dispatches (non-causal, head dims 136..192, both dtypes) built by this
+    host's NVRTC (13.0 on the GPU machine spilled more than the CPU's 13.5 in earlier sessions): no
+    spill beyond loop bookkeeping, no serialized wgmma pipeline."""
+    _require_sm90()
+    from rtkernels.kernel import get_kernel
+    bad = []
+    for dt in ("float16", "bfloat16"):
+        for d in range(136, 193, 8):
+            cfg = BIG.choose_config(dt, d, False, False)
+            assert cfg.layout == "qk", cfg
+            k = get_kernel(cfg, arch="sm_90a")
+            notes = [line for line in k.module.log.splitlines() if "wgmma" in line]
+            print(dt, d, k.resources, len(notes))
+            if not B90.bookkeeping_spill_only(k.resources) or notes:
+                bad.append((dt, d, k.resources, notes))
+    assert not bad, bad
 
 
 @pytest.mark.gpu

@@ -7,9 +7,10 @@ windows, softcap, varlen, ``deterministic``); the main kernel differs
 S^T / dP^T by query columns and dK / dV / dQ by head-dim columns (P^T and dS^T meet in shared
 memory), and dQ goes from registers to the f32 accumulator by 16-byte reductions.  The template's
 header comment has the register and shared-memory counts that chose this layout.  ``layout="qk"``
-(opt-in, not dispatched yet) is FlashAttention-3/4's sm90 orientation: queries as wgmma M, each
-consumer warpgroup owns half the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with
-the head dim as M, only dQ reads the other warpgroup's dS.
+is FlashAttention-3/4's sm90 orientation: queries as wgmma M, each consumer warpgroup owns half
+the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with the head dim as M, only dQ
+reads the other warpgroup's dS; :func:`choose_config` runs it for non-causal calls up to head
+dim 192.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ FAMILY = "attention_bwd_sm90_big"
 MIN_HEAD_DIM = 136
 MAX_HEAD_DIM = 256
 _KEY_BLOCKS = (64, 96)   # keys per CTA (the template's BLOCK_N): 96 only with layout "qk"
+QK_MAX_HEAD_DIM = 192    # 96 keys: dK^T + dV^T of 48 keys x head_dim rows per warpgroup fit its registers
 # Off: head dims 136..256 go back to the mma.sync kernel (attention_bwd_sm90.picks reads this).
 ENABLED = True
 
@@ -83,7 +85,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         self._check_choice("key_block", _KEY_BLOCKS)
         if self.key_block != 64 and self.layout != "qk":
             self._fail("key_block", '64 with layout="kt" (its keys are one wgmma M of 64)')
-        if self.key_block == 96 and self.head_dim > 192:
+        if self.key_block == 96 and self.head_dim > QK_MAX_HEAD_DIM:
             self._fail("key_block", "64 above head_dim 192 (dK^T + dV^T of 48 keys x 256 rows need 192 "
                                     "registers per thread before dQ's)")
         if self.dq_mode == "bulk" and self.deterministic:
@@ -150,17 +152,36 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
 
 
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90BigConfig:
-    """Two ring stages (the next tile's 64 KiB of Q/dO at d256 land while this one computes; it
-    fits up to d256: 226 KiB).  dQ: the bulk reduction where two stages still fit it and the call
-    is neither deterministic nor masked, else the threads' 16-byte reductions.  Measured (H100,
-    2026-11-25, bf16, TFLOP/s red / bulk, tools/bench_attention_bwd.py --alt dq_mode=bulk):
-    d192 S 4k / 16k non-causal 318 / 366, 351 / 398; causal 282 / 318, 347 / 391 (+13%: one TMA
-    reduction per tile instead of 64 x head_dim / 4 red.global ops through L2); d256 bulk fits one
-    stage only: non-causal 342 / 342, 364 / 374, causal 288 / 253, 368 / 289."""
+    """The config the op runs (it cannot depend on the sequence length: one per dtype, head dim,
+    causal, deterministic and mask options).
+
+    Non-causal, head_dim <= 192, neither deterministic nor masked: layout "qk", 96 keys per CTA,
+    dQ by bulk reduction, one ring stage (two and the f32 staging tile exceed shared memory).
+    Measured (H200, 2026-11-26, bf16, FlashAttention's grid, TFLOP/s at S 2k / 4k / 16k,
+    tools/bench_attention_bwd.py --alt): d192 "kt" 64 keys s2 bulk 366 / 408 / 424, "qk" 96 s1
+    bulk 366 / 406 / 452 (1.00 / 1.00 / 1.07x), "qk" 96 s2 red 340 / 392 / 435, "qk" 64 s2 bulk
+    355 / 372 / 419.  ptxas (NVRTC 13.5): 168 registers, no spills at 136..192, both dtypes.
+    Causal keeps "kt": "qk" 96 s1 bulk lost 7-16% there (254 / 282 / 357 vs 272 / 335 / 409: the
+    causal CTAs walk half as many query tiles on average, so the one-stage ring's exposed Q/dO
+    load per step and the prologue weigh more), and "qk" 96 s2 red was 1.05 / 0.97 / 1.02x - a
+    3.3% loss at 4k (the issue allows 3% against today's) for +1-5% elsewhere, within a single
+    run's spread.  Deterministic and masked calls keep "kt" too: the ordered flush needs the
+    register reductions ("qk" s2 red is unmeasured deterministic) and "qk"'s masked builds spill
+    (48 B, NVRTC 13.5).
+
+    Otherwise ("kt", 64 keys): two ring stages (the next tile's 64 KiB of Q/dO at d256 land while
+    this one computes; it fits up to d256: 226 KiB).  dQ: the bulk reduction where two stages
+    still fit it and the call is neither deterministic nor masked, else the threads' 16-byte
+    reductions.  Measured (H100, 2026-11-25, bf16, TFLOP/s red / bulk, --alt dq_mode=bulk): d192
+    S 4k / 16k non-causal 318 / 366, 351 / 398; causal 282 / 318, 347 / 391 (+13%: one TMA
+    reduction per tile instead of 64 x head_dim / 4 red.global ops through L2); d256 bulk fits
+    one stage only: non-causal 342 / 342, 364 / 374, causal 288 / 253, 368 / 289."""
     cfg = AttentionBwdSm90BigConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
                                     num_stages=2, **mask_flags)
     if deterministic or any(mask_flags.values()):
         return cfg
+    if not causal and head_dim <= QK_MAX_HEAD_DIM:
+        return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=1)
     try:
         return cfg.replace(dq_mode="bulk")
     except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
