@@ -99,6 +99,24 @@ def test_qk_layout_compiles_clean():
     assert "UBLKRED" in k.sass and "UTMALDG" in k.sass
 
 
+def test_qk_ring_mode_config_and_build():
+    """dq_mode="ring" (the bulk dQ reduction staged in the step's own Q/dO stage): two stages and 96
+    keys fit with it at d192 (no staging tile); "qk" and two stages only, never deterministic; the
+    build has no spills, one bulk reduction and no register reductions."""
+    from rtkernels.kernel import get_kernel
+    c = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, layout="qk", key_block=96,
+                                  dq_mode="ring", num_stages=2)
+    assert c.shared_mem_bytes == c.replace(dq_mode="red").shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+    for bad in (dict(layout="kt", key_block=64), dict(num_stages=1), dict(deterministic=True)):
+        with pytest.raises(ConfigError):
+            c.replace(**bad)
+    k = get_kernel(c, arch="sm_90a")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    assert not [line for line in k.module.log.splitlines() if "wgmma" in line]
+    assert k.sass.count("UBLKRED") == 1 and "REDG" not in k.sass and k.sass.count("HGMMA.") == 54
+
+
 def test_column_split_model():
     """The template's split: consumer w computes head-dim columns [c_w, c_w + DN) from 32-column
     blocks and keeps [c_w, c_end_w); together every column exactly once, no operand read past
@@ -273,6 +291,12 @@ QK_CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, key_block, dq_mode, nu
     (1, 77, 77, 2, 1, 192, True, "float16", 64, "bulk", 2, False),
     (2, 17, 4097, 4, 1, 256, True, "float16", 64, "red", 2, False),
     (1, 1000, 1000, 2, 2, 248, False, "bfloat16", 64, "red", 2, True),
+    # dq_mode "ring": dQ staged in the step's own Q/dO stage (GQA, odd lengths, many steps per CTA)
+    (3, 255, 255, 16, 2, 192, True, "bfloat16", 96, "ring", 2, False),
+    (1, 1000, 255, 8, 1, 176, True, "float16", 96, "ring", 2, False),
+    (2, 113, 1000, 8, 1, 136, False, "float16", 96, "ring", 2, False),
+    (1, 2048, 2048, 2, 1, 192, False, "bfloat16", 96, "ring", 2, False),
+    (2, 17, 4097, 4, 1, 256, True, "float16", 64, "ring", 2, False),
 ]
 
 

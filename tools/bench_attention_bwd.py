@@ -21,7 +21,7 @@ run: head dims 136..256 ran on it before attention_bwd_sm90_big.  --alt dq_mode=
 timing the dispatched config with those fields replaced (cells whose config has no such field or
 rejects the value are left empty), e.g. the big kernel's dQ bulk reductions against its default;
 repeat it for more columns (alt2_*, ...), e.g. the big kernel's layout="qk" with 96 keys:
-``--alt layout=qk,key_block=96,dq_mode=red,num_stages=2 --alt layout=qk,key_block=96,dq_mode=bulk,num_stages=1``.
+``--alt layout=qk,key_block=96,dq_mode=red,num_stages=2 --alt layout=qk,key_block=96,dq_mode=ring,num_stages=2``.
 
 --template times the Hopper backward compiled from another version of its template (before /
 after a change: ``git show BASE:templates/attention_bwd_sm90.cu.j2 > old.cu.j2``), same grid;

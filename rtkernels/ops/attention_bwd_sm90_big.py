@@ -53,6 +53,9 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         "bulk" - each consumer warpgroup stages its half of the f32 dQ tile in shared memory and one
         thread adds it with a TMA bulk reduction (cp.reduce.async.bulk; +64 x head_dim x 4 B of
         shared memory: two ring stages fit up to head_dim 192).  Not with ``deterministic``.
+        "ring" (layout "qk", two stages) - the bulk reduction staged in the step's own Q/dO ring
+        stage once both warpgroups have read it (no staging tile: two stages fit at 96 keys); the
+        stage returns to the producer when the reduction has read it, early in the next step.
     layout : "kt" - keys are wgmma's M: S^T / dP^T split by queries, dK / dV by head-dim columns
         (P^T and dS^T cross between the warpgroups before dV and dK); "qk" - queries are wgmma's M
         (FlashAttention-3/4's sm90 choice at head dim 192): each consumer warpgroup owns
@@ -80,7 +83,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
                                    "attention_bwd_sm90)")
         self._check_choice("deterministic", (False, True))
         self._check_choice("num_stages", (1, 2))
-        self._check_choice("dq_mode", ("red", "bulk"))
+        self._check_choice("dq_mode", ("red", "bulk", "ring"))
         self._check_choice("layout", ("kt", "qk"))
         self._check_choice("key_block", _KEY_BLOCKS)
         if self.key_block != 64 and self.layout != "qk":
@@ -88,8 +91,11 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         if self.key_block == 96 and self.head_dim > QK_MAX_HEAD_DIM:
             self._fail("key_block", "64 above head_dim 192 (dK^T + dV^T of 48 keys x 256 rows need 192 "
                                     "registers per thread before dQ's)")
-        if self.dq_mode == "bulk" and self.deterministic:
+        if self.dq_mode != "red" and self.deterministic:
             self._fail("dq_mode", '"red" with deterministic=True (the ordered flush adds from registers)')
+        if self.dq_mode == "ring" and (self.layout != "qk" or self.num_stages != 2):
+            self._fail("dq_mode", '"red" or "bulk" unless layout="qk" and num_stages=2 (the staging reuses the '
+                                  'stage a step has read while the other stage feeds the next step)')
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
