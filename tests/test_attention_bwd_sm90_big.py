@@ -29,7 +29,9 @@ CHECKED_DIMS = [136, 144, 176, 192, 200, 248, 256]   # compiled on the CPU, caus
 
 @pytest.mark.parametrize("bad", [dict(head_dim=128), dict(head_dim=264), dict(head_dim=140), dict(dtype="float32"),
                                  dict(num_stages=3), dict(deterministic="yes"), dict(dq_mode="atomic"),
-                                 dict(dq_mode="bulk", deterministic=True), dict(head_dim=256, dq_mode="bulk")])
+                                 dict(dq_mode="bulk", deterministic=True), dict(head_dim=256, dq_mode="bulk"),
+                                 dict(layout="kq"), dict(key_block=96), dict(key_block=128, layout="qk"),
+                                 dict(key_block=96, layout="qk", head_dim=200)])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
         AttentionBwdSm90BigConfig(**{"head_dim": 192, **bad})
@@ -46,7 +48,73 @@ def test_config_derived_values():
     assert AttentionBwdSm90BigConfig.needs_arch_specific
     assert [BIG.column_split(d) for d in (136, 176, 192, 200, 248)] == [64, 96, 96, 96, 128]
     for cfg in BIG.heuristic_configs(("bfloat16",)):
-        assert cfg.shared_mem_bytes <= B90.SMEM_LIMIT_SM90 and cfg.num_stages == 2, cfg
+        # two stages, except "qk" with 96 keys and the bulk dQ reduction (one fits)
+        assert cfg.shared_mem_bytes <= B90.SMEM_LIMIT_SM90 and cfg.num_stages == (1 if cfg.layout == "qk" else 2), cfg
+
+
+def test_choose_config_rule():
+    """Non-causal head dims <= 192, neither deterministic nor masked: "qk", 96 keys, bulk dQ, one
+    stage; everything else "kt" with 64 keys and two stages (bulk dQ where it fits and allowed)."""
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            for det in (False, True):
+                cfg = BIG.choose_config("bfloat16", d, causal, det)
+                if not causal and not det and d <= 192:
+                    assert (cfg.layout, cfg.key_block, cfg.dq_mode, cfg.num_stages) == ("qk", 96, "bulk", 1), cfg
+                else:
+                    assert (cfg.layout, cfg.key_block, cfg.num_stages) == ("kt", 64, 2), cfg
+                    assert cfg.dq_mode == ("bulk" if not det and d <= 192 else "red"), cfg
+    for flag in ("has_window", "has_softcap", "is_varlen"):
+        cfg = BIG.choose_config("float16", 176, False, False, **{flag: True})
+        assert (cfg.layout, cfg.key_block, cfg.dq_mode) == ("kt", 64, "red"), (flag, cfg)
+    assert B90.choose_config("bfloat16", 192, False, False) == BIG.choose_config("bfloat16", 192, False, False)
+
+
+def test_qk_layout_derived_values():
+    """Layout "qk" at d192, 96 keys: K, V 96 rows x 6 blocks; P (one buffer) and dS (two) of 2
+    warpgroups x 2 32-key blocks x 4 KiB; two ring stages fit only with dQ's register reductions.
+    d136 reads Q^T / dO^T in 3 whole 64-row atoms: 6 blocks (5 for "kt")."""
+    c = AttentionBwdSm90BigConfig(head_dim=192, layout="qk", key_block=96)
+    assert c.block_n == 96 and c.d_blocks == 6 and c.pds_bytes == 2 * 2 * 4096
+    assert c.shared_mem_bytes == 2 * 96 * 6 * 64 + 2 * (2 * 64 * 6 * 64 + 512) + 3 * 16384 + 8 * 5 + 1024
+    with pytest.raises(ConfigError):
+        c.replace(dq_mode="bulk")   # two stages + the f32 staging tile: 272 KiB
+    assert c.replace(dq_mode="bulk", num_stages=1).shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+    assert AttentionBwdSm90BigConfig(head_dim=136, layout="qk", key_block=96).d_blocks == 6
+    assert AttentionBwdSm90BigConfig(head_dim=136).d_blocks == 5
+    assert AttentionBwdSm90BigConfig(head_dim=256, layout="qk", num_stages=2).pds_bytes == 2 * 4096
+
+
+def test_qk_layout_compiles_clean():
+    """One "qk" build (d192, 96 keys, bulk dQ, one stage): no spills, per step S and dP 2 x 12
+    k-steps, dV^T and dK^T 2 x (3 atoms x 4 k-steps), dQ 6 k-steps of HGMMA, one bulk reduction."""
+    from rtkernels.kernel import get_kernel
+    cfg = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, layout="qk", key_block=96, dq_mode="bulk",
+                                    num_stages=1)
+    k = get_kernel(cfg, arch="sm_90a")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    assert not [line for line in k.module.log.splitlines() if "wgmma" in line]
+    assert k.sass.count("HGMMA.") == 2 * 12 + 2 * 3 * 4 + 6
+    assert "UBLKRED" in k.sass and "UTMALDG" in k.sass
+
+
+def test_qk_ring_mode_config_and_build():
+    """dq_mode="ring" (the bulk dQ reduction staged in the step's own Q/dO stage): two stages and 96
+    keys fit with it at d192 (no staging tile); "qk" and two stages only, never deterministic; the
+    build has no spills, one bulk reduction and no register reductions."""
+    from rtkernels.kernel import get_kernel
+    c = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, layout="qk", key_block=96,
+                                  dq_mode="ring", num_stages=2)
+    assert c.shared_mem_bytes == c.replace(dq_mode="red").shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+    for bad in (dict(layout="kt", key_block=64), dict(num_stages=1), dict(deterministic=True)):
+        with pytest.raises(ConfigError):
+            c.replace(**bad)
+    k = get_kernel(c, arch="sm_90a")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    assert not [line for line in k.module.log.splitlines() if "wgmma" in line]
+    assert k.sass.count("UBLKRED") == 1 and "REDG" not in k.sass and k.sass.count("HGMMA.") == 54
 
 
 def test_column_split_model():
@@ -214,6 +282,48 @@ def test_gpu_dq_bulk_mode(batch, sq, sk, h, hkv, d, causal, dtype):
     bwd_tests._gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, hopper=cfg)
 
 
+QK_CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, key_block, dq_mode, num_stages, deterministic
+    (3, 255, 255, 16, 2, 192, True, "bfloat16", 96, "bulk", 1, False),   # GQA 8:1
+    (2, 113, 1000, 8, 1, 192, False, "float16", 96, "red", 2, True),     # MQA, deterministic
+    (1, 1000, 255, 8, 1, 176, True, "float16", 96, "bulk", 1, False),    # causal rows that see no key
+    (2, 300, 301, 4, 2, 160, False, "bfloat16", 96, "red", 2, False),    # a block past the head dim
+    (1, 4097, 1000, 2, 1, 136, True, "bfloat16", 96, "red", 2, True),
+    (1, 77, 77, 2, 1, 192, True, "float16", 64, "bulk", 2, False),
+    (2, 17, 4097, 4, 1, 256, True, "float16", 64, "red", 2, False),
+    (1, 1000, 1000, 2, 2, 248, False, "bfloat16", 64, "red", 2, True),
+    # dq_mode "ring": dQ staged in the step's own Q/dO stage (GQA, odd lengths, many steps per CTA)
+    (3, 255, 255, 16, 2, 192, True, "bfloat16", 96, "ring", 2, False),
+    (1, 1000, 255, 8, 1, 176, True, "float16", 96, "ring", 2, False),
+    (2, 113, 1000, 8, 1, 136, False, "float16", 96, "ring", 2, False),
+    (1, 2048, 2048, 2, 1, 192, False, "bfloat16", 96, "ring", 2, False),
+    (2, 17, 4097, 4, 1, 256, True, "float16", 64, "ring", 2, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,kb,dq_mode,stages,det", QK_CASES)
+def test_gpu_qk_layout(batch, sq, sk, h, hkv, d, causal, dtype, kb, dq_mode, stages, det):
+    """layout="qk" (queries as wgmma M; 96 keys per CTA at d <= 192) against the float64 reference."""
+    _require_sm90()
+    cfg = AttentionBwdSm90BigConfig(dtype=dtype, head_dim=d, causal=causal, deterministic=det, layout="qk",
+                                    key_block=kb, dq_mode=dq_mode, num_stages=stages)
+    print(f"qk case batch={batch} sq={sq} sk={sk} h={h}/{hkv} d={d} causal={causal} {dtype} {cfg}")
+    bwd_tests._gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det, hopper=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_qk_deterministic_is_bit_identical():
+    import cupy as cp
+    _require_sm90()
+    cfg = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, deterministic=True, layout="qk",
+                                    key_block=96)
+    a, b = (bwd_tests._gpu_case(2, 700, 900, 4, 2, 192, True, "bfloat16", deterministic=True, seed=11, hopper=cfg)
+            for _ in range(2))
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        diff = x.view(cp.uint16) != y.view(cp.uint16)
+        assert not bool(diff.any()), f"qk d192 causal: {name} differs at {int(diff.sum())} elements"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d", [("float16", 200), ("bfloat16", 256)])
 def test_gpu_strided_inputs_and_custom_scale(dtype, d):
@@ -282,6 +392,26 @@ def test_gpu_varlen_window_softcap(dtype, d, det):
     rng = np.random.default_rng(d)
     vl_tests._varlen_backward(rng, vl_tests.SHORT_Q, vl_tests.SHORT_K, 6, 2, d, dtype, True, (100, 0), 30.0,
                               deterministic=det)
+
+
+@pytest.mark.gpu
+def test_gpu_host_nvrtc_builds_dispatched_qk_clean():
+    """The "qk" configs the op dispatches (non-causal, head dims 136..192, both dtypes) built by this
+    host's NVRTC (13.0 on the GPU machine spilled more than the CPU's 13.5 in earlier sessions): no
+    spill beyond loop bookkeeping, no serialized wgmma pipeline."""
+    _require_sm90()
+    from rtkernels.kernel import get_kernel
+    bad = []
+    for dt in ("float16", "bfloat16"):
+        for d in range(136, 193, 8):
+            cfg = BIG.choose_config(dt, d, False, False)
+            assert cfg.layout == "qk", cfg
+            k = get_kernel(cfg, arch="sm_90a")
+            notes = [line for line in k.module.log.splitlines() if "wgmma" in line]
+            print(dt, d, k.resources, len(notes))
+            if not B90.bookkeeping_spill_only(k.resources) or notes:
+                bad.append((dt, d, k.resources, notes))
+    assert not bad, bad
 
 
 @pytest.mark.gpu

@@ -19,7 +19,9 @@ Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's
 --with-mma adds a column timing the mma.sync kernel (the Hopper kernels switched off) in the same
 run: head dims 136..256 ran on it before attention_bwd_sm90_big.  --alt dq_mode=bulk adds a column
 timing the dispatched config with those fields replaced (cells whose config has no such field or
-rejects the value are left empty), e.g. the big kernel's dQ bulk reductions against its default.
+rejects the value are left empty), e.g. the big kernel's dQ bulk reductions against its default;
+repeat it for more columns (alt2_*, ...), e.g. the big kernel's layout="qk" with 96 keys:
+``--alt layout=qk,key_block=96,dq_mode=red,num_stages=2 --alt layout=qk,key_block=96,dq_mode=ring,num_stages=2``.
 
 --template times the Hopper backward compiled from another version of its template (before /
 after a change: ``git show BASE:templates/attention_bwd_sm90.cu.j2 > old.cu.j2``), same grid;
@@ -285,8 +287,9 @@ def main():
                    help="time every tile candidate (d 64/128, seqlens 2k/4k/8k) beside the peers")
     p.add_argument("--with-mma", action="store_true",
                    help="also time the mma.sync kernel (Hopper kernels off) in each cell: column rtk_mma_tflops")
-    p.add_argument("--alt", default=None,
-                   help="NAME=VALUE[,NAME=VALUE]: also time the dispatched config with these fields (rtk_alt_tflops)")
+    p.add_argument("--alt", action="append", default=None,
+                   help="NAME=VALUE[,NAME=VALUE]: also time the dispatched config with these fields (rtk_alt_tflops; "
+                        "repeat the option for more columns: rtk_alt2_tflops, ...)")
     p.add_argument("--template", default=None,
                    help="compile the Hopper backward from this template file (before/after timings)")
     p.add_argument("--template-big", default=None,
@@ -341,14 +344,16 @@ def main():
                 dbwd, _, _, _ = _ours(q, k, v, do, causal, args.dtype, True, torch)
                 row["rtk_det_tflops"] = 2.5 * fl / (bu.time_cuda(dbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
                 row["det_ratio"] = row["rtk_det_tflops"] / row["rtk_tflops"]
-                if args.alt:
-                    alt = _alt_config(cfg, args.alt)
+                for i, spec in enumerate(args.alt or ()):
+                    alt = _alt_config(cfg, spec)
+                    n = "" if i == 0 else str(i + 1)   # columns alt_*, alt2_*, ...
                     if alt is not None:
                         abwd, _, agrads, _ = _ours(q, k, v, do, causal, args.dtype, False, torch, config=alt)
-                        row["alt_config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(alt)
-                        row["alt_maxdiff"] = _max_diff(grads, agrads, torch)
-                        row["rtk_alt_tflops"] = 2.5 * fl / (bu.time_cuda(abwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                        row["alt_ratio"] = row["rtk_alt_tflops"] / row["rtk_tflops"]
+                        row[f"alt{n}_config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(alt)
+                        row[f"alt{n}_maxdiff"] = _max_diff(grads, agrads, torch)
+                        row[f"rtk_alt{n}_tflops"] = 2.5 * fl / (
+                            bu.time_cuda(abwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                        row[f"alt{n}_ratio"] = row[f"rtk_alt{n}_tflops"] / row["rtk_tflops"]
                         del abwd, agrads
                 if args.with_mma:
                     H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
@@ -407,8 +412,9 @@ def main():
         bu.plot(args.out, f"bench_attention_bwd{sfx}_d{d}", series, "seqlen", "TFLOP/s (backward)",
                 f"attention backward {args.dtype} head_dim={d} ({env['gpu']})")
     cols = ["head_dim", "causal", "seqlen", "config", "rtk_tflops", "rtk_det_tflops", "det_ratio"]
-    if args.alt:
-        cols += ["alt_config", "rtk_alt_tflops", "alt_ratio"]
+    for i in range(len(args.alt or ())):
+        n = "" if i == 0 else str(i + 1)
+        cols += [f"alt{n}_config", f"rtk_alt{n}_tflops", f"alt{n}_ratio"]
     if args.with_mma:
         cols += ["rtk_mma_tflops", "speedup_vs_mma"]
     fa4 = ["fa4"] if any("fa4_tflops" in r for r in rows) else []

@@ -346,7 +346,8 @@ def tile_space(dtype: str, head_dim: int, causal: bool, deterministic: bool, arc
 def describe(cfg) -> str:
     """Short tile label for tables: ``64x128 w8 staged kv`` (``sm90 s2`` for the Hopper kernel)."""
     if isinstance(cfg, _sm90.AttentionBwdSm90Config):
-        split = f" cols {cfg.split}/{cfg.head_dim - cfg.split}" if hasattr(cfg, "split") else ""   # the big kernel
+        split = (f" cols {cfg.split}/{cfg.head_dim - cfg.split} {cfg.layout} {cfg.dq_mode}"   # the big kernel
+                 if hasattr(cfg, "split") else "")
         return f"sm90 64x{cfg.block_n} s{cfg.num_stages}{split}" + (" det" if cfg.deterministic else "")
     return (f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} {cfg.dq_mode}" + (" kv" if cfg.kv_regs else "")
             + (" ds2" if cfg.ds_stages == 2 else "") + (" pair" if cfg.layout == "pair" else "")

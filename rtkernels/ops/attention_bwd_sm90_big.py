@@ -6,7 +6,11 @@ windows, softcap, varlen, ``deterministic``); the main kernel differs
 (templates/attention_bwd_sm90_big.cu.j2): a CTA owns 64 keys, the two consumer warpgroups split
 S^T / dP^T by query columns and dK / dV / dQ by head-dim columns (P^T and dS^T meet in shared
 memory), and dQ goes from registers to the f32 accumulator by 16-byte reductions.  The template's
-header comment has the register and shared-memory counts that chose this layout.
+header comment has the register and shared-memory counts that chose this layout.  ``layout="qk"``
+is FlashAttention-3/4's sm90 orientation: queries as wgmma M, each consumer warpgroup owns half
+the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with the head dim as M, only dQ
+reads the other warpgroup's dS; :func:`choose_config` runs it for non-causal calls up to head
+dim 192.
 """
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ from typing import Any, ClassVar
 
 from ..config import register_family
 from ..errors import ConfigError
-from .attention_bwd_sm90 import AttentionBwdSm90Config, SMEM_LIMIT_SM90, _ALIGN_SLACK, _BLOCK_M
+from .attention_bwd_sm90 import AttentionBwdSm90Config, SMEM_LIMIT_SM90, _ALIGN_SLACK, _BLOCK_M, _CONSUMERS
 
 FAMILY = "attention_bwd_sm90_big"
 MIN_HEAD_DIM = 136
 MAX_HEAD_DIM = 256
-_BLOCK_N = 64
+_KEY_BLOCKS = (64, 96)   # keys per CTA (the template's BLOCK_N): 96 only with layout "qk"
+QK_MAX_HEAD_DIM = 192    # 96 keys: dK^T + dV^T of 48 keys x head_dim rows per warpgroup fit its registers
 # Off: head dims 136..256 go back to the mma.sync kernel (attention_bwd_sm90.picks reads this).
 ENABLED = True
 
@@ -48,6 +53,16 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         "bulk" - each consumer warpgroup stages its half of the f32 dQ tile in shared memory and one
         thread adds it with a TMA bulk reduction (cp.reduce.async.bulk; +64 x head_dim x 4 B of
         shared memory: two ring stages fit up to head_dim 192).  Not with ``deterministic``.
+        "ring" (layout "qk", two stages) - the bulk reduction staged in the step's own Q/dO ring
+        stage once both warpgroups have read it (no staging tile: two stages fit at 96 keys); the
+        stage returns to the producer when the reduction has read it, early in the next step.
+    layout : "kt" - keys are wgmma's M: S^T / dP^T split by queries, dK / dV by head-dim columns
+        (P^T and dS^T cross between the warpgroups before dV and dK); "qk" - queries are wgmma's M
+        (FlashAttention-3/4's sm90 choice at head dim 192): each consumer warpgroup owns
+        key_block / 2 keys, computes S / dP for them and dK^T / dV^T = Q^T dS / dO^T P for them
+        (head dim as M, no exchange before dV, dK), and only dQ = dS K reads the other's dS.
+    key_block : keys per CTA: 64, or 96 with layout "qk" and head_dim <= 192 (dK^T + dV^T of 48
+        keys x 192 head-dim rows: 144 registers per thread).
     """
 
     family: ClassVar[str] = FAMILY
@@ -58,6 +73,8 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     tma_swizzle: ClassVar[int] = 64
 
     dq_mode: str = "red"
+    layout: str = "kt"
+    key_block: int = 64
 
     def __post_init__(self):
         self._check_shape()
@@ -66,9 +83,19 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
                                    "attention_bwd_sm90)")
         self._check_choice("deterministic", (False, True))
         self._check_choice("num_stages", (1, 2))
-        self._check_choice("dq_mode", ("red", "bulk"))
-        if self.dq_mode == "bulk" and self.deterministic:
+        self._check_choice("dq_mode", ("red", "bulk", "ring"))
+        self._check_choice("layout", ("kt", "qk"))
+        self._check_choice("key_block", _KEY_BLOCKS)
+        if self.key_block != 64 and self.layout != "qk":
+            self._fail("key_block", '64 with layout="kt" (its keys are one wgmma M of 64)')
+        if self.key_block == 96 and self.head_dim > QK_MAX_HEAD_DIM:
+            self._fail("key_block", "64 above head_dim 192 (dK^T + dV^T of 48 keys x 256 rows need 192 "
+                                    "registers per thread before dQ's)")
+        if self.dq_mode != "red" and self.deterministic:
             self._fail("dq_mode", '"red" with deterministic=True (the ordered flush adds from registers)')
+        if self.dq_mode == "ring" and (self.layout != "qk" or self.num_stages != 2):
+            self._fail("dq_mode", '"red" or "bulk" unless layout="qk" and num_stages=2 (the staging reuses the '
+                                  'stage a step has read while the other stage feeds the next step)')
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
@@ -81,7 +108,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
 
     @property
     def block_n(self) -> int:
-        return _BLOCK_N
+        return self.key_block
 
     @property
     def split(self) -> int:
@@ -91,23 +118,34 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     def d_blocks(self) -> int:
         """32-column blocks per Q/dO/K/V tile: consumer 1 reads columns [split, split + the wider share)."""
         wide = max(self.split, self.head_dim - self.split)
-        return -(-(self.split + wide) // 32)
+        cols = -(-(self.split + wide) // 32)
+        # layout "qk": dK^T / dV^T read Q^T / dO^T in 64-row wgmma atoms over the head dim
+        return max(cols, 2 * -(-self.head_dim // 64)) if self.layout == "qk" else cols
+
+    @property
+    def pds_bytes(self) -> int:
+        """One P^T / dS^T (or P / dS) buffer: 64 queries x block_n keys x 2 B; layout "qk" gives each
+        warpgroup's key_block / 2 keys whole 32-key column blocks (64 B swizzled, 4 KiB each)."""
+        if self.layout == "qk":
+            return _CONSUMERS * -(-(self.key_block // _CONSUMERS) // 32) * _BLOCK_M * 64
+        return self.key_block * 128
 
     @property
     def shared_mem_bytes(self) -> int:
-        """K and V (64 rows), num_stages x (Q, dO tiles of 64 rows + 64 lse and delta values), two
-        P^T and two dS^T buffers (64 x 64 x 2 B), the f32 dQ staging tile (dq_mode "bulk"), the
-        mbarriers and 1 KiB to align the base."""
-        kv = 2 * self.d_blocks * _BLOCK_N * 64
+        """K and V (key_block rows), num_stages x (Q, dO tiles of 64 rows + 64 lse and delta
+        values), two P^T and two dS^T buffers ("qk": one P buffer - only its own warpgroup reads
+        it - and two dS), the f32 dQ staging tile (dq_mode "bulk"), the mbarriers and 1 KiB to
+        align the base."""
+        kv = 2 * self.d_blocks * self.key_block * 64
         ring = self.num_stages * (2 * self.d_blocks * _BLOCK_M * 64 + 2 * _BLOCK_M * 4)
-        pds = 4 * _BLOCK_N * 128
+        pds = (3 if self.layout == "qk" else 4) * self.pds_bytes
         dq = _BLOCK_M * self.head_dim * 4 if self.dq_mode == "bulk" else 0
         bars = 8 * (1 + 2 * self.num_stages)
         return kv + ring + pds + dq + bars + _ALIGN_SLACK
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
-        p.update(split=self.split)
+        p.update(split=self.split, block_n=self.block_n)
         return p
 
     @property
@@ -120,17 +158,36 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
 
 
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90BigConfig:
-    """Two ring stages (the next tile's 64 KiB of Q/dO at d256 land while this one computes; it
-    fits up to d256: 226 KiB).  dQ: the bulk reduction where two stages still fit it and the call
-    is neither deterministic nor masked, else the threads' 16-byte reductions.  Measured (H100,
-    2026-11-25, bf16, TFLOP/s red / bulk, tools/bench_attention_bwd.py --alt dq_mode=bulk):
-    d192 S 4k / 16k non-causal 318 / 366, 351 / 398; causal 282 / 318, 347 / 391 (+13%: one TMA
-    reduction per tile instead of 64 x head_dim / 4 red.global ops through L2); d256 bulk fits one
-    stage only: non-causal 342 / 342, 364 / 374, causal 288 / 253, 368 / 289."""
+    """The config the op runs (it cannot depend on the sequence length: one per dtype, head dim,
+    causal, deterministic and mask options).
+
+    Non-causal, head_dim <= 192, neither deterministic nor masked: layout "qk", 96 keys per CTA,
+    dQ by bulk reduction, one ring stage (two and the f32 staging tile exceed shared memory).
+    Measured (H200, 2026-11-26, bf16, FlashAttention's grid, TFLOP/s at S 2k / 4k / 16k,
+    tools/bench_attention_bwd.py --alt): d192 "kt" 64 keys s2 bulk 366 / 408 / 424, "qk" 96 s1
+    bulk 366 / 406 / 452 (1.00 / 1.00 / 1.07x), "qk" 96 s2 red 340 / 392 / 435, "qk" 64 s2 bulk
+    355 / 372 / 419.  ptxas (NVRTC 13.5): 168 registers, no spills at 136..192, both dtypes.
+    Causal keeps "kt": "qk" 96 s1 bulk lost 7-16% there (254 / 282 / 357 vs 272 / 335 / 409: the
+    causal CTAs walk half as many query tiles on average, so the one-stage ring's exposed Q/dO
+    load per step and the prologue weigh more), and "qk" 96 s2 red was 1.05 / 0.97 / 1.02x - a
+    3.3% loss at 4k (the issue allows 3% against today's) for +1-5% elsewhere, within a single
+    run's spread.  Deterministic and masked calls keep "kt" too: the ordered flush needs the
+    register reductions ("qk" s2 red is unmeasured deterministic) and "qk"'s masked builds spill
+    (48 B, NVRTC 13.5).
+
+    Otherwise ("kt", 64 keys): two ring stages (the next tile's 64 KiB of Q/dO at d256 land while
+    this one computes; it fits up to d256: 226 KiB).  dQ: the bulk reduction where two stages
+    still fit it and the call is neither deterministic nor masked, else the threads' 16-byte
+    reductions.  Measured (H100, 2026-11-25, bf16, TFLOP/s red / bulk, --alt dq_mode=bulk): d192
+    S 4k / 16k non-causal 318 / 366, 351 / 398; causal 282 / 318, 347 / 391 (+13%: one TMA
+    reduction per tile instead of 64 x head_dim / 4 red.global ops through L2); d256 bulk fits
+    one stage only: non-causal 342 / 342, 364 / 374, causal 288 / 253, 368 / 289."""
     cfg = AttentionBwdSm90BigConfig(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
                                     num_stages=2, **mask_flags)
     if deterministic or any(mask_flags.values()):
         return cfg
+    if not causal and head_dim <= QK_MAX_HEAD_DIM:
+        return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=1)
     try:
         return cfg.replace(dq_mode="bulk")
     except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
