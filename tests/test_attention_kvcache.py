@@ -149,12 +149,13 @@ def test_num_splits_heuristic():
     # a grid of >= one CTA per SM: no split (H200: B64 S2k 512 CTAs 93.1% unsplit vs 86.8% at 2)
     assert choose_num_splits(132, 1 << 20, sms) == 1
     assert choose_num_splits(1024, 1024, sms) == 1
-    # fewer CTAs than SMs: fill every resident slot once (H200: B8 S8k, 64 CTAs, 51.5% unsplit)
-    assert choose_num_splits(64, 8192, sms) == 4
-    assert choose_num_splits(64, 8192, sms, ctas_per_sm=1) == 2
-    assert choose_num_splits(100, 8192, sms) == 2                  # 200 CTAs: no SM idle
-    assert choose_num_splits(8, 32768, sms) == 33
-    assert choose_num_splits(8, 32768, sms, ctas_per_sm=1) == 16
+    # fewer CTAs than SMs: fill every SM once (H200: B8 S8k, 64 CTAs, 51.5% unsplit, 86.1% at 2 splits,
+    # 84.0% at 4 = both resident slots)
+    assert choose_num_splits(64, 8192, sms) == 2
+    assert choose_num_splits(64, 8192, sms, ctas_per_sm=2) == 4
+    assert choose_num_splits(100, 8192, sms, ctas_per_sm=2) == 2
+    assert choose_num_splits(8, 32768, sms) == 16
+    assert choose_num_splits(8, 32768, sms, ctas_per_sm=2) == 33
     assert choose_num_splits(128, 8192, sms, ctas_per_sm=1) == 1   # one CTA per SM already (8-warp tiles)
     # paged: two CTAs per SM whatever the occupancy (block-table reads)
     assert choose_num_splits(64, 8192, sms, paged=True, ctas_per_sm=1) == 4

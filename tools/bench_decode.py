@@ -26,7 +26,7 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 ``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
-order splits|heads, combine fused|kernel, split_rule decode|old|fill1, schedule streamk) on the
+order splits|heads, combine fused|kernel, split_rule decode|old|fill2, schedule streamk) on the
 ``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
 ``--host-profile`` times the pieces of a call.
 """

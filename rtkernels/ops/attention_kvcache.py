@@ -393,15 +393,18 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
 
 
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
-                      ctas_per_sm: int = 2) -> int:
+                      ctas_per_sm: int = 1) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
     x row tiles) over a cache of ``capacity`` keys per sequence, on ``sms`` SMs holding
     ``ctas_per_sm`` CTAs of this kernel each (its occupancy).
 
     - a grid of >= one CTA per SM is not split (measured, see the comment above MIN_KEYS_PER_SPLIT:
       splits there only add CTAs, each with its own ramp, partials and merge);
-    - a smaller grid is split until it fills every resident slot once: ctas_per_sm x sms CTAs
-      (B8 S8k 32/8: 64 CTAs -> 4 splits; B1 S32k: 8 CTAs -> 33), so no SM is left idle.
+    - a smaller grid is split until it fills ``ctas_per_sm`` x sms CTAs.  The op asks one CTA per
+      SM (B8 S8k 32/8: 64 CTAs -> 2 splits; B1 S32k: 8 CTAs -> 16, merged in the launch): measured
+      against filling both resident slots of the d128 tiles (H200, 2026-11-26, % of copy, fill 1 /
+      fill 2): B8 S8k 86.1 / 84.0, B1 S32k 74.3 / 69.1 (33 splits need the separate combine
+      launch), B1 S128k 91.0 / 89.9; unsplit B8 S8k ran 51.3 (half the SMs idle).
     - paged caches (each page waits on a block-table read): split until PAGED_FILL CTAs per SM.
     - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
       of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
@@ -658,7 +661,8 @@ DEFAULT_ORDER = "heads"
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
 # num_stages, num_warps, schedule), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
 # and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
-# 2026-11-26, no split from 0.45 CTA per SM; "fill1": small grids split to one CTA per SM) overriding the
+# 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
+# per SM) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
@@ -706,7 +710,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         if rule == "old":
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
-            per_sm = 1 if rule == "fill1" else _ctas_per_sm(cfg, kernel, arch)
+            per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
             num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged, split_rows, per_sm)
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
