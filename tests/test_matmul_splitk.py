@@ -76,7 +76,8 @@ def test_split_k_1_keeps_the_unsplit_signature():
 GRID_PICKS = {
     # M = 128: fewer tiles than SMs; the weight's read from DRAM bounds every schedule
     (128, 6144, 4096): "128x64 s1",     # ab: 96 tiles 20.5 us 0.92x; 128x128 s2 23.6, s3 34.5
-    (128, 4096, 4096): "128x64 s1",     # ab: 64 tiles 17.6 us 0.94x; 128x128 s2-s4 19.6-19.8 (64 k-blocks)
+    (128, 4096, 4096): "128x64 s2",     # rule 2b (reasoned): 64 tiles of 128 x 64 on 128 SMs; ab: whole
+    #                                     17.6 us 0.94x, 128x128 s2-s4 19.6-19.8 (64-192 KiB of partials)
     (128, 14336, 4096): "128x128 s1",   # grid: 112 tiles 0.97x
     (128, 28672, 4096): "128x256 s1",   # grid: 112 tiles 1.07x
     (128, 4096, 14336): "128x128 s3",   # ab: 41.4 us 0.96x; s4 0.95x, s2 0.88x, 128x64 whole 0.85x, sk <= 0.89x
@@ -159,6 +160,15 @@ def test_heuristic_rules():
     assert h(128, 512, 65536).split_k == 8          # 4 tiles, 1024 k-blocks: the most SPLITS has
     assert h(64, 2048, 8192).split_k == 2           # 16 tiles, 128 k-blocks: 64 per split
     assert h(300, 4100, 129).split_k == 1           # 3 k-blocks
+    # 2b: thin tiles split in place where rule 2 splits nothing, units in one round, 32 k-blocks each
+    assert _pick(h(128, 4096, 4096)) == "128x64 s2"     # 64 tiles, 64 k-blocks
+    assert _pick(h(127, 4100, 4100)) == "128x64 s2"     # 65 tiles, 65 k-blocks: ragged in M, N, K
+    assert _pick(h(128, 2048, 4096)) == "128x64 s2"     # 32 tiles: s4 would leave 16 k-blocks per split
+    assert _pick(h(128, 4096, 2048)) == "128x64 s1"     # 32 k-blocks: nothing to split
+    assert _pick(h(128, 4096, 256)) == "128x64 s1"
+    assert _pick(h(128, 6144, 4096)) == "128x64 s1"     # 96 tiles: more than half the SMs
+    assert _pick(h(128, 4096, 8192)) == "128x128 s2"    # rule 2 first
+    assert _pick(h(128, 4096, 4096, mma="sync", tma_store=False)) == "128x64 s1"
     # stream-K needs a full wave of 128 x 256 tiles: never at M = 128
     for n, k in ((10240, 8192), (4096, 14336), (6144, 65536)):
         assert not h(128, n, k, stream_k=True).stream_k, (n, k)
@@ -307,10 +317,11 @@ def test_stream_k_lanes_divide_rows_and_sms(m, n, block_n, sms, lanes):
 
 # ---- compile ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(block_m=128, block_n=128, num_stages=6, split_k=2),
-                                dict(block_m=128, block_n=256, num_stages=4, stream_k=True)],
-                         ids=["split2-128x128", "streamk-128x256"])
+                                dict(block_m=128, block_n=256, num_stages=4, stream_k=True),
+                                dict(block_m=128, block_n=64, num_stages=8, split_k=2)],
+                         ids=["split2-128x128", "streamk-128x256", "split2-128x64"])
 def test_reducing_configs_compile_clean_for_sm90a(kw):
-    """Split-K (128 x 128, s2: 128x4096x4096's measured best) and stream-K on the largest tile, with
+    """Split-K (128 x 128 s2, rule 2's tile; 128 x 64 s2, rule 2b's) and stream-K on the largest tile, with
     the fused bias + GELU epilogue: no spills under the consumers' 232 registers, 16-byte L2-only
     partial stores/loads, one counter atomic per unit."""
     import rtkernels as rtk
@@ -484,12 +495,15 @@ def test_gpu_split_batched(schedule, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, M, N, K, stream", [("bfloat16", 128, 4096, 14336, False),
+                                                    ("bfloat16", 128, 4096, 4096, False),
+                                                    ("float16", 127, 4100, 4100, False),
                                                     ("float16", 128, 4096, 14336, False),
                                                     ("bfloat16", 511, 10200, 8000, False),
                                                     ("bfloat16", 512, 6144, 4096, True),
                                                     ("float16", 513, 10240, 8192, True)])
 def test_gpu_heuristic_split_is_deterministic(dtype, M, N, K, stream, monkeypatch):
-    """Shapes the heuristic splits or streams itself (128x4096x14336: split-K; 511x10200x8000: a
+    """Shapes the heuristic splits or streams itself (128x4096x14336: split-K; 128x4096x4096 and the
+    ragged 127x4100x4100: 128 x 64 tiles split in two (rule 2b); 511x10200x8000: a
     ragged 512x10240x8192, stream-K), and partial-wave shapes streamed under
     RTKERNELS_MATMUL_STREAM_K=1: three calls (the later ones plan replays) give the same bits, and
     the counters are back at zero after them."""

@@ -48,7 +48,8 @@ stream-K for its 128x256 and 128x128 tiles (128x64: unsplit and stream-K), besid
 heuristic's choice and the schedule model's estimate (to refit the model's constants in
 ops/matmul_sm90.py); writes matmul_splitk_sweep.json.  --streamk-ab: AB_SHAPES (partial waves,
 few tiles) with stream-K with lanes against lanes = 1 (the schedule before them), whole tiles of
-128x256 / 128x192 / 128x128, split-K (M = 128), rtk.matmul's own pick and cuBLAS, interleaved;
+128x256 / 128x192 / 128x128 / 256x128 / 128x256 with 3 stages, split-K (M = 128), rtk.matmul's own
+pick and cuBLAS, interleaved (--ab-shapes MxNxK,...: other shapes; --ab-only: those candidates);
 writes matmul_streamk_ab.json.
 """
 from __future__ import annotations
@@ -157,6 +158,10 @@ def main() -> None:
     p.add_argument("--splitk-sweep", action="store_true", help="only the split-K sweep of SPLITK_SHAPES")
     p.add_argument("--streamk-ab", action="store_true",
                    help="only stream-K with lanes vs without, whole tiles, splits, rtk.matmul and cuBLAS at AB_SHAPES")
+    p.add_argument("--ab-shapes", type=lambda s: [tuple(int(x) for x in t.split("x")) for t in s.split(",")],
+                   default=None, help="--streamk-ab: comma-separated MxNxK shapes instead of AB_SHAPES")
+    p.add_argument("--ab-only", default="",
+                   help="--streamk-ab: comma-separated candidate labels (cuBLAS and rtk.matmul always run)")
     args = p.parse_args()
     if args.grid == "llm":
         grid_llm(args)
@@ -570,7 +575,13 @@ AB_CANDS = [("dp 128x256", 128, 256, 4, 1, False, None), ("dp 128x192", 128, 192
             ("sk 128x192", 128, 192, 5, 1, True, None), ("sk 128x128", 128, 128, 6, 1, True, None)]
 AB_SPLITS_M128 = [("s2 128x128", 128, 128, 6, 2, False, None), ("s3 128x128", 128, 128, 6, 3, False, None),
                   ("s4 128x128", 128, 128, 6, 4, False, None), ("s4 128x256", 128, 256, 4, 4, False, None),
-                  ("dp 128x64", 128, 64, 8, 1, False, None), ("sk 128x64", 128, 64, 8, 1, True, None)]
+                  ("dp 128x64", 128, 64, 8, 1, False, None), ("sk 128x64", 128, 64, 8, 1, True, None),
+                  # rule 2b: the thin tile split in place, every SM streaming W once
+                  ("s2 128x64", 128, 64, 8, 2, False, None), ("s4 128x64", 128, 64, 8, 4, False, None)]
+# the same tile count as 128x256 with two m64n128 chains per warpgroup; 128x256 with a 3-stage ring and
+# one 256-column epilogue pass (no wait for the first pass's store: short K, where the epilogue is a
+# large share of each tile)
+AB_EXTRA = [("dp 256x128", 256, 128, 4, 1, False, None), ("dp 128x256/3", 128, 256, 3, 1, False, None)]
 
 
 def streamk_ab(args) -> None:
@@ -590,7 +601,8 @@ def streamk_ab(args) -> None:
     repeat = 10 if args.quick else 20
     passes = 3 if args.quick else max(3, args.passes)
     rows, summary = [], []
-    for m, n, k in AB_SHAPES:
+    only = set(filter(None, args.ab_only.split(",")))
+    for m, n, k in args.ab_shapes or AB_SHAPES:
         count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
         sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
                 for _ in range(count)]
@@ -599,7 +611,9 @@ def streamk_ab(args) -> None:
         cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T),
                  "rtk.matmul": lambda a, w: rtk.matmul(a, w, trans_b=True, out=out)}
         info = {}
-        for label, bm, bn, st, s, sk, lanes in AB_CANDS + (AB_SPLITS_M128 if m <= 128 else []):
+        for label, bm, bn, st, s, sk, lanes in AB_CANDS + AB_EXTRA + (AB_SPLITS_M128 if m <= 128 else []):
+            if only and label not in only:
+                continue
             cfg = m90.MatmulSm90Config(dtype=args.dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
                                        split_k=s, stream_k=sk)
             if s > m90.k_blocks(k):
@@ -630,7 +644,7 @@ def streamk_ab(args) -> None:
         flops = 2.0 * m * n * k
         picked = mm._plans90[next(key for key in reversed(list(mm._plans90)) if key[1:5] == (m, n, k, 1))][1]
         pick = f"{'sk' if picked.stream_k else f's{picked.split_k}'} {picked.block_m}x{picked.block_n}"
-        best = min((c for c in med if c not in ("cuBLAS", "rtk.matmul")), key=med.get)
+        best = min((c for c in med if c not in ("cuBLAS", "rtk.matmul")), key=med.get, default="rtk.matmul")
         for c, ms in med.items():
             cands[c](*sets[0])
             err = float(((out.float() - ref).abs().max() / ref.abs().max()).item()) if c != "cuBLAS" else 0.0
@@ -640,9 +654,10 @@ def streamk_ab(args) -> None:
                          "best": c == best, "note": pick if c == "rtk.matmul" else ""})
         summary.append({"shape": f"{m}x{n}x{k}", "cublas_us": med["cuBLAS"] * 1e3, "rtk_pick": pick,
                         "rtk_vs_cublas": med["cuBLAS"] / med["rtk.matmul"],
-                        "dp_best_vs_cublas": med["cuBLAS"] / min(v for c, v in med.items() if c.startswith("dp")),
-                        "sk_old_vs_cublas": med["cuBLAS"] / med["sk-old 128x256"],
-                        "sk_new_vs_cublas": med["cuBLAS"] / med["sk 128x256"],
+                        "dp_best_vs_cublas": med["cuBLAS"] / min((v for c, v in med.items() if c.startswith("dp")),
+                                                                 default=float("nan")),
+                        "sk_old_vs_cublas": med["cuBLAS"] / med.get("sk-old 128x256", float("nan")),
+                        "sk_new_vs_cublas": med["cuBLAS"] / med.get("sk 128x256", float("nan")),
                         "best": best, "best_vs_cublas": med["cuBLAS"] / med[best]})
         print(f"  {m}x{n}x{k}: cuBLAS {med['cuBLAS'] * 1e3:.1f} us, rtk.matmul ({pick}) "
               f"{med['rtk.matmul'] * 1e3:.1f} us, best {best} {med[best] * 1e3:.1f} us", flush=True)

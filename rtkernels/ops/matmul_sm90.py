@@ -257,6 +257,18 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
 #    fixup eats the gain: 128x4096x4096 whole 128 x 64 17.6 us, 128 x 128 s2-s4 19.6-19.8.
 #    More than half the SMs busy: whole tiles (128x6144x4096 128 x 64 20.5 us, 128 x 128 s2 23.6;
 #    128x8192x8192 128 x 64 43.1, 128 x 128 s2 44.9).
+# 2b. thin tiles split to fill the SMs once (reasoned, to be confirmed by the A/B of 2026-11-26 in
+#    the report of branch s9-mm3): where rule 2 splits nothing and the whole-tile pick is THIN_SPLIT_TILE
+#    (128 x 64) keeping at most SPLIT_MAX_FILL of the SMs busy, its tiles in the most splits s of
+#    SPLITS that fit one round and keep THIN_SPLIT_MIN_KBLOCKS k-blocks each.  Why: at M = 128 every
+#    CTA streams its W columns at a near-constant rate (H200 grid 2026-11-26, W bytes / (kernel time
+#    - 5 us of launch and ramp) / CTAs: 28-42 GB/s for 128 x 64 on 64 and 128 CTAs, 30-36 GB/s for
+#    128 x 128 / 128 x 256 on 80-112 CTAs), so 64 CTAs leave half of the DRAM rate unused; with
+#    s = 2 every SM streams a distinct half of its tile's W once.  The partial of a 128 x 64 tile is
+#    32 KiB, a quarter of the 128 x 128 split's reads at the tile's last split (s2-s4 of 128 x 128
+#    lost 2 us at 128x4096x4096 to their 64-192 KiB per tile).  128x4096x4096: 64 tiles -> 128 units
+#    of 32 k-blocks (whole: 17.6 us, 0.93x).  The schedule model cannot rank it: its DRAM floor
+#    (2.9 TB/s, fitted on the H100) is above what cuBLAS runs on the H200 (16.4 us).
 # 3. stream-K of 128 x 256 tiles only where (a) there is at least one full wave of them (below it,
 #    at M = 128, every stream-K schedule lost to whole tiles or split-K: 0.49-0.89x cuBLAS against
 #    0.92-0.96x), (b) every wave shape of WAVE_TILES leaves the SMs idle for more than
@@ -279,6 +291,8 @@ MIN_KBLOCKS_PER_SPLIT = 4
 SPLIT_MAX_FILL = 0.5
 SPLIT_TILE = (128, 128)
 SPLIT_MIN_KBLOCKS = 64
+THIN_SPLIT_TILE = (128, 64)
+THIN_SPLIT_MIN_KBLOCKS = 32   # 4 passes of the 8-stage ring per split
 STREAM_K_TILE = (128, 256)
 WAVE_TILES = ((128, 256), (128, 192), (128, 128))
 STREAM_K_MAX_FILL = 0.9
@@ -435,6 +449,16 @@ def heuristic_split_k(dp: _Tile, m: int, n: int, k: int, batch: int, sm_count: i
     return max(s for s in SPLITS if s == 1 or (tiles * s <= sm_count and k_blocks(k) // s >= SPLIT_MIN_KBLOCKS))
 
 
+def thin_split_k(dp: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -> int:
+    """Rule 2b above: the split count of ``dp``'s own tiles where ``dp`` is THIN_SPLIT_TILE and its
+    whole tiles keep at most SPLIT_MAX_FILL of the SMs busy; 1 elsewhere."""
+    tiles = arch_mod.matmul_tiles(m, n, dp.block_m, dp.block_n, batch=batch)
+    if (dp.block_m, dp.block_n) != THIN_SPLIT_TILE or tiles > SPLIT_MAX_FILL * sm_count:
+        return 1
+    return max(s for s in SPLITS
+               if s == 1 or (tiles * s <= sm_count and k_blocks(k) // s >= THIN_SPLIT_MIN_KBLOCKS))
+
+
 def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
     """Rule 3 above: a full wave of STREAM_K_TILE tiles, a ragged last wave for every shape of
     WAVE_TILES, and the model's stream-K time SCHEDULE_MARGIN below their best."""
@@ -450,7 +474,7 @@ def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
                      stream_k: bool = False, **layout) -> MatmulSm90Config:
-    """The heuristic's config (rules 1-3 above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
+    """The heuristic's config (rules 1-3 and 2b above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
     tma_store, mma.  ``stream_k``: also weigh the stream-K schedule (rtk.matmul does unless
     RTKERNELS_MATMUL_STREAM_K=0; see matmul.STREAM_K_ENV)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
@@ -464,6 +488,9 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     split_k = heuristic_split_k(dp, m, n, k, batch, sm_count)
     if split_k > 1:
         return _config(_tile(SPLIT_TILE), dtype, split_k, **layout)
+    split_k = thin_split_k(dp, m, n, k, batch, sm_count)
+    if split_k > 1:
+        return _config(dp, dtype, split_k, **layout)
     if stream_k and stream_k_pays(m, n, k, batch, sm_count):
         return _config(_tile(STREAM_K_TILE), dtype, stream_k=True, **layout)
     return _config(dp, dtype, **layout)
