@@ -257,8 +257,9 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
 #    fixup eats the gain: 128x4096x4096 whole 128 x 64 17.6 us, 128 x 128 s2-s4 19.6-19.8.
 #    More than half the SMs busy: whole tiles (128x6144x4096 128 x 64 20.5 us, 128 x 128 s2 23.6;
 #    128x8192x8192 128 x 64 43.1, 128 x 128 s2 44.9).
-# 2b. thin tiles split to fill the SMs once (reasoned, to be confirmed by the A/B of 2026-11-26 in
-#    the report of branch s9-mm3): where rule 2 splits nothing and the whole-tile pick is THIN_SPLIT_TILE
+# 2b. thin tiles split to fill the SMs once (measured, H200 2026-11-26, `--streamk-ab --ab-shapes
+#    128x4096x4096`: 128 x 64 s2 0.941x cuBLAS against whole 128 x 64 0.927x; the llm grid the same
+#    day: 0.942x): where rule 2 splits nothing and the whole-tile pick is THIN_SPLIT_TILE
 #    (128 x 64) keeping at most SPLIT_MAX_FILL of the SMs busy, its tiles in the most splits s of
 #    SPLITS that fit one round and keep THIN_SPLIT_MIN_KBLOCKS k-blocks each.  Why: at M = 128 every
 #    CTA streams its W columns at a near-constant rate (H200 grid 2026-11-26, W bytes / (kernel time
