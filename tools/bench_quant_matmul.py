@@ -285,34 +285,37 @@ def _ab_rounds(args, cands, sets, rounds=3):
 
 def nmajor_candidates(old, new, n, sms):
     """[(label, thunk)] of the N-major A/B: ``old`` the session-8 tiling (register slots, global
-    split), ``new`` the route's sm_90 config (gemv._nmajor_sm90: the same with a cluster split where
-    measured faster), and candidates for the small-N gap (every SM's bytes in flight, the split):
-    * s8+cluster / s8+global: the split's two reductions at the session-8 split (the rule's inputs);
+    split), ``new`` the route's sm_90 config (gemv._nmajor_sm90, the round-2 rule: w16, fit or
+    s8 by shape class), and the candidates for the small-N gap, built from ``old`` (every SM's
+    bytes in flight, the split):
+    * s8+cluster: the session-8 split as a cluster (DSMEM sums) instead of the global one;
     * u4: twice the register slots (M <= 8 unroll 4, M = 9..16 unroll 2) under an explicit cap of
-      128 (ptxas, NVRTC 13.5: 128 registers, no spill; the estimate's floor rejects them): 128 /
-      64 KiB in flight per SM instead of 64 / 32 KiB;
+      128, the split a cluster where it is 2..8 (round 2: within 1.5 points of the best at 8192
+      wide, M <= 4; not a rule of its own);
     * fit: the largest split (cluster, <= 8) whose tiles x split fit one wave of 2 CTAs per SM
       (6144: 2 instead of 3, whose 288 CTAs overflow 264 slots; 8192: 2 instead of 1, whose 128
       CTAs leave the second CTA slot of every SM empty); u4 fit: both;
     * w16: one CTA of 16 warps along K per SM (the split halves: its 15 partial sums meet in shared
       memory, a smaller cluster), u4's slots, 128 registers;
     * staged: shared-memory slots with the row-contiguous piece layout (was the 64-byte-apart
-      layout's bank conflict the staged slots' cap? the previous run: 43% of copy at 14336 x 4096)."""
+      layout's bank conflict the staged slots' cap? the previous run: 43% of copy at 14336 x 4096).
+    ``new`` comes first: at the round-2 shapes it equals one of w16 / fit / s8, whose column then
+    shows "-" (a repeated config is timed once, under its first label)."""
     from rtkernels.ops.gemv import CLUSTER_MAX
-    u = 4 if new.m_tiles == 1 else 2
-    tiles = new.tiles(n)
+    u = 4 if old.m_tiles == 1 else 2
+    tiles = old.tiles(n)
+    split = 2 <= old.split_k <= CLUSTER_MAX
     fit = min(CLUSTER_MAX, max(1, 2 * sms // tiles)) if tiles < 2 * sms else 1
     fit1 = min(CLUSTER_MAX, max(1, sms // tiles)) if tiles < sms else 1
-    return [("s8", lambda: old), ("new", lambda: new),
+    return [("new", lambda: new), ("s8", lambda: old),
             ("s8+cluster", lambda: old.replace(cluster=True)),
-            ("s8+global", lambda: new.replace(cluster=False)),
-            ("u4", lambda: new.replace(unroll=u, max_registers=128)),
-            ("fit", lambda: new.replace(split_k=fit, cluster=fit > 1)),
-            ("u4 fit", lambda: new.replace(split_k=fit, cluster=fit > 1, unroll=u, max_registers=128)),
-            ("w16", lambda: new.replace(num_warps=16, warps_k=16, ctas_per_sm=1, unroll=u, max_registers=128,
+            ("u4", lambda: old.replace(unroll=u, max_registers=128, cluster=split)),
+            ("fit", lambda: old.replace(split_k=fit, cluster=fit > 1)),
+            ("u4 fit", lambda: old.replace(split_k=fit, cluster=fit > 1, unroll=u, max_registers=128)),
+            ("w16", lambda: old.replace(num_warps=16, warps_k=16, ctas_per_sm=1, unroll=u, max_registers=128,
                                         split_k=fit1, cluster=fit1 > 1)),
-            ("staged", lambda: new.replace(staged=True, unroll=4 if new.m_tiles == 1 else 3,
-                                           cluster=new.split_k > 1))]
+            ("staged", lambda: old.replace(staged=True, unroll=4 if old.m_tiles == 1 else 3,
+                                           cluster=old.split_k > 1))]
 
 
 def nmajor_ab(args, torch, copy_gbs):
@@ -340,6 +343,9 @@ def nmajor_ab(args, torch, copy_gbs):
             old = gemv.heuristic_config("bfloat16", m, n, k, sm90=False, **h)
             new = gemv.heuristic_config("bfloat16", m, n, k, sm90=True, **h)
             named = nmajor_candidates(old, new, n, sms)
+            if args.variants:   # (a repeat keeps its first label: "new" before the rest)
+                keep = args.variants.split(",")
+                named = [nv for nv in named if nv[0] in keep]
             cands = _variants(named)
             _precompile([c for _, c in cands])
             tref = tx.float() @ tw[0].float()
@@ -419,13 +425,16 @@ def ab_table(rows, col) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = list(dict.fromkeys((r["N"], r["K"], r["M"]) + ((r[col],) if col else ()) for r in rows))
     by = {((r["N"], r["K"], r["M"]) + ((r[col],) if col else ()), r["variant"]): r for r in rows}
-    head = ["N x K", "M"] + ([col] if col else []) + variants
+    tiles = "new" in variants   # the route's tiling, beside its number
+    head = ["N x K", "M"] + ([col] if col else []) + variants + (["new tiles"] if tiles else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in keys:
         cells = [f"{key[0]}x{key[1]}", str(key[2])] + ([key[3]] if col else [])
         for v in variants:
             r = by.get((key, v))
             cells.append("-" if r is None else f"{r['%copy']:.1f}")
+        if tiles:
+            cells.append(by[(key, "new")]["tiles"] if (key, "new") in by else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -533,6 +542,7 @@ def main():
                    help="only the N-major A/B (session-8 tiling, the sm_90 route, candidates, cuBLAS)")
     p.add_argument("--quant-ab", action="store_true", help="with --nmajor-ab: also int8 staged slots at 4 shapes")
     p.add_argument("--shapes", default="", help="with --nmajor-ab: NxK,NxK,... (default: every bench shape)")
+    p.add_argument("--variants", default="", help="with --nmajor-ab: only these labels (e.g. new,s8; cuBLAS always)")
     args = p.parse_args()
     import cupy as cp  # noqa: F401
     import torch

@@ -48,17 +48,21 @@ def register_estimate(row_tiles: int, unroll: int, m_tiles: int, group: bool, ze
     registers under a cap of 128 (this estimate: 88-112), and none of them spills under 112
     (tests/test_quant_matmul.py, HEADROOM; the dense modes: tests/test_gemv.py).  ``staged``: the
     slots live in shared memory, so the weights of one slot only (scales and zero points stay per
-    slot)."""
-    loads = row_tiles if n_major else 2 * row_tiles
-    weights = 4 * loads
+    slot).  N-major: see below."""
     if n_major:
-        # and each slot's 4 k-row addresses and bounds: ptxas (NVRTC 13.5, sm_90) gave two m tiles
-        # 115 registers at unroll 1 and 152 (52 bytes of spill under 128) at unroll 2
-        weights += 12
+        # Dense N-major: 16 weight registers per slot (one slot staged), x and accumulators as
+        # above, and 28 for the rest: a slot's k-row addresses are computed when it is issued (not
+        # held per slot, as this estimate assumed until session 9) and nothing is dequantized.
+        # Against the least cap ptxas fits without a spill (NVRTC 13.5, sm_90a, 16 warps, cluster
+        # split, bf16 and fp16 with bias + silu): unroll 4, one m tile 105..112 (this: 112);
+        # unroll 2, two m tiles 113..120 (100); unroll 2, one m tile and unroll 1, two m tiles
+        # <= 88 (80, 84).  Unroll 4 with two m tiles (132) stays rejected.
+        return (1 if staged else unroll) * 4 * row_tiles + 4 * m_tiles + 4 * row_tiles * m_tiles + 28
+    weights = 4 * 2 * row_tiles
     side = (2 * row_tiles if group else 0) + (2 * row_tiles if zeros else 0)
     slots = weights + unroll * side if staged else unroll * (weights + side)
     acc = 4 * row_tiles * m_tiles * (2 if group else 1)
-    x_elems = 4 if n_major else (8 if dense else 16)
+    x_elems = 8 if dense else 16
     return slots + x_elems * m_tiles + acc + 40
 
 
@@ -357,22 +361,72 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 # global split's cost is its tail: the last arriving split adds, in one warp, per lane 8 outputs x
 # split_k dependent L2 reads at M <= 8 (16 x split_k with two m tiles), after every other split
 # has finished, a fixed cost that a long K slice per CTA amortizes; the cluster's is a cluster
-# barrier and co-scheduled CTAs (why that costs 10 points at 4096 x 14336 M = 1 is not known).  So: a cluster where the K slice per CTA is short (K / split_k <
-# _CLUSTER_K: 1024 at 4096^2, 1365 at 6144 x 4096) or two m tiles double the tail; the global split
-# for long slices at M <= 8 (3584 at 4096 x 14336).  Where K is not split (N >= ~8000 on 132 SMs)
-# the session-8 tiling as it is.
+# barrier and co-scheduled CTAs (why that costs 10 points at 4096 x 14336 M = 1 is not known).
+# Round 1 chose from these a cluster where the K slice per CTA was short or two m tiles doubled the
+# tail; round 2 (below) replaced that choice.
+#
+# Round 2 (H200, 2026-11-26, --nmajor-ab, % of copy 4.23 TB/s; cuBLAS in the same run), per class
+# of shape, with tiles = N / 64 (one warp along N) against the S = 132 SMs:
+#   N x K        M = 1 / 4 / 16   s8              round 1         w16             fit             cuBLAS
+#   4096^2       (64 tiles)       35.7/27.5/17.5  39.9/39.3/34.0  46.8/46.0/44.9  (= round 1)     53.3/53.9/52.9
+#   4096x14336   (64)             66.5/57.9/41.9  66.5/57.9/48.2  72.8/72.9/70.3  (= round 1)     83.7/82.8/83.0
+#   6144x4096    (96)             38.2/32.7/22.2  47.5/46.4/40.7  54.6/53.8/ -    61.7/61.0/52.3  63.6/65.9/65.5
+#   8192^2       (128)            72.8/72.7/55.3  (= s8)          79.3/80.1/ -    79.9/79.9/76.8  88.1/88.4/88.6
+#   8192x28672   (128)            82.3/82.2/60.8  (= s8)          94.2/95.0/ -    91.2/92.3/87.9  101.2/100.7/99.4
+#   14336x4096   (224)            81.1/80.9/70.2  (= s8)          73.9/73.5/ -    (not a split)   84.3/85.9/84.6
+#   28672x8192   (448)            91.5/91.6/79.3  (= s8)          86.4/87.1/ -    (not a split)   98.6/101.1/100.2
+# (w16: one CTA of 16 warps along K per SM, split floor(S / tiles) as a cluster, unroll 4 / 2 with
+# two m tiles; fit: the session-8 CTAs (2 per SM, 8 warps) with the largest split whose CTAs fit
+# one wave of 2 per SM, floor(2S / tiles), as a cluster; "-": a config not valid there.)  u4
+# (session-8 CTAs with unroll 4 / 2) was within 1.5 points of the row's winner at 8192^2 / 8192 x
+# 28672 M <= 4 (80.8/79.7, 94.0/93.4) and at 14336 / 28672 M = 16 (71.4, 81.8), never clearly
+# ahead: not a rule of its own (fewer variants).  The rule these numbers give:
+# * tiles > S (N > ~8400): the session-8 tiling (s8: 2 CTAs per SM, one wave up to 2S tiles,
+#   persistent beyond).  A CTA of 16 warps per SM would need a second, partial wave (224 tiles on
+#   132 SMs: 73.9 against 81.1).
+# * tiles <= S, and the w16 split puts a CTA on >= 95% of the SMs (or as many as fit's would):
+#   w16.  16 warps along K keep 64 / 128 KiB of weight requests in flight per SM in one CTA, and
+#   its 15 partial sums meet once per tile in shared memory; 4096^2 46.8 against fit's 39.9 (fit
+#   is round 1's split there), 4096 x 14336 72.8 against the global split's 66.5, 8192 x 28672
+#   94.2 / 95.0 against fit's 91.2 / 92.3, and a tie at 8192^2 (79.3 / 80.1 against 79.9 / 79.9).
+# * otherwise (6144: 96 tiles leave 36 SMs idle at one CTA per SM; two m tiles where w16 would
+#   not split: its 15 partial sets of two m tiles need 120 KiB, over the 64 KiB a config without
+#   the cluster gets): fit, 6144 61.7 / 61.0 / 52.3 against w16's 54.6 / 53.8, 8192^2 M = 16 76.8
+#   against s8's 55.3.  Its split is a cluster where the K slice per CTA is at most _CLUSTER_K or
+#   two m tiles double the global split's tail (round 1: 6144 x 4096's 2048 as a cluster in the
+#   fit column; 4096 x 14336 M = 1's 3584, split 4: global 66.5 against cluster 57.5).
+# Registers (ptxas, NVRTC 13.5, sm_90a): w16 128 of 128 at unroll 4 (one m tile) and 2 (two), with
+# bias + gelu / silu, fp16 and bf16, loads of 16 / 8 / 4 / 2 bytes and x of 8 / 4 / 2 bytes, no
+# spill; but no headroom: under a cap of 112 unroll 4 spills 20-48 bytes unless the split is a
+# cluster with 16-byte loads, and unroll 2 with two m tiles 4 / 8 bytes (stores / loads), so
+# tests/test_gemv.py checks them at their own cap (as the GPU host's NVRTC does when it runs that
+# file).  fit is the session-8 CTA with another split: 108 / 119 registers of 128 at M = 1 / 16.
 # RTKERNELS_GEMV_SM90=0 keeps the session-8 tiling on sm_90 (the A/B baseline).
 USE_SM90_NMAJOR = os.environ.get("RTKERNELS_GEMV_SM90", "1") != "0"
 _CLUSTER_K = 2048
+_WIDE_WARPS = 16   # w16: warps (all along K) of its one CTA per SM
 
 
-def _nmajor_sm90(cfg: QuantGemvConfig, k: int) -> QuantGemvConfig:
-    """The sm_90 dense N-major config from the session-8 one ``cfg`` (register slots, its split):
-    the split-K CTAs of a tile as one cluster (DSMEM sums, no workspace) where the notes above
-    measured it faster: split_k 2..8 and a K slice per CTA under _CLUSTER_K or two m tiles."""
-    if 2 <= cfg.split_k <= CLUSTER_MAX and (cfg.m_tiles == 2 or k < _CLUSTER_K * cfg.split_k):
-        return cfg.replace(cluster=True)
-    return cfg
+def _nmajor_sm90(cfg: QuantGemvConfig, n: int, k: int, sm_count: int) -> QuantGemvConfig:
+    """The sm_90 dense N-major config by the round-2 rule above, from the session-8 one ``cfg``
+    (2 CTAs of 8 warps along K per SM, register slots): s8 where the 64-row tiles outnumber the
+    SMs, else one CTA of 16 warps per SM split over K as a cluster (w16) where that fills the SMs,
+    else the session-8 CTAs with the split that fits one wave of two per SM (fit)."""
+    tiles = cfg.tiles(n)
+    if tiles > sm_count:
+        return cfg
+    nblk = -(-k // cfg.block_k)
+    # split-K CTAs per tile: as many as one (w16) or two (fit) CTA slots per SM give each tile, at
+    # most a portable cluster, and every warp at least two K blocks (session 8's floor)
+    wide = max(1, min(CLUSTER_MAX, sm_count // tiles, nblk // (2 * _WIDE_WARPS)))
+    fit = max(1, min(CLUSTER_MAX, 2 * sm_count // tiles, nblk // (2 * cfg.warps_k)))
+    busy_wide, busy_fit = tiles * wide, min(tiles * fit, sm_count)   # SMs with a CTA
+    if busy_wide >= min(busy_fit, math.ceil(_FILL * sm_count)) and (cfg.m_tiles == 1 or wide > 1):
+        # twice the session-8 slots: 4, or 2 with two m tiles (the one CTA gets 128 registers)
+        return cfg.replace(num_warps=_WIDE_WARPS, warps_k=_WIDE_WARPS, ctas_per_sm=1, unroll=2 * cfg.unroll,
+                           split_k=wide, cluster=wide > 1)
+    cluster = fit > 1 and (cfg.m_tiles == 2 or k <= _CLUSTER_K * fit)
+    return cfg.replace(split_k=fit, cluster=cluster)
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
@@ -380,8 +434,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
                      x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None) -> QuantGemvConfig:
     """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
-    ``sm90``: N-major split-K through clusters where chosen (:func:`_nmajor_sm90`); default: the
-    target arch is sm_90 and RTKERNELS_GEMV_SM90 is not 0."""
+    ``sm90``: the sm_90 N-major rule (:func:`_nmajor_sm90`); default: the target arch is sm_90 and
+    RTKERNELS_GEMV_SM90 is not 0."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
     if sm90 is None:
@@ -419,7 +473,7 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
                           warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
-    return _nmajor_sm90(cfg, k) if n_major and sm90 else cfg
+    return _nmajor_sm90(cfg, n, k, sm_count) if n_major and sm90 else cfg
 
 
 def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
