@@ -237,7 +237,7 @@ def profile(out: str, calls: int = 20000) -> None:
 
 def varlen_host(out: str, calls: int = 30, batch: int = 16, seqlen: int = 512, heads: int = 16,
                 head_dim: int = 128) -> dict:
-    """Host time of one varlen attention call (``batch`` x ``seqlen`` packed tokens, fp16, causal,
+    """Host time of one varlen attention call (``batch`` x ``seqlen`` packed tokens, bf16, causal,
     both max_seqlen hints): the GPU is idle at each call (synchronized before it, not timed) and
     the timer stops when the call returns, so each number is the Python and launch work of one
     call, whatever the kernels' length.  Rows: the forward and the backward replaying their
@@ -262,31 +262,34 @@ def varlen_host(out: str, calls: int = 30, batch: int = 16, seqlen: int = 512, h
     os.makedirs(out, exist_ok=True)
     for name, tlib in libs.items():
         if tlib is None:
-            q = cp.random.standard_normal((total, heads, head_dim), dtype=cp.float32).astype(cp.float16)
+            x = cp.random.standard_normal((total, heads, head_dim), dtype=cp.float32)
+            q = (x.view(cp.uint32) >> 16).astype(cp.uint16)   # bfloat16 bits (truncated)
             cu = cp.asarray(np.arange(batch + 1, dtype=np.int32) * seqlen)
             sync = cp.cuda.Device().synchronize
+            bf = {"dtype": "bfloat16"}
         else:
-            q = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.float16)
+            q = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16)
             cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * seqlen
+            bf = {}
 
             def sync():
                 torch.cuda.synchronize()
                 cp.cuda.Device().synchronize()
         k, v, do = (q.clone() if tlib else q.copy() for _ in range(3))
-        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen, **bf)
         o, lse = attention(q, k, v, True, **kw)
         g = bwd.attention_backward(do, q, k, v, o, lse, True, **kw)
         dense = q.reshape(batch, seqlen, heads, head_dim)
-        od, lsed = attention(dense, dense, dense, True)
-        gd = bwd.attention_backward(dense, dense, dense, dense, od, lsed, True)
+        od, lsed = attention(dense, dense, dense, True, **bf)
+        gd = bwd.attention_backward(dense, dense, dense, dense, od, lsed, True, **bf)
 
         def full_bwd():
             bwd._VARLEN_BACKWARD_PLANS.clear()
 
         cases = {
-            "dense forward (plan)": (None, lambda: attention(dense, dense, dense, True, out=od)),
+            "dense forward (plan)": (None, lambda: attention(dense, dense, dense, True, out=od, **bf)),
             "dense backward (plan)": (None, lambda: bwd.attention_backward(dense, dense, dense, dense, od, lsed, True,
-                                                                           dq=gd[0], dk=gd[1], dv=gd[2])),
+                                                                           dq=gd[0], dk=gd[1], dv=gd[2], **bf)),
             "varlen forward (plan)": (None, lambda: attention(q, k, v, True, out=o, **kw)),
             "varlen backward (plan)": (None, lambda: bwd.attention_backward(do, q, k, v, o, lse, True, dq=g[0],
                                                                             dk=g[1], dv=g[2], **kw)),
@@ -385,7 +388,7 @@ def main() -> None:
         env = bu.environment()
         bu.save(ns.out, ns.name + "_varlen", {"env": env, "results": results})
         width = max(len(k) for k in results)
-        print(f"\nhost time of one call, us ({env.get('gpu', '')}; 16 x 512 tokens, 16 heads, d128, fp16, causal; "
+        print(f"\nhost time of one call, us ({env.get('gpu', '')}; 16 x 512 tokens, 16 heads, d128, bf16, causal; "
               f"median / min of 30 calls)")
         for name, r in results.items():
             print(f"  {name:<{width}}  {r['median_us']:7.1f}  {r['min_us']:7.1f}")
