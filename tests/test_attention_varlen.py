@@ -481,3 +481,175 @@ def test_backward_dense_windows_and_softcap(kernel, causal, window, softcap):
         cp.cuda.get_current_stream().synchronize()
         _backward_check(do, q, k, v, "bfloat16", grads, f"sq={sq} sk={sk} causal={causal} window={window} "
                         f"softcap={softcap}", causal=causal, window=window, softcap=softcap)
+
+
+def _cu_of(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _bits_equal(a, b):
+    import cupy as cp
+    return bool((cp.asarray(a).view(cp.uint16) == cp.asarray(b).view(cp.uint16)).all())
+
+
+def test_backward_varlen_plans_replay_bit_identical_new_contents_and_graphs(kernel):
+    """A backward call with both max_seqlen hints records a launch plan (Hopper kernels); later calls
+    with the same signatures replay it.  deterministic=True: the replay's gradients are the full
+    path's bit for bit (with the hints, and without them: the full path that reads cu_seqlens);
+    replays with new cu_seqlens contents (same batch and totals) and new data meet the 2x rule; a
+    CUDA graph captured from a replay (its temporaries in the stream's workspace) runs again with
+    new lengths written into cu_seqlens and equals an eager replay bit for bit.  The mma.sync path
+    keeps no plan: its full path is what the graph captures (temporaries in the workspace too)."""
+    import cupy as cp
+    from gpu_util import poison, random_array
+    from rtkernels import device
+    from rtkernels.ops.attention import attention
+    from rtkernels.ops.attention_bwd import attention_backward, _VARLEN_BACKWARD_PLANS
+    rng = _seed()
+    layouts = ([5, 0, 130, 77, 300], [300, 77, 0, 130, 5], [100, 100, 112, 100, 100], [512, 0, 0, 0, 0])
+    total, h, hkv, d, dt = 512, 4, 2, 128, "bfloat16"
+    mask = dict(causal=True, window=(63, 0))
+    cu = cp.zeros(len(layouts[0]) + 1, cp.int32)
+    q, do = (random_array(rng, (total, h, d), dt)[0] for _ in range(2))
+    k, v = (random_array(rng, (total, hkv, d), dt)[0] for _ in range(2))
+    o = cp.empty(q.shape, q.dtype)
+    lse = cp.empty((h, total), cp.float32)
+    grads = [cp.empty(a.shape, a.dtype) for a in (q, k, v)]
+    flags = (("has_window", True), ("has_softcap", False), ("is_varlen", True))
+    on90 = kernel == "sm90" and sm90_mod.is_sm90(device.current_arch())
+    hopper, hopper_atomic = (on90 and bwd90_mod.picks(d, True, flags, dt, det) for det in (True, False))
+
+    def call(deterministic=True, hints=True, stream=None):
+        extra = dict(max_seqlen_q=total, max_seqlen_k=total) if hints else {}
+        return attention_backward(do, q, k, v, o, lse, deterministic=deterministic, dq=grads[0], dk=grads[1],
+                                  dv=grads[2], cu_seqlens_q=cu, cu_seqlens_k=cu, dtype=dt, stream=stream, **mask,
+                                  **extra)
+
+    def refill(lens):
+        cu[...] = cp.asarray(_cu_of(lens))
+        for a in (q, k, v, do):
+            a[...] = random_array(rng, a.shape, dt)[0]
+        _, lse_new = attention(q, k, v, out=o, cu_seqlens_q=cu, cu_seqlens_k=cu, dtype=dt, **mask)
+        lse[...] = lse_new
+        for g in grads:
+            poison(g)
+        cp.cuda.Device().synchronize()   # (the graph runs on a non-blocking stream)
+
+    def check(where):
+        cp.cuda.Device().synchronize()
+        _backward_check(do, q, k, v, dt, grads, where, cu_seqlens_q=cu, cu_seqlens_k=cu, **mask)
+        return [g.copy() for g in grads]
+
+    _VARLEN_BACKWARD_PLANS.clear()
+    refill(layouts[0])
+    call()                                           # the full path (records the plan)
+    full = check(f"full path lens={layouts[0]}")
+    for g in grads:
+        poison(g)
+    call()                                           # the replay
+    replay = check(f"replay lens={layouts[0]}")
+    assert len(_VARLEN_BACKWARD_PLANS) == (1 if hopper else 0)
+    for name, a, b in zip(("dq", "dk", "dv"), full, replay):
+        assert _bits_equal(a, b), f"{name}: replay differs from the full path (deterministic)"
+    call(hints=False)                                # the full path that reads cu_seqlens (no plan)
+    for name, a, b in zip(("dq", "dk", "dv"), check("no hints"), replay):
+        assert _bits_equal(a, b), f"{name}: the replay differs from the full path without hints (deterministic)"
+    refill(layouts[1])
+    call()
+    check(f"replay with new contents lens={layouts[1]}")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        call()                                       # the workspace on this stream exists before capture
+        stream.synchronize()
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+    for lens in layouts[2:]:
+        refill(lens)
+        graph.launch(stream)
+        stream.synchronize()
+        captured = check(f"graph replay lens={lens}")
+        for g in grads:
+            poison(g)
+        call()
+        for name, a, b in zip(("dq", "dk", "dv"), captured, check(f"eager call lens={lens}")):
+            assert _bits_equal(a, b), f"{name}: the graph's gradients differ from an eager call (lens={lens})"
+    refill(layouts[0])
+    for i in range(2):                               # the default (atomic dQ) mode: full path, then replay
+        call(deterministic=False)
+        check(f"deterministic=False call {i}")
+    assert len(_VARLEN_BACKWARD_PLANS) == int(hopper) + int(hopper_atomic)
+
+
+def test_backward_varlen_torch_replay(kernel):
+    """torch tensors: the recorded plan replays on torch's current stream with new outputs (torch
+    bfloat16), bit-identical to the full path (deterministic), with new cu_seqlens contents, and
+    inside a torch CUDA graph (temporaries from the stream workspace, made by torch's allocator; on
+    the mma.sync kernels the graph captures the full path)."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+    from rtkernels import device
+    from rtkernels.ops.attention import attention
+    from rtkernels.ops.attention_bwd import attention_backward, _VARLEN_BACKWARD_PLANS
+    g = torch.Generator(device="cuda").manual_seed(int(_seed().integers(2**31)))
+    layouts = ([7, 300, 1, 64], [64, 1, 300, 7], [93, 93, 93, 93])
+    total, h, d = sum(layouts[0]), 4, 128
+    cu = torch.tensor(_cu_of(layouts[0]), dtype=torch.int32, device="cuda")
+    mk = lambda n: torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(h), mk(1), mk(1), mk(h)
+    mask = dict(causal=True, softcap=50.0, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    hints = dict(max_seqlen_q=total, max_seqlen_k=total)
+    o, lse = attention(q, k, v, **mask, **hints)
+    bits = lambda t: cp.from_dlpack(t.view(torch.int16)).view(cp.uint16)   # noqa: E731
+    hopper = kernel == "sm90" and sm90_mod.is_sm90(device.current_arch()) and bwd90_mod.picks(
+        d, True, (("has_window", False), ("has_softcap", True), ("is_varlen", True)), "bfloat16", True)
+
+    def check(grads, where):
+        torch.cuda.synchronize()
+        _backward_check(bits(do), bits(q), bits(k), bits(v), "bfloat16", [bits(t) for t in grads], where,
+                        causal=True, softcap=50.0, cu_seqlens_q=cp.from_dlpack(cu), cu_seqlens_k=cp.from_dlpack(cu))
+
+    _VARLEN_BACKWARD_PLANS.clear()
+    first = attention_backward(do, q, k, v, o, lse, deterministic=True, **mask, **hints)
+    check(first, "torch full path")
+    for _ in range(2):
+        again = attention_backward(do, q, k, v, o, lse, deterministic=True, **mask, **hints)
+        assert all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in again)
+        assert [t.shape for t in again] == [q.shape, k.shape, v.shape]
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name}: the torch replay differs from the full path"
+    assert len(_VARLEN_BACKWARD_PLANS) == (1 if hopper else 0)
+
+    def refill(lens):
+        cu.copy_(torch.tensor(_cu_of(lens), device="cuda"))
+        for t in (q, k, v, do):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=g))
+        o_new, lse_new = attention(q, k, v, **mask, **hints)
+        o.copy_(o_new)
+        lse.copy_(lse_new)
+
+    refill(layouts[1])
+    check(attention_backward(do, q, k, v, o, lse, deterministic=True, **mask, **hints),
+          f"torch replay with new contents lens={layouts[1]}")
+    # a torch CUDA graph of the call (its workspace made during capture, from torch's graph pool)
+    outs = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_backward(do, q, k, v, o, lse, deterministic=True, dq=outs[0], dk=outs[1], dv=outs[2], **mask,
+                           **hints)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention_backward(do, q, k, v, o, lse, deterministic=True, dq=outs[0], dk=outs[1], dv=outs[2], **mask,
+                           **hints)
+    refill(layouts[2])
+    for t in outs:
+        t.fill_(float("nan"))
+    graph.replay()
+    check(outs, f"torch graph replay lens={layouts[2]}")
+    eager = attention_backward(do, q, k, v, o, lse, deterministic=True, **mask, **hints)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), outs, eager):
+        assert torch.equal(a, b), f"{name}: the torch graph's gradients differ from an eager call"

@@ -544,3 +544,163 @@ def test_varlen_plan_key_needs_both_hints_and_fixes_cu_seqlens(monkeypatch):
     assert key(cu_=FakeArray((7,), 3 << 20, "int32")) != base                        # another batch
     assert key(cu_=FakeArray((6,), 3 << 20, "int64")) != base
     assert key(mq=300) != base and key(window=(63, 0)) != base
+
+
+def test_varlen_backward_plan_key_needs_both_hints_and_fixes_cu_seqlens(monkeypatch):
+    """A varlen backward has a launch plan only with both max_seqlen hints as ints; cu_seqlens'
+    signature, the hints, the outputs' signatures and the options are part of the key, cu_seqlens'
+    address and contents are not (the plan rewrites the schedule on the device each call)."""
+    from rtkernels.ops import attention_bwd as bwd
+    monkeypatch.setattr(_arrays, "_NDARRAY", FakeArray)
+    monkeypatch.setattr(_arrays, "_MULTI_GPU", [False])
+    q, k = FakeArray((512, 4, 64), 1 << 20), FakeArray((512, 2, 64), 2 << 20)
+    lse = FakeArray((4, 512), 4 << 20, "float32")
+    cu = FakeArray((6,), 3 << 20, "int32")
+
+    def key(cu_=cu, mq=512, mk=512, outs=(None, None, None), det=False, **kw):
+        return bwd._varlen_backward_plan_key((q, q, k, k, q, lse), outs, cu_, cu_, mq, mk, True, None, det, None, None,
+                                             kw.get("window"), kw.get("softcap"))
+
+    base = key()
+    assert base is not None and base == key()
+    assert key(mq=None) is None and key(mk=None) is None and key(mq=True) is None and key(mk=512.0) is None
+    assert key(cu_=FakeArray((6,), 5 << 20, "int32")) == base                        # another address
+    assert key(cu_=FakeArray((7,), 3 << 20, "int32")) != base                        # another batch
+    assert key(cu_=FakeArray((6,), 3 << 20, "int64")) != base
+    assert key(mq=300) != base and key(mk=300) != base and key(det=True) != base
+    assert key(window=(63, 0)) != base and key(softcap=30.0) != base
+    assert key(outs=(FakeArray((512, 4, 64), 6 << 20), None, None)) != base          # dq given
+    monkeypatch.setattr(bwd._sm90, "ENABLED", False)                                 # the Hopper kernels off
+    assert key() is None
+
+
+def test_varlen_backward_plan_layout_and_launch_order(monkeypatch):
+    """VarlenBackwardPlan: every temporary is a 256-byte aligned slice of one stream-workspace
+    buffer, no two overlap (they are alive together in a call), one memset zeroes exactly the dQ
+    accumulator and the deterministic counters; run() launches pre-pass, memset, schedule, main
+    kernel, dQ conversion on the workspace's addresses.  Stand-ins for the kernels, the workspace
+    and the tensor maps: nothing compiles."""
+    import cupy
+    from rtkernels.ops import attention_bwd_sm90 as B90, attention_mask as M
+    from rtkernels.ops.attention_bwd import LSE_PAD
+
+    class View:
+        def __init__(self, shape, itemsize=2):
+            self.shape, self.itemsize = shape, itemsize
+            self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+
+    log = []
+
+    class K:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, block, *args, shared_mem=0, stream=None):
+            log.append((self.name, grid, args))
+
+    monkeypatch.setattr(B90, "kernels_for", lambda cfg, arch: (K("main"), K("dot"), K("convert")))
+    monkeypatch.setattr(M, "_schedule_kernels", lambda arch: (M.AttentionScheduleConfig(),
+                                                             {n: K(n) for n in M.AttentionScheduleConfig.kernels}))
+    base = 1 << 30
+    monkeypatch.setattr(B90, "stream_workspace", lambda like, dev, stream, nbytes, _: (log.append(("ws", nbytes)) or
+                                                                                        (Addr(base), None)))
+    monkeypatch.setattr(B90, "address", lambda a: a)   # the stand-in arrays are their own addresses
+    monkeypatch.setattr(B90, "tensor_map", lambda ptr, *a, **kw: ("map", ptr))
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda ptr, v, n, s: log.append(("memset", int(ptr), n)))
+    monkeypatch.setattr(B90, "stream_handle", lambda s: 7)
+
+    class Addr(int):
+        pass
+
+    batch, total_q, total_k, h, hkv, d = 5, 700, 900, 8, 2, 128
+    rows = M.padded_offset_rows(total_q, batch, LSE_PAD)
+    vl = M.Varlen("cu_q", "cu_k", batch, total_q, total_k, 300, 400)
+    for det in (False, True):
+        log.clear()
+        cfg = B90.AttentionBwdSm90Config(dtype="bfloat16", head_dim=d, causal=True, deterministic=det, is_varlen=True)
+        qv, kv = View((1, total_q, h, d)), View((1, total_k, hkv, d))
+        outs = (FakeArray((total_q, h, d), 0), FakeArray((total_k, hkv, d), 0), FakeArray((total_k, hkv, d), 0))
+        strides = tuple((0, h * d, d, 1) for _ in range(5))
+        plan = B90.VarlenBackwardPlan.record(cfg, "sm_90a", (qv, qv, kv, kv, qv), outs, strides, 0.1, (9, h, 1),
+                                             (0, 0, 0.0), vl, rows)
+        lse2, delta, accum, count, table = plan.offsets
+        slots = plan.grid[0] // hkv
+        count_bytes = 16 * h * (rows // 64)
+        parts = [(lse2, 4 * h * rows), (delta, 4 * h * rows), (accum, 4 * h * rows * d), (table, 8 * slots)]
+        if det:
+            parts.append((count, count_bytes))
+        else:
+            assert count is None
+        spans = sorted((off, off + n) for off, n in parts)
+        assert all(off % 256 == 0 for off, _ in spans)
+        assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:])), spans       # disjoint
+        assert spans[-1][1] <= plan.nbytes
+        assert accum + plan.zero_bytes >= (count + count_bytes if det else accum + 4 * h * rows * d)
+        assert accum + plan.zero_bytes <= table                                           # never the table
+        plan.run(("do", "q", "k", "v", "o", "lse"), ("dq", "dk", "dv"), "cu_q", "cu_k", "q", 0, None)
+        names = [e[0] for e in log]
+        assert names == ["ws", "dot", "memset", "attention_schedule_sorted", "main", "convert"], names
+        assert log[0][1] == plan.nbytes and log[2][1:] == (base + accum, plan.zero_bytes)
+        main = log[4][2]
+        assert main[:4] == (("map", "q"), ("map", "k"), ("map", "v"), ("map", "do"))
+        assert main[4:10] == (base + lse2, base + delta, base + accum, None if count is None else base + count,
+                              "dk", "dv")
+        assert log[4][1] == (hkv * slots,) and base + table in main
+        assert log[1][2][:5] == ("o", "do", "lse", base + lse2, base + delta)
+        assert log[5][1] == (rows // 64, h, 1) and log[5][2][:2] == (base + accum, "dq")
+
+
+def test_varlen_mma_backward_temporaries_share_one_workspace_buffer(monkeypatch):
+    """The mma.sync varlen backward: lse2, delta, the dQ accumulator, the counters and BOTH
+    schedule tables (attention_bwd's key tiles, the dQ pass's query tiles: alive in the same call)
+    at disjoint 256-byte aligned offsets of one stream-workspace buffer; one memset zeroes the
+    accumulator and counters.  Stand-ins for the schedule kernels and the workspace."""
+    import cupy
+    from rtkernels.ops import attention_bwd as bwd, attention_mask as M, workspace as W
+
+    log = []
+
+    class K:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, block, *args, shared_mem=0, stream=None):
+            log.append((self.name, args))
+
+    class Addr(int):
+        pass
+
+    base = 1 << 30
+    monkeypatch.setattr(M, "_schedule_kernels", lambda arch: (M.AttentionScheduleConfig(),
+                                                             {n: K(n) for n in M.AttentionScheduleConfig.kernels}))
+    monkeypatch.setattr(W, "stream_workspace", lambda like, dev, stream, nbytes, _: (log.append(("ws", nbytes)) or
+                                                                                      (Addr(base), None)))
+    monkeypatch.setattr(_arrays, "address", lambda a: a)
+    monkeypatch.setattr(W, "stream_handle", lambda s: 7)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda ptr, v, n, s: log.append(("memset", int(ptr), n)))
+    vl = M.Varlen("cu_q", "cu_k", 5, 700, 900, 300, 400)
+    rows, h, d = M.padded_offset_rows(700, 5, bwd.LSE_PAD), 4, 64
+    for det, mode in ((True, "pass"), (True, "staged"), (False, "red")):
+        log.clear()
+        cfg = bwd.AttentionBwdConfig(dtype="float16", head_dim=d, causal=True, deterministic=det, dq_mode=mode,
+                                     is_varlen=True)
+        parts, (slots_k, slots_q) = bwd._varlen_mma_temporaries(cfg, "sm_90", vl, h, d, rows, "q", 0, None)
+        lse2, delta, accum, count, table_k, table_q = (None if p is None else p - base for p in parts)
+        sizes = [(lse2, 4 * h * rows), (delta, 4 * h * rows), (table_k, 8 * slots_k)]
+        if mode == "pass":
+            assert accum is None and count is None and slots_q > 0
+            sizes.append((table_q, 8 * slots_q))
+        else:
+            assert table_q is None
+            sizes.append((accum, 4 * h * rows * d))
+            if det:
+                sizes.append((count, 16 * h * (rows // cfg.block_m) * cfg.dq_units))
+            memset = [e for e in log if e[0] == "memset"]
+            assert memset == [("memset", base + accum, table_k - accum)]
+            assert table_k >= max(off + n for off, n in sizes if off in (accum, count))
+        spans = sorted((off, off + n) for off, n in sizes)
+        assert all(off % 256 == 0 for off, _ in spans)
+        assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:])), (mode, spans)
+        assert log[0] == ("ws", -(-spans[-1][1] // 256) * 256)
+        tables = [e[1][7] for e in log if e[0] == "attention_schedule_sorted"]   # its table argument
+        assert tables == [base + t for t in ((table_k, table_q) if mode == "pass" else (table_k,))]

@@ -235,6 +235,99 @@ def profile(out: str, calls: int = 20000) -> None:
         print(f"profile {name}: {per:.2f} us/call under cProfile -> {out}/profile_{name}.txt")
 
 
+def varlen_host(out: str, calls: int = 30, batch: int = 16, seqlen: int = 512, heads: int = 16,
+                head_dim: int = 128) -> dict:
+    """Host time of one varlen attention call (``batch`` x ``seqlen`` packed tokens, bf16, causal,
+    both max_seqlen hints): the GPU is idle at each call (synchronized before it, not timed) and
+    the timer stops when the call returns, so each number is the Python and launch work of one
+    call, whatever the kernels' length.  Rows: the forward and the backward replaying their
+    launch plans, the backward's full path (its plans emptied before each call), a dense forward
+    and backward of the same tokens for reference; CuPy arrays, then torch tensors when torch is
+    importable.  cProfile of the CuPy backward replay and full path to ``$OUT/profile_varlen_bwd_*.txt``."""
+    import cProfile
+    import io
+    import pstats
+    import cupy as cp
+    import numpy as np
+    from rtkernels.ops import attention_bwd as bwd
+    from rtkernels.ops.attention import attention
+    total = batch * seqlen
+    libs = {"cupy": None}
+    try:
+        import torch
+        libs["torch"] = torch
+    except ImportError:
+        pass
+    results: dict = {}
+    os.makedirs(out, exist_ok=True)
+    for name, tlib in libs.items():
+        if tlib is None:
+            x = cp.random.standard_normal((total, heads, head_dim), dtype=cp.float32)
+            q = (x.view(cp.uint32) >> 16).astype(cp.uint16)   # bfloat16 bits (truncated)
+            cu = cp.asarray(np.arange(batch + 1, dtype=np.int32) * seqlen)
+            sync = cp.cuda.Device().synchronize
+            bf = {"dtype": "bfloat16"}
+        else:
+            q = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * seqlen
+            bf = {}
+
+            def sync():
+                torch.cuda.synchronize()
+                cp.cuda.Device().synchronize()
+        k, v, do = (q.clone() if tlib else q.copy() for _ in range(3))
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen, **bf)
+        o, lse = attention(q, k, v, True, **kw)
+        g = bwd.attention_backward(do, q, k, v, o, lse, True, **kw)
+        dense = q.reshape(batch, seqlen, heads, head_dim)
+        od, lsed = attention(dense, dense, dense, True, **bf)
+        gd = bwd.attention_backward(dense, dense, dense, dense, od, lsed, True, **bf)
+
+        def full_bwd():
+            bwd._VARLEN_BACKWARD_PLANS.clear()
+
+        cases = {
+            "dense forward (plan)": (None, lambda: attention(dense, dense, dense, True, out=od, **bf)),
+            "dense backward (plan)": (None, lambda: bwd.attention_backward(dense, dense, dense, dense, od, lsed, True,
+                                                                           dq=gd[0], dk=gd[1], dv=gd[2], **bf)),
+            "varlen forward (plan)": (None, lambda: attention(q, k, v, True, out=o, **kw)),
+            "varlen backward (plan)": (None, lambda: bwd.attention_backward(do, q, k, v, o, lse, True, dq=g[0],
+                                                                            dk=g[1], dv=g[2], **kw)),
+            "varlen backward (full path)": (full_bwd, lambda: bwd.attention_backward(do, q, k, v, o, lse, True,
+                                                                                     dq=g[0], dk=g[1], dv=g[2], **kw)),
+        }
+        for case, (before, fn) in cases.items():
+            for _ in range(5):
+                fn()
+            ts = []
+            for _ in range(calls):
+                if before:
+                    before()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            sync()
+            results[f"{name}: {case}"] = {"median_us": statistics.median(ts), "min_us": min(ts)}
+        if tlib is None:
+            for case in ("varlen backward (plan)", "varlen backward (full path)"):
+                before, fn = cases[case]
+                prof = cProfile.Profile()
+                for _ in range(calls):
+                    if before:
+                        before()
+                    prof.enable()
+                    fn()
+                    prof.disable()
+                sync()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+                tag = "replay" if "plan" in case else "full"
+                with open(os.path.join(out, f"profile_varlen_bwd_{tag}.txt"), "w") as f:
+                    f.write(f"{calls} calls of {case}\n{buf.getvalue()}")
+    return results
+
+
 TARGETS = [
     ("launch: rtk Kernel.launch", "launch: cupy RawKernel (int)", 1.0, "Kernel.launch <= RawKernel"),
     ("torch: rtk.attention(q, k, v)", "torch: F.scaled_dot_product_attention", 1.0, "rtk attention <= SDPA"),
@@ -272,6 +365,9 @@ def main() -> None:
                                   "git archive <commit> rtkernels templates | tar -x -C base)")
     p.add_argument("--name", default="bench_host", help="JSON file name under --out")
     p.add_argument("--profile", action="store_true", help="only cProfile the hot paths (profile())")
+    p.add_argument("--varlen", action="store_true",
+                   help="only the host time of one varlen attention call, forward and backward, plan replay vs "
+                        "full path (varlen_host())")
     p.add_argument("--cpu-model", action="store_true",
                    help="no GPU: run tools/host_model.py instead (rtk's Python per call with the launch, cupy.empty, "
                         "tensor-map encoding and torch's stream query stubbed; its docstring lists every stub); "
@@ -284,6 +380,18 @@ def main() -> None:
     ns = p.parse_args()
     if ns.profile:
         profile(ns.out)
+        return
+    if ns.varlen:
+        import rtkernels
+        print(f"rtkernels from {os.path.dirname(rtkernels.__file__)}")
+        results = varlen_host(ns.out)
+        env = bu.environment()
+        bu.save(ns.out, ns.name + "_varlen", {"env": env, "results": results})
+        width = max(len(k) for k in results)
+        print(f"\nhost time of one call, us ({env.get('gpu', '')}; 16 x 512 tokens, 16 heads, d128, bf16, causal; "
+              f"median / min of 30 calls)")
+        for name, r in results.items():
+            print(f"  {name:<{width}}  {r['median_us']:7.1f}  {r['min_us']:7.1f}")
         return
     if ns.tree:
         sys.path.insert(0, os.path.abspath(ns.tree))

@@ -23,8 +23,7 @@ from ..errors import ConfigError
 from . import views as _views
 from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as, same_memory
 from .rowwise import _ClassOrInstance
-from .attention_mask import (SORT_MAX_BATCH, Varlen, check_varlen, first_without_spills, mask_spec, schedule,
-                             varlen_slots)
+from .attention_mask import Varlen, check_varlen, first_without_spills, mask_spec, schedule, schedule_slots
 
 FAMILY = "attention"
 
@@ -636,23 +635,17 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     return (o, lse) if return_lse else o
 
 
-def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, cu_tiles=None, cu_other=None,
-                  totals=None, max_seqlen=None, workspace=None):
-    """(schedule table, slots) for ``block``-row tiles of the query sequences (keys set the work);
-    the backward passes its own tiles (``cu_tiles``, ``cu_other``, ``totals``, ``max_seqlen``).
+def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, workspace=None):
+    """(schedule table, slots) for ``block``-row tiles of the query sequences (keys set the work).
     ``workspace``: (like, device) - the table goes to the stream's workspace (ops/workspace.py:
     kept for good, so a CUDA graph that captured the call replays into memory it still owns)
     instead of a new array that the pool would hand out again after the call."""
-    cu_tiles = vl.cu_q if cu_tiles is None else cu_tiles
-    cu_other = vl.cu_k if cu_other is None else cu_other
-    total, total_other = (vl.total_q, vl.total_k) if totals is None else totals
-    longest = vl.max_seqlen_q if max_seqlen is None else max_seqlen
-    slots = varlen_slots(total, vl.batch, block, longest, compact=vl.batch <= SORT_MAX_BATCH)
+    slots = schedule_slots(vl, block)
     table = None
     if workspace is not None:
         from .workspace import stream_workspace
         table = stream_workspace(workspace[0], workspace[1], stream, 8 * slots, 0)[0]
-    return schedule(cu_tiles, cu_other, vl.batch, total, total_other, block, slots, descending, arch, stream,
+    return schedule(vl.cu_q, vl.cu_k, vl.batch, vl.total_q, vl.total_k, block, slots, descending, arch, stream,
                     table), slots
 
 
@@ -722,24 +715,19 @@ class VarlenForwardPlan:
     nheads: int
     slots: int
     mask_args: tuple
-    sched: tuple                # (config, kernel, grid, block, smem, sorted?, batch, total, total_other, block_m, desc)
+    sched: object               # the schedule pre-kernel's launch (attention_mask.ScheduleLaunch)
 
     @classmethod
     def record(cls, kern, cfg, views, o, lse, softmax_scale, mask_args, vl, slots, causal, arch):
-        from .attention_mask import SORT_MAX_BATCH, _schedule_kernels, _cdiv
+        from .attention_mask import schedule_launch
         q_, k_, _, o_ = views
         _, total_q, nheads, _ = q_.shape
         total_k, nheads_kv = k_.shape[1], k_.shape[2]
-        scfg, skerns = _schedule_kernels(arch)
-        if vl.batch <= SORT_MAX_BATCH:
-            sched = (skerns["attention_schedule_sorted"], (1,), (scfg.threads,), scfg.sort_smem_bytes(vl.batch), True)
-        else:
-            sched = (skerns["attention_schedule_batch_order"], (min(_cdiv(slots, 256), 65535),), (256,), 0, False)
         item = o_.itemsize
         return cls(kern, cfg, _sm90.map_specs(cfg, *views), tuple(o.shape),
                    None if lse is None else tuple(lse.shape), (o_.strides[1] // item, o_.strides[2] // item),
                    (total_q, total_k, nheads // nheads_kv, float(softmax_scale)), nheads, slots, tuple(mask_args),
-                   (*sched, vl.batch, vl.total_q, vl.total_k, cfg.block_m, int(bool(causal))))
+                   schedule_launch(vl.batch, vl.total_q, vl.total_k, cfg.block_m, slots, bool(causal), arch))
 
     def replay(self, q, k, v, out, cu_q, cu_k, return_lse, stream, dev):
         from ._arrays import torch_stream_ptr
@@ -751,13 +739,8 @@ class VarlenForwardPlan:
         o = out if out is not None else empty_as(q, self.out_shape, q.dtype)
         lse = empty_as(q, self.lse_shape, (sys.modules["torch"].float32 if torch else cupy.float32)) \
             if return_lse else None
-        skern, sgrid, sblock, ssmem, sort, batch, total, total_other, block, desc = self.sched
         table = stream_workspace(q, dev, stream, 8 * self.slots, 0)[0]   # as _schedule_for
-        if sort:
-            skern.launch(sgrid, sblock, cu_q, cu_k, batch, total, total_other, block, desc, table, self.slots,
-                         shared_mem=ssmem, stream=stream)
-        else:
-            skern.launch(sgrid, sblock, cu_q, batch, total, block, desc, table, self.slots, stream=stream)
+        self.sched.run(cu_q, cu_k, table, stream)
         maps = _sm90.tensor_maps(self.cfg, address(q), address(k), address(v), address(o), specs=self.specs)
         total_q, total_k, group, scale = self.scalars
         self.kern.launch((self.nheads * self.slots,), (self.cfg.threads_per_block,), *maps, lse, total_q, total_k,

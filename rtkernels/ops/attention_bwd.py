@@ -22,10 +22,10 @@ from typing import Any, ClassVar, NamedTuple
 from .._env import getenv
 from ..config import register_family
 from ..errors import ConfigError
-from ._arrays import LaunchPlans, _is_torch, cupy_stream, default_stream, empty_as, torch_view_as
+from ._arrays import LaunchPlans, _is_torch, cupy_stream, default_stream, empty_as, same_memory, torch_view_as
 from . import views as _views
 from .attention import (AttentionShape, check_inputs, check_output, read_inputs, _device_arch, _device_of,
-                        _elem_strides, _schedule_for, _smem_limit, _to_f32)
+                        _elem_strides, _smem_limit, _to_f32)
 from .attention_mask import check_varlen, first_without_spills, mask_spec, padded_offset_rows
 from .rowwise import _ClassOrInstance
 
@@ -406,7 +406,13 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, window, softcap : exactly as given to the
         forward (the gradient goes through the softcap).  max_seqlen_q / max_seqlen_k: hints as in
         the forward - when either is missing cu_seqlens is read back and checked (**a
-        device-to-host copy and a stream synchronization**).
+        device-to-host copy and a stream synchronization**).  With both (ints) on the Hopper
+        kernels (sm_90, head_dim <= 256) the call keeps a launch plan: later calls with the same
+        array signatures, hints and options replay it - new cu_seqlens contents and new data
+        included - without the checks, and CUDA graphs (CuPy or torch) capture such a call, its
+        temporaries living in the stream's workspace (rtkernels.ops.workspace).  The mma.sync
+        kernels (other GPUs; masked builds that spill on sm_90) take the full path every call,
+        with their temporaries in the same workspace, so they capture too.
     deterministic : bit-identical results run to run: dQ from a separate pass per query tile (or
         added in a fixed order) instead of float32 atomics.  (dK and dV are deterministic either way.)
     dq, dk, dv : optional outputs (shapes of q, k, v; same dtype and device; last dimension
@@ -428,15 +434,22 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
     ConfigError : bad dtype, shape, head_dim, strides, devices, lse, outputs, window, softcap or
         cu_seqlens; nothing launched.
     """
-    from ._arrays import as_device_array, new_like, dtype_name
-    import cupy
-
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    plan_key = None if varlen else _backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), causal, softmax_scale,
-                                                      deterministic, dtype, config, window, softcap)
-    plan = _BACKWARD_PLANS.get(plan_key)
-    if plan is not None:
-        return _replay_backward(plan, (do, q, k, v, o, lse), (dq, dk, dv), stream)
+    if varlen:
+        plan_key = _varlen_backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic, dtype,
+                                             config, window, softcap)
+        vplan = _VARLEN_BACKWARD_PLANS.get(plan_key)
+        if vplan is not None:
+            return vplan.replay((do, q, k, v, o, lse), (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, stream, plan_key[1])
+    else:
+        plan_key = _backward_plan_key((do, q, k, v, o, lse), (dq, dk, dv), causal, softmax_scale, deterministic,
+                                      dtype, config, window, softcap)
+        plan = _BACKWARD_PLANS.get(plan_key)
+        if plan is not None:
+            return _replay_backward(plan, (do, q, k, v, o, lse), (dq, dk, dv), stream)
+    from ._arrays import as_device_array, new_like, dtype_name   # (below the replays: ~0.5 us a call)
+    import cupy
     spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
     p = check_inputs({"do": do, "q": q, "k": k, "v": v, "o": o}, dtype, softmax_scale, FAMILY, varlen=varlen)
     do_, q_, k_, v_, o_ = (p.views[n] for n in ("do", "q", "k", "v", "o"))
@@ -520,25 +533,38 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
             sq_pad = -(-seqlen_q // LSE_PAD) * LSE_PAD
             lse2_shape, dot_grid = (batch, nheads, sq_pad), (-(-sq_pad // (_DOT_THREADS // _dot_lanes(head_dim))),
                                                              nheads, batch)
-        with cupy_stream(stream):   # workspaces return to the pool only after this stream's work
-            lse2 = cupy.empty(lse2_shape, cupy.float32)
-            delta = cupy.empty(lse2_shape, cupy.float32)
+        strides = (s_o, s_do, s_dq, s_dk, s_dv)
+        if hopper is not None and varlen:   # temporaries in the stream's workspace (VarlenBackwardPlan)
+            vplan = _sm90.VarlenBackwardPlan.record(hopper, arch, (do_, q_, k_, v_, o_), (dq_o, dk_o, dv_o), strides,
+                                                    scale, dot_grid, mask_args, vl, rows)
+            vplan.run((do_, q_, k_, v_, o_, lse_c), (dq_, dk_, dv_), vl.cu_q, vl.cu_k, q, dev, stream)
+            if plan_key is not None and not staged and same_memory(
+                    (do_, q_, k_, v_, o_, lse_c, dq_, dk_, dv_, vl.cu_q, vl.cu_k),
+                    (do, q, k, v, o, lse, dq_o, dk_o, dv_o, cu_seqlens_q, cu_seqlens_k)):
+                _VARLEN_BACKWARD_PLANS.put(plan_key, vplan)
+            return dq_o, dk_o, dv_o
         if hopper is not None:
-            strides = (s_o, s_do, s_dq, s_dk, s_dv)
+            with cupy_stream(stream):   # workspaces return to the pool only after this stream's work
+                lse2 = cupy.empty(lse2_shape, cupy.float32)
+                delta = cupy.empty(lse2_shape, cupy.float32)
             _sm90.launch(hopper, arch, q_, k_, v_, o_, do_, lse_c, lse2, delta, dq_, dk_, dv_, strides, scale,
-                         dot_grid, stream, mask_args=mask_args, vl=vl)
+                         dot_grid, stream, mask_args=mask_args)
             if plan_key is not None and not staged:
                 _remember_backward(plan_key, hopper, arch, (do_, q_, k_, v_, o_, lse_), (dq_o, dk_o, dv_o),
                                    lse2.shape, strides, scale, dot_grid, mask_args)
             return dq_o, dk_o, dv_o
         kerns, cfg = _kernels_for(dt, head_dim, causal, deterministic, arch, config, flags)
-        _launch_mma(kerns, cfg, arch, vl, (do_, q_, k_, v_, o_), lse_c, lse2, delta, (dq_, dk_, dv_),
-                    (s_do, s_q, s_k, s_v, s_o, s_dq, s_dk, s_dv), scale, dot_grid, mask_args, stream)
+        _launch_mma(kerns, cfg, arch, vl, (do_, q_, k_, v_, o_), lse_c, lse2_shape, (dq_, dk_, dv_),
+                    (s_do, s_q, s_k, s_v, s_o, s_dq, s_dk, s_dv), scale, dot_grid, mask_args, stream, q, dev)
     return dq_o, dk_o, dv_o
 
 
-def _launch_mma(kerns, cfg, arch, vl, views, lse_c, lse2, delta, grads, strides, scale, dot_grid, mask_args, stream):
-    """The mma.sync kernels: pre-pass, attention_bwd, then the dQ pass or the dQ conversion."""
+def _launch_mma(kerns, cfg, arch, vl, views, lse_c, lse2_shape, grads, strides, scale, dot_grid, mask_args, stream,
+                like, dev):
+    """The mma.sync kernels: pre-pass, attention_bwd, then the dQ pass or the dQ conversion.
+    Temporaries: dense calls take them from CuPy's pool; varlen calls from one buffer of the
+    stream's workspace (:func:`_varlen_mma_temporaries`; ``like``, ``dev``: the caller's q and
+    device), so a CUDA graph can capture them as it captures the Hopper kernels' plans."""
     import cupy
     do_, q_, k_, v_, o_ = views
     dq_, dk_, dv_ = grads
@@ -547,48 +573,72 @@ def _launch_mma(kerns, cfg, arch, vl, views, lse_c, lse2, delta, grads, strides,
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     group = nheads // nheads_kv
     in_main = cfg.dq_mode != "pass"
-    rows = lse2.shape[-1]
-    with cupy_stream(stream):
-        if vl is None:
+    rows = lse2_shape[-1]
+    if vl is None:
+        with cupy_stream(stream):   # the pool hands them out again only after this stream's work
+            lse2, delta = cupy.empty(lse2_shape, cupy.float32), cupy.empty(lse2_shape, cupy.float32)
             dq_accum = cupy.empty((batch, nheads, seqlen_q, head_dim), cupy.float32) if in_main else None
             dq_count = (cupy.empty((batch, nheads, -(-seqlen_q // cfg.block_m), cfg.dq_units, 4), cupy.int32)
                         if (cfg.deterministic and in_main) else None)
-        else:   # zeroed here: the pre-pass's rows are padded rows, not the accumulators' own
-            dq_accum = cupy.zeros((nheads, rows, head_dim), cupy.float32) if in_main else None
-            dq_count = (cupy.zeros((nheads, rows // cfg.block_m, cfg.dq_units, 4), cupy.int32)
-                        if (cfg.deterministic and in_main) else None)
-    cu_q, cu_k, nb = (vl.cu_q, vl.cu_k, vl.batch) if vl else (None, None, batch)
+        cu_q, cu_k, nb = None, None, batch
+        grid, sched = (-(-seqlen_k // cfg.block_n), nheads_kv, batch), None
+        dq_grid, dq_sched = (-(-seqlen_q // cfg.dq_block_m), nheads, batch), None
+    else:
+        (lse2, delta, dq_accum, dq_count, sched, dq_sched), slots = _varlen_mma_temporaries(
+            cfg, arch, vl, nheads, head_dim, rows, like, dev, stream)
+        cu_q, cu_k, nb = vl.cu_q, vl.cu_k, vl.batch
+        grid, dq_grid = (nheads_kv * slots[0],), (nheads * slots[1],)
     kerns["attention_bwd_dot"].launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_c, lse2, delta,
                                       None if vl else dq_accum, None if vl else dq_count, seqlen_q, *s_o[:3],
                                       *s_do[:3], cu_q, nb, stream=stream)
-    if vl is None:
-        grid = (-(-seqlen_k // cfg.block_n), nheads_kv, batch)
-        sched = None
-    else:
-        sched, slots = _schedule_for(vl, cfg.block_n, cfg.causal, arch, stream, cu_tiles=vl.cu_k, cu_other=vl.cu_q,
-                                     totals=(vl.total_k, vl.total_q), max_seqlen=vl.max_seqlen_k)
-        grid = (nheads_kv * slots,)
     kerns["attention_bwd"].launch(
         grid, (cfg.threads_per_block,),
         do_, q_, k_, v_, lse2, delta, dq_accum, dq_count, dk_, dv_, seqlen_q, seqlen_k, group,
         nheads, *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dk[:3], *s_dv[:3], scale, cu_q, cu_k, sched, nb,
         *mask_args, shared_mem=cfg.shared_mem_bytes, stream=stream)
     if not in_main:
-        if vl is None:
-            grid, sched = (-(-seqlen_q // cfg.dq_block_m), nheads, batch), None
-        else:
-            sched, slots = _schedule_for(vl, cfg.dq_block_m, cfg.causal, arch, stream)
-            grid = (nheads * slots,)
         kerns["attention_bwd_dq"].launch(
-            grid, (32 * cfg.dq_num_warps,),
+            dq_grid, (32 * cfg.dq_num_warps,),
             do_, q_, k_, v_, lse2, delta, dq_, seqlen_q, seqlen_k, group,
-            *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dq[:3], scale, cu_q, cu_k, sched, nheads, nb, *mask_args,
+            *s_q[:3], *s_k[:3], *s_v[:3], *s_do[:3], *s_dq[:3], scale, cu_q, cu_k, dq_sched, nheads, nb, *mask_args,
             shared_mem=cfg.dq_shared_mem_bytes, stream=stream)
     else:
         chunks = head_dim // 8
         grid = ((-(-rows * chunks // 256), nheads, 1) if vl else (-(-seqlen_q * chunks // 256), nheads, batch))
         kerns["attention_bwd_dq_convert"].launch(grid, (256,), dq_accum, dq_, seqlen_q, *s_dq[:3], scale, cu_q, nb,
                                                  stream=stream)
+
+
+def _varlen_mma_temporaries(cfg, arch, vl, nheads: int, head_dim: int, rows: int, like, dev: int, stream):
+    """((lse2, delta, dq_accum, dq_count, key-tile schedule, query-tile schedule), (key slots,
+    query slots)) of a varlen call on the mma.sync kernels: device addresses in ONE buffer of the
+    stream's workspace (ops/workspace.py, as the Hopper kernels' VarlenBackwardPlan), each part at
+    its own offset - the two schedules (attention_bwd's key tiles, the dQ pass's query tiles) and
+    the rest are alive in the same call.  dq_accum and dq_count are zeroed here (the pre-pass's
+    rows are padded rows, not the accumulators' own); the schedules are written on the stream.
+    None for the parts the config does not use (dq_mode "pass": no accumulator or counters, and the
+    query-tile schedule; not deterministic: no counters)."""
+    import cupy
+    from ..kernel import DevicePtr
+    from ._arrays import address
+    from .attention_mask import schedule_launch, schedule_slots
+    from .workspace import carve, stream_handle, stream_workspace
+    in_main = cfg.dq_mode != "pass"
+    slots_k = schedule_slots(vl, cfg.block_n, keys=True)
+    slots_q = 0 if in_main else schedule_slots(vl, cfg.dq_block_m)
+    offsets, nbytes = carve((4 * nheads * rows, 4 * nheads * rows, 4 * nheads * rows * head_dim if in_main else 0,
+                             16 * nheads * (rows // cfg.block_m) * cfg.dq_units if cfg.deterministic and in_main else 0,
+                             8 * slots_k, 8 * slots_q))
+    base = address(stream_workspace(like, dev, stream, nbytes, 0)[0])
+    parts = tuple(None if off is None else DevicePtr(base + off) for off in offsets)
+    if in_main:   # dq_accum and dq_count lie back to back: one memset
+        cupy.cuda.runtime.memsetAsync(parts[2], 0, offsets[4] - offsets[2], stream_handle(stream))
+    schedule_launch(vl.batch, vl.total_k, vl.total_q, cfg.block_n, slots_k, cfg.causal, arch).run(
+        vl.cu_k, vl.cu_q, parts[4], stream)
+    if not in_main:
+        schedule_launch(vl.batch, vl.total_q, vl.total_k, cfg.dq_block_m, slots_q, cfg.causal, arch).run(
+            vl.cu_q, vl.cu_k, parts[5], stream)
+    return parts, (slots_k, slots_q)
 
 
 # ---- per-signature launch plans (Hopper kernel) -----------------------------------------------
@@ -625,6 +675,29 @@ def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, 
     _BACKWARD_PLANS.put(key, _BackwardPlan(cfg, arch, tuple(v.dtype for v in views),
                                              tuple(tuple(o.shape) for o in outs), outs[0].dtype, tuple(lse2_shape),
                                              strides, scale, dot_grid, _is_torch(outs[0]), tuple(mask_args)))
+
+
+# Varlen calls (Hopper kernels): the full path cost 358-524 us of host time per call on an H200
+# host (CuPy arrays, d128, 16 x 512 tokens, 2026-11-26) against ~15 us for a dense replay.  As for
+# the forward's varlen plans (rtkernels.ops.attention._VARLEN_PLANS), what the path decides depends
+# on the arrays' signatures (cu_seqlens' included), the max_seqlen hints and the options, not on
+# cu_seqlens' contents (the kernels read them on the device), so a call with both hints as ints
+# keeps its _sm90.VarlenBackwardPlan and later calls replay it - no host read, so capturable; its
+# temporaries live in the stream's workspace (the plan's docstring).  The mma.sync kernels (masked
+# builds the Hopper kernels do not take, or sm_80/89) keep the full path (its host cost every
+# call), its temporaries in the same workspace (_varlen_mma_temporaries), so it captures too.
+_VARLEN_BACKWARD_PLANS = LaunchPlans(256)
+
+
+def _varlen_backward_plan_key(arrays, outs, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic, dtype,
+                              config, window, softcap):
+    """The plan key of a varlen backward call, or None (a missing or non-int hint: the full path
+    reads cu_seqlens, and its checks report bad hints)."""
+    if type(max_q) is not int or type(max_k) is not int or not _sm90.ENABLED:
+        return None
+    return _VARLEN_BACKWARD_PLANS.key(tuple(arrays) + tuple(outs) + (cu_q, cu_k),
+                                      (bool(causal), softmax_scale, bool(deterministic), dtype, config, window,
+                                       softcap, max_q, max_k, getenv("RTKERNELS_ARCH")))
 
 
 def _replay_backward(plan: _BackwardPlan, arrays, outs, stream):

@@ -11,12 +11,17 @@ warpgroups) through this module's :func:`picks`, :func:`choose_config` and :func
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import register_family
+from ..kernel import DevicePtr
+from ..tma import tensor_map
+from ._arrays import address, empty_as, torch_stream_ptr
 from .attention import AttentionShape
 from .attention_sm90 import SMEM_LIMIT_SM90, _map_strides, is_sm90, tma_strides
+from .workspace import carve, stream_handle, stream_workspace
 
 FAMILY = "attention_bwd_sm90"
 MAX_HEAD_DIM = 128
@@ -205,35 +210,24 @@ def kernels_for(cfg: AttentionBwdSm90Config, arch: str = "sm_90a"):
 
 
 def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, lse2, delta, dq_, dk_, dv_, strides,
-           softmax_scale: float, dot_grid, stream=None, mask_args=(0, 0, 0.0), vl=None) -> None:
+           softmax_scale: float, dot_grid, stream=None, mask_args=(0, 0, 0.0)) -> None:
     """Pre-pass (delta and lse*log2e into lse2/delta, the op's padded buffers, on ``dot_grid``),
-    main kernel and dQ conversion over CuPy views (bfloat16 as uint16).  ``strides``: the element
-    strides of o, do, dq, dk, dv; ``mask_args``: (window_left, window_right, softcap); ``vl``: the
-    checked cu_seqlens (rtkernels.ops.attention_mask.Varlen) of a varlen call, whose views are
-    (1, total, heads, head_dim) and whose lse2/delta are (heads, padded rows)."""
+    main kernel and dQ conversion over dense CuPy views (bfloat16 as uint16).  ``strides``: the
+    element strides of o, do, dq, dk, dv; ``mask_args``: (window_left, window_right, softcap).
+    Varlen calls run a :class:`VarlenBackwardPlan` instead."""
     import cupy
     from ..kernel import _StreamPtr
-    from ..tma import tensor_map
     from ._arrays import cupy_stream
-    from .attention import _schedule_for
     from .attention_bwd import _DOT_THREADS   # the template's DOT_THREADS
     kern, dot, convert = kernels_for(cfg, arch)
     s_o, s_do, s_dq, s_dk, s_dv = strides
-    cu_q, cu_k, nb = (vl.cu_q, vl.cu_k, vl.batch) if vl else (None, None, q_.shape[0])
-    dot.launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_, lse2, delta, q_.shape[1], *s_o[:3], *s_do[:3], cu_q, nb,
-               stream=stream)
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    dt = cfg.dtype
-    # boxes one swizzle span wide: 64 columns = 128 bytes (SW128), or 32 = 64 bytes (the big kernel's SW64)
-    box = lambda rows: (1, rows, 1, cfg.tma_box_cols)   # noqa: E731
-    sw = cfg.tma_swizzle
-    maps = (tensor_map(q_, dt, q_.shape, _map_strides(q_), box(_BLOCK_M), swizzle=sw),
-            tensor_map(k_, dt, k_.shape, _map_strides(k_), box(cfg.block_n), swizzle=sw),
-            tensor_map(v_, dt, v_.shape, _map_strides(v_), box(cfg.block_n), swizzle=sw),
-            tensor_map(do_, dt, do_.shape, _map_strides(do_), box(_BLOCK_M), swizzle=sw))
-    # varlen: 64-row tiles of each head's padded rows (lse2.shape[-1], a multiple of 128)
-    m_tiles = lse2.shape[-1] // _BLOCK_M if vl else -(-seqlen_q // _BLOCK_M)
+    dot.launch(dot_grid, (_DOT_THREADS,), o_, do_, lse_, lse2, delta, seqlen_q, *s_o[:3], *s_do[:3], None, batch,
+               stream=stream)
+    maps = tuple(tensor_map(a, cfg.dtype, shape, strides_, box, swizzle=cfg.tma_swizzle)
+                 for a, (shape, strides_, box) in zip((q_, k_, v_, do_), map_specs(cfg, q_, k_, v_, do_)))
+    m_tiles = -(-seqlen_q // _BLOCK_M)
     # f32 dQ tiles in the consumers' fragment order, and (deterministic) 4 int32 per query tile for
     # the ordered additions (one 16-byte acquire load each); zeroed on the launch stream
     with cupy_stream(stream):
@@ -244,17 +238,117 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
     for buf in (dq_accum, count):
         if buf is not None:
             cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, sptr)
-    if vl is None:
-        grid, sched = (-(-seqlen_k // cfg.block_n), nheads_kv, batch), None
-    else:   # key tiles of the packed sequences; descending where the deterministic causal order needs it
-        sched, slots = _schedule_for(vl, cfg.block_n, cfg.causal and cfg.deterministic, arch, stream,
-                                     cu_tiles=vl.cu_k, cu_other=vl.cu_q, totals=(vl.total_k, vl.total_q),
-                                     max_seqlen=vl.max_seqlen_k)
-        grid = (nheads_kv * slots,)
+    grid = (-(-seqlen_k // cfg.block_n), nheads_kv, batch)
     kern.launch(grid, (cfg.threads_per_block,), *maps,
                 lse2, delta, dq_accum, count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
-                *s_dk[:3], *s_dv[:3], float(softmax_scale), cu_q, cu_k, sched, nb, *mask_args,
+                *s_dk[:3], *s_dv[:3], float(softmax_scale), None, None, None, batch, *mask_args,
                 shared_mem=cfg.shared_mem_bytes, stream=stream)
-    convert.launch((m_tiles, nheads, batch), (128,), dq_accum, dq_, seqlen_q, *s_dq[:3], float(softmax_scale), cu_q,
-                   nb, stream=stream)
+    convert.launch((m_tiles, nheads, batch), (128,), dq_accum, dq_, seqlen_q, *s_dq[:3], float(softmax_scale), None,
+                   batch, stream=stream)
 
+
+def map_specs(cfg: AttentionBwdSm90Config, q_, k_, v_, do_) -> tuple:
+    """(shape, strides, box) of the Q, K, V and dO tensor maps - everything but the base addresses,
+    so a launch plan can keep them: boxes one swizzle span wide (64 columns = 128 bytes, SW128; or
+    the big kernel's 32 = 64 bytes, SW64) of 64 query rows or block_n key rows."""
+    box = lambda rows: (1, rows, 1, cfg.tma_box_cols)   # noqa: E731
+    return tuple((tuple(a.shape), _map_strides(a), box(rows))
+                 for a, rows in ((q_, _BLOCK_M), (k_, cfg.block_n), (v_, cfg.block_n), (do_, _BLOCK_M)))
+
+
+# ---- varlen: one plan for the full path and the replays ----------------------------------------------
+@dataclass(frozen=True)
+class VarlenBackwardPlan:
+    """A varlen backward on the Hopper kernels (this family's and attention_bwd_sm90_big's): the
+    pre-pass, the dQ accumulators' zeroing, the schedule pre-kernel, the main kernel and the dQ
+    conversion, with everything but the addresses and cu_seqlens' contents fixed.
+
+    The full path builds one from its checked views (:meth:`record`) and runs it (:meth:`run`); a
+    call with both max_seqlen hints keeps it (rtkernels.ops.attention_bwd), and later calls with
+    the same signatures run it on their own arrays (:meth:`replay`): no checks, no views, no host
+    read of cu_seqlens.  Every temporary - lse*log2e and delta (heads x padded rows, f32), the f32
+    dQ accumulator, the deterministic order's counters and the schedule table - is a slice of ONE
+    buffer, the stream's workspace (ops/workspace.py: kept for good, so a CUDA graph that captured
+    the call - CuPy or torch - replays into memory it still owns), at fixed 256-byte aligned
+    offsets (workspace.carve), so the parts alive together in a call never overlap.  The price: that buffer stays allocated at the largest
+    size a stream asked for (the accumulator is heads x padded rows x head_dim x 4 bytes, e.g. 64
+    MiB for 16 heads x 8k tokens at d128) - the memory CuPy's pool would have cached for the
+    per-call arrays anyway, minus what it could have lent to other arrays between calls.
+    """
+    kernels: tuple              # (main, pre-pass, dQ conversion)
+    cfg: object
+    specs: tuple                # the Q, K, V, dO tensor maps' (shape, strides, box)
+    out_shapes: tuple           # dq, dk, dv as the caller sees them
+    out_dtype: object           # of the arrays handed back (torch or CuPy dtype)
+    torch: bool
+    dot_grid: tuple
+    dot_block: tuple            # the pre-pass's threads (the template's DOT_THREADS)
+    grid: tuple                 # the main kernel's: kv heads x schedule slots
+    m_tiles: int                # 64-row query tiles of each head's padded rows
+    scalars: tuple              # total_q, total_k, group, nheads, sequences, softmax_scale
+    strides: tuple              # element strides (first three) of o, do, dq, dk, dv
+    mask_args: tuple
+    offsets: tuple              # byte offsets of lse2, delta, dq_accum, counters (or None), the table
+    zero_bytes: int             # dq_accum and the counters, contiguous: one memset
+    nbytes: int                 # the workspace the call needs
+    sched: object               # the schedule pre-kernel's launch (attention_mask.ScheduleLaunch)
+
+    @classmethod
+    def record(cls, cfg, arch: str, views, outs, strides, softmax_scale: float, dot_grid, mask_args, vl,
+               rows: int) -> "VarlenBackwardPlan":
+        """The plan of a call: ``views`` the checked (1, total, heads, head_dim) views of do, q, k,
+        v, o; ``outs`` the dq, dk, dv handed back; ``rows`` the padded rows of each head's
+        lse2/delta (a multiple of 128)."""
+        from ._arrays import _is_torch
+        from .attention_bwd import _DOT_THREADS
+        from .attention_mask import schedule_launch, schedule_slots
+        do_, q_, k_, v_, _ = views
+        _, total_q, nheads, head_dim = q_.shape
+        total_k, nheads_kv = k_.shape[1], k_.shape[2]
+        m_tiles = rows // _BLOCK_M
+        slots = schedule_slots(vl, cfg.block_n, keys=True)
+        # key tiles of the packed sequences; descending where the deterministic causal order needs it
+        sched = schedule_launch(vl.batch, vl.total_k, vl.total_q, cfg.block_n, slots, cfg.causal and cfg.deterministic,
+                                arch)
+        offsets, nbytes = carve((4 * nheads * rows, 4 * nheads * rows, 4 * nheads * rows * head_dim,
+                                 16 * nheads * m_tiles if cfg.deterministic else 0, 8 * slots))
+        return cls(kernels_for(cfg, arch), cfg, map_specs(cfg, q_, k_, v_, do_), tuple(tuple(o.shape) for o in outs),
+                   outs[0].dtype, _is_torch(outs[0]), tuple(dot_grid), (_DOT_THREADS,), (nheads_kv * slots,), m_tiles,
+                   (total_q, total_k, nheads // nheads_kv, nheads, vl.batch, float(softmax_scale)),
+                   tuple(tuple(s[:3]) for s in strides), tuple(mask_args), offsets, offsets[4] - offsets[2], nbytes,
+                   sched)
+
+    def run(self, arrays, grads, cu_q, cu_k, like, dev: int, stream) -> None:
+        """Launch on ``arrays`` (do, q, k, v, o, lse) and ``grads`` (dq, dk, dv): CuPy views or the
+        caller's CuPy arrays / torch tensors (the kernels take addresses); ``like``: the caller's
+        q (the workspace's kind); ``stream``: a CuPy stream, raw handle or None (CuPy's current)."""
+        import cupy
+        do, q, k, v, o, lse = arrays
+        dq, dk, dv = grads
+        kern, dot, convert = self.kernels
+        cfg = self.cfg
+        s_o, s_do, s_dq, s_dk, s_dv = self.strides
+        total_q, total_k, group, nheads, nb, scale = self.scalars
+        base = address(stream_workspace(like, dev, stream, self.nbytes, 0)[0])
+        lse2, delta, accum, count, table = (None if off is None else DevicePtr(base + off) for off in self.offsets)
+        dot.launch(self.dot_grid, self.dot_block, o, do, lse, lse2, delta, total_q, *s_o, *s_do, cu_q, nb,
+                   stream=stream)
+        cupy.cuda.runtime.memsetAsync(accum, 0, self.zero_bytes, stream_handle(stream))
+        self.sched.run(cu_k, cu_q, table, stream)
+        maps = tuple(tensor_map(address(a), cfg.dtype, shape, strides, box, swizzle=cfg.tma_swizzle)
+                     for a, (shape, strides, box) in zip((q, k, v, do), self.specs))
+        kern.launch(self.grid, (cfg.threads_per_block,), *maps,
+                    lse2, delta, accum, count, dk, dv, total_q, total_k, group, nheads, *s_dk, *s_dv, scale, cu_q,
+                    cu_k, table, nb, *self.mask_args, shared_mem=cfg.shared_mem_bytes, stream=stream)
+        convert.launch((self.m_tiles, nheads, 1), (128,), accum, dq, total_q, *s_dq, scale, cu_q, nb, stream=stream)
+
+    def replay(self, arrays, grads, cu_q, cu_k, stream, dev: int):
+        """A later call with the recorded signatures: the outputs not given are allocated, then
+        :meth:`run` on the caller's arrays.  Returns (dq, dk, dv)."""
+        q = arrays[1]
+        if self.torch and stream is None:
+            stream = torch_stream_ptr(sys.modules["torch"], dev)
+        res = tuple(given if given is not None else empty_as(q, shape, self.out_dtype)
+                    for given, shape in zip(grads, self.out_shapes))
+        self.run(arrays, res, cu_q, cu_k, q, dev, stream)
+        return res

@@ -1,9 +1,9 @@
 """attention_bwd_sm90_big: the Hopper (sm_90a) FlashAttention backward for head dims 136..256.
 
-Same contract and host plan as :mod:`rtkernels.ops.attention_bwd_sm90` (its ``launch``: the
-pre-pass, tensor maps, dq_accum / dq_count, the dQ conversion; layouts, GQA, bottom-right causal,
-windows, softcap, varlen, ``deterministic``); the main kernel differs
-(templates/attention_bwd_sm90_big.cu.j2): a CTA owns 64 keys, the two consumer warpgroups split
+Same contract and host plan as :mod:`rtkernels.ops.attention_bwd_sm90` (its ``launch``, and its
+``VarlenBackwardPlan`` for varlen calls: the pre-pass, tensor maps, dq_accum / dq_count, the dQ
+conversion; layouts, GQA, bottom-right causal, windows, softcap, varlen, ``deterministic``); the
+main kernel differs (templates/attention_bwd_sm90_big.cu.j2): a CTA owns 64 keys, the two consumer warpgroups split
 S^T / dP^T by query columns and dK / dV / dQ by head-dim columns (P^T and dS^T meet in shared
 memory), and dQ goes from registers to the f32 accumulator by 16-byte reductions.  The template's
 header comment has the register and shared-memory counts that chose this layout.  ``layout="qk"``

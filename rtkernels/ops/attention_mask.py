@@ -368,6 +368,13 @@ def varlen_slots(total: int, batch: int, block: int, max_seqlen: int, compact: b
     return max(1, slots)
 
 
+def schedule_slots(vl: "Varlen", block: int, keys: bool = False) -> int:
+    """:func:`varlen_slots` of ``block``-row tiles of vl's query sequences (``keys``: its key
+    sequences - the backward's key tiles), compact while the sorting kernel takes the batch."""
+    total, longest = (vl.total_k, vl.max_seqlen_k) if keys else (vl.total_q, vl.max_seqlen_q)
+    return varlen_slots(total, vl.batch, block, longest, compact=vl.batch <= SORT_MAX_BATCH)
+
+
 def padded_offset_rows(total: int, batch: int, pad: int) -> int:
     """Rows of a per-head buffer where sequence b starts at ``floor((cu[b] + b * pad) / pad) * pad``
     (the device's ``padded_start``): every sequence gets whole ``pad``-row tiles, no two overlap
@@ -417,6 +424,45 @@ def _schedule_kernels(arch: str):
     return hit
 
 
+class ScheduleLaunch(NamedTuple):
+    """The schedule pre-kernel's launch for a fixed (batch, totals, block, slots, order) - what a
+    launch plan keeps to rewrite the table for new cu_seqlens contents (:meth:`run`)."""
+    kernel: Any
+    grid: tuple
+    threads: tuple
+    shared_mem: int
+    sort: bool            # the one-block sorting kernel (batch <= SORT_MAX_BATCH), else batch order
+    batch: int
+    total: int
+    total_other: int
+    block: int
+    descending: int
+    slots: int
+
+    def run(self, cu_tiles, cu_other, table, stream=None) -> None:
+        """Write the (slots,) int32x2 table of ``cu_tiles`` / ``cu_other`` into ``table`` (an array
+        or a :class:`rtkernels.kernel.DevicePtr` of >= 8 * slots bytes)."""
+        if self.sort:
+            self.kernel.launch(self.grid, self.threads, cu_tiles, cu_other, self.batch, self.total, self.total_other,
+                               self.block, self.descending, table, self.slots, shared_mem=self.shared_mem,
+                               stream=stream)
+        else:
+            self.kernel.launch(self.grid, self.threads, cu_tiles, self.batch, self.total, self.block,
+                               self.descending, table, self.slots, stream=stream)
+
+
+def schedule_launch(batch: int, total: int, total_other: int, block: int, slots: int, descending: bool,
+                    arch: str) -> ScheduleLaunch:
+    """The :class:`ScheduleLaunch` of :func:`schedule` for these numbers (no cu_seqlens needed)."""
+    cfg, kerns = _schedule_kernels(arch)
+    if batch <= SORT_MAX_BATCH:
+        return ScheduleLaunch(kerns["attention_schedule_sorted"], (1,), (cfg.threads,), cfg.sort_smem_bytes(batch),
+                              True, batch, total, total_other, block, int(descending), slots)
+    threads = 256
+    return ScheduleLaunch(kerns["attention_schedule_batch_order"], (min(_cdiv(slots, threads), 65535),), (threads,),
+                          0, False, batch, total, total_other, block, int(descending), slots)
+
+
 def schedule(cu_tiles, cu_other, batch: int, total: int, total_other: int, block: int, slots: int,
              descending: bool, arch: str, stream=None, table=None):
     """A (slots,) int32x2 table of (sequence, tile) per slot; (-1, 0) for unused slots.
@@ -431,19 +477,10 @@ def schedule(cu_tiles, cu_other, batch: int, total: int, total_other: int, block
     """
     import cupy
     from ._arrays import cupy_stream
-    cfg, kerns = _schedule_kernels(arch)
     if table is None:
         with cupy_stream(stream):   # the pool hands the table's memory out again only after this stream's work
             table = cupy.empty((slots, 2), cupy.int32)
-    if batch <= SORT_MAX_BATCH:
-        kerns["attention_schedule_sorted"].launch(
-            (1,), (cfg.threads,), cu_tiles, cu_other, batch, total, total_other, block, int(descending), table,
-            slots, shared_mem=cfg.sort_smem_bytes(batch), stream=stream)
-    else:
-        threads = 256
-        kerns["attention_schedule_batch_order"].launch(
-            (min(_cdiv(slots, threads), 65535),), (threads,), cu_tiles, batch, total, block, int(descending), table,
-            slots, stream=stream)
+    schedule_launch(batch, total, total_other, block, slots, descending, arch).run(cu_tiles, cu_other, table, stream)
     return table
 
 

@@ -88,3 +88,15 @@ def stream_workspace(like, device: int, stream, part_bytes: int, counter_bytes: 
         ws.counters = _buffer(like, ws.counter_bytes, handle, zero=True)
     _WORKSPACES[key] = ws
     return ws.parts, ws.counters
+
+
+def carve(sizes, align: int = 256) -> tuple[tuple, int]:
+    """(offsets, total): byte offsets of parts of ``sizes`` bytes laid out back to back in one
+    buffer, each starting on an ``align``-byte boundary (None for a size of 0), and the bytes the
+    buffer needs - for a call whose temporaries, alive together, share one :func:`stream_workspace`
+    buffer without overlapping."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at if n else None)
+        at += -(-n // align) * align
+    return tuple(offsets), at
