@@ -1,13 +1,11 @@
-"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / bulk_rows / blocks_per_sm)
-and where its column sums run (fold_colsum: the rows kernel's tail, or the second kernel).
+"""The norm backward's load-ahead variants (NormBwdConfig prefetch / ring_rows / bulk_rows / blocks_per_sm).
 
 CPU: the knobs' validation, the heuristic's choice, a few configs compile without spills (one
 module each, shared through a module fixture; every heuristic config with
 RTKERNELS_TEST_FULL_SWEEP=1), the ring's copies are cp.async (LDGSTS) and the bulk stages'
-cp.async.bulk (UBLKCP), the column-sum tail costs no blocks per SM.
+cp.async.bulk (UBLKCP).
 GPU (-m gpu): every variant against the float64 references with several rows per worker (a ragged
-last wave), the saved statistics given and recomputed, poisoned outputs, and the same bits twice;
-the tail with grids past one wave, shapes interleaved, and a CUDA graph replayed (counters reset).
+last wave), the saved statistics given and recomputed, poisoned outputs, and the same bits twice.
 """
 import numpy as np
 import pytest
@@ -44,8 +42,6 @@ from sweep import FULL_SWEEP
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=5), "bulk_rows"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=512, block_size=512, vecs_per_thread=16, bulk_rows=4),
      "bulk_rows"),                                                                      # 512 KiB of stages
-    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, fold_colsum=1), "fold_colsum"),
-    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, discard_partials=None), "discard_partials"),
 ])
 def test_load_ahead_config_errors_name_the_field(params, field):
     with pytest.raises(ConfigError) as e:
@@ -78,23 +74,6 @@ def test_plan_bwd_occupancy_knobs(n, arch, layer, acc, merge, min_blocks):
     assert cfg.launch_cluster == cfg.cluster_size * merge and cfg.min_arch == (90 if cfg.launch_cluster > 1 else 80)
 
 
-def test_fold_colsum_default_and_tiles():
-    # the fold where it measured faster: block rows (4k); lane groups (1k) and cluster rows (16k+)
-    # keep the second kernel (H200, 2026-11-26: rb._NORM_BWD_FOLD's comment)
-    for n, fold in ((1024, False), (4096, True), (16384, False), (65536, False)):
-        for layer in (False, True):
-            assert rb.plan_bwd("norm_bwd", n, "bfloat16", 8, "sm_90", layer=layer).fold_colsum == fold, (n, layer)
-    # float4 columns per tile: 8 (a 128-byte line per partial row) while dweight has a tile per
-    # four reducers; narrower at 1k (528 lane-group blocks, 264 reducers: 128 tiles of 2 float4)
-    assert rb._fold_tile4(1024, 264, 128) == 2
-    assert rb._fold_tile4(4096, 264, 256) == 8
-    assert rb._fold_tile4(4096, 198, 256) == 8
-    assert rb._fold_tile4(16384, 242, 256) == 8
-    assert rb._fold_tile4(2048, 264, 256) == 4
-    assert rb._fold_tile4(7, 500, 32) == 1
-    assert rb._fold_tile4(1 << 20, 1, 32) == 8
-
-
 @pytest.mark.parametrize("n, dtype, vec", [
     (1024, "bfloat16", 8), (4096, "bfloat16", 8), (16384, "bfloat16", 8), (65536, "bfloat16", 8),
     (4096, "float32", 4), (1 << 20, "bfloat16", 8), (4096, "bfloat16", 4), (1000, "float16", 1),
@@ -124,11 +103,7 @@ COMPILED = [   # (label, config, arch): the ring knob at each row class, prefetc
     ("16k cluster bulk stages, sums in shared memory",
      rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).replace(bulk_rows=2), "sm_90"),
     ("16k cluster, the first version", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").replace(
-        split_stats=False, acc_smem=False, min_blocks=1, fold_colsum=False), "sm_90"),
-    ("4k block, the heuristic (column sums in the tail)", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90"),
-     "sm_90"),
-    ("4k block, the second kernel", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(fold_colsum=False),
-     "sm_90"),
+        split_stats=False, acc_smem=False, min_blocks=1), "sm_90"),
 ]
 ROWS_KERNELS = ("rmsnorm_bwd_rows", "layernorm_bwd_rows")
 
@@ -160,28 +135,6 @@ def test_merged_clusters_read_peers_once(compiled):
     for name, k in ks.items():
         # the merge: one barrier.cluster pair, and peers' 16-byte chunks through DSMEM
         assert "mapa.shared::cluster" in k.ptx and "ld.shared::cluster.v4.f32" in k.ptx, name
-
-
-def _blocks_by_registers(regs: int, block: int) -> int:
-    """Blocks of `block` threads per SM that `regs` registers per thread allow (sm_80 / sm_90:
-    registers in units of 8 per thread, 16384 per warp scheduler, whole warps per scheduler)."""
-    per_warp = -(-regs // 8) * 8 * 32
-    return 4 * (16384 // per_warp) // (block // 32)
-
-
-def test_fold_tail_costs_no_blocks_per_sm(compiled):
-    """The tail's loads in flight (kFoldLoads) fit the registers the rows already take: the
-    uncapped 4k RMSNorm kernel keeps 3 blocks of 256 per SM (8 loads took it to 84 registers, 2)."""
-    fold_cfg, fold = compiled["4k block, the heuristic (column sums in the tail)"]
-    kern_cfg, kern = compiled["4k block, the second kernel"]
-    assert fold_cfg.fold_colsum and not kern_cfg.fold_colsum and fold_cfg.min_blocks == 1
-    for name in ROWS_KERNELS:
-        a, b = fold[name].resources.registers, kern[name].resources.registers
-        assert _blocks_by_registers(a, 256) == _blocks_by_registers(b, 256), (name, a, b)
-        # the tail: one acq_rel count-in, an acquire wait, and the summed lines dropped from L2
-        assert "atom.acq_rel.gpu.global.add" in fold[name].ptx and "discard.global.L2" in fold[name].ptx, name
-        assert "atom.acq_rel" not in kern[name].ptx and "discard.global" not in kern[name].ptx, name
-    assert _blocks_by_registers(72, 256) == 3 and _blocks_by_registers(84, 256) == 2
 
 
 def test_ring_copies_by_cp_async(compiled):
@@ -220,16 +173,12 @@ LOAD_AHEAD = {
     "ring2": dict(ring_rows=2),
     "ring3_1blk": dict(ring_rows=3, blocks_per_sm=1),
     # the first version's kernel (both statistics paths in one, sums in registers, no cap)
-    "old": dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1, fold_colsum=False),
+    "old": dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1),
     "acc_regs": dict(acc_smem=False, merge_cluster=1),
     "acc_smem_unmerged": dict(merge_cluster=1),
     # round 2: the next rows through cp.async.bulk stages per row team (sm_90)
     "bulk2": dict(bulk_rows=2),
     "bulk3_accreg": dict(bulk_rows=3, acc_smem=False, min_blocks=1),
-    # round 3: the column sums by the second kernel (the heuristic sums them in the rows kernel's
-    # tail), and the tail without dropping the summed partial lines from L2
-    "colsum_kernel": dict(fold_colsum=False),
-    "fold_keep": dict(discard_partials=False),
 }
 LOAD_AHEAD_CASES = [(1024, 3001), (4096, 1111), (16384, 301)]
 # the ring on row classes the heuristic does not pick: narrow lane groups with rows past the end of
@@ -363,107 +312,3 @@ def test_cluster_workers_fit_the_device_gpu():
               f"smem={cfg.shared_mem_bytes}: driver clusters {cap}, workers {workers}, "
               f"SMs x blocks/SM {rw.resident_on_device(k, cfg.block_size, cfg.shared_mem_bytes, cfg.cluster_size)}")
         assert cap is not None and 1 <= workers <= cap
-
-
-# ---- the column sums in the rows kernel's tail (fold_colsum) ------------------------------------------
-# shapes the heuristic's tiles do not show: a width that is not a multiple of 4 (the last float4
-# column ragged, tile4 < 8), 1-element vectors, two_pass rows, a width below one float4 column
-FOLD_CLASSES = [
-    (999, 77, dict(vec=1, threads_per_row=256, block_size=256, vecs_per_thread=4)),
-    (1002, 333, dict(vec=2, threads_per_row=128, block_size=128, vecs_per_thread=4, acc_smem=True)),
-    (5000, 333, dict(threads_per_row=256, block_size=256, vecs_per_thread=2, two_pass=True)),
-    (3, 1001, dict(vec=1, threads_per_row=4, block_size=64, vecs_per_thread=1)),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, rows, fields", FOLD_CLASSES)
-def test_norm_backward_fold_classes_gpu(n, rows, fields):
-    cfg = NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", **{"vec": 8, **fields})
-    assert cfg.fold_colsum
-    _check_config(cfg, n, rows, str(fields))
-
-
-@pytest.mark.gpu
-def test_fold_colsum_grid_past_one_wave_gpu():
-    """The tail's reducers wait only for blocks that can still start: 3 waves of the 4k rows kernel
-    (the op launches one) finish, sum right, and leave the counters at zero."""
-    from test_training_ops import _close, _gpu
-    from rtkernels import device
-    from rtkernels.ops.workspace import stream_workspace
-    cp, random_array, to_f64, _ = _gpu()
-    n, rows = 4096, 4001
-    cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, device.current_arch(), weight_dtype="bfloat16")
-    assert cfg.fold_colsum and cfg.launch_cluster == 1
-    k = rtk.get_kernel(cfg, "rmsnorm_bwd_rows")
-    workers = 3 * rb._resident_workers(k, cfg) + 1
-    rng = np.random.default_rng(5)
-    x, x64 = random_array(rng, (rows, n), "bfloat16", scale=2.0)
-    dy, dy64 = random_array(rng, (rows, n), "bfloat16")
-    w, w64 = random_array(rng, (n,), "bfloat16")
-    rstd = cp.asarray((1 / np.sqrt(np.mean(x64 ** 2, -1) + 1e-6)).astype(np.float32))
-    _, counters = stream_workspace(x, device.current_device(), None, 0, 8)
-    partial = cp.empty((workers, n), cp.float32)
-    dx, dw = cp.empty_like(x), cp.full(n, 0xFFFF, cp.uint16)
-    tile4 = rb._fold_tile4(n, workers // 2, cfg.block_size)
-    for _ in range(2):
-        k.launch((workers,), (cfg.block_size,), dy, x, w, rstd, dx, partial, None, counters, dw, None, rows, n, n,
-                 n, n, n, 1e-6, tile4, shared_mem=cfg.shared_mem_bytes)
-        cp.cuda.get_current_stream().synchronize()
-        assert int(counters.view(cp.int32)[:2].sum().get()) == 0, "counters not reset"
-    ref_dx, ref_dw = rb.rmsnorm_backward_reference(dy64, x64, w64, 1e-6)
-    _close(to_f64(dw, "bfloat16"), ref_dw, "bfloat16", f"dweight, {workers} workers (3 waves)",
-           atol=1e-5 * np.abs(dy64 * x64).sum(0) * 2)
-
-
-@pytest.mark.gpu
-def test_fold_colsum_interleaved_shapes_same_bits_gpu():
-    """Launches of different grids back to back on one stream share the counters: each finds them
-    at zero (the same bits as alone), LayerNorm with and without dbias (dweight's bits the same)."""
-    from test_training_ops import _gpu
-    cp, random_array, _, _ = _gpu()
-    rng = np.random.default_rng(11)
-    cases = []
-    for rows, n in ((3001, 1024), (301, 16384), (1111, 4096), (5, 4096)):
-        x, _ = random_array(rng, (rows, n), "bfloat16")
-        dy, _ = random_array(rng, (rows, n), "bfloat16")
-        w, _ = random_array(rng, (n,), "bfloat16")
-        b, _ = random_array(rng, (n,), "bfloat16")
-        cases.append((dy, x, w, b))
-    first = [rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16") for dy, x, w, b in cases]
-    first_nb = [rtk.layernorm_backward(dy, x, w, None, dtype="bfloat16") for dy, x, w, b in cases]
-    for _ in range(2):
-        for i, (dy, x, w, b) in enumerate(cases):
-            again = rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16")
-            nb = rtk.layernorm_backward(dy, x, w, None, dtype="bfloat16")
-            for name, u, v in zip(("dx", "dweight", "dbias"), first[i], again):
-                assert cp.array_equal(u, v), f"case {i} ({tuple(cases[i][1].shape)}): {name} changed"
-            assert nb[2] is None and cp.array_equal(nb[1], first_nb[i][1]) and cp.array_equal(nb[1], first[i][1])
-
-
-@pytest.mark.gpu
-def test_fold_colsum_cuda_graph_replay_gpu():
-    """A captured backward replays with the counters its capture zeroed: three replays give the
-    eager call's bits."""
-    torch = pytest.importorskip("torch")
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    b = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    eager = rtk.layernorm_backward(dy, x, w, b)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        rtk.layernorm_backward(dy, x, w, b)   # warm (plans and workspace of this stream)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        got = rtk.layernorm_backward(dy, x, w, b)
-    for _ in range(3):
-        for t in got:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, u, v in zip(("dx", "dweight", "dbias"), eager, got):
-            assert torch.equal(u, v), f"graph replay: {name} differs from the eager call"

@@ -48,8 +48,7 @@ QUICK_CE_CASES = ((4096, 50257), (4096, 128256))
 # 16k, no merged clusters.  prev_default = round 1's heuristic (acc_smem everywhere, merge_cluster 4
 # on lane-group / block rows, the cap on block / cluster rows); old = the first version's kernel
 # (2026-11-25: one kernel for saved and recomputed statistics, sums in registers, ptxas's count).
-_OLD = dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1, ring_rows=0, prefetch=False,
-            fold_colsum=False)
+_OLD = dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1, ring_rows=0, prefetch=False)
 NORM_VARIANTS = {
     "prev_default": "prev_default",
     "old": _OLD,
@@ -68,13 +67,8 @@ NORM_VARIANTS = {
     # earlier load-ahead variants (rejected 2026-11-25), now on the new kernel
     "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2, prefetch=False),
-    # round 3 (2026-11-26): the heuristic sums the partial rows in the rows kernel's tail
-    # (fold_colsum) and drops them from L2 (discard_partials); colsum_kernel = the round-2 default
-    # (the second kernel norm_bwd_colsum), fold_keep = the tail without the discard
-    "colsum_kernel": dict(fold_colsum=False),
-    "fold_keep": dict(fold_colsum=True, discard_partials=False),
 }
-DEFAULT_VARIANTS = "colsum_kernel,fold_keep"
+DEFAULT_VARIANTS = "prev_default,old,bulk2,bulk3,bulk2_accreg"
 
 
 def _prev_default(base):
@@ -126,8 +120,7 @@ def _describe(rtk, cfg, layer) -> str:
     return (f"{cfg.threads_per_row}x{cfg.vecs_per_thread}v{cfg.vec} blk{cfg.block_size} cl{cfg.cluster_size} "
             f"ring{cfg.ring_rows} pf{int(cfg.prefetch)} bps{cfg.blocks_per_sm} bal{int(cfg.balance)} "
             f"acc_smem{int(cfg.acc_smem)} split{int(cfg.split_stats)} min_blocks{cfg.min_blocks} "
-            f"merge{cfg.merge_cluster} bulk{cfg.bulk_rows} fold{int(cfg.fold_colsum)}{'d' * cfg.discard_partials} "
-            f"regs{r.registers} smem{cfg.shared_mem_bytes}+{r.shared_static} "
+            f"merge{cfg.merge_cluster} bulk{cfg.bulk_rows} regs{r.registers} smem{cfg.shared_mem_bytes} "
             f"resident_workers{rb._resident_workers(k, cfg)} "
             f"partial_rows{rb._resident_workers(k, cfg) // cfg.merge_cluster * (2 if layer else 1)}")
 
@@ -235,12 +228,6 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                     xr = x.detach().requires_grad_()
                     yt = torch.softmax(xr, -1)
                     fns["torch"] = lambda: torch.autograd.grad(yt, xr, dy, retain_graph=True)
-            if "v_colsum_kernel" in fns:   # the two-kernel path's launches, each timed alone
-                try:
-                    fns.update(_two_kernel_parts(cp, fns["v_colsum_kernel"], rows, n, op == "layernorm", dy, x, w,
-                                                 dx))
-                except Exception as exc:   # noqa: BLE001 - a diagnostic must not sink the run
-                    print(f"  {op} n={n}: two-kernel parts not timed: {type(exc).__name__}: {exc}"[:200], flush=True)
             res = _interleaved(fns, [()], rounds=3 if args.quick else 5, repeat=10 if args.quick else 20)
             r = _row({"op": op + "_bwd", "n": n, "rows": rows, "MiB": round(nbytes / 2 ** 20)}, res, nbytes, copy_gbs,
                      copy_same)
@@ -255,26 +242,6 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
             print(_line(r), flush=True)
             del fns
     return rows_out
-
-
-def _two_kernel_parts(cp, call, rows, n, layer, dy, x, w, dx):
-    """{"rows_only": ..., "colsum_only": ...}: the rows kernel and the column-sum kernel of the
-    two-kernel path (the colsum_kernel variant), each launched alone from the plan its first call
-    recorded (the saved statistics: RMSNorm's rstd / LayerNorm's mean and rstd are the arrays the
-    plan was made on).  {} when no such plan is found."""
-    from rtkernels.ops import rowwise_bwd as rb
-    call()
-    plans = [p for p in list(rb._PLANS._plans.values()) if isinstance(p, rb._NormBwdPlan) and p.colsum is not None
-             and p.rows.tail[:2] == (rows, n) and p.has_bias == layer and p.rows.grid[0] > 0]
-    if not plans:
-        return {}
-    p = plans[-1]
-    partial = cp.empty(p.partial_shape, cp.float32)
-    dw, db = cp.empty(n, cp.uint16), (cp.empty(n, cp.uint16) if layer else None)
-    # the statistics: any float32 rows (timing only); one per row, two for LayerNorm
-    stats = [cp.ones(rows, cp.float32) for _ in range(2 if layer else 1)]
-    return {"rows_only": lambda: p.rows.run((dy, x, w, *stats, dx, partial, None, None, None, None), None),
-            "colsum_only": lambda: p.colsum.run((partial, dw, db), None)}
 
 
 def _liger_rms(torch, x, w, dy):
@@ -471,11 +438,6 @@ def main():
                     print(f"  {r['op']} n={r['n']} {k}: {r[f'{k}_cfg']}")
     print(benchutil.table(rows, present))
     if args.variants:
-        if any("colsum_only_us" in r for r in norm_rows):
-            print("\nmicroseconds per call: rtk (column sums in the rows kernel's tail), v_colsum_kernel (two "
-                  "kernels), and that path's rows kernel and column-sum kernel each launched alone:")
-            tcols = ["op", "n", "rtk_us", "v_fold_keep_us", "v_colsum_kernel_us", "rows_only_us", "colsum_only_us"]
-            print(benchutil.table(norm_rows, [c for c in tcols if any(c in r for r in norm_rows)]))
         vcols = ["op", "n", "rtk_%copy"] + [f"v_{k}_%copy" for k in NORM_VARIANTS]
         print("\n% of the 1 GiB copy per variant (rtk = the heuristic config):")
         print(benchutil.table(norm_rows, [c for c in vcols if any(c in r for r in norm_rows)]))

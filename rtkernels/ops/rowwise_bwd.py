@@ -18,13 +18,11 @@ stages filled by cp.async.bulk, and ``blocks_per_sm`` / ``balance``: how many wo
 
 dweight / dbias are **deterministic**: the rows kernel runs one resident wave of workers, each adding
 its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and writing one
-float32 partial row; the last half of the rows kernel's blocks to finish (``fold_colsum``, default;
-counters in the stream's workspace, ops/workspace.py) or a second kernel sums the partial rows of
-each column in a fixed order and rounds once to the weight's dtype.  The bits depend on the grid
-(the SM count and the config), so they repeat run to run on one GPU model.  Extra memory: ``2 *
-parts * n`` float32 (LayerNorm; RMSNorm half), parts = workers / merge_cluster, e.g. 132 x 4096
-columns = 2.2 MB.  There is no atomics mode.  The rows kernel's column sums may live in shared
-memory (``acc_smem``), the
+float32 partial row; a second kernel sums the partial rows of each column in a fixed order and
+rounds once to the weight's dtype.  The bits depend on the grid (the SM count and the config), so
+they repeat run to run on one GPU model.  Extra memory: ``2 * parts * n`` float32 (LayerNorm;
+RMSNorm half), parts = workers / merge_cluster, e.g. 132 x 4096 columns = 2.2 MB.  There is no
+atomics mode.  The rows kernel's column sums may live in shared memory (``acc_smem``), the
 workers of a cluster may merge theirs on chip before writing (``merge_cluster``), and the kernel
 for the saved statistics is compiled apart from the one that recomputes them (``split_stats``).
 """
@@ -41,10 +39,9 @@ from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
 from . import rowwise as rw
-from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, default_stream, device_pointer,
+from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer,
                       dtype_name, empty_as, new_like, same_memory)
 from .rowwise import FLOAT_DTYPES, _RowConfig
-from .workspace import stream_workspace
 
 
 # ---- configs ----------------------------------------------------------------------------------
@@ -104,16 +101,9 @@ class NormBwdConfig(_BwdRowConfig):
     # next rows in flight in shared-memory stages filled by cp.async.bulk - one lane per team
     # issues them, completion on an mbarrier per stage (see the template's BwdBulk).
     bulk_rows: int = 0
-    # The column sums of the partial rows in the rows kernel's tail, by the last half of its blocks
-    # to finish (a fixed-order sum from L2: the same bits whichever blocks finish last), instead of
-    # the second kernel norm_bwd_colsum (see _NORM_BWD_FOLD); counters from the stream's workspace.
-    fold_colsum: bool = True
-    # fold_colsum: drop each summed 128-byte line of partial rows from L2 (discard.global.L2, sm_80)
-    # so that the partial rows are never written back to DRAM.
-    discard_partials: bool = True
 
     def __post_init__(self):
-        for name in ("prefetch", "balance", "acc_smem", "split_stats", "fold_colsum", "discard_partials"):
+        for name in ("prefetch", "balance", "acc_smem", "split_stats"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
@@ -234,28 +224,6 @@ _NORM_BWD_MERGE = {"group": 1, "block": 1, "cluster": 1}   # sm_90; kept as a kn
 _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (1024, 1024)}
 # Rows in flight per row team through bulk-copy stages (bulk_rows, sm_90): 0 until measured.
 _NORM_BWD_BULK_ROWS = {"group": 0, "block": 0, "cluster": 0}
-# The column sum in the rows kernel's tail (fold_colsum) instead of a second kernel.  ncu of the
-# defaults (H200, 2026-11-26, saved statistics; the rows kernel alone) against the whole op's time
-# in bench_training.py --quick the same day (201 MB each):
-#                       rows kernel   whole op   difference   partial rows (float32)
-#   RMSNorm  32768x1k   53.5 us       62.6 us    9.1 us       528 x 1k  = 2.2 MB
-#   RMSNorm  8192x4k    55.3 us       66.8 us    11.5 us      396 x 4k  = 6.5 MB
-#   RMSNorm  2048x16k   58.9 us       71.0 us    12.1 us      124 x 16k = 8.1 MB
-#   LayerNorm 8192x4k   59.4 us       77.6 us    18.2 us      1056 x 4k = 17 MB
-# The rows kernel itself streams at 3.2-3.4 TB/s (DRAM 66-72% of peak; read bytes ~ the 3 x rows
-# x n x 2 minimum, L2 hit 35-45%: dy and x come from DRAM once).  The difference grows with the
-# partial rows: the second launch (norm_bwd_colsum, which starts only after the last row is
-# written: 1024-thread blocks, 2-4 waves at 4k-16k, each lane a few dependent loads) and the
-# partial rows' write-back to DRAM.  The tail sums them from L2 where they were just written,
-# spread over half the rows kernel's blocks, and drops the summed lines (discard_partials).
-# (Part of the difference is not the column sum: ncu starts each kernel with a clean L2, while
-# back to back a kernel also writes back its predecessor's dirty dx lines.)
-# Measured (H200, 2026-11-26, bench_training.py --quick --variants default, us per call, fold (with
-# discard) / fold without discard / two kernels): RMSNorm 1k 63.8 / 64.3 / 62.0, 4k 64.8 / 64.9 / 67.5,
-# 16k 72.0 / 72.1 / 71.5; LayerNorm 1k 66.7 / 66.1 / 65.9, 4k 70.2 / 72.1 / 78.9, 16k 81.3 / 82.0 / 81.7.
-# The fold pays where the partial rows are many (block rows at 4k: 396-1056 partial rows, +4% RMSNorm,
-# +12% LayerNorm) and costs 1-3% where they are few (lane groups, cluster rows): per row class.
-_NORM_BWD_FOLD = {"group": False, "block": True, "cluster": False}
 
 
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None,
@@ -286,7 +254,6 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
                               blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cls_], acc_smem=acc,
                               merge_cluster=_NORM_BWD_MERGE[cls_] if acc and hopper else 1,
                               bulk_rows=_NORM_BWD_BULK_ROWS[cls_] if wide and hopper else 0,
-                              fold_colsum=_NORM_BWD_FOLD[cls_],
                               min_blocks=max(1, _NORM_BWD_THREADS_PER_SM[cls_][int(layer)] // cfg.block_size))
         return cfg
 
@@ -418,15 +385,14 @@ def _eps_ok(eps, op):
 @dataclass(frozen=True)
 class _NormBwdPlan:
     """A norm backward's two launches and what they need allocated per call."""
-    rows: Launch            # arrays: dy, x, weight, [mean], rstd, dx, partial, scratch, counters, dweight, dbias
-    colsum: Launch | None   # arrays: partial, dweight, dbias; None: the rows kernel sums them (fold_colsum)
+    rows: Launch            # arrays: dy, x, weight, [mean], rstd, dx, partial, scratch
+    colsum: Launch          # arrays: partial, dweight, dbias
     dx: OutputPlan          # dx's shape / dtype / kind (its launch field is unused)
     partial_shape: tuple
     scratch_rows: int       # 0: no scratch
     dweight_shape: tuple
     weight_dtype: object
     has_bias: bool
-    device: int | None      # fold_colsum: the device whose stream workspace holds the counters, else None
 
 
 _PLANS = LaunchPlans()
@@ -524,21 +490,15 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
         workers = -(-units // -(-units // resident))   # as many rows each as ceil(units / resident)
     m = cfg.merge_cluster
     workers = -(-workers // m) * m             # whole clusters (resident is a multiple of m)
-    fold = cfg.fold_colsum and rows > 0        # (no rows: the column kernel writes the zeros)
-    # partial rows of whole 128-byte lines when the tail sums them (each line one reducer's, so that
-    # it may drop it from L2), else float4-aligned
-    ldp = -(-n // 32) * 32 if fold else -(-n // 4) * 4
+    ldp = -(-n // 4) * 4                       # float4-aligned partial rows
     nparts = (2 if layer else 1) * (workers // m)
-    blocks = workers * cfg.cluster_size
-    tile4 = _fold_tile4(n, max(1, blocks // 2), cfg.block_size)
-    rows_launch = Launch(k, (blocks,), (cfg.block_size,), cfg.shared_mem_bytes,
-                         (rows, n, dys, xs, dxs, ldp, float(eps), tile4))
+    rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), cfg.shared_mem_bytes,
+                         (rows, n, dys, xs, dxs, ldp, float(eps)))
     cols = _colsum_columns(n)
     colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // cols), 2 if dbias is not None else 1),
                     (1024,), 0, (workers // m, n, ldp, cols))
-    plan = _NormBwdPlan(rows_launch, None if fold else colsum, OutputPlan.of(rows_launch, out),
-                        (max(nparts, 1), ldp), rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype,
-                        dbias is not None, _device_of(x) if fold else None)
+    plan = _NormBwdPlan(rows_launch, colsum, OutputPlan.of(rows_launch, out), (max(nparts, 1), ldp),
+                        rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None)
     # launch
     s = default_stream(x, stream)
     partial, scratch = _workspace(x, plan)
@@ -548,43 +508,12 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     dbv = as_device_array(dbias, op, "dbias") if dbias is not None else None
     views = (dyv, xv, wv, *stats, ov)
     if rows:
-        counters = _counters(x, plan, s)
-        cv = as_device_array(counters, op, "workspace") if counters is not None else None
-        rows_launch.run((*views, pv, sv, cv, dwv if fold else None, dbv if fold else None), s)
-    if not fold:
-        colsum.run((pv, dwv, dbv), s)
+        rows_launch.run((*views, pv, sv), s)
+    colsum.run((pv, dwv, dbv), s)
     arrays = (dy, x, weight, mean, rstd, out) if layer else (dy, x, weight, rstd, out)
     if key is not None and same_memory(views, arrays) and rows:
         _PLANS.put(key, plan)
     return out, dweight, dbias
-
-
-def _fold_tile4(n: int, reducers: int, block: int) -> int:
-    """float4 columns per tile of the rows kernel's column-sum tail (fold_colsum): 8 (a 128-byte
-    line of each partial row, which the reducer may then drop from L2) while dweight has a tile
-    per four reducers, else fewer, down to 1 (n = 1k, 528 lane-group blocks, 264 reducers: 128
-    tiles of 2 float4 instead of 32 of 8 with 4x the rows in each reducer's dependent loads).  A
-    divisor of the block (lanes = block / tile4 sum the rows of a tile).  Not a function of dbias:
-    dweight's bits do not depend on whether the bias is passed."""
-    n4 = -(-n // 4)
-    t = 8
-    while t > 1 and (4 * -(-n4 // t) <= reducers or block % t):
-        t //= 2
-    return t
-
-
-def _device_of(x) -> int:
-    from .. import device
-    return x.get_device() if _is_torch(x) else device.current_device()
-
-
-def _counters(like, plan, stream):
-    """The stream's workspace counters (two ints, zero between launches) when the rows kernel sums
-    the columns itself, else None (ops/workspace.py: per stream, since two launches in flight on
-    different streams would count each other's blocks)."""
-    if plan.device is None:
-        return None
-    return stream_workspace(like, plan.device, stream, 0, 8)[1]
 
 
 def _colsum_columns(n: int) -> int:
@@ -614,18 +543,14 @@ def _norm_bwd_replay(plan: _NormBwdPlan, inputs, out, stream):
     dbias = empty_as(x, plan.dweight_shape, plan.weight_dtype) if plan.has_bias else None
     arrays = inputs   # (mean,) rstd may be None: null pointers
     s = default_stream(x, stream)
-    fold = plan.colsum is None
-    tail = (_counters(x, plan, s), dweight, dbias) if fold else (None, None, None)
     if plan.dx.torch:
         dev = x.get_device()
         ptr = lambda a: device_pointer(a, dev)  # noqa: E731
-        plan.rows.run([ptr(a) for a in (*arrays, out, partial, scratch, *tail)], s)
-        if not fold:
-            plan.colsum.run([ptr(a) for a in (partial, dweight, dbias)], s)
+        plan.rows.run([ptr(a) for a in (*arrays, out, partial, scratch)], s)
+        plan.colsum.run([ptr(a) for a in (partial, dweight, dbias)], s)
     else:
-        plan.rows.run((*arrays, out, partial, scratch, *tail), s)
-        if not fold:
-            plan.colsum.run((partial, dweight, dbias), s)
+        plan.rows.run((*arrays, out, partial, scratch), s)
+        plan.colsum.run((partial, dweight, dbias), s)
     return out, dweight, dbias
 
 
