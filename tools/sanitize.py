@@ -620,6 +620,7 @@ ATTN_BWD_SM90_BIG_VARIANTS = (
     (1, 70, 33, 2, 2, 136, True, "float16", True, True),         # Sq > Sk: rows with no key
     (2, 113, 203, 4, 2, 200, False, "float16", False, False),
     (1, 77, 77, 2, 2, 248, False, "bfloat16", True, False),
+    (1, 150, 190, 2, 1, 176, False, "bfloat16", False, True),    # layout qk, 96 keys, bulk dQ (non-causal <= 192)
 )
 # The mma.sync backward through its heuristic configs at every head dim (dQ modes red / staged /
 # pass; above 128 the op dispatches to attention_bwd_sm90_big on sm_90).
@@ -1081,6 +1082,7 @@ NORM_BWD_VARIANTS = (
     ("float32", 9, 1000, "float32", False, False),
     ("bfloat16", 5, 4097, "float32", False, True),
     ("float32", 3, 8191, "float32", True, False),
+    ("bfloat16", 300, 4096, "bfloat16", True, True),    # block rows: the column sums in the rows kernel's tail
 )
 
 

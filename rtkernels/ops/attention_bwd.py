@@ -412,7 +412,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale:
         included - without the checks, and CUDA graphs (CuPy or torch) capture such a call, its
         temporaries living in the stream's workspace (rtkernels.ops.workspace).  The mma.sync
         kernels (other GPUs; masked builds that spill on sm_90) take the full path every call,
-        with their temporaries in the same workspace, so they capture too.
+        with their temporaries in the same workspace: CuPy calls capture too; torch tensors do not
+        (the full path views them through DLPack, whose stream handshake is illegal under capture).
     deterministic : bit-identical results run to run: dQ from a separate pass per query tile (or
         added in a fixed order) instead of float32 atomics.  (dK and dV are deterministic either way.)
     dq, dk, dv : optional outputs (shapes of q, k, v; same dtype and device; last dimension
@@ -685,7 +686,8 @@ def _remember_backward(key, cfg, arch, views, outs, lse2_shape, strides, scale, 
 # keeps its _sm90.VarlenBackwardPlan and later calls replay it - no host read, so capturable; its
 # temporaries live in the stream's workspace (the plan's docstring).  The mma.sync kernels (masked
 # builds the Hopper kernels do not take, or sm_80/89) keep the full path (its host cost every
-# call), its temporaries in the same workspace (_varlen_mma_temporaries), so it captures too.
+# call), its temporaries in the same workspace (_varlen_mma_temporaries), so CuPy calls capture too
+# (torch tensors do not: the full path's DLPack views make the legacy stream wait on the capture).
 _VARLEN_BACKWARD_PLANS = LaunchPlans(256)
 
 
