@@ -626,10 +626,13 @@ def test_gpu_small_grid_walks_many_tiles(case, sm_count):
     _check_case(case, sm_count)
 
 
-def _persistent_knob_on(monkeypatch) -> list:
-    """RTKERNELS_SM90_PERSISTENT=1 with fresh kernel and plan memos; returns the list the configs of
-    A90.launch's calls are appended to."""
-    monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", "1")
+def _persistent_knob_on(monkeypatch, value: str | None = "1") -> list:
+    """RTKERNELS_SM90_PERSISTENT=value (None: unset) with fresh kernel and plan memos; returns the
+    list the configs of A90.launch's calls are appended to."""
+    if value is None:
+        monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    else:
+        monkeypatch.setenv("RTKERNELS_SM90_PERSISTENT", value)
     monkeypatch.setattr(A90, "_KERNELS", {})
     monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
     calls = []
@@ -694,13 +697,7 @@ def short_prebuilt():
 
 def _op_spy(monkeypatch) -> list:
     """Knob unset, fresh kernel and plan memos; returns the list A90.launch's configs go to."""
-    monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
-    monkeypatch.setattr(A90, "_KERNELS", {})
-    monkeypatch.setattr(importlib.import_module("rtkernels.ops.attention"), "_FORWARD_PLANS", LaunchPlans())
-    calls = []
-    real = A90.launch
-    monkeypatch.setattr(A90, "launch", lambda kern, cfg, *a, **kw: (calls.append(cfg), real(kern, cfg, *a, **kw)))
-    return calls
+    return _persistent_knob_on(monkeypatch, None)
 
 
 @pytest.mark.gpu

@@ -480,6 +480,22 @@ SPLITK_SPLITS_QUICK = (1, 2, 3, 4)
 SPLITK_TILES = ((128, 256, 4, None), (128, 128, 6, None), (128, 64, 8, (1,)))
 
 
+def _direct_runner(m90, cfg, kern, grid, sizes, extra, m, n, k, out, dev):
+    """A launch of the Hopper matmul kernel ``kern`` (config ``cfg``) on torch (M, K) x (N, K)^T
+    operands into ``out``, bypassing rtk.matmul's heuristic: ``grid`` CTAs, the stream workspace of
+    ``sizes`` (partial bytes, counter bytes) when the schedule reduces (None: it does not), ``extra``
+    trailing kernel arguments (stream-K's lanes)."""
+    from rtkernels.ops.workspace import stream_workspace
+
+    def run(a, w):
+        maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)), (w.data_ptr(), (1, n, k), (n * k, k, 1)),
+                               (out.data_ptr(), (1, m, n), (m * n, n, 1)))
+        ws = stream_workspace(a, dev, None, *sizes) if sizes is not None else ()
+        kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1, *extra,
+                    shared_mem=cfg.shared_mem_bytes)
+    return run
+
+
 def _schedule_label(bm, bn, s, sk):
     return f"{bm}x{bn} {'sk' if sk else f's{s}'}"
 
@@ -489,7 +505,6 @@ def splitk_sweep(args) -> None:
     import rtkernels as rtk
     from rtkernels import device
     from rtkernels.ops import matmul_sm90 as m90
-    from rtkernels.ops.workspace import stream_workspace
 
     tdt = getattr(torch, args.dtype)
     sms = device.sm_count()
@@ -520,13 +535,7 @@ def splitk_sweep(args) -> None:
                 reduces = cfg.split_k > 1 or cfg.stream_k
                 extra = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
 
-                def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes, reduces=reduces, extra=extra):
-                    maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)),
-                                           (w.data_ptr(), (1, n, k), (n * k, k, 1)),
-                                           (out.data_ptr(), (1, m, n), (m * n, n, 1)))
-                    ws = stream_workspace(a, dev, None, *sizes) if reduces else ()
-                    kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1, *extra,
-                                shared_mem=cfg.shared_mem_bytes)
+                run = _direct_runner(m90, cfg, kern, grid, sizes if reduces else None, extra, m, n, k, out, dev)
                 label = _schedule_label(bm, bn, s, sk)
                 cands[label] = run
                 labels[label] = (tile, s, sk, grid)
@@ -593,7 +602,6 @@ def streamk_ab(args) -> None:
     from rtkernels import device
     from rtkernels.ops import matmul as mm
     from rtkernels.ops import matmul_sm90 as m90
-    from rtkernels.ops.workspace import stream_workspace
 
     tdt = getattr(torch, args.dtype)
     sms = device.sm_count()
@@ -627,13 +635,7 @@ def streamk_ab(args) -> None:
             reduces = s > 1 or sk
             extra = (lanes,) if sk else ()
 
-            def run(a, w, cfg=cfg, kern=kern, grid=grid, sizes=sizes, reduces=reduces, extra=extra):
-                maps = m90.tensor_maps(cfg, (a.data_ptr(), (1, m, k), (m * k, k, 1)),
-                                       (w.data_ptr(), (1, n, k), (n * k, k, 1)),
-                                       (out.data_ptr(), (1, m, n), (m * n, n, 1)))
-                ws = stream_workspace(a, dev, None, *sizes) if reduces else ()
-                kern.launch((grid, 1, 1), (384, 1, 1), *maps, None, out, *ws, m, n, k, 1, 0, 0, n, 0, 1, *extra,
-                            shared_mem=cfg.shared_mem_bytes)
+            run = _direct_runner(m90, cfg, kern, grid, sizes if reduces else None, extra, m, n, k, out, dev)
             cands[label] = run
             info[label] = (grid, lanes)
         times = {c: [] for c in cands}
