@@ -480,6 +480,16 @@ SPLITK_SPLITS_QUICK = (1, 2, 3, 4)
 SPLITK_TILES = ((128, 256, 4, None), (128, 128, 6, None), (128, 64, 8, (1,)))
 
 
+def _median_interleaved(cands: dict, sets, passes: int, repeat: int) -> dict:
+    """Median queued milliseconds per call of each candidate, the candidates interleaved within
+    each of ``passes`` passes (every one timed from the same GPU state)."""
+    times = {c: [] for c in cands}
+    for _ in range(passes):
+        for c, fn in cands.items():
+            times[c].append(benchutil.time_queued(fn, sets, repeat=repeat)[0])
+    return {c: statistics.median(v) for c, v in times.items()}
+
+
 def _direct_runner(m90, cfg, kern, grid, sizes, extra, m, n, k, out, dev):
     """A launch of the Hopper matmul kernel ``kern`` (config ``cfg``) on torch (M, K) x (N, K)^T
     operands into ``out``, bypassing rtk.matmul's heuristic: ``grid`` CTAs, the stream workspace of
@@ -539,11 +549,7 @@ def splitk_sweep(args) -> None:
                 label = _schedule_label(bm, bn, s, sk)
                 cands[label] = run
                 labels[label] = (tile, s, sk, grid)
-        times = {c: [] for c in cands}
-        for _ in range(passes):
-            for c, fn in cands.items():
-                times[c].append(benchutil.time_queued(fn, sets, repeat=repeat)[0])
-        med = {c: statistics.median(v) for c, v in times.items()}
+        med = _median_interleaved(cands, sets, passes, repeat)
         flops = 2.0 * m * n * k
         best = min((c for c in med if c != "cuBLAS"), key=med.get)
         for c, ms in med.items():
@@ -638,11 +644,7 @@ def streamk_ab(args) -> None:
             run = _direct_runner(m90, cfg, kern, grid, sizes if reduces else None, extra, m, n, k, out, dev)
             cands[label] = run
             info[label] = (grid, lanes)
-        times = {c: [] for c in cands}
-        for _ in range(passes):
-            for c, fn in cands.items():
-                times[c].append(benchutil.time_queued(fn, sets, repeat=repeat)[0])
-        med = {c: statistics.median(v) for c, v in times.items()}
+        med = _median_interleaved(cands, sets, passes, repeat)
         flops = 2.0 * m * n * k
         picked = mm._plans90[next(key for key in reversed(list(mm._plans90)) if key[1:5] == (m, n, k, 1))][1]
         pick = f"{'sk' if picked.stream_k else f's{picked.split_k}'} {picked.block_m}x{picked.block_n}"
