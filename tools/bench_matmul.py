@@ -543,7 +543,7 @@ def splitk_sweep(args) -> None:
                 grid = m90.grid_size(m, n, 1, cfg, sms, k)
                 sizes = (m90.workspace_bytes(cfg, m, n, k, 1, grid), m90.counter_bytes(cfg, m, n, 1, grid))
                 reduces = cfg.split_k > 1 or cfg.stream_k
-                extra = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
+                extra = m90.tail_args(cfg, m, sms)
 
                 run = _direct_runner(m90, cfg, kern, grid, sizes if reduces else None, extra, m, n, k, out, dev)
                 label = _schedule_label(bm, bn, s, sk)

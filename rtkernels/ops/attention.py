@@ -591,13 +591,12 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             # once per signature - later calls replay the recorded launch
             kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags, None if varlen else seqlen_k)
             if not tune:
-                if varlen:
-                    sched = _schedule_for(vl, cfg.block_m, causal, arch, stream, workspace=(q, dev))
-                    _sm90.launch_varlen(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, mask_args, vl, sched, stream)
+                if varlen:   # one plan for this call and, with both hints, the later ones
+                    vplan = VarlenForwardPlan.record(kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, mask_args,
+                                                     vl, causal, arch)
+                    vplan.run(q_, k_, v_, o_, lse_, vl.cu_q, vl.cu_k, q, dev, stream)
                     if plan_key is not None and not staged and same_memory((q_, k_, v_, o_), (q, k, v, o)):
-                        _VARLEN_PLANS.put(plan_key, VarlenForwardPlan.record(
-                            kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, mask_args, vl, sched[1], causal,
-                            arch))
+                        _VARLEN_PLANS.put(plan_key, vplan)
                     return (o, lse) if return_lse else o
                 _sm90.launch(kern, cfg, q_, k_, v_, o_, lse_, softmax_scale, stream, mask_args=mask_args)
                 if plan_key is not None and not staged:
@@ -615,7 +614,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                 _sm90.launch(k, c, q_, k_, v_, o_, lse_, softmax_scale, stream)
                 return
             if varlen:
-                sched, slots = _schedule_for(vl, c.block_m, causal, arch, stream, workspace=(q, dev))
+                sched, slots = _schedule_for(vl, c.block_m, causal, arch, stream, q, dev)
                 k.launch((nheads * slots,), (c.threads_per_block,), *args, vl.cu_q, vl.cu_k, sched, nheads,
                          *mask_args, shared_mem=c.shared_mem_bytes, stream=stream)
                 return
@@ -635,16 +634,14 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     return (o, lse) if return_lse else o
 
 
-def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, workspace=None):
-    """(schedule table, slots) for ``block``-row tiles of the query sequences (keys set the work).
-    ``workspace``: (like, device) - the table goes to the stream's workspace (ops/workspace.py:
-    kept for good, so a CUDA graph that captured the call replays into memory it still owns)
-    instead of a new array that the pool would hand out again after the call."""
+def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, like, dev: int):
+    """(schedule table, slots) for ``block``-row tiles of the query sequences (keys set the work),
+    the table in the stream's workspace (ops/workspace.py, made like the caller's ``like`` on
+    ``dev``: kept for good, so a CUDA graph that captured the call replays into memory it still
+    owns) - the mma.sync forward's; the Hopper one's is VarlenForwardPlan.run."""
+    from .workspace import stream_workspace
     slots = schedule_slots(vl, block)
-    table = None
-    if workspace is not None:
-        from .workspace import stream_workspace
-        table = stream_workspace(workspace[0], workspace[1], stream, 8 * slots, 0)[0]
+    table = stream_workspace(like, dev, stream, 8 * slots, 0)[0]
     return schedule(vl.cu_q, vl.cu_k, vl.batch, vl.total_q, vl.total_k, block, slots, descending, arch, stream,
                     table), slots
 
@@ -703,8 +700,11 @@ def _varlen_plan_key(q, k, v, out, cu_q, cu_k, max_q, max_k, causal, softmax_sca
 
 @dataclass(frozen=True)
 class VarlenForwardPlan:
-    """A recorded varlen forward: the schedule pre-kernel's launch and the Hopper kernel's, with
-    everything but the addresses fixed (tensor-map specs, o's strides, slots, scalars)."""
+    """A varlen forward on the Hopper kernel: the schedule pre-kernel's launch and the kernel's,
+    with everything but the addresses and cu_seqlens' contents fixed (tensor-map specs, o's
+    strides, slots, scalars).  The full path builds one from its checked views (:meth:`record`)
+    and runs it (:meth:`run`); a call with both max_seqlen hints keeps it, and later calls with
+    the same signatures run it on their own arrays (:meth:`replay`)."""
     kern: object
     cfg: object
     specs: tuple                # the four tensor maps' (shape, strides, box)
@@ -718,9 +718,10 @@ class VarlenForwardPlan:
     sched: object               # the schedule pre-kernel's launch (attention_mask.ScheduleLaunch)
 
     @classmethod
-    def record(cls, kern, cfg, views, o, lse, softmax_scale, mask_args, vl, slots, causal, arch):
+    def record(cls, kern, cfg, views, o, lse, softmax_scale, mask_args, vl, causal, arch):
         from .attention_mask import schedule_launch
         q_, k_, _, o_ = views
+        slots = schedule_slots(vl, cfg.block_m)
         _, total_q, nheads, _ = q_.shape
         total_k, nheads_kv = k_.shape[1], k_.shape[2]
         item = o_.itemsize
@@ -729,9 +730,22 @@ class VarlenForwardPlan:
                    (total_q, total_k, nheads // nheads_kv, float(softmax_scale)), nheads, slots, tuple(mask_args),
                    schedule_launch(vl.batch, vl.total_q, vl.total_k, cfg.block_m, slots, bool(causal), arch))
 
-    def replay(self, q, k, v, out, cu_q, cu_k, return_lse, stream, dev):
-        from ._arrays import torch_stream_ptr
+    def run(self, q, k, v, o, lse, cu_q, cu_k, like, dev: int, stream) -> None:
+        """Launch on q, k, v, o, lse (or None): the full path's CuPy views or a caller's arrays (the
+        kernels take addresses); ``like``: the caller's q (the workspace's kind)."""
         from .workspace import stream_workspace
+        table = stream_workspace(like, dev, stream, 8 * self.slots, 0)[0]   # graph-safe: kept for good
+        self.sched.run(cu_q, cu_k, table, stream)
+        maps = _sm90.tensor_maps(self.cfg, address(q), address(k), address(v), address(o), specs=self.specs)
+        total_q, total_k, group, scale = self.scalars
+        # O leaves through plain stores (its tensor map is passed but not used)
+        self.kern.launch((self.nheads * self.slots,), (self.cfg.threads_per_block,), *maps, lse, total_q, total_k,
+                         group, scale, o, self.o_strides[0], self.o_strides[1], cu_q, cu_k, table, self.nheads,
+                         *self.mask_args, shared_mem=self.cfg.shared_mem_bytes, stream=stream)
+
+    def replay(self, q, k, v, out, cu_q, cu_k, return_lse, stream, dev):
+        """A later call with the recorded signatures: outputs allocated, then :meth:`run`."""
+        from ._arrays import torch_stream_ptr
         import cupy
         torch = not isinstance(q, cupy.ndarray)
         if torch and stream is None:
@@ -739,13 +753,7 @@ class VarlenForwardPlan:
         o = out if out is not None else empty_as(q, self.out_shape, q.dtype)
         lse = empty_as(q, self.lse_shape, (sys.modules["torch"].float32 if torch else cupy.float32)) \
             if return_lse else None
-        table = stream_workspace(q, dev, stream, 8 * self.slots, 0)[0]   # as _schedule_for
-        self.sched.run(cu_q, cu_k, table, stream)
-        maps = _sm90.tensor_maps(self.cfg, address(q), address(k), address(v), address(o), specs=self.specs)
-        total_q, total_k, group, scale = self.scalars
-        self.kern.launch((self.nheads * self.slots,), (self.cfg.threads_per_block,), *maps, lse, total_q, total_k,
-                         group, scale, o, self.o_strides[0], self.o_strides[1], cu_q, cu_k, table, self.nheads,
-                         *self.mask_args, shared_mem=self.cfg.shared_mem_bytes, stream=stream)
+        self.run(q, k, v, o, lse, cu_q, cu_k, q, dev, stream)
         return (o, lse) if return_lse else o
 
 

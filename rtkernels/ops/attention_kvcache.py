@@ -725,11 +725,8 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                                               num_splits * cta_rows * p.head_dim * 4 <= FUSED_COMBINE_MAX_BYTES))
     order = ORDER[v.get("order", DEFAULT_ORDER)]
     args = _args(p, cfg, num_splits, row_tiles, order, fused)
-    append = split = combine = None
-    if p.seqlen_new > 0:
-        n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
-        append = Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
-                        (APPEND_THREADS,), 0, (args,))
+    split = combine = None
+    append = _append_launch(p, cfg, args, arch)
     part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
         split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
@@ -743,6 +740,16 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                                  (COMBINE_THREADS,), 0, (args,))
     return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
                 lse_off, counter_bytes, torch, p.device)
+
+
+def _append_launch(p: Problem, cfg: AttentionDecodeConfig, args, arch: str) -> Launch | None:
+    """The k_new / v_new append into the cache (one thread per 16-byte chunk), or None without them."""
+    if p.seqlen_new <= 0:
+        return None
+    from ..kernel import get_kernel
+    n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
+    return Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
+                  (APPEND_THREADS,), 0, (args,))
 
 
 def _ctas_per_sm(cfg: AttentionDecodeConfig, kernel, arch: str) -> int:
@@ -765,11 +772,7 @@ def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, o
     units = p.batch * p.nheads_kv * max(1, -(-p.capacity // cfg.block_n))
     grid = max(1, min(per_sm * sms, units))
     args = _args(p, cfg, 1, 1)
-    append = None
-    if p.seqlen_new > 0:
-        n = p.batch * p.seqlen_new * p.nheads_kv * (p.head_dim // 8)
-        append = Launch(get_kernel(cfg, "attention_decode_append", arch=arch), (-(-n // APPEND_THREADS),),
-                        (APPEND_THREADS,), 0, (args,))
+    append = _append_launch(p, cfg, args, arch)
     split = None
     if p.seqlen_q > 0:
         split = Launch(kernel, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))

@@ -505,7 +505,7 @@ def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float
     pass a few to make each CTA walk many tiles)."""
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
-    # o, its strides, cu_seqlens and the schedule are varlen's (launch_varlen)
+    # o, its strides, cu_seqlens and the schedule are varlen's (attention.VarlenForwardPlan.run)
     tail = (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale), None, 0, 0, None, None, None, nheads,
             *mask_args)
     if cfg.persistent:
@@ -525,20 +525,6 @@ def launch(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: 
     ``sm_count``: as :func:`recorded_launch`."""
     recorded_launch(kern, cfg, q_, k_, softmax_scale, mask_args, sm_count).run(
         (*(maps or tensor_maps(cfg, q_, k_, v_, o_)), lse_), stream)
-
-
-def launch_varlen(kern, cfg: AttentionSm90Config, q_, k_, v_, o_, lse_, softmax_scale: float, mask_args, vl,
-                  sched, stream=None) -> None:
-    """Varlen launch: views (1, total, heads, head_dim), lse_ (heads, total_q) or None, ``vl`` the
-    checked cu_seqlens (rtkernels.ops.attention_mask.Varlen), ``sched`` = (schedule table, slots).
-    O leaves through plain stores (its tensor map is passed but not used)."""
-    table, slots = sched
-    _, total_q, nheads, _ = q_.shape
-    total_k, nheads_kv = k_.shape[1], k_.shape[2]
-    item = o_.itemsize
-    kern.launch((nheads * slots,), (cfg.threads_per_block,), *tensor_maps(cfg, q_, k_, v_, o_), lse_, total_q,
-                total_k, nheads // nheads_kv, float(softmax_scale), o_, o_.strides[1] // item, o_.strides[2] // item,
-                vl.cu_q, vl.cu_k, table, nheads, *mask_args, shared_mem=cfg.shared_mem_bytes, stream=stream)
 
 
 _KERNELS: dict = {}

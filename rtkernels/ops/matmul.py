@@ -857,8 +857,7 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         split = None
         if cfg.split_k > 1 or cfg.stream_k:
             split = (m90.workspace_bytes(cfg, m, n, k, batch, grid), m90.counter_bytes(cfg, m, n, batch, grid))
-        # stream-K's lanes, its last kernel argument (see matmul_sm90.stream_k_lanes)
-        lanes = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
+        lanes = m90.tail_args(cfg, m, sms)   # stream-K's lanes (matmul_sm90.stream_k_lanes)
         plan = _plans90[key] = (get_kernel(cfg), cfg, grid, split, lanes)
     kern, cfg, grid, split, lanes = plan
     c_aligned = int(cv.data.ptr % 4 == 0 and ldc % 2 == 0 and batch_c % 2 == 0)
@@ -912,7 +911,7 @@ def _tuned_sm90(default, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, 
         if cfg.split_k > 1 or cfg.stream_k:
             ws = _split_workspace((m90.workspace_bytes(cfg, m, n, k, batch, grid),
                                    m90.counter_bytes(cfg, m, n, batch, grid)), scratch, stream)
-        lanes = (m90.stream_k_lanes(cfg, m, sms),) if cfg.stream_k else ()
+        lanes = m90.tail_args(cfg, m, sms)
         get_kernel(cfg).launch((grid, 1, 1), (cfg.threads_per_block, 1, 1), ma,
                                mb, mc, biv, scratch, *ws, m, n, k, batch, int(a_map[0][0] > 1), int(b_map[0][0] > 1),
                                ldc, batch_c, c_aligned, *lanes, shared_mem=cfg.shared_mem_bytes, stream=stream)

@@ -394,6 +394,11 @@ def stream_k_partition(tiles: int, k_tiles: int, grid: int, lanes: int = 1):
     return sk_tiles, ctas
 
 
+def tail_args(cfg: "MatmulSm90Config", m: int, sm_count: int) -> tuple:
+    """The kernel's arguments after the shared ones: stream-K's lanes, none for other schedules."""
+    return (stream_k_lanes(cfg, m, sm_count),) if cfg.stream_k else ()
+
+
 def stream_k_lanes(cfg: "MatmulSm90Config", m: int, sm_count: int) -> int:
     """Stream-K's lanes R: how many tiles of one B column (consecutive in the tile walk) run the
     same k-blocks side by side.  The most that divide the tile rows of every group_m group (the
@@ -446,8 +451,7 @@ def heuristic_split_k(dp: _Tile, m: int, n: int, k: int, batch: int, sm_count: i
     SPLIT_MAX_FILL of the SMs busy and K is long; 1 elsewhere."""
     if arch_mod.matmul_tiles(m, n, dp.block_m, dp.block_n, batch=batch) > SPLIT_MAX_FILL * sm_count:
         return 1
-    tiles = arch_mod.matmul_tiles(m, n, *SPLIT_TILE, batch=batch)
-    return max(s for s in SPLITS if s == 1 or (tiles * s <= sm_count and k_blocks(k) // s >= SPLIT_MIN_KBLOCKS))
+    return _one_round_split(arch_mod.matmul_tiles(m, n, *SPLIT_TILE, batch=batch), k, sm_count, SPLIT_MIN_KBLOCKS)
 
 
 def thin_split_k(dp: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -> int:
@@ -456,8 +460,13 @@ def thin_split_k(dp: _Tile, m: int, n: int, k: int, batch: int, sm_count: int) -
     tiles = arch_mod.matmul_tiles(m, n, dp.block_m, dp.block_n, batch=batch)
     if (dp.block_m, dp.block_n) != THIN_SPLIT_TILE or tiles > SPLIT_MAX_FILL * sm_count:
         return 1
-    return max(s for s in SPLITS
-               if s == 1 or (tiles * s <= sm_count and k_blocks(k) // s >= THIN_SPLIT_MIN_KBLOCKS))
+    return _one_round_split(tiles, k, sm_count, THIN_SPLIT_MIN_KBLOCKS)
+
+
+def _one_round_split(tiles: int, k: int, sm_count: int, min_kblocks: int) -> int:
+    """The most splits of SPLITS whose ``tiles`` x s units fit one round on the SMs with at least
+    ``min_kblocks`` k-blocks each (1 when none does)."""
+    return max(s for s in SPLITS if s == 1 or (tiles * s <= sm_count and k_blocks(k) // s >= min_kblocks))
 
 
 def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
