@@ -207,6 +207,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                     yt = F.rms_norm(xr, (n,), wr, 1e-6)
                     fns["torch"] = lambda: torch.autograd.grad(yt, (xr, wr), dy, retain_graph=True)
                     fns.update(_liger_rms(torch, x, w, dy))
+                    fns.update(_quack_rms(x, w, dy))
             elif op == "layernorm":
                 y, mean, rstd = rtk.layernorm(x, w, b, eps=1e-5, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, **kw)
@@ -252,6 +253,17 @@ def _liger_rms(torch, x, w, dy):
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
     y = LigerRMSNormFunction.apply(xr, wr, 1e-6)
     return {"liger": lambda: torch.autograd.grad(y, (xr, wr), dy, retain_graph=True)}
+
+
+def _quack_rms(x, w, dy):
+    """QuACK's RMSNorm backward from saved statistics (as rtk's "rtk" column), when importable
+    (an optional peer: ../shared/anchors/README.md)."""
+    try:
+        from quack.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+        rstd = rmsnorm_fwd(x, w, eps=1e-6, store_rstd=True)[1]
+    except Exception:   # noqa: BLE001 - optional peer
+        return {}
+    return {"quack": lambda: rmsnorm_bwd(x, w, dy, rstd)}
 
 
 # ---- cross-entropy --------------------------------------------------------------------------------
@@ -428,7 +440,8 @@ def main():
           f"{time.time() - t0:.0f} s")
     cols = ["op", "n", "rows", "MiB", "rtk_GBs", "rtk_%copy", "rtk_%copy_same_size", "rtk_recompute_GBs",
             "rtk_loss_only_GBs", "torch_GBs", "x_torch", "torch_fused_GBs", "x_torch_fused", "torch_foreach_GBs",
-            "torch_fused_bf16_states_GBs", "liger_GBs", "x_liger", "rtk_host_us", "torch_fused_host_us"]
+            "torch_fused_bf16_states_GBs", "liger_GBs", "x_liger", "quack_GBs", "x_quack", "rtk_host_us",
+            "torch_fused_host_us"]
     present = [c for c in cols if any(c in r for r in rows)]
     norm_rows = [r for r in rows if r["op"] in ("rmsnorm_bwd", "layernorm_bwd")]
     if args.variants:   # what each variant ran, then (last) its % of copy
