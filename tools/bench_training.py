@@ -260,7 +260,7 @@ def _quack_rms(x, w, dy):
     (an optional peer: ../shared/anchors/README.md)."""
     try:
         from quack.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
-        rstd = rmsnorm_fwd(x, w, eps=1e-6, store_rstd=True)[1]
+        rstd = rmsnorm_fwd(x, w, eps=1e-6, store_rstd=True)[2]   # (out, residual_out, rstd)
     except Exception:   # noqa: BLE001 - optional peer
         return {}
     return {"quack": lambda: rmsnorm_bwd(x, w, dy, rstd)}
