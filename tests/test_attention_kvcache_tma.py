@@ -27,7 +27,6 @@ TMA = dict(loader="tma")
 # ---- config ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [
     dict(loader="bulk"), dict(l2_prefetch=32), dict(l2_prefetch=True),
-    dict(loader="tma", head_dim=80), dict(loader="tma", head_dim=96),
     dict(loader="tma", warp_split="rows", kv_heads=4, num_warps=4, rows=16),
 ])
 def test_config_rejects(bad):
@@ -47,6 +46,11 @@ def test_tma_smem_layout():
     merge = 4 * (4 * 48 * 72 + 2 * 4 * 48 + 2 * 48)   # the warps' merge is the larger here
     assert c.shared_mem_bytes == merge + 8 * 8
     assert c.bytes_in_flight == 4 * 1 * 16 * 2 * 64 * 2
+    # a head dim not a multiple of 64: whole 64-column boxes in the ring (the copy zero-fills past d)
+    c = AttentionDecodeConfig(dtype="bfloat16", head_dim=96, rows=16, block_n=16, num_warps=4, num_stages=3,
+                              loader="tma")
+    assert c.tma_columns == 128
+    assert c.shared_mem_bytes == 1024 + 2 * (4 * 3 * 2 * 16 * 128 + 16 * 104) + 8 * 12
 
 
 def test_choose_config_loader(monkeypatch):
@@ -55,19 +59,23 @@ def test_choose_config_loader(monkeypatch):
     # many rows: the keys mode (row tiles) when tma is asked for; the rows mode has no TMA ring
     c = choose_config("bfloat16", 128, 64, False, True, "sm_90", loader="tma")
     assert c.loader == "tma" and c.warp_split == "keys" and c.rows == 32
-    for d, arch in ((80, "sm_90"), (128, "sm_80"), (128, "sm_89")):
+    for d, arch in ((128, "sm_80"), (128, "sm_89"), (80, "sm_86")):
         with pytest.raises(ConfigError, match="loader"):
             choose_config("bfloat16", d, 4, False, False, arch, loader="tma")
     with pytest.raises(ConfigError, match="loader"):
         choose_config("bfloat16", 128, 4, False, False, "sm_90", loader="tma", warp_split="rows")
-    assert choose_config("bfloat16", 128, 4, False, False, "sm_90").loader == "cp.async"   # the default today
-    # RTKERNELS_DECODE_LOADER=tma: where TMA can serve, else cp.async
+    # the default: TMA in keys mode on sm_90 at every head dim, cp.async elsewhere
+    assert kv_mod.DECODE_LOADER == "tma" or kv_mod.os.environ.get("RTKERNELS_DECODE_LOADER")
     monkeypatch.setattr(kv_mod, "DECODE_LOADER", "tma")
     assert choose_config("bfloat16", 128, 4, False, False, "sm_90").loader == "tma"
     assert choose_config("float16", 256, 16, True, True, "sm_90").loader == "tma"
-    assert choose_config("bfloat16", 80, 4, False, False, "sm_90").loader == "cp.async"
+    assert choose_config("bfloat16", 80, 4, False, False, "sm_90").loader == "tma"
     assert choose_config("bfloat16", 128, 4, False, False, "sm_80").loader == "cp.async"
-    assert choose_config("bfloat16", 128, 64, False, True, "sm_90").warp_split == "rows"   # rows mode keeps cp.async
+    c = choose_config("bfloat16", 128, 64, False, True, "sm_90")
+    assert c.warp_split == "rows" and c.loader == "cp.async"   # many rows: the rows mode keeps cp.async
+    # RTKERNELS_DECODE_LOADER=cp.async: back to the cp.async ring
+    monkeypatch.setattr(kv_mod, "DECODE_LOADER", "cp.async")
+    assert choose_config("bfloat16", 128, 4, False, False, "sm_90").loader == "cp.async"
     c = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=256)
     assert c.l2_prefetch == 256
 
@@ -99,6 +107,61 @@ def test_tma_plan_maps_the_caches_as_they_are():
         kv_mod.set_variant(None)
 
 
+def _tma_plan(**views):
+    p = check(_views(**views), None, None, None)
+    return kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                            f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+
+
+def _strides_of(shape):
+    acc, out = 1, []
+    for n in reversed(shape):
+        out.insert(0, acc)
+        acc *= n
+    return out
+
+
+def test_tma_maps_of_size_one_dims_get_valid_strides():
+    """batch 1 or one kv head: check() records a size-1 dim's stride as 0 (torch leaves it
+    arbitrary); the map gets the array's span there (positive, whole 16 bytes) - the H200 run of
+    2026-11-26 failed with 'strides[k]=0' at B1 S32k and at nheads_kv=1."""
+    from rtkernels.tma import check_tensor_map
+    for shape in ((1, 300, 8, 128), (2, 300, 1, 256), (1, 64, 1, 64), (5, 16, 1, 96)):
+        for bogus in (0, 3, -8):   # whatever the array says for its size-1 dims
+            st = [s if n > 1 else bogus for n, s in zip(shape, _strides_of(shape))]
+            k = Fake(shape, strides=[2 * x for x in st])
+            plan = _tma_plan(q=Fake((shape[0], 1, 8 * shape[2], shape[3])), k_cache=k, v_cache=k,
+                             cache_seqlens=Fake((shape[0],), "int32"))
+            assert plan.config.loader == "tma", plan.config
+            _, mshape, ks, vs, box, _ = plan.tma
+            assert ks == vs and ks[-1] == 1 and all(s > 0 and s % 8 == 0 for s in ks[:-1]), ks
+            for n, s, want in zip(shape, ks, _strides_of(shape)):
+                assert n == 1 or s == want, (shape, ks)
+            check_tensor_map(1 << 20, "float16", mshape, ks, box)   # what the driver would be given
+
+
+def test_tma_falls_back_to_cp_async_where_no_map_can_describe_the_cache():
+    """A broadcast cache (stride 0 over several entries, e.g. torch expand) or a reversed view
+    cannot be a tensor map: the call uses the cp.async ring, no error (also when a variant asks
+    for TMA)."""
+    shape = (3, 200, 2, 128)
+    good = _strides_of(shape)
+    for name, st in (("broadcast batch", [0] + good[1:]), ("broadcast heads", good[:2] + [0, 1]),
+                     ("reversed keys", [good[0], -good[1]] + good[2:])):
+        k = Fake(shape, strides=[2 * x for x in st])
+        for v in (None, dict(loader="tma")):
+            kv_mod.set_variant(v)
+            try:
+                plan = _tma_plan(q=Fake((3, 1, 8, 128)), k_cache=k, v_cache=Fake(shape),
+                                 cache_seqlens=Fake((3,), "int32"))
+            finally:
+                kv_mod.set_variant(None)
+            assert plan.config.loader == "cp.async" and plan.tma is None, (name, v, plan.config)
+    assert kv_mod.tma_strides(shape, tuple(good)) == tuple(good)
+    assert kv_mod.tma_strides(shape, (good[0], good[1], 12, 1)) is None   # 24 bytes: not whole 16-byte rows
+    assert kv_mod.tma_strides((1, 5, 1, 8), (0, 8, 0, 1)) == (40, 8, 40, 1)
+
+
 def _swizzle_128b(row: int, col: int, rows: int) -> int:
     """Where the TMA copy with CU_TENSOR_MAP_SWIZZLE_128B puts element (row, col) of a box of
     ``rows`` x 64 16-bit columns (one 128-byte row per key, 1024-byte aligned): byte address bits
@@ -108,20 +171,26 @@ def _swizzle_128b(row: int, col: int, rows: int) -> int:
     return (col // 64) * rows * 64 + byte // 2
 
 
-@pytest.mark.parametrize("block_n,head_dim", [(16, 128), (32, 64), (16, 256)])
+@pytest.mark.parametrize("block_n,head_dim", [(16, 128), (32, 64), (16, 256), (16, 72), (32, 40), (16, 96)])
 def test_tma_fragment_addresses_follow_the_swizzle(block_n, head_dim):
-    """The template's k_frag_row / v_frag_row arithmetic (mirrored here) addresses the row and
-    16-byte column chunk ldmatrix wants from each lane, in the layout the hardware writes."""
+    """The template's k_frag_row / v_frag_row / v_frag_row_x2 arithmetic (mirrored here)
+    addresses the row and 16-byte column chunk ldmatrix wants from each lane, in the layout the
+    hardware writes; head dims not a multiple of 64 / 16 included (padded K steps, odd V tile)."""
+    n_tiles_o = head_dim // 8
     for lane in range(32):
         k_row0, kc, vc, r7 = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, lane >> 4, lane & 7
         for np_ in range(block_n // 16):
-            for kk in range(head_dim // 16):
+            for kk in range(-(-head_dim // 16)):
                 got = k_row0 * 64 + np_ * 16 * 64 + (kk // 4) * block_n * 64 + (((2 * (kk % 4) + kc) ^ r7) << 3)
                 assert got == _swizzle_128b(k_row0 + np_ * 16, kk * 16 + kc * 8, block_n), (lane, np_, kk)
         for kk in range(block_n // 16):
-            for dp in range(head_dim // 16):
+            for dp in range(n_tiles_o // 2):
                 got = (lane & 15) * 64 + kk * 16 * 64 + (dp // 4) * block_n * 64 + (((2 * (dp % 4) + vc) ^ r7) << 3)
                 assert got == _swizzle_128b((lane & 15) + kk * 16, dp * 16 + vc * 8, block_n), (lane, kk, dp)
+            if n_tiles_o % 2:
+                c = n_tiles_o - 1
+                got = (lane & 15) * 64 + kk * 16 * 64 + (c // 8) * block_n * 64 + (((c % 8) ^ r7) << 3)
+                assert got == _swizzle_128b((lane & 15) + kk * 16, c * 8, block_n), (lane, kk, "x2")
 
 
 # ---- compile (a few: CI has two cores) --------------------------------------------------------
@@ -134,6 +203,7 @@ def _opcodes(sass):
     ("float16", 128, 32, True, True, {}),                  # 32 rows: two m-tiles per warp
     ("bfloat16", 256, 16, True, False, {}),
     ("bfloat16", 64, 4, False, False, dict(schedule="streamk")),
+    ("float16", 72, 8, True, True, {}),                    # d72: padded K step, odd V tile, 2 boxes
 ])
 def test_tma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw):
     cfg = choose_config(dtype, d, rows_total, paged, causal, "sm_90", loader="tma", **kw)
@@ -151,7 +221,7 @@ def test_tma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw):
 
 
 def test_l2_prefetch_qualifier_reaches_the_ptx():
-    cfg = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=128)
+    cfg = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=128, loader="cp.async")
     k = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
     assert "cp.async.cg.shared.global.L2::128B" in k.ptx
     r = k.resources

@@ -20,7 +20,8 @@ time of a new head dim.  Run on the GPU host from the repository root:
     PYTHONPATH=. python tools/bench_decode.py --quick --tiles 16:4:3,16:4:4,32:4:3,16:8:2   # block_n:warps:stages
     PYTHONPATH=. python tools/bench_decode.py --quick --variants "rows8=warp_split:rows;keys0=order:splits"
     PYTHONPATH=. python tools/bench_decode.py --quick --no-host --variant-layouts contig,paged16,paged64 \
-        --variants "tma=loader:tma;tma4=loader:tma+num_stages:4;p256=l2_prefetch:256"   # TMA / L2 prefetch A/B
+        --splits 8,32 --variants "cp=loader:cp.async;s4=num_stages:4;n32=block_n:32;fill2=split_rule:fill2"
+        # the TMA default (sm_90) against the cp.async ring, a deeper ring, 32-key tiles, and B1's split count
 
 Layouts: ``contig`` (batch, seqlen, nheads_kv, head_dim), ``hnd`` (a (batch, nheads_kv, seqlen,
 head_dim) cache passed as its transposed view), ``paged16`` / ``paged64``.  SDPA runs on its
@@ -29,7 +30,8 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
 order splits|heads, combine fused|kernel, split_rule decode|old|fill2, schedule streamk, loader
-tma, l2_prefetch 64|128|256; cfg tags: K keys mode, KT keys mode with TMA, pN prefetch) on the
+tma|cp.async (tma: the default in keys mode on sm_90), l2_prefetch 64|128|256; cfg tags: K keys
+mode with cp.async, KT keys mode with TMA, pN prefetch) on the
 ``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
 ``--host-profile`` times the pieces of a call.
 """

@@ -80,10 +80,10 @@ class AttentionDecodeConfig(AttentionShape):
     schedule : "split": one CTA per (row tile, split, sequence, head group).  "streamk" (keys mode,
         one row tile): a grid of a few CTAs per SM sharing all key tiles equally (template header).
     loader : how K/V tiles reach shared memory.  "cp.async": every lane copies 16-byte chunks
-        (sm_80+).  "tma" (keys mode, head_dim a multiple of 64, sm_90+): lane 0 of each warp issues
-        Hopper tensor copies (one per 64 columns x block_n keys, or x 16 keys of one page) into a
-        128-byte-swizzled ring completing on an mbarrier per stage; the launch passes a tensor map
-        of each cache.
+        (sm_80+).  "tma" (keys mode, sm_90+): lane 0 of each warp issues Hopper tensor copies (one
+        per 64 columns x block_n keys, or x 16 keys of one page; columns past head_dim zero-filled)
+        into a 128-byte-swizzled ring completing on an mbarrier per stage; the launch passes a
+        tensor map of each cache.  The op's default on sm_90 (see DECODE_LOADER).
     l2_prefetch : bytes a K/V miss brings into L2 (0: the default; 64, 128, 256): cp.async's
         ``.L2::<n>B`` qualifier, or the tensor maps' L2 promotion with loader "tma".
     """
@@ -124,9 +124,6 @@ class AttentionDecodeConfig(AttentionShape):
         if self.loader == "tma":
             if self.warp_split != "keys":
                 self._fail("loader", "'cp.async' with warp_split='rows' ('tma' is keys mode only)")
-            if self.head_dim % 64:
-                self._fail("loader", f"'cp.async' at head_dim={self.head_dim} ('tma' copies 64-column blocks: "
-                                     "head_dim 64, 128, 192 or 256)")
         if self.warp_split == "keys":
             self._check_choice("rows", (16, 32, 48, 64))
             self._check_choice("num_warps", (1, 2, 4, 8))
@@ -161,11 +158,17 @@ class AttentionDecodeConfig(AttentionShape):
         if self.loader == "tma":
             # 1 KB to align the rings to the swizzle's 1024-byte period, the rings (unpadded rows),
             # Q; the merge laid over them; then an 8-byte mbarrier per warp and stage
-            ring = self.num_warps * self.num_stages * 2 * self.block_n * self.head_dim * 2
+            ring = self.num_warps * self.num_stages * 2 * self.block_n * self.tma_columns * 2
             body = -(-max(1024 + ring + 2 * self.rows * qk, merge) // 8) * 8
             return body + 8 * self.num_warps * self.num_stages
         pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
         return max(pipe, merge)
+
+    @property
+    def tma_columns(self) -> int:
+        """loader "tma": columns of a K (or V) row in shared memory: head_dim rounded up to the
+        64-column boxes (the copy zero-fills columns past head_dim)."""
+        return -(-self.head_dim // 64) * 64
 
     @property
     def bytes_in_flight(self) -> int:
@@ -182,9 +185,10 @@ class AttentionDecodeConfig(AttentionShape):
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
-        """Tile fields not given come from :func:`choose_config` for one decode step of a GQA group
-        of ``rows`` (default 16) query rows of one kv head."""
-        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads")
+        """Tile fields (and the loader: TMA in keys mode on sm_90) not given come from
+        :func:`choose_config` for one decode step of a GQA group of ``rows`` (default 16) query
+        rows of one kv head."""
+        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads", "loader")
         if all(f in params for f in tile):
             return {}
         from .. import device
@@ -193,7 +197,7 @@ class AttentionDecodeConfig(AttentionShape):
             probe = cls(**base)
             cfg = choose_config(probe.dtype, probe.head_dim, params.get("rows", 16), probe.paged, probe.causal,
                                 arch or device.current_arch(), nheads_kv=params.get("kv_heads", 1),
-                                warp_split=params.get("warp_split"))
+                                warp_split=params.get("warp_split"), loader=params.get("loader"))
         except (ConfigError, TypeError):
             return {}   # the constructor then reports the bad field itself
         return {f: getattr(cfg, f) for f in tile}
@@ -267,15 +271,18 @@ ROWS_MODE_ABOVE = 32
 # is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
 # tools/bench_decode.py --variants times both in one run; RTKERNELS_DECODE_WARP_SPLIT overrides.
 DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # read at import
-# K/V loader of the keys mode where the config allows "tma" (sm_90+, head_dim % 64 == 0): "cp.async"
-# until the lead's A/B (tools/bench_decode.py --variants "tma=loader:tma") measures the TMA ring
-# against it.  Why TMA might win (reasoned, issue #15): the cp.async ring streams ~30 GB/s per SM
-# whether one or two CTAs share it, with 64-128 KB in flight per SM - far past what Little's law
-# asks (~32 GB/s x ~1.5-2 us = 48-64 KB) - so the limit is the request path, not the depth: a
-# d128 16-key tile is 64 cp.async instructions of 16 bytes x 32 lanes, a TMA tile 4 instructions
-# of 2 KB from one lane, with no address math in the other lanes (167 registers instead of 194).
-# RTKERNELS_DECODE_LOADER=tma switches the default (read at import).
-DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "cp.async"
+# K/V loader of the keys mode where TMA can serve (sm_90+, a cache a tensor map can describe - see
+# tma_strides): "tma".  Measured (H200, 2026-11-26, tools/bench_decode.py --variants tma=loader:tma,
+# bf16, % of the copy rate, cp.async -> tma, cuDNN beside): B64 S2k 94.3 -> 100 (101), B128 S1k
+# 91.7 -> 96.5 (99.0), B16 S4k d64 89.3 -> 96.1 (96.9), B8 S8k 86.7 -> 92.1 (90.3), Sq4 B8 S8k
+# 80.9 -> 85.7 (cuDNN 32.6); paged 16 / 64 +5-10 points (B128 S1k paged16 89.0 -> 96.0, B16 S4k
+# d64 paged16 82.5 -> 92.5).  Why (issue #15): the cp.async ring streamed ~30 GB/s per SM with
+# 64-128 KB in flight, past Little's law's ~48-64 KB, so the request path was the limit: a d128
+# 16-key tile is 64 cp.async instructions per lane, a TMA tile 4 copies issued by one lane (167
+# registers instead of 194).  Many rows (> ROWS_MODE_ABOVE) keep the rows mode and its cp.async
+# ring: Sq16 B8 S8k 66.1% there against 61.6% for TMA keys mode (same run).
+# RTKERNELS_DECODE_LOADER=cp.async switches back (read at import).
+DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
@@ -391,9 +398,10 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
 
 
 def tma_capable(head_dim: int, arch: str) -> bool:
-    """Whether loader="tma" can serve this head dim on this arch (sm_90+, 64-column blocks)."""
+    """Whether loader="tma" can serve this head dim on this arch (sm_90+; any head dim of the
+    family: 64-column boxes, the columns past head_dim filled with zeros by the copy)."""
     from ..compiler import parse_arch
-    return head_dim % 64 == 0 and int(parse_arch(arch)[1]) >= 90
+    return head_dim % 8 == 0 and int(parse_arch(arch)[1]) >= 90
 
 
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
@@ -410,7 +418,7 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
     if loader == "tma":
         if not tma_capable(head_dim, arch):
             raise ConfigError.bad_value(FAMILY, "loader", loader, f"'cp.async' at head_dim={head_dim} on {arch} "
-                                        "('tma' needs sm_90+ and head_dim a multiple of 64)")
+                                        "('tma' needs sm_90+)")
         if warp_split is None:
             warp_split = "keys"
     if warp_split is None:
@@ -749,7 +757,10 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     rows_total = p.seqlen_q * group
     fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule", "loader",
                                 "l2_prefetch") if f in v}
-    if "k_cache" not in p.strides:   # an empty cache (a zero dimension): no tensor map of it can be built
+    if "k_cache" not in p.strides or tma_strides(p.cache_shape, p.strides["k_cache"]) is None \
+            or tma_strides(p.cache_shape, p.strides["v_cache"]) is None:
+        # an empty cache (a zero dimension), a broadcast or reversed one: no tensor map can
+        # describe it, so this call streams it with cp.async (whatever the default or a variant asks)
         fields["loader"] = "cp.async"
     cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                         **fields)
@@ -807,12 +818,45 @@ def _tma_spec(p: Problem, cfg: AttentionDecodeConfig) -> tuple | None:
     """loader "tma": what the per-call tensor maps of k_cache and v_cache are built from (they
     depend on the caches' addresses, so :func:`_execute` encodes them - memoized by address and
     shape in rtkernels.tma, host work only, capturable): 4-D maps over the caches as they are,
-    (batch or num_blocks, seq or page_size, nheads_kv, head_dim) with their element strides, and
-    a box of one kv head's 64 columns x block_n keys (paged: 16 keys, one page's group)."""
+    (batch or num_blocks, seq or page_size, nheads_kv, head_dim) with their element strides
+    (:func:`tma_strides`), and a box of one kv head's 64 columns x block_n keys (paged: 16 keys,
+    one page's group); columns past head_dim (head dims not a multiple of 64) are the map's
+    out-of-bounds, which the copy fills with zeros."""
     if cfg.loader != "tma":
         return None
     box = (1, 16 if p.paged else cfg.block_n, 1, 64)
-    return (p.dtype, p.cache_shape, tuple(p.strides["k_cache"]), tuple(p.strides["v_cache"]), box, cfg.l2_prefetch)
+    return (p.dtype, p.cache_shape, tma_strides(p.cache_shape, p.strides["k_cache"]),
+            tma_strides(p.cache_shape, p.strides["v_cache"]), box, cfg.l2_prefetch)
+
+
+def tma_strides(shape: tuple, strides: tuple, itemsize: int = 2) -> tuple | None:
+    """Element strides a tensor map of a cache of this shape and these strides can be encoded
+    with, or None where no tensor map can describe it (the call then uses cp.async).
+
+    A size-1 dimension's stride is never used to address anything (check() records it as 0, and
+    torch leaves it arbitrary), but the driver wants every stride positive and a multiple of 16
+    bytes: such a dimension gets the array's span rounded up to 16 bytes, as if the next entry
+    followed the array.  None for a dimension of several entries with stride 0 (a broadcast
+    cache, e.g. torch's expand), a negative stride (a reversed view), a stride that is not a
+    whole number of 16 bytes or >= 2**40 bytes, or a dimension over 2**32 entries - the mma.sync
+    path reads all of those exactly with its own address arithmetic."""
+    if len(shape) != len(strides) or not shape or 0 in shape:
+        return None
+    if shape[-1] > 1 and strides[-1] != 1:
+        return None
+    chunk = max(1, 16 // itemsize)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides) if n > 1 and s > 0)
+    fill = -(-span // chunk) * chunk
+    out = []
+    for n, s in zip(shape[:-1], strides[:-1]):
+        if n > 2 ** 32:
+            return None
+        if n == 1:
+            s = fill
+        elif s <= 0 or s % chunk or s * itemsize >= 2 ** 40:
+            return None
+        out.append(int(s))
+    return (*out, 1)
 
 
 def _tensor_maps(spec: tuple, k_addr: int, v_addr: int):
