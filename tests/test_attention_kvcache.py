@@ -556,6 +556,12 @@ def _run(seed, batch, sq, h, hkv, d, dtype, page_size=None, causal=True, seqlen_
     return x
 
 
+def poison_like(a):
+    import cupy as cp
+    from gpu_util import poison
+    return poison(cp.empty(a.shape, a.dtype))
+
+
 def _seed():
     return int(np.random.SeedSequence().entropy % 2 ** 32)
 
@@ -578,17 +584,72 @@ GPU_CASES = [
 ]
 
 
+def _default_loader(plan, d):
+    """The loader the default heuristics must pick for this plan on this GPU: TMA in keys mode on
+    sm_90+ (RTKERNELS_DECODE_LOADER may switch it off), else cp.async."""
+    from rtkernels.ops.attention import _device_arch
+    tma = kv_mod.DECODE_LOADER == "tma" and kv_mod.tma_capable(d, _device_arch(0))
+    return "tma" if tma and plan.config.warp_split == "keys" else "cp.async"
+
+
+def _plan_for(x, splits=None):
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
+    return kv_mod._plan(arrays, True, None, True, splits, "bfloat16" if x.dtype == "bfloat16" else None)[0]
+
+
+# The default loader (TMA in keys mode on sm_90) and the cp.async ring forced (sm_80's path, the
+# rows mode's, and the fallback for caches no tensor map describes), on every case.
+LOADERS = [None, dict(loader="cp.async")]
+LOADER_IDS = ("default", "cpasync")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("loader", LOADERS, ids=LOADER_IDS)
 @pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,causal,new,cap", GPU_CASES)
-def test_gpu_against_float64_reference(batch, sq, h, hkv, d, dtype, page, causal, new, cap):
-    _run(_seed(), batch, sq, h, hkv, d, dtype, page, causal, new, cap)
+def test_gpu_against_float64_reference(variant, loader, batch, sq, h, hkv, d, dtype, page, causal, new, cap):
+    variant(loader)
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, causal, new, cap)
+    plan = _plan_for(x)
+    print(plan.config)
+    assert plan.config.loader == (_default_loader(plan, d) if loader is None else "cp.async"), plan.config
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_head_dims_decode(d, dtype):
-    _run(_seed(), 3, 1, 16, 2, d, dtype, 16 if d % 64 else 64, True, 1, 333)
+@pytest.mark.parametrize("loader", LOADERS, ids=LOADER_IDS)
+@pytest.mark.parametrize("d,dtype", [(40, "float16"), (64, "bfloat16"), (72, "float16"), (80, "bfloat16"),
+                                     (96, "float16"), (128, "bfloat16"), (192, "float16"), (256, "bfloat16"),
+                                     (80, "float16"), (96, "bfloat16")])
+def test_gpu_head_dims_decode(variant, loader, d, dtype):
+    """Head dims that are not multiples of 64 (TMA: 64-column boxes, the rest zero-filled) or of
+    16 (40, 72: a padded K step and an odd 8-column V tile)."""
+    variant(loader)
+    x = _run(_seed(), 3, 1, 16, 2, d, dtype, 16 if d % 64 else 64, True, 1, 333)
+    plan = _plan_for(x)
+    assert plan.config.loader == (_default_loader(plan, d) if loader is None else "cp.async"), plan.config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["batch1", "one_kv_head", "batch1_one_kv_head", "broadcast_batch", "reversed"])
+def test_gpu_caches_of_any_strides_run_on_the_default_path(case):
+    """Size-1 dims (batch 1, one kv head: stride 0 or arbitrary, which the tensor map must not be
+    given - the H200 run of 2026-11-26 failed there), a broadcast cache (stride 0 over batch: no
+    tensor map, cp.async) and a reversed view (negative stride: cp.async)."""
+    import cupy as cp
+    batch, hkv = (1 if "batch1" in case else 3), (1 if "one_kv_head" in case else 4)
+    x = _make(_seed(), batch, 1, 8, hkv, 128, "bfloat16", None, 700, lens=[699, 1, 350][:batch])
+    if case == "broadcast_batch":   # every sequence reads sequence 0's cache
+        x.kc, x.vc = (cp.broadcast_to(c[:1], c.shape) for c in (x.kc, x.vc))
+        x.kc_h, x.vc_h = (np.broadcast_to(c[:1], c.shape) for c in (x.kc_h, x.vc_h))
+    if case == "reversed":   # the keys in reverse order in memory
+        x.kc, x.vc, x.kc_h, x.vc_h = (c[:, ::-1] for c in (x.kc, x.vc, x.kc_h, x.vc_h))
+    for splits in (None, 1, 5):
+        out = poison_like(x.q)
+        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
+        cp.cuda.Device().synchronize()
+        _check(x, o, lse, True, None, f"{case} splits={splits}")
+    plan = _plan_for(x)
+    want = "cp.async" if case in ("broadcast_batch", "reversed") else _default_loader(plan, 128)
+    assert plan.config.loader == want, (case, plan.config)
 
 
 @pytest.mark.gpu

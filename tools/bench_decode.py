@@ -19,6 +19,9 @@ time of a new head dim.  Run on the GPU host from the repository root:
     PYTHONPATH=. python tools/bench_decode.py --quick --splits 1,8,33  # forced num_splits as extra columns
     PYTHONPATH=. python tools/bench_decode.py --quick --tiles 16:4:3,16:4:4,32:4:3,16:8:2   # block_n:warps:stages
     PYTHONPATH=. python tools/bench_decode.py --quick --variants "rows8=warp_split:rows;keys0=order:splits"
+    PYTHONPATH=. python tools/bench_decode.py --quick --no-host --variant-layouts contig,paged16,paged64 \
+        --splits 8,32 --variants "cp=loader:cp.async;s4=num_stages:4;n32=block_n:32;fill2=split_rule:fill2"
+        # the TMA default (sm_90) against the cp.async ring, a deeper ring, 32-key tiles, and B1's split count
 
 Layouts: ``contig`` (batch, seqlen, nheads_kv, head_dim), ``hnd`` (a (batch, nheads_kv, seqlen,
 head_dim) cache passed as its transposed view), ``paged16`` / ``paged64``.  SDPA runs on its
@@ -26,7 +29,9 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 ``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
-order splits|heads, combine fused|kernel, split_rule decode|old|fill2, schedule streamk) on the
+order splits|heads, combine fused|kernel, split_rule decode|old|fill2, schedule streamk, loader
+tma|cp.async (tma: the default in keys mode on sm_90), l2_prefetch 64|128|256; cfg tags: K keys
+mode with cp.async, KT keys mode with TMA, pN prefetch) on the
 ``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
 ``--host-profile`` times the pieces of a call.
 """
@@ -160,11 +165,13 @@ def _plan_of(kv, s, layout, dtype, torch, kw, variant=None):
 
 def _short(plan):
     cfg = plan.config
-    mode = "K" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h"
+    mode = ("KT" if cfg.loader == "tma" else "K") if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h"
     comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
+    l2 = f" p{cfg.l2_prefetch}" if cfg.l2_prefetch else ""
     if cfg.schedule == "streamk":   # a grid of a few CTAs per SM sharing the key tiles
-        return f"SK r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} g{plan.split.grid[0]}"
-    return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}"
+        return f"SK{'T' if cfg.loader == 'tma' else ''} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} " \
+               f"s{cfg.num_stages} g{plan.split.grid[0]}{l2}"
+    return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}{l2}"
 
 
 def parse_variants(text: str) -> dict:

@@ -49,6 +49,8 @@ APPEND_THREADS = 256
 _GRID_X_MAX = 2 ** 31 - 1
 WARP_SPLITS = ("keys", "rows")
 SCHEDULES = ("split", "streamk")
+LOADERS = ("cp.async", "tma")
+L2_PREFETCHES = (0, 64, 128, 256)
 
 
 @register_family
@@ -77,6 +79,13 @@ class AttentionDecodeConfig(AttentionShape):
         mode: loaded from global memory straight into registers, no Q tile in shared memory).
     schedule : "split": one CTA per (row tile, split, sequence, head group).  "streamk" (keys mode,
         one row tile): a grid of a few CTAs per SM sharing all key tiles equally (template header).
+    loader : how K/V tiles reach shared memory.  "cp.async": every lane copies 16-byte chunks
+        (sm_80+).  "tma" (keys mode, sm_90+): lane 0 of each warp issues Hopper tensor copies (one
+        per 64 columns x block_n keys, or x 16 keys of one page; columns past head_dim zero-filled)
+        into a 128-byte-swizzled ring completing on an mbarrier per stage; the launch passes a
+        tensor map of each cache.  The op's default on sm_90 (see DECODE_LOADER).
+    l2_prefetch : bytes a K/V miss brings into L2 (0: the default; 64, 128, 256): cp.async's
+        ``.L2::<n>B`` qualifier, or the tensor maps' L2 promotion with loader "tma".
     """
 
     family: ClassVar[str] = FAMILY
@@ -96,6 +105,8 @@ class AttentionDecodeConfig(AttentionShape):
     warp_split: str = "keys"
     kv_heads: int = 1
     schedule: str = "split"
+    loader: str = "cp.async"
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         self._check_shape()
@@ -108,6 +119,11 @@ class AttentionDecodeConfig(AttentionShape):
         self._check_choice("schedule", SCHEDULES)
         if self.schedule == "streamk" and self.warp_split != "keys":
             self._fail("schedule", "'split' with warp_split='rows' ('streamk' is keys mode only)")
+        self._check_choice("loader", LOADERS)
+        self._check_choice("l2_prefetch", L2_PREFETCHES)
+        if self.loader == "tma":
+            if self.warp_split != "keys":
+                self._fail("loader", "'cp.async' with warp_split='rows' ('tma' is keys mode only)")
         if self.warp_split == "keys":
             self._check_choice("rows", (16, 32, 48, 64))
             self._check_choice("num_warps", (1, 2, 4, 8))
@@ -137,10 +153,22 @@ class AttentionDecodeConfig(AttentionShape):
         if self.warp_split == "rows":
             q_tile = 0 if self.q_in_regs else self.kv_heads * self.rows * qk
             return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
-        pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
         red_stride = self.head_dim + 8 if self.head_dim % 16 == 0 else self.head_dim
         merge = 4 * (self.num_warps * self.rows * red_stride + 2 * self.num_warps * self.rows + 2 * self.rows)
+        if self.loader == "tma":
+            # 1 KB to align the rings to the swizzle's 1024-byte period, the rings (unpadded rows),
+            # Q; the merge laid over them; then an 8-byte mbarrier per warp and stage
+            ring = self.num_warps * self.num_stages * 2 * self.block_n * self.tma_columns * 2
+            body = -(-max(1024 + ring + 2 * self.rows * qk, merge) // 8) * 8
+            return body + 8 * self.num_warps * self.num_stages
+        pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
         return max(pipe, merge)
+
+    @property
+    def tma_columns(self) -> int:
+        """loader "tma": columns of a K (or V) row in shared memory: head_dim rounded up to the
+        64-column boxes (the copy zero-fills columns past head_dim)."""
+        return -(-self.head_dim // 64) * 64
 
     @property
     def bytes_in_flight(self) -> int:
@@ -157,9 +185,10 @@ class AttentionDecodeConfig(AttentionShape):
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
-        """Tile fields not given come from :func:`choose_config` for one decode step of a GQA group
-        of ``rows`` (default 16) query rows of one kv head."""
-        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads")
+        """Tile fields (and the loader: TMA in keys mode on sm_90) not given come from
+        :func:`choose_config` for one decode step of a GQA group of ``rows`` (default 16) query
+        rows of one kv head."""
+        tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads", "loader")
         if all(f in params for f in tile):
             return {}
         from .. import device
@@ -168,7 +197,7 @@ class AttentionDecodeConfig(AttentionShape):
             probe = cls(**base)
             cfg = choose_config(probe.dtype, probe.head_dim, params.get("rows", 16), probe.paged, probe.causal,
                                 arch or device.current_arch(), nheads_kv=params.get("kv_heads", 1),
-                                warp_split=params.get("warp_split"))
+                                warp_split=params.get("warp_split"), loader=params.get("loader"))
         except (ConfigError, TypeError):
             return {}   # the constructor then reports the bad field itself
         return {f: getattr(cfg, f) for f in tile}
@@ -242,6 +271,18 @@ ROWS_MODE_ABOVE = 32
 # is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
 # tools/bench_decode.py --variants times both in one run; RTKERNELS_DECODE_WARP_SPLIT overrides.
 DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # read at import
+# K/V loader of the keys mode where TMA can serve (sm_90+, a cache a tensor map can describe - see
+# tma_strides): "tma".  Measured (H200, 2026-11-26, tools/bench_decode.py --variants tma=loader:tma,
+# bf16, % of the copy rate, cp.async -> tma, cuDNN beside): B64 S2k 94.3 -> 100 (101), B128 S1k
+# 91.7 -> 96.5 (99.0), B16 S4k d64 89.3 -> 96.1 (96.9), B8 S8k 86.7 -> 92.1 (90.3), Sq4 B8 S8k
+# 80.9 -> 85.7 (cuDNN 32.6); paged 16 / 64 +5-10 points (B128 S1k paged16 89.0 -> 96.0, B16 S4k
+# d64 paged16 82.5 -> 92.5).  Why (issue #15): the cp.async ring streamed ~30 GB/s per SM with
+# 64-128 KB in flight, past Little's law's ~48-64 KB, so the request path was the limit: a d128
+# 16-key tile is 64 cp.async instructions per lane, a TMA tile 4 copies issued by one lane (167
+# registers instead of 194).  Many rows (> ROWS_MODE_ABOVE) keep the rows mode and its cp.async
+# ring: Sq16 B8 S8k 66.1% there against 61.6% for TMA keys mode (same run).
+# RTKERNELS_DECODE_LOADER=cp.async switches back (read at import).
+DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
@@ -314,7 +355,7 @@ MAX_LOAD_ITERS = 8
 
 
 def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads=None, block_n=None,
-                 num_stages=None) -> AttentionDecodeConfig:
+                 num_stages=None, l2_prefetch=0) -> AttentionDecodeConfig:
     """warp_split="rows": 16 rows per warp, up to 128 rows per head (8 warps) for many rows; for
     decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA; at least
     ROWS_MODE_MIN_WARPS warps.  Tiles: ~128 (d <= 64: 256, d > 128: 64) key rows of K+V per stage
@@ -346,7 +387,8 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
                     for stages in ((num_stages,) if num_stages else (3, 2)):
                         cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * rw,
                                                     block_n=bn, num_warps=kv * rw, num_stages=stages, paged=paged,
-                                                    q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv)
+                                                    q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv,
+                                                    l2_prefetch=l2_prefetch)
                         if cfg.shared_mem_bytes <= limit:
                             return cfg
             kv //= 2
@@ -355,20 +397,42 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
                       "block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
+def tma_capable(head_dim: int, arch: str) -> bool:
+    """Whether loader="tma" can serve this head dim on this arch (sm_90+; any head dim of the
+    family: 64-column boxes, the columns past head_dim filled with zeros by the copy)."""
+    from ..compiler import parse_arch
+    return head_dim % 8 == 0 and int(parse_arch(arch)[1]) >= 90
+
+
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
                   nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
                   block_n: int | None = None, num_stages: int | None = None,
-                  num_warps: int | None = None, schedule: str = "split") -> AttentionDecodeConfig:
+                  num_warps: int | None = None, schedule: str = "split", loader: str | None = None,
+                  l2_prefetch: int = 0) -> AttentionDecodeConfig:
     """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
     rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
-    (tuning: tools/bench_decode.py --variants)."""
+    (tuning: tools/bench_decode.py --variants).  ``loader`` None: DECODE_LOADER where the config
+    allows it (keys mode, :func:`tma_capable`), else "cp.async"; "tma" given explicitly also
+    selects the keys mode for many rows (the rows mode has no TMA ring) and raises ConfigError
+    where TMA cannot serve."""
+    if loader == "tma":
+        if not tma_capable(head_dim, arch):
+            raise ConfigError.bad_value(FAMILY, "loader", loader, f"'cp.async' at head_dim={head_dim} on {arch} "
+                                        "('tma' needs sm_90+)")
+        if warp_split is None:
+            warp_split = "keys"
     if warp_split is None:
         warp_split = "rows" if rows_total > ROWS_MODE_ABOVE else DECODE_WARP_SPLIT
+    if loader is None:
+        loader = "tma" if DECODE_LOADER == "tma" and warp_split == "keys" and tma_capable(head_dim, arch) \
+            else "cp.async"
     if warp_split not in WARP_SPLITS:
         raise ConfigError.bad_value(FAMILY, "warp_split", warp_split, "'keys' or 'rows'")
     if warp_split == "rows":
+        if loader == "tma":
+            raise ConfigError.bad_value(FAMILY, "loader", loader, "'cp.async' with warp_split='rows'")
         return _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads, block_n,
-                            num_stages)
+                            num_stages, l2_prefetch)
     rows = rows_for(rows_total, head_dim)
     limit = _smem_limit(arch)
     tiles = candidates(head_dim)
@@ -385,7 +449,7 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
         cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=rows, block_n=bn,
                                     num_warps=t.num_warps, num_stages=t.num_stages, paged=paged,
                                     q_in_regs=rows * hd_pad <= 2048,   # Q fragments: <= 32 registers
-                                    schedule=schedule)
+                                    schedule=schedule, loader=loader, l2_prefetch=l2_prefetch)
         if cfg.shared_mem_bytes <= limit:
             return cfg
     raise ConfigError(f"{OP}: no tile for head_dim={head_dim} fits {arch}'s {limit} B of shared memory per block",
@@ -484,6 +548,7 @@ class Problem(NamedTuple):
     seqlen_new: int
     softmax_scale: float
     strides: dict        # name -> element strides (q, k_cache, v_cache, k_new, v_new, out, block_table, cache_seqlens)
+    cache_shape: tuple = ()   # k_cache's (and v_cache's) shape
 
 
 def _int_strides(view, name: str) -> tuple[int, ...]:
@@ -593,7 +658,7 @@ def check(views: dict, dtype: str | None, softmax_scale, num_splits, arrays: dic
         raise _bad("num_splits", num_splits, f"num_splits must be None or 0 (heuristic) or an int in [1, {MAX_SPLITS}], "
                                              f"got {num_splits!r}")
     return Problem(dt, devs["q"], batch, seqlen_q, nheads, nheads_kv, head_dim, paged, capacity, page_size, num_blocks,
-                   seqlen_new, float(softmax_scale), strides)
+                   seqlen_new, float(softmax_scale), strides, tuple(int(n) for n in kc.shape))
 
 
 # ---- plan -----------------------------------------------------------------------------------
@@ -617,6 +682,7 @@ class Plan:
     counter_bytes: int    # int32 counters of the fused merge (zero between launches)
     torch: bool
     device: int
+    tma: tuple | None = None   # loader "tma": the caches' (dtype, shape, strides, box, l2 promotion) for tensor maps
 
 
 def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_tiles: int, order: int = 1,
@@ -659,7 +725,7 @@ ORDER = {"splits": 0, "heads": 1}
 DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
-# num_stages, num_warps, schedule), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
+# num_stages, num_warps, schedule, loader, l2_prefetch), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
 # and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
 # per SM) overriding the
@@ -689,7 +755,13 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     if empty or (p.seqlen_q == 0 and p.seqlen_new == 0):
         return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
     rows_total = p.seqlen_q * group
-    fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule") if f in v}
+    fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule", "loader",
+                                "l2_prefetch") if f in v}
+    if "k_cache" not in p.strides or tma_strides(p.cache_shape, p.strides["k_cache"]) is None \
+            or tma_strides(p.cache_shape, p.strides["v_cache"]) is None:
+        # an empty cache (a zero dimension), a broadcast or reversed one: no tensor map can
+        # describe it, so this call streams it with cp.async (whatever the default or a variant asks)
+        fields["loader"] = "cp.async"
     cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                         **fields)
     if cfg.schedule == "streamk" and rows_total > cfg.rows:   # stream-K takes one row tile per item
@@ -739,7 +811,59 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                 combine = Launch(get_kernel(cfg, "attention_decode_combine", arch=arch), (rows_all,),
                                  (COMBINE_THREADS,), 0, (args,))
     return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
-                lse_off, counter_bytes, torch, p.device)
+                lse_off, counter_bytes, torch, p.device, _tma_spec(p, cfg))
+
+
+def _tma_spec(p: Problem, cfg: AttentionDecodeConfig) -> tuple | None:
+    """loader "tma": what the per-call tensor maps of k_cache and v_cache are built from (they
+    depend on the caches' addresses, so :func:`_execute` encodes them - memoized by address and
+    shape in rtkernels.tma, host work only, capturable): 4-D maps over the caches as they are,
+    (batch or num_blocks, seq or page_size, nheads_kv, head_dim) with their element strides
+    (:func:`tma_strides`), and a box of one kv head's 64 columns x block_n keys (paged: 16 keys,
+    one page's group); columns past head_dim (head dims not a multiple of 64) are the map's
+    out-of-bounds, which the copy fills with zeros."""
+    if cfg.loader != "tma":
+        return None
+    box = (1, 16 if p.paged else cfg.block_n, 1, 64)
+    return (p.dtype, p.cache_shape, tma_strides(p.cache_shape, p.strides["k_cache"]),
+            tma_strides(p.cache_shape, p.strides["v_cache"]), box, cfg.l2_prefetch)
+
+
+def tma_strides(shape: tuple, strides: tuple, itemsize: int = 2) -> tuple | None:
+    """Element strides a tensor map of a cache of this shape and these strides can be encoded
+    with, or None where no tensor map can describe it (the call then uses cp.async).
+
+    A size-1 dimension's stride is never used to address anything (check() records it as 0, and
+    torch leaves it arbitrary), but the driver wants every stride positive and a multiple of 16
+    bytes: such a dimension gets the array's span rounded up to 16 bytes, as if the next entry
+    followed the array.  None for a dimension of several entries with stride 0 (a broadcast
+    cache, e.g. torch's expand), a negative stride (a reversed view), a stride that is not a
+    whole number of 16 bytes or >= 2**40 bytes, or a dimension over 2**32 entries - the mma.sync
+    path reads all of those exactly with its own address arithmetic."""
+    if len(shape) != len(strides) or not shape or 0 in shape:
+        return None
+    if shape[-1] > 1 and strides[-1] != 1:
+        return None
+    chunk = max(1, 16 // itemsize)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides) if n > 1 and s > 0)
+    fill = -(-span // chunk) * chunk
+    out = []
+    for n, s in zip(shape[:-1], strides[:-1]):
+        if n > 2 ** 32:
+            return None
+        if n == 1:
+            s = fill
+        elif s <= 0 or s % chunk or s * itemsize >= 2 ** 40:
+            return None
+        out.append(int(s))
+    return (*out, 1)
+
+
+def _tensor_maps(spec: tuple, k_addr: int, v_addr: int):
+    from ..tma import tensor_map
+    dtype, shape, k_strides, v_strides, box, l2 = spec
+    return (tensor_map(k_addr, dtype, shape, k_strides, box, swizzle=128, l2_promotion=l2),
+            tensor_map(v_addr, dtype, shape, v_strides, box, swizzle=128, l2_promotion=l2))
 
 
 def _append_launch(p: Problem, cfg: AttentionDecodeConfig, args, arch: str) -> Launch | None:
@@ -778,7 +902,8 @@ def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, o
         split = Launch(kernel, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
     lse_off = 4 * grid * 2 * cfg.rows * p.head_dim
     return Plan(split, None, append, cfg, 1, False, out_shape, out_dtype, lse_shape, f32,
-                lse_off + 4 * grid * 2 * cfg.rows, lse_off, 4 * p.batch * p.nheads_kv, torch, p.device)
+                lse_off + 4 * grid * 2 * cfg.rows, lse_off, 4 * p.batch * p.nheads_kv, torch, p.device,
+                _tma_spec(p, cfg))
 
 
 # ---- workspace (split-KV partials, fused-merge counters) per (device, stream): ops/workspace.py ----
@@ -814,7 +939,10 @@ def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
     if plan.append is not None:
         plan.append.run((ptrs,), stream)
     if plan.split is not None:
-        plan.split.run((ptrs,), stream)
+        if plan.tma is not None:
+            plan.split.run((ptrs, *_tensor_maps(plan.tma, addr[1], addr[2])), stream)
+        else:
+            plan.split.run((ptrs,), stream)
     if plan.combine is not None:
         plan.combine.run((ptrs,), stream)
     return (o, lse) if plan.lse_shape is not None else o

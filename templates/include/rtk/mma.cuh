@@ -81,6 +81,26 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_size) : "memory");
 }
+// The same with an L2 prefetch size qualifier: a miss fetches PREFETCH bytes (64, 128 or 256) around
+// the 16 requested into L2, so a streaming read's later requests to that line hit (0: none, as
+// cp_async_16).
+template <int PREFETCH>
+__device__ __forceinline__ void cp_async_16_prefetch(void* smem, const void* gmem, bool valid) {
+    const int src_size = valid ? 16 : 0;
+    if constexpr (PREFETCH == 64) {
+        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n"
+                     :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_size) : "memory");
+    } else if constexpr (PREFETCH == 128) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+                     :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_size) : "memory");
+    } else if constexpr (PREFETCH == 256) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                     :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_size) : "memory");
+    } else {
+        static_assert(PREFETCH == 0, "cp_async_16_prefetch: 0, 64, 128 or 256 bytes");
+        cp_async_16(smem, gmem, valid);
+    }
+}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

@@ -1,0 +1,377 @@
+"""attention_decode's TMA loader (loader="tma": per-warp rings filled by Hopper tensor copies) and
+cp.async's L2 prefetch qualifier (l2_prefetch): config, layout and heuristics, a few compiles
+(CPU); the TMA path against the float64 reference over contiguous / paged (16, 48, 64, 256) /
+transposed caches, ragged lengths, GQA 1-16, head dims 64-256, both dtypes, splits, stream-K,
+NaN cache tails and CUDA-graph replays with new lengths and block tables (GPU, ``-m gpu``).
+
+Uses test_attention_kvcache's helpers (inputs, reference check, poisoned outputs)."""
+from __future__ import annotations
+
+import importlib
+import re
+
+import numpy as np
+import pytest
+
+import rtkernels as rtk
+from rtkernels import inspect as rtk_inspect
+from rtkernels.errors import ConfigError
+from rtkernels.ops.attention_kvcache import AttentionDecodeConfig, check, choose_config
+
+from test_attention_kvcache import Fake, _call, _check, _make, _run, _seed, _views
+
+kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
+TMA = dict(loader="tma")
+
+
+# ---- config ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [
+    dict(loader="bulk"), dict(l2_prefetch=32), dict(l2_prefetch=True),
+    dict(loader="tma", warp_split="rows", kv_heads=4, num_warps=4, rows=16),
+])
+def test_config_rejects(bad):
+    with pytest.raises(ConfigError) as e:
+        AttentionDecodeConfig(**bad)
+    assert "attention_decode" in str(e.value) and next(iter(bad)) in str(e.value)
+
+
+def test_tma_smem_layout():
+    c = AttentionDecodeConfig(dtype="bfloat16", head_dim=128, rows=16, block_n=16, num_warps=4, num_stages=3,
+                              loader="tma")
+    # 1 KB alignment slack + 4 warps x 3 stages x (K + V) x 16 keys x 128 (unpadded) + Q 16 x 136,
+    # 16-bit elements; then 12 mbarriers
+    assert c.shared_mem_bytes == 1024 + 2 * (4 * 3 * 2 * 16 * 128 + 16 * 136) + 8 * 12
+    assert c.shared_mem_bytes <= 113 * 1024, "two CTAs per sm_90 SM, as the cp.async tile"
+    c = AttentionDecodeConfig(head_dim=64, rows=48, block_n=16, num_warps=4, num_stages=2, loader="tma")
+    merge = 4 * (4 * 48 * 72 + 2 * 4 * 48 + 2 * 48)   # the warps' merge is the larger here
+    assert c.shared_mem_bytes == merge + 8 * 8
+    assert c.bytes_in_flight == 4 * 1 * 16 * 2 * 64 * 2
+    # a head dim not a multiple of 64: whole 64-column boxes in the ring (the copy zero-fills past d)
+    c = AttentionDecodeConfig(dtype="bfloat16", head_dim=96, rows=16, block_n=16, num_warps=4, num_stages=3,
+                              loader="tma")
+    assert c.tma_columns == 128
+    assert c.shared_mem_bytes == 1024 + 2 * (4 * 3 * 2 * 16 * 128 + 16 * 104) + 8 * 12
+
+
+def test_choose_config_loader(monkeypatch):
+    c = choose_config("bfloat16", 128, 4, True, False, "sm_90", loader="tma")
+    assert c.loader == "tma" and c.warp_split == "keys" and c.shared_mem_bytes <= 113 * 1024
+    # many rows: the keys mode (row tiles) when tma is asked for; the rows mode has no TMA ring
+    c = choose_config("bfloat16", 128, 64, False, True, "sm_90", loader="tma")
+    assert c.loader == "tma" and c.warp_split == "keys" and c.rows == 32
+    for d, arch in ((128, "sm_80"), (128, "sm_89"), (80, "sm_86")):
+        with pytest.raises(ConfigError, match="loader"):
+            choose_config("bfloat16", d, 4, False, False, arch, loader="tma")
+    with pytest.raises(ConfigError, match="loader"):
+        choose_config("bfloat16", 128, 4, False, False, "sm_90", loader="tma", warp_split="rows")
+    # the default: TMA in keys mode on sm_90 at every head dim, cp.async elsewhere
+    assert kv_mod.DECODE_LOADER == "tma" or kv_mod.os.environ.get("RTKERNELS_DECODE_LOADER")
+    monkeypatch.setattr(kv_mod, "DECODE_LOADER", "tma")
+    assert choose_config("bfloat16", 128, 4, False, False, "sm_90").loader == "tma"
+    assert choose_config("float16", 256, 16, True, True, "sm_90").loader == "tma"
+    assert choose_config("bfloat16", 80, 4, False, False, "sm_90").loader == "tma"
+    assert choose_config("bfloat16", 128, 4, False, False, "sm_80").loader == "cp.async"
+    c = choose_config("bfloat16", 128, 64, False, True, "sm_90")
+    assert c.warp_split == "rows" and c.loader == "cp.async"   # many rows: the rows mode keeps cp.async
+    # RTKERNELS_DECODE_LOADER=cp.async: back to the cp.async ring
+    monkeypatch.setattr(kv_mod, "DECODE_LOADER", "cp.async")
+    assert choose_config("bfloat16", 128, 4, False, False, "sm_90").loader == "cp.async"
+    c = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=256)
+    assert c.l2_prefetch == 256
+
+
+def test_tma_plan_maps_the_caches_as_they_are():
+    """The plan's tensor-map spec: 4-D over the cache's own shape and strides, box of 64 columns x
+    block_n keys (contiguous) or x 16 keys (paged: one page's group); an empty cache falls back."""
+    kv_mod.set_variant(dict(loader="tma", l2_prefetch=256))
+    try:
+        p = check(_views(q=Fake((2, 1, 8, 128)), k_cache=Fake((3, 100, 2, 128)), v_cache=Fake((3, 100, 2, 128))),
+                  None, None, None)
+        plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                                f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+        assert plan.config.loader == "tma"
+        assert plan.tma == ("float16", (3, 100, 2, 128), (25600, 256, 128, 1), (25600, 256, 128, 1),
+                            (1, plan.config.block_n, 1, 64), 256)
+        paged = _views(q=Fake((2, 1, 8, 128)), k_cache=Fake((9, 48, 2, 128)), v_cache=Fake((9, 48, 2, 128)),
+                       block_table=Fake((2, 4), "int32"))
+        p = check(paged, None, None, None)
+        plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                                f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+        assert plan.tma[1] == (9, 48, 2, 128) and plan.tma[4] == (1, 16, 1, 64)
+        p = check(_views(q=Fake((2, 1, 8, 128)), k_cache=Fake((2, 0, 2, 128)), v_cache=Fake((2, 0, 2, 128))),
+                  None, None, None)
+        plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                                f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+        assert plan.tma is None and (plan.config is None or plan.config.loader == "cp.async")
+    finally:
+        kv_mod.set_variant(None)
+
+
+def _tma_plan(**views):
+    p = check(_views(**views), None, None, None)
+    return kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                            f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+
+
+def _strides_of(shape):
+    acc, out = 1, []
+    for n in reversed(shape):
+        out.insert(0, acc)
+        acc *= n
+    return out
+
+
+def test_tma_maps_of_size_one_dims_get_valid_strides():
+    """batch 1 or one kv head: check() records a size-1 dim's stride as 0 (torch leaves it
+    arbitrary); the map gets the array's span there (positive, whole 16 bytes) - the H200 run of
+    2026-11-26 failed with 'strides[k]=0' at B1 S32k and at nheads_kv=1."""
+    from rtkernels.tma import check_tensor_map
+    for shape in ((1, 300, 8, 128), (2, 300, 1, 256), (1, 64, 1, 64), (5, 16, 1, 96)):
+        for bogus in (0, 3, -8):   # whatever the array says for its size-1 dims
+            st = [s if n > 1 else bogus for n, s in zip(shape, _strides_of(shape))]
+            k = Fake(shape, strides=[2 * x for x in st])
+            plan = _tma_plan(q=Fake((shape[0], 1, 8 * shape[2], shape[3])), k_cache=k, v_cache=k,
+                             cache_seqlens=Fake((shape[0],), "int32"))
+            assert plan.config.loader == "tma", plan.config
+            _, mshape, ks, vs, box, _ = plan.tma
+            assert ks == vs and ks[-1] == 1 and all(s > 0 and s % 8 == 0 for s in ks[:-1]), ks
+            for n, s, want in zip(shape, ks, _strides_of(shape)):
+                assert n == 1 or s == want, (shape, ks)
+            check_tensor_map(1 << 20, "float16", mshape, ks, box)   # what the driver would be given
+
+
+def test_tma_falls_back_to_cp_async_where_no_map_can_describe_the_cache():
+    """A broadcast cache (stride 0 over several entries, e.g. torch expand) or a reversed view
+    cannot be a tensor map: the call uses the cp.async ring, no error (also when a variant asks
+    for TMA)."""
+    shape = (3, 200, 2, 128)
+    good = _strides_of(shape)
+    for name, st in (("broadcast batch", [0] + good[1:]), ("broadcast heads", good[:2] + [0, 1]),
+                     ("reversed keys", [good[0], -good[1]] + good[2:])):
+        k = Fake(shape, strides=[2 * x for x in st])
+        for v in (None, dict(loader="tma")):
+            kv_mod.set_variant(v)
+            try:
+                plan = _tma_plan(q=Fake((3, 1, 8, 128)), k_cache=k, v_cache=Fake(shape),
+                                 cache_seqlens=Fake((3,), "int32"))
+            finally:
+                kv_mod.set_variant(None)
+            assert plan.config.loader == "cp.async" and plan.tma is None, (name, v, plan.config)
+    assert kv_mod.tma_strides(shape, tuple(good)) == tuple(good)
+    assert kv_mod.tma_strides(shape, (good[0], good[1], 12, 1)) is None   # 24 bytes: not whole 16-byte rows
+    assert kv_mod.tma_strides((1, 5, 1, 8), (0, 8, 0, 1)) == (40, 8, 40, 1)
+
+
+def _swizzle_128b(row: int, col: int, rows: int) -> int:
+    """Where the TMA copy with CU_TENSOR_MAP_SWIZZLE_128B puts element (row, col) of a box of
+    ``rows`` x 64 16-bit columns (one 128-byte row per key, 1024-byte aligned): byte address bits
+    [4, 7) XOR bits [7, 10) - the 16-byte chunk XOR the row mod 8 - per 64-column block."""
+    byte = row * 128 + (col % 64) * 2
+    byte ^= ((byte >> 7) & 7) << 4
+    return (col // 64) * rows * 64 + byte // 2
+
+
+@pytest.mark.parametrize("block_n,head_dim", [(16, 128), (32, 64), (16, 256), (16, 72), (32, 40), (16, 96)])
+def test_tma_fragment_addresses_follow_the_swizzle(block_n, head_dim):
+    """The template's k_frag_row / v_frag_row / v_frag_row_x2 arithmetic (mirrored here)
+    addresses the row and 16-byte column chunk ldmatrix wants from each lane, in the layout the
+    hardware writes; head dims not a multiple of 64 / 16 included (padded K steps, odd V tile)."""
+    n_tiles_o = head_dim // 8
+    for lane in range(32):
+        k_row0, kc, vc, r7 = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, lane >> 4, lane & 7
+        for np_ in range(block_n // 16):
+            for kk in range(-(-head_dim // 16)):
+                got = k_row0 * 64 + np_ * 16 * 64 + (kk // 4) * block_n * 64 + (((2 * (kk % 4) + kc) ^ r7) << 3)
+                assert got == _swizzle_128b(k_row0 + np_ * 16, kk * 16 + kc * 8, block_n), (lane, np_, kk)
+        for kk in range(block_n // 16):
+            for dp in range(n_tiles_o // 2):
+                got = (lane & 15) * 64 + kk * 16 * 64 + (dp // 4) * block_n * 64 + (((2 * (dp % 4) + vc) ^ r7) << 3)
+                assert got == _swizzle_128b((lane & 15) + kk * 16, dp * 16 + vc * 8, block_n), (lane, kk, dp)
+            if n_tiles_o % 2:
+                c = n_tiles_o - 1
+                got = (lane & 15) * 64 + kk * 16 * 64 + (c // 8) * block_n * 64 + (((c % 8) ^ r7) << 3)
+                assert got == _swizzle_128b((lane & 15) + kk * 16, c * 8, block_n), (lane, kk, "x2")
+
+
+# ---- compile (a few: CI has two cores) --------------------------------------------------------
+def _opcodes(sass):
+    return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+
+
+@pytest.mark.parametrize("dtype,d,rows_total,paged,causal,kw", [
+    ("bfloat16", 128, 4, False, False, {}),
+    ("float16", 128, 32, True, True, {}),                  # 32 rows: two m-tiles per warp
+    ("bfloat16", 256, 16, True, False, {}),
+    ("bfloat16", 64, 4, False, False, dict(schedule="streamk")),
+    ("float16", 72, 8, True, True, {}),                    # d72: padded K step, odd V tile, 2 boxes
+])
+def test_tma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw):
+    cfg = choose_config(dtype, d, rows_total, paged, causal, "sm_90", loader="tma", **kw)
+    k = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
+    ops = _opcodes(k.sass)
+    assert any(o.startswith("UTMALDG.4D") for o in ops), "4-D tensor copies"
+    assert any(o.startswith("SYNCS") for o in ops), "mbarrier arrive / wait"
+    assert any(o.startswith("HMMA.16816.F32") for o in ops)
+    assert any(o == "LDSM.16.M88.4" for o in ops) and any(o.startswith("LDSM.16.MT88") for o in ops)
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), f"{cfg}: {r}"
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory"
+    assert not rtk_inspect.flags(k), rtk_inspect.flags(k)
+    print(cfg, r)
+
+
+def test_l2_prefetch_qualifier_reaches_the_ptx():
+    cfg = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=128, loader="cp.async")
+    k = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
+    assert "cp.async.cg.shared.global.L2::128B" in k.ptx
+    r = k.resources
+    assert not (r.spill_stores or r.stack_frame), r
+
+
+# ==== GPU =======================================================================================
+@pytest.fixture
+def variant():
+    yield kv_mod.set_variant
+    kv_mod.set_variant(None)
+
+
+def _plan_of(x, splits=None, lse=True):
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
+    plan, _ = kv_mod._plan(arrays, True, None, lse, splits, "bfloat16" if x.dtype == "bfloat16" else None)
+    return plan
+
+
+# (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, num_splits)
+TMA_CASES = [
+    (4, 1, 32, 8, 128, "bfloat16", None, 0, 900, None),  # decode GQA 4, contiguous
+    (5, 1, 32, 8, 128, "float16", None, 1, 1000, 5),     # append, 5 splits
+    (3, 1, 16, 16, 64, "float16", 16, 1, 500, 3),        # MHA d64 (32-key tiles: two 16-key copies), page 16
+    (3, 1, 16, 2, 128, "bfloat16", 64, 1, 900, None),    # GQA 8, page 64
+    (2, 1, 16, 1, 256, "float16", 256, 0, 1300, 2),      # MQA 16, d256, page 256
+    (3, 1, 16, 4, 192, "bfloat16", 48, 2, 700, None),    # d192 (3 column blocks), page 48
+    (3, 4, 32, 8, 128, "bfloat16", 16, 4, 500, None),    # speculative: 16 rows
+    (3, 16, 32, 8, 128, "bfloat16", None, 2, 800, 2),    # 64 rows: two 32-row tiles in keys mode
+    (4, 1, 8, 8, 64, "bfloat16", None, 0, 37, None),     # capacity 37: a tile past the cache's end (zero-filled)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["fused", "kernel"])
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", TMA_CASES)
+def test_gpu_tma_against_float64_reference(variant, combine, batch, sq, h, hkv, d, dtype, page, new, cap, splits):
+    variant(dict(loader="tma", combine=combine))
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
+    plan = _plan_of(x, splits)
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.loader == "tma" and plan.tma is not None, plan.config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2", [0, 256])
+@pytest.mark.parametrize("page", [None, 16, 64], ids=("contig", "paged16", "paged64"))
+def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, l2, page):
+    """TMA moves whole boxes, so a tile past a sequence's end brings the cache's next rows (NaN
+    here) into shared memory: the kernel zeroes them before P V.  Ragged lengths with 0, 1 and
+    one short of a tile."""
+    import cupy as cp
+    from gpu_util import poison
+    variant(dict(loader="tma", l2_prefetch=l2))
+    cap = 640
+    x = _make(_seed(), 5, 1, 16, 4, 128, "bfloat16", page, cap, lens=[0, 1, 15, 333, cap])
+    for b, n in enumerate(x.lens_h):   # every cache entry a sequence does not use: NaN
+        if page is None:
+            poison(x.kc[b, n:]), poison(x.vc[b, n:])
+            continue
+        for j in range(x.table_h.shape[1]):
+            pg = int(x.table_h[b, j])
+            if not 0 <= pg < x.kc.shape[0]:
+                continue
+            first = max(0, int(n) - j * page)
+            if first < page:
+                poison(x.kc[pg, first:]), poison(x.vc[pg, first:])
+    used = np.zeros(x.kc.shape[0], bool) if page else None
+    if page:   # pages no sequence uses at all: NaN too
+        for b, n in enumerate(x.lens_h):
+            used[x.table_h[b, : -(-int(n) // page)]] = True
+        for pg in np.nonzero(~used)[0]:
+            poison(x.kc[int(pg)]), poison(x.vc[int(pg)])
+    x.kc_h, x.vc_h = np.nan_to_num(x.kc_h), np.nan_to_num(x.vc_h)   # the reference never reads them either
+    for splits in (None, 3):
+        out = poison(cp.empty(x.q.shape, x.q.dtype))
+        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
+        cp.cuda.Device().synchronize()
+        _check(x, o, lse, True, None, f"NaN tails page={page} l2={l2} splits={splits}")
+    assert _plan_of(x).config.loader == "tma"
+
+
+@pytest.mark.gpu
+def test_gpu_tma_transposed_cache_and_streamk(variant):
+    variant(dict(loader="tma"))
+    _run(_seed(), 3, 2, 16, 4, 128, "float16", None, True, 2, 700, hnd=True, num_splits=3)
+    _run(_seed(), 3, 1, 16, 4, 64, "bfloat16", None, True, 0, 500, hnd=True)
+    variant(dict(loader="tma", schedule="streamk"))
+    for page in (None, 16):
+        x = _run(_seed(), 5, 1, 32, 8, 128, "bfloat16", page, True, 1, 1500)
+        assert _plan_of(x).config.schedule == "streamk"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 256])
+def test_gpu_tma_appends_cross_page_boundaries(variant, page):
+    variant(dict(loader="tma"))
+    _run(_seed(), 4, 3, 8, 2, 128, "float16", page, True, 3, 4 * page, lens=[page - 1, 2 * page - 1, 3 * page - 2, 0])
+
+
+@pytest.mark.gpu
+def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant):
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(loader="tma"))
+    x = _make(_seed(), 3, 1, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
+    x.table_h[1, 100] = 1 << 30
+    x.table.set(x.table_h)
+    o, lse = _call(x, return_lse=True)
+    cp.cuda.Device().synchronize()
+    got = to_f64(o, "bfloat16")
+    assert np.isnan(got[1]).all() and np.isnan(lse.get()[1]).all(), "sequence 1 must be NaN"
+    assert not np.isnan(got[[0, 2]]).any() and not np.isnan(lse.get()[[0, 2]]).any(), "others must be finite"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
+def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, page):
+    """CuPy stream capture of a TMA call with splits: the tensor maps travel as kernel parameters
+    (they depend on the caches' addresses only), so replays see new cache_seqlens and, paged, a
+    new block table (the pages permuted) - against the reference and an eager call each time."""
+    import cupy as cp
+    from gpu_util import to_f64
+    variant(dict(loader="tma"))
+    cap = 2000
+    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", page, cap, lens=[cap] * 3)   # every page mapped
+    out = cp.empty(x.q.shape, x.q.dtype)
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with s:
+        _call(x, out=out, num_splits=6)
+        s.synchronize()
+        s.begin_capture()
+        _, lse = _call(x, out=out, num_splits=6, return_lse=True)
+        graph = s.end_capture()
+    assert _plan_of(x, 6).config.loader == "tma"
+    rng = np.random.default_rng(_seed())
+    for step in range(3):
+        x.lens_h = rng.integers(0, cap, size=3).astype(np.int32)
+        x.lens_h[step] = [0, 1, cap][step]
+        x.lens.set(x.lens_h)
+        if page:   # the same pages, each sequence's in a new order
+            for b in range(3):
+                used = -(-cap // page)
+                x.table_h[b, :used] = rng.permutation(x.table_h[b, :used])
+            x.table.set(x.table_h)
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(x, out, lse, True, None, f"tma graph replay {step} page={page} lens {x.lens_h.tolist()}")
+        eager, _ = _call(x, num_splits=6, return_lse=True)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
