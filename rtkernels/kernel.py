@@ -659,7 +659,7 @@ class Kernel:
         fn, grid, block, _, packed = packed
         import cupy
         dev = cupy.cuda.runtime.getDevice()
-        limit = _cooperative_limit(fn, dev, math.prod(block), shared_mem)
+        limit = self.cooperative_limit(math.prod(block), shared_mem, dev, fn)
         blocks = math.prod(grid)   # (1- and 2-tuples pass as they are; CuPy pads them)
         if blocks > limit:
             raise LaunchError(f"{self.name}: a cooperative grid of {blocks} blocks (block={block}, shared_mem="
@@ -673,6 +673,24 @@ class Kernel:
             self._launch_failed(exc, grid, block, shared_mem)
         if _SYNC_CHECK:
             self._sync_check(stream)
+
+    def cooperative_limit(self, threads: int, shared_mem: int = 0, dev: int | None = None, fn=None) -> int:
+        """The most blocks of ``threads`` threads with ``shared_mem`` bytes of dynamic shared memory
+        a cooperative launch of this kernel may have on device ``dev`` (the driver's count,
+        cuOccupancyMaxActiveBlocksPerMultiprocessor x SMs, which CuPy checks a cooperative grid
+        against), or 0 where the device has no cooperative launches; memoized.
+
+        Beyond the 48 KiB default the function's dynamic shared memory limit is raised first, as a
+        launch does: the driver counts a block that asks for more than the function allows as one
+        that never fits (0 per SM), so a grid sized before the first launch (bulk_rows' 64 KiB of
+        stages, 2026-11-26 on an H200) was refused although every block was resident."""
+        if dev is None:
+            dev = device.current_device()
+        if fn is None:
+            fn = self.function(dev)
+        if shared_mem + self.resources.shared_static > _SMEM_DEFAULT_LIMIT:
+            self._smem_check(fn, dev, shared_mem)   # (a LaunchError where the device has too little)
+        return _cooperative_limit(fn, dev, threads, shared_mem)
 
     def _raise_smem_limit(self, fn, dev: int, nbytes: int) -> None:
         from cupy_backends.cuda.api import driver as cdrv
@@ -690,7 +708,8 @@ _COOPERATIVE: dict = {}   # (function handle, device, threads, dynamic smem) -> 
 
 def _cooperative_limit(fn, dev: int, threads: int, shared_mem: int) -> int:
     """The most blocks of ``fn`` a cooperative launch may have on ``dev`` (the driver's count, as
-    CuPy checks it), or 0 where the device has no cooperative launches; memoized."""
+    CuPy checks it), or 0 where the device has no cooperative launches; memoized.  Callers go
+    through :meth:`Kernel.cooperative_limit`, which raises the function's shared memory limit first."""
     key = (fn.ptr, dev, threads, shared_mem)
     got = _COOPERATIVE.get(key)
     if got is None:

@@ -74,8 +74,7 @@ COMPILED = [   # (label, heuristic config with the fold, arch)
 @pytest.fixture(scope="module")
 def compiled():
     out = {}
-    for label, cfg, arch in COMPILED:
-        assert cfg.fold_colsum, label
+    for label, cfg, arch in COMPILED:   # (lane groups: the heuristic's two kernels; the fold is forced)
         out[label] = {fold: {name: rtk.get_kernel(cfg.replace(fold_colsum=fold), name, arch=arch)
                              for name in ROWS_KERNELS} for fold in (True, False)}
     return out
@@ -101,6 +100,34 @@ def test_fold_keeps_the_blocks_per_sm(compiled):
                                             barriers=r.barriers).blocks_per_sm
         for name in ROWS_KERNELS:
             assert occ[True, name] == occ[False, name], (label, name, occ)
+
+
+def test_cooperative_limit_raises_the_smem_limit_first(compiled, monkeypatch):
+    """The driver counts a block asking for more dynamic shared memory than the function allows as
+    one that never fits: the grid must be sized after the limit is raised, as the launch raises it
+    (bulk_rows=2's 64 KiB of stages was refused on an H200 before, 2026-11-26).  The driver is
+    faked here: 0 blocks per SM until the limit covers the request."""
+    import cupy
+    from rtkernels import kernel as kmod
+    k = compiled["4k block rows"][True]["rmsnorm_bwd_rows"]
+    fn = type("FakeFunction", (), {"ptr": -12345})()
+    allowed = {"bytes": 48 * 1024 - k.resources.shared_static}   # the function's dynamic limit
+    monkeypatch.setattr(kmod.device, "_props", lambda dev: {"cooperativeLaunch": 1})
+    monkeypatch.setattr(kmod.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(k, "_raise_smem_limit", lambda f, dev, nbytes: allowed.update(bytes=nbytes)
+                        or k._smem_set.__setitem__(dev, nbytes))
+    monkeypatch.setattr(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor",
+                        lambda ptr, threads, smem: 3 if smem <= allowed["bytes"] else 0)
+    saved = dict(k._smem_set)
+    try:
+        assert k.cooperative_limit(128, 64 * 1024, dev=0, fn=fn) == 3 * 132
+        assert allowed["bytes"] == 64 * 1024
+        assert k.cooperative_limit(128, 1024, dev=0, fn=fn) == 3 * 132   # under 48 KiB: nothing to raise
+    finally:
+        k._smem_set.clear()
+        k._smem_set.update(saved)
+        for key in [key for key in kmod._COOPERATIVE if key[0] == fn.ptr]:
+            del kmod._COOPERATIVE[key]
 
 
 def test_fold_kernels_meet_at_a_grid_barrier(compiled):
@@ -155,13 +182,16 @@ def _check_fold(n, rows, dtype, tag):
     w, w64 = random_array(rng, (n,), dtype)
     b, _ = random_array(rng, (n,), dtype)
     what = f"{tag} n={n} rows={rows} {dtype}"
+    # the heuristic's tiles with the fold forced (lane-group rows default to the two kernels)
+    fold_rms = _cfg_for(n, dtype, False).replace(fold_colsum=True)
+    fold_ln = _cfg_for(n, dtype, True).replace(fold_colsum=True)
     # RMSNorm, saved and recomputed statistics
     rstd = cp.asarray((1 / np.sqrt(np.mean(x64 ** 2, -1) + 1e-6)).astype(np.float32))
     ref_dx, ref_dw = rb.rmsnorm_backward_reference(dy64, x64, w64, 1e-6)
     for stats in (None, rstd):
         dx = poison(cp.empty_like(x))
         _poisoned_pool(cp, poison, n, dtype)
-        _, got_dw = rtk.rmsnorm_backward(dy, x, w, stats, eps=1e-6, out=dx, dtype=dtype)
+        _, got_dw = rtk.rmsnorm_backward(dy, x, w, stats, eps=1e-6, out=dx, dtype=dtype, config=fold_rms)
         s = "given" if stats is not None else "recomputed"
         _close(to_f64(dx, dtype), ref_dx, dtype, f"rmsnorm dx (stats {s}) {what}",
                row_scale=_rmsnorm_dx_scale(dy64, x64, w64, ref_dx), atol=1e-6)
@@ -175,27 +205,34 @@ def _check_fold(n, rows, dtype, tag):
     for stats in ((None, None), (mean, lrstd)):
         dx = poison(cp.empty_like(x))
         _poisoned_pool(cp, poison, n, dtype)
-        _, got_dw, got_db = rtk.layernorm_backward(dy, x, w, b, *stats, eps=1e-5, out=dx, dtype=dtype)
+        _, got_dw, got_db = rtk.layernorm_backward(dy, x, w, b, *stats, eps=1e-5, out=dx, dtype=dtype,
+                                                   config=fold_ln)
         s = "given" if stats[0] is not None else "recomputed"
         _close(to_f64(dx, dtype), ref_dx, dtype, f"layernorm dx (stats {s}) {what}", row_scale=scale, atol=1e-6)
         _close(to_f64(got_dw, dtype), ref_dw, dtype, f"layernorm dweight (stats {s}) {what}",
                atol=2e-5 * np.abs(dy64).sum(0) * 4)
         _close(to_f64(got_db, dtype), ref_db, dtype, f"layernorm dbias (stats {s}) {what}",
                atol=1e-5 * np.abs(dy64).sum(0))
-    # the same bits twice, and the fold against the two kernels: dx bit for bit (the same row
-    # math), dweight / dbias to float32 rounding of a different summation order
+    # the same bits twice (the heuristic's path, and the fold), the heuristic's call = its config's,
+    # and the fold against the two kernels: dx bit for bit (the same row math), dweight / dbias to
+    # float32 rounding of a different summation order
     cfg = _cfg_for(n, dtype, True)
     a = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype)
     c = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype)
-    for name, u, v in zip(("dx", "dweight", "dbias"), a, c):
+    f1 = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype, config=fold_ln)
+    f2 = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype, config=fold_ln)
+    two = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype, config=fold_ln.replace(fold_colsum=False))
+    for name, u, v, g, h in zip(("dx", "dweight", "dbias"), a, c, f1, f2):
         assert cp.array_equal(u, v), f"{what}: two runs differ in {name}"
-    if cfg.fold_colsum:
-        two = rtk.layernorm_backward(dy, x, w, b, mean, lrstd, dtype=dtype, config=cfg.replace(fold_colsum=False))
-        assert cp.array_equal(a[0], two[0]), f"{what}: dx of the fold != dx of the two kernels"
-        for name, u, v in zip(("dweight", "dbias"), a[1:], two[1:]):
-            _close(to_f64(u, dtype), to_f64(v, dtype), dtype, f"{what}: fold vs two kernels {name}",
-                   atol=2e-5 * np.abs(dy64).sum(0) * 4)
-    refused = [c for c in (cfg, _cfg_for(n, dtype, False)) if c.fold_colsum and c in rb._FOLD_REFUSED]
+        assert cp.array_equal(g, h), f"{what}: two folded runs differ in {name}"
+    for name, u, v in zip(("dx", "dweight", "dbias"), a, f1 if cfg.fold_colsum else two):
+        assert cp.array_equal(u, v), \
+            f"{what}: the heuristic's {name} differs from its config's (fold={cfg.fold_colsum})"
+    assert cp.array_equal(f1[0], two[0]), f"{what}: dx of the fold != dx of the two kernels"
+    for name, u, v in zip(("dweight", "dbias"), f1[1:], two[1:]):
+        _close(to_f64(u, dtype), to_f64(v, dtype), dtype, f"{what}: fold vs two kernels {name}",
+               atol=2e-5 * np.abs(dy64).sum(0) * 4)
+    refused = [c for c in (fold_ln, fold_rms) if c in rb._FOLD_REFUSED]
     print(f"{what}: fold={cfg.fold_colsum} row_class={cfg.row_class} cluster={cfg.launch_cluster} "
           f"refused={[(c.row_class, c.launch_cluster) for c in refused]}")
     # cooperative launches without clusters must be taken on any device that has them
@@ -232,22 +269,21 @@ def test_fold_fallback_when_refused_gpu(n, monkeypatch):
     dy, _ = random_array(rng, (rows, n), "bfloat16")
     w, _ = random_array(rng, (n,), "bfloat16")
     b, _ = random_array(rng, (n,), "bfloat16")
-    cfg = _cfg_for(n, "bfloat16", True)
-    assert cfg.fold_colsum
+    cfg = _cfg_for(n, "bfloat16", True).replace(fold_colsum=True)   # (1k lane groups: forced)
     want = rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16", config=cfg.replace(fold_colsum=False))
     saved = set(rb._FOLD_REFUSED)
     try:
         rb._PLANS.clear()
-        rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16")   # a plan with the fold (unless refused already)
+        rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16", config=cfg)   # a plan with the fold (unless refused)
         monkeypatch.setattr(kmod, "_cooperative_limit", lambda *a: 0)
         for step in range(3):   # the plan's replay refused -> planned again; then that plan's replays
-            got = rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16")
+            got = rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16", config=cfg)
             for name, u, v in zip(("dx", "dweight", "dbias"), got, want):
                 assert cp.array_equal(u, v), f"n={n} call {step}: the fallback's {name} differs from the two kernels"
         assert cfg in rb._FOLD_REFUSED
         rb._PLANS.clear()
         rb._FOLD_REFUSED.discard(cfg)
-        got = rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16")   # the full path refused at once
+        got = rtk.layernorm_backward(dy, x, w, b, dtype="bfloat16", config=cfg)   # the full path refused at once
         assert cfg in rb._FOLD_REFUSED and all(cp.array_equal(u, v) for u, v in zip(got, want)), n
     finally:
         rb._FOLD_REFUSED.clear()
@@ -268,19 +304,21 @@ def test_fold_graph_capture_cupy_gpu(n, rows):
     partial rows not yet written, or hang)."""
     cp, random_array, to_f64, poison = _gpu()
     x, dy, w, b = _graph_inputs(cp, random_array, n, rows, n)
+    ln = dict(config=_cfg_for(n, "bfloat16", True).replace(fold_colsum=True))    # (1k: forced)
+    rms = dict(config=_cfg_for(n, "bfloat16", False).replace(fold_colsum=True))
     mean = cp.zeros(rows, cp.float32)
     rstd = cp.ones(rows, cp.float32)
     dx = cp.empty_like(x)
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
     with s:
-        rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, dtype="bfloat16")   # compile, plan
-        rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, dtype="bfloat16")
+        rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, dtype="bfloat16", **ln)   # compile, plan
+        rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, dtype="bfloat16", **rms)
         g_dx2 = cp.empty_like(x)
         s.synchronize()
         s.begin_capture()
-        _, g_dw, g_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, dtype="bfloat16")
-        _, g_rdw = rtk.rmsnorm_backward(dy, x, w, rstd, out=g_dx2, dtype="bfloat16")
+        _, g_dw, g_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx, dtype="bfloat16", **ln)
+        _, g_rdw = rtk.rmsnorm_backward(dy, x, w, rstd, out=g_dx2, dtype="bfloat16", **rms)
         graph = s.end_capture()
     for step in range(3):
         nx, ndy, nw, nb = _graph_inputs(cp, random_array, n, rows, 100 + step)
@@ -291,8 +329,8 @@ def test_fold_graph_capture_cupy_gpu(n, rows):
         cp.cuda.Device().synchronize()
         graph.launch(s)
         s.synchronize()
-        e_dx, e_dw, e_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, dtype="bfloat16")
-        e_dx2, e_rdw = rtk.rmsnorm_backward(dy, x, w, rstd, dtype="bfloat16")
+        e_dx, e_dw, e_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, dtype="bfloat16", **ln)
+        e_dx2, e_rdw = rtk.rmsnorm_backward(dy, x, w, rstd, dtype="bfloat16", **rms)
         cp.cuda.Device().synchronize()
         for name, u, v in (("layernorm dx", dx, e_dx), ("dweight", g_dw, e_dw), ("dbias", g_db, e_db),
                            ("rmsnorm dx", g_dx2, e_dx2), ("rmsnorm dweight", g_rdw, e_rdw)):

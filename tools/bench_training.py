@@ -18,7 +18,8 @@ the host is slower) and the candidates of a case alternate over several rounds (
 "old", then the column sums in shared memory, the register cap, clusters merging partial rows, the
 load-ahead schemes, the two-kernel column sum "unfolded" against the fold) timed beside the
 heuristic config in the same rounds, each as % of the same copy, with its tile, registers, resident
-workers and partial rows.  "fold": the fold's A/B (FOLD_VARIANTS).
+workers and partial rows.  "fold": the fold's A/B (FOLD_VARIANTS: the two kernels, the fold forced
+where the heuristic does not fold, the fold keeping its summed lines in L2, and 16k worker shapes).
 
 Targets (issue 21): norm / softmax backward >= 0.85x copy at widths 1k-16k and >= 1.5x torch
 eager; cross-entropy (loss + grad) >= 0.85x copy and >= 2x torch; AdamW >= 0.85x copy and >= 1.0x
@@ -75,9 +76,25 @@ NORM_VARIANTS = {
     "unfolded": dict(fold_colsum=False),
     "fold_keep": dict(fold_colsum=True, discard_partials=False),
     "fold_merge4": dict(fold_colsum=True, acc_smem=True, merge_cluster=4, only=(1024, 2048, 4096)),
+    # the fold forced on where the heuristic runs the two kernels (lane-group rows, 1k: 2026-11-26)
+    "folded": dict(fold_colsum=True),
+    # 16k cluster rows (2048 rows of 192 MiB: ~15 rows per SM, so a worker's prologue / epilogue and
+    # the grid barrier weigh): the heuristic's 4-block clusters of 256 threads place only 124 of the
+    # 132 clusters that 4 blocks per SM would give (a cluster lives in one GPC; 6% of the block slots
+    # idle, in the rows and in the fold's tail).  2-block clusters of 512 threads (64 registers, 2
+    # per SM, 64 KiB of shared sums each) fill every SM with the same 1024 threads; 8-block clusters
+    # of 128 threads: more, smaller blocks (8 per SM); 2-block clusters of 256 threads holding 32
+    # elements of each input per thread (3 per SM, 85 registers): half the workers, twice the loads
+    # in flight per thread.  (REASONED, for the lead's A/B.)
+    "c2x512": dict(block_size=512, threads_per_row=512, cluster_size=2, vecs_per_thread=2, min_blocks=2,
+                   only=(16384,)),
+    "c8x128": dict(block_size=128, threads_per_row=128, cluster_size=8, vecs_per_thread=2, min_blocks=8,
+                   only=(16384,)),
+    "c2x256v4": dict(block_size=256, threads_per_row=256, cluster_size=2, vecs_per_thread=4, min_blocks=3,
+                     only=(16384,)),
 }
 DEFAULT_VARIANTS = "prev_default,old,bulk2,bulk3,bulk2_accreg"
-FOLD_VARIANTS = "unfolded,fold_keep,fold_merge4"   # --variants fold: the fold's A/B
+FOLD_VARIANTS = "unfolded,folded,fold_keep,c2x512,c8x128,c2x256v4"   # --variants fold: the fold's A/B
 
 
 def _prev_default(base):

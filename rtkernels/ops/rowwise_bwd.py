@@ -21,7 +21,8 @@ adding its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the colum
 writing one float32 partial row; the partial rows of each column are summed in a fixed order and
 rounded once to the weight's dtype - by the rows kernel itself after a grid-wide barrier
 (``fold_colsum``: a cooperative launch, so that every worker is resident; where the driver refuses
-it, the two kernels run instead) or by a second kernel. The bits depend on the grid (the SM count
+it, the two kernels run instead; the default for block and cluster rows) or by a second kernel (the
+default for lane-group rows). The bits depend on the grid (the SM count
 and the config) and on which of the two sums them, so they repeat run to run on one GPU model. Extra
 memory: ``2 * parts * n`` float32 (LayerNorm; RMSNorm half), parts = workers / merge_cluster, e.g.
 132 x 4096 columns = 2.2 MB. There is no atomics mode. The rows kernel's column sums may live in
@@ -236,19 +237,25 @@ _NORM_BWD_MERGE = {"group": 1, "block": 1, "cluster": 1}   # sm_90; kept as a kn
 _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (1024, 1024)}
 # Rows in flight per row team through bulk-copy stages (bulk_rows, sm_90): 0 until measured.
 _NORM_BWD_BULK_ROWS = {"group": 0, "block": 0, "cluster": 0}
-# The column sums folded into the rows kernel (fold_colsum, a cooperative launch).  REASONED, not
-# yet measured (the lead's A/B, bench_training.py --quick --variants fold: "v_unfolded" is the
-# two-kernel path): ncu of the two-kernel path (H200, 2026-11-26) put the rows kernel alone at
-# 53-59 us of a 63-78 us op; the rest is norm_bwd_colsum (5-15 us: it starts after the last row,
-# 1024-thread blocks summing partial rows in dependent loads), its launch gap and the partial
-# rows' round trip through DRAM (2.2-17 MB).  The fold replaces those by a grid barrier (every
-# worker waits for the slowest, as the second kernel did) and a tail of 1-3 dependent L2 rounds
-# per block (_fold_tile4).  The last session's fold (its blocks waiting for the last finishers, no
-# cooperative launch) measured +4% RMSNorm / +12% LayerNorm at 4k and -1..-3% at 1k and 16k; this
-# one spreads the tail over every block instead of half of them.  Clusters (16k) fold only if
-# the driver takes a cooperative launch of a __cluster_dims__ kernel; where it refuses, the op
-# falls back to the two kernels once and remembers (_FOLD_REFUSED).
-_NORM_BWD_FOLD = {"group": True, "block": True, "cluster": True}
+# The column sums folded into the rows kernel (fold_colsum, a cooperative launch: a grid barrier
+# after the partial rows, then every block sums column tiles of them from L2, _fold_tile4) instead
+# of the second kernel norm_bwd_colsum.  Measured (H200, 2026-11-26, bench_training.py --quick
+# --variants fold, bf16, 192 MiB per case, % of a 1 GiB copy, RMSNorm / LayerNorm):
+#                                        1k group      4k block      16k cluster
+#   two kernels (rows + norm_bwd_colsum) 77.0 / 72.7   71.5 / 61.3   67.0 / 58.5
+#   fold, summed lines dropped from L2   75.3 / 71.5   75.6 / 66.0   70.8 / 64.6
+#   fold, summed lines kept in L2        75.3 / 71.7   75.9 / 66.3   69.9 / 64.7
+#   fold + merge_cluster 4 (acc_smem)    67.0 / 63.6   72.7 / 66.3   -
+# The fold wins where a worker's partial row is long and the second kernel's tail, launch gap and
+# DRAM round trip of the partials weigh (4k: +4 / +5 points, 16k: +4 / +6); at 1k the lane groups'
+# 400-530 partial rows of 4 KB cost the fold's tail more than the second kernel (1024-thread
+# blocks, all SMs) pays: the two kernels win by ~1.5 points.  Dropping the summed lines
+# (discard_partials) is level with keeping them (within +-0.3 at 4k, +0.9 / -0.1 at 16k): kept on.
+# Merging clusters first loses or ties everywhere: off (_NORM_BWD_MERGE).  Clusters fold through a
+# cooperative launch of the __cluster_dims__ kernel (the driver took it: 16k cluster 4, 64k
+# cluster 8); where a driver refuses, the op falls back to the two kernels once and remembers
+# (_FOLD_REFUSED).
+_NORM_BWD_FOLD = {"group": False, "block": True, "cluster": True}
 
 
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None,
@@ -579,11 +586,9 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
 
 def _cooperative_workers(k, cfg) -> int:
     """Workers of the rows kernel a cooperative launch may have: the blocks the driver runs at once
-    (kernel._cooperative_limit, what it checks a cooperative grid against) in whole workers."""
-    from .. import device
-    from ..kernel import _cooperative_limit
-    dev = device.current_device()
-    limit = _cooperative_limit(k.function(dev), dev, cfg.block_size, cfg.shared_mem_bytes)
+    (Kernel.cooperative_limit, what the launch checks the grid against: the same block and dynamic
+    shared memory as the launch) in whole workers."""
+    limit = k.cooperative_limit(cfg.block_size, cfg.shared_mem_bytes)
     clusters = limit // cfg.launch_cluster
     return max(1, clusters) * cfg.merge_cluster
 
