@@ -8,6 +8,7 @@ the type the kernel's signature declares (parsed from the source once, at build 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -639,6 +640,58 @@ class Kernel:
         fn, grid, block, linear, packed = packed
         return BoundLaunch(self, fn, grid, block, linear, packed[free:], shared_mem, free, args[free:], keep)
 
+    def launch_cooperative(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
+        """:meth:`launch` as a cooperative grid (cuLaunchCooperativeKernel): every block is resident
+        at once, so blocks may wait for one another (a grid-wide barrier).
+
+        A device without cooperative launches, or a grid larger than the blocks the device holds
+        at once (cuOccupancyMaxActiveBlocksPerMultiprocessor x SMs), is a :class:`LaunchError`
+        before anything is launched - CuPy would shrink a 1-D grid with a warning, which a kernel
+        that sized its work by the grid it asked for must not meet; the driver refuses anything
+        else it cannot co-schedule (a cluster shape, say).  Callers catch the error and fall back
+        to a launch whose blocks never wait.  Arguments, stream and ``RTKERNELS_SYNC_LAUNCH`` as
+        :meth:`launch`; the stream may be capturing (cooperative kernels become graph nodes)."""
+        if self._converters is None:
+            raise LaunchError(f"{self.name}: a cooperative launch needs the kernel's parsed signature")
+        packed = self._pack(grid, block, *args, shared_mem=shared_mem)
+        if packed is None:   # a zero grid dimension launches nothing
+            return
+        fn, grid, block, _, packed = packed
+        import cupy
+        dev = cupy.cuda.runtime.getDevice()
+        limit = self.cooperative_limit(math.prod(block), shared_mem, dev, fn)
+        blocks = math.prod(grid)   # (1- and 2-tuples pass as they are; CuPy pads them)
+        if blocks > limit:
+            raise LaunchError(f"{self.name}: a cooperative grid of {blocks} blocks (block={block}, shared_mem="
+                              f"{shared_mem}) exceeds the {limit} this device runs at once"
+                              + ("" if limit else " (no cooperative launches on this device)"))
+        if stream is not None and type(stream) is not cupy.cuda.Stream:
+            stream = _stream_arg(stream)
+        try:
+            fn(grid, block, packed, shared_mem, stream, enable_cooperative_groups=True)
+        except Exception as exc:
+            self._launch_failed(exc, grid, block, shared_mem)
+        if _SYNC_CHECK:
+            self._sync_check(stream)
+
+    def cooperative_limit(self, threads: int, shared_mem: int = 0, dev: int | None = None, fn=None) -> int:
+        """The most blocks of ``threads`` threads with ``shared_mem`` bytes of dynamic shared memory
+        a cooperative launch of this kernel may have on device ``dev`` (the driver's count,
+        cuOccupancyMaxActiveBlocksPerMultiprocessor x SMs, which CuPy checks a cooperative grid
+        against), or 0 where the device has no cooperative launches; memoized.
+
+        Beyond the 48 KiB default the function's dynamic shared memory limit is raised first, as a
+        launch does: the driver counts a block that asks for more than the function allows as one
+        that never fits (0 per SM), so a grid sized before the first launch (bulk_rows' 64 KiB of
+        stages, 2026-11-26 on an H200) was refused although every block was resident."""
+        if dev is None:
+            dev = device.current_device()
+        if fn is None:
+            fn = self.function(dev)
+        if shared_mem + self.resources.shared_static > _SMEM_DEFAULT_LIMIT:
+            self._smem_check(fn, dev, shared_mem)   # (a LaunchError where the device has too little)
+        return _cooperative_limit(fn, dev, threads, shared_mem)
+
     def _raise_smem_limit(self, fn, dev: int, nbytes: int) -> None:
         from cupy_backends.cuda.api import driver as cdrv
         limit = device.max_shared_per_block_optin(dev)
@@ -650,6 +703,26 @@ class Kernel:
 
 
 _SYNC_CHECK = os.environ.get("RTKERNELS_SYNC_LAUNCH", "0") == "1"
+_COOPERATIVE: dict = {}   # (function handle, device, threads, dynamic smem) -> blocks resident at once
+
+
+def _cooperative_limit(fn, dev: int, threads: int, shared_mem: int) -> int:
+    """The most blocks of ``fn`` a cooperative launch may have on ``dev`` (the driver's count, as
+    CuPy checks it), or 0 where the device has no cooperative launches; memoized.  Callers go
+    through :meth:`Kernel.cooperative_limit`, which raises the function's shared memory limit first."""
+    key = (fn.ptr, dev, threads, shared_mem)
+    got = _COOPERATIVE.get(key)
+    if got is None:
+        import cupy
+        got = 0
+        if device._props(dev).get("cooperativeLaunch", 1):   # (the driver refuses where it lacks them)
+            try:   # CuPy's cooperative launch asks the same (an error there would fail the launch)
+                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, shared_mem)
+                got = int(per_sm) * device.sm_count(dev)
+            except cupy.cuda.driver.CUDADriverError:
+                got = 0
+        _COOPERATIVE[key] = got
+    return got
 
 
 class BoundLaunch:

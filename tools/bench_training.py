@@ -14,10 +14,12 @@ the host is slower) and the candidates of a case alternate over several rounds (
     PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
         [--variants [NAME,...]]
 
---variants [NAMES|default|all]: the norm backward's variants (NORM_VARIANTS: the first version
+--variants [NAMES|default|fold|all]: the norm backward's variants (NORM_VARIANTS: the first version
 "old", then the column sums in shared memory, the register cap, clusters merging partial rows, the
-load-ahead schemes) timed beside the heuristic config in the same rounds, each as % of the same
-copy, with its tile, registers, resident workers and partial rows.
+load-ahead schemes, the two-kernel column sum "unfolded" against the fold) timed beside the
+heuristic config in the same rounds, each as % of the same copy, with its tile, registers, resident
+workers and partial rows.  "fold": the fold's A/B (FOLD_VARIANTS: the two kernels, the fold forced
+where the heuristic does not fold, the fold keeping its summed lines in L2, and 16k worker shapes).
 
 Targets (issue 21): norm / softmax backward >= 0.85x copy at widths 1k-16k and >= 1.5x torch
 eager; cross-entropy (loss + grad) >= 0.85x copy and >= 2x torch; AdamW >= 0.85x copy and >= 1.0x
@@ -67,8 +69,32 @@ NORM_VARIANTS = {
     # earlier load-ahead variants (rejected 2026-11-25), now on the new kernel
     "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2, prefetch=False),
+    # the column sums: the two-kernel path (norm_bwd_colsum) against the heuristic's fold into a
+    # cooperative rows kernel; the fold without dropping the summed lines from L2; the fold with
+    # clusters of 4 workers merging their sums on chip first (4x fewer partial rows; the merge's
+    # cluster barrier now waits where the grid barrier would anyway)
+    "unfolded": dict(fold_colsum=False),
+    "fold_keep": dict(fold_colsum=True, discard_partials=False),
+    "fold_merge4": dict(fold_colsum=True, acc_smem=True, merge_cluster=4, only=(1024, 2048, 4096)),
+    # the fold forced on where the heuristic runs the two kernels (lane-group rows, 1k: 2026-11-26)
+    "folded": dict(fold_colsum=True),
+    # 16k cluster rows (2048 rows of 192 MiB: ~15 rows per SM, so a worker's prologue / epilogue and
+    # the grid barrier weigh): the heuristic's 4-block clusters of 256 threads place only 124 of the
+    # 132 clusters that 4 blocks per SM would give (a cluster lives in one GPC; 6% of the block slots
+    # idle, in the rows and in the fold's tail).  2-block clusters of 512 threads (64 registers, 2
+    # per SM, 64 KiB of shared sums each) fill every SM with the same 1024 threads; 8-block clusters
+    # of 128 threads: more, smaller blocks (8 per SM); 2-block clusters of 256 threads holding 32
+    # elements of each input per thread (3 per SM, 85 registers): half the workers, twice the loads
+    # in flight per thread.  (REASONED, for the lead's A/B.)
+    "c2x512": dict(block_size=512, threads_per_row=512, cluster_size=2, vecs_per_thread=2, min_blocks=2,
+                   only=(16384,)),
+    "c8x128": dict(block_size=128, threads_per_row=128, cluster_size=8, vecs_per_thread=2, min_blocks=8,
+                   only=(16384,)),
+    "c2x256v4": dict(block_size=256, threads_per_row=256, cluster_size=2, vecs_per_thread=4, min_blocks=3,
+                     only=(16384,)),
 }
 DEFAULT_VARIANTS = "prev_default,old,bulk2,bulk3,bulk2_accreg"
+FOLD_VARIANTS = "unfolded,folded,fold_keep,c2x512,c8x128,c2x256v4"   # --variants fold: the fold's A/B
 
 
 def _prev_default(base):
@@ -88,7 +114,7 @@ def _norm_variants(args, n, layer):
     arch, _ = rw._arch_info()
     base = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
     names = list(NORM_VARIANTS) if args.variants == "all" else \
-        (DEFAULT_VARIANTS if args.variants == "default" else args.variants).split(",")
+        {"default": DEFAULT_VARIANTS, "fold": FOLD_VARIANTS}.get(args.variants, args.variants).split(",")
     out = {}
     for name in names:
         if NORM_VARIANTS[name] == "prev_default":
@@ -122,7 +148,10 @@ def _describe(rtk, cfg, layer) -> str:
             f"acc_smem{int(cfg.acc_smem)} split{int(cfg.split_stats)} min_blocks{cfg.min_blocks} "
             f"merge{cfg.merge_cluster} bulk{cfg.bulk_rows} regs{r.registers} smem{cfg.shared_mem_bytes} "
             f"resident_workers{rb._resident_workers(k, cfg)} "
-            f"partial_rows{rb._resident_workers(k, cfg) // cfg.merge_cluster * (2 if layer else 1)}")
+            f"partial_rows{rb._resident_workers(k, cfg) // cfg.merge_cluster * (2 if layer else 1)} "
+            + (f"fold(discard{int(cfg.discard_partials)} cooperative_workers{rb._cooperative_workers(k, cfg)}"
+               + (" REFUSED: ran the two kernels)" if cfg in rb._FOLD_REFUSED else ")") if cfg.fold_colsum else
+               "two kernels"))
 
 
 def _torch():
@@ -193,14 +222,14 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
             kw = {} if torch is not None else {"dtype": "bfloat16"}
             dx = x.clone() if torch is not None else x.copy()
             fns = {}
-            described = {}   # variant -> its tile and workers
+            described = {}   # variant -> its config (then its tile and workers)
             if op == "rmsnorm":
                 y, rstd = rtk.rmsnorm(x, w, eps=1e-6, return_stats=True, **kw)
                 fns["rtk"] = lambda: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, **kw)
                 fns["rtk_recompute"] = lambda: rtk.rmsnorm_backward(dy, x, w, eps=1e-6, out=dx, **kw)
                 for name, cfg in _norm_variants(args, n, False).items():
                     fns[f"v_{name}"] = lambda cfg=cfg: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, config=cfg, **kw)
-                    described[f"v_{name}"] = _describe(rtk, cfg, False)
+                    described[f"v_{name}"] = cfg   # described after the timing (a refused fold shows)
                 nbytes = 3 * rows * n * 2 + 2 * n * 2 + rows * 4       # + weight read, dweight written, rstd
                 if torch is not None and hasattr(F, "rms_norm"):
                     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
@@ -215,7 +244,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 for name, cfg in _norm_variants(args, n, True).items():
                     fns[f"v_{name}"] = lambda cfg=cfg: rtk.layernorm_backward(dy, x, w, b, mean, rstd, out=dx,
                                                                               config=cfg, **kw)
-                    described[f"v_{name}"] = _describe(rtk, cfg, True)
+                    described[f"v_{name}"] = cfg
                 nbytes = 3 * rows * n * 2 + 3 * n * 2 + 2 * rows * 4   # + weight read, dweight + dbias written
                 if torch is not None:
                     xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
@@ -238,7 +267,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
                 cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, rw._arch_info()[0], weight_dtype="bfloat16",
                                   layer=op == "layernorm")
                 r["rtk_cfg"] = _describe(rtk, cfg, op == "layernorm")
-                r.update({f"{k}_cfg": v for k, v in described.items()})
+                r.update({f"{k}_cfg": _describe(rtk, v, op == "layernorm") for k, v in described.items()})
             rows_out.append(r)
             print(_line(r), flush=True)
             del fns

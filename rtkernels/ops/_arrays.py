@@ -365,19 +365,28 @@ def _key_multi_gpu(arrays, options):
 @dataclass(frozen=True)
 class Launch:
     """A recorded kernel launch: the kernel, grid, block, dynamic shared memory and the
-    arguments after the arrays."""
+    arguments after the arrays; ``cooperative``: every block resident at once
+    (:meth:`rtkernels.Kernel.launch_cooperative`; a LaunchError where the device refuses the grid).
+    Cooperative launches run through :meth:`run` only (not :meth:`bind` / OutputPlan replays)."""
     kernel: object
     grid: tuple
     block: tuple
     shared_mem: int
     tail: tuple
+    cooperative: bool = False
 
     def run(self, arrays, stream) -> None:
+        if self.cooperative:
+            self.kernel.launch_cooperative(self.grid, self.block, *arrays, *self.tail, shared_mem=self.shared_mem,
+                                           stream=stream)
+            return
         self.kernel.launch(self.grid, self.block, *arrays, *self.tail, shared_mem=self.shared_mem, stream=stream)
 
     def bind(self, arrays):
         """This launch with everything but its ``arrays`` (the sample given) converted once:
         :meth:`rtkernels.Kernel.bind`."""
+        if self.cooperative:
+            raise TypeError("a cooperative Launch runs through Launch.run (bound launches are not cooperative)")
         return self.kernel.bind(self.grid, self.block, *arrays, *self.tail, shared_mem=self.shared_mem,
                                 free=len(arrays))
 

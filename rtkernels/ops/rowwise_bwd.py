@@ -16,15 +16,19 @@ next rows in flight through a shared-memory ring or a second register set while 
 reduced and written, or (sm_90) ``bulk_rows``: the next rows of each row team in shared-memory
 stages filled by cp.async.bulk, and ``blocks_per_sm`` / ``balance``: how many workers walk the rows).
 
-dweight / dbias are **deterministic**: the rows kernel runs one resident wave of workers, each adding
-its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and writing one
-float32 partial row; a second kernel sums the partial rows of each column in a fixed order and
-rounds once to the weight's dtype.  The bits depend on the grid (the SM count and the config), so
-they repeat run to run on one GPU model.  Extra memory: ``2 * parts * n`` float32 (LayerNorm;
-RMSNorm half), parts = workers / merge_cluster, e.g. 132 x 4096 columns = 2.2 MB.  There is no
-atomics mode.  The rows kernel's column sums may live in shared memory (``acc_smem``), the
-workers of a cluster may merge theirs on chip before writing (``merge_cluster``), and the kernel
-for the saved statistics is compiled apart from the one that recomputes them (``split_stats``).
+dweight / dbias are **deterministic**: the rows kernel runs one resident wave of workers, each
+adding its rows' ``dy * xhat`` (and ``dy``) into float32 registers for the columns it owns and
+writing one float32 partial row; the partial rows of each column are summed in a fixed order and
+rounded once to the weight's dtype - by the rows kernel itself after a grid-wide barrier
+(``fold_colsum``: a cooperative launch, so that every worker is resident; where the driver refuses
+it, the two kernels run instead; the default for block and cluster rows) or by a second kernel (the
+default for lane-group rows). The bits depend on the grid (the SM count
+and the config) and on which of the two sums them, so they repeat run to run on one GPU model. Extra
+memory: ``2 * parts * n`` float32 (LayerNorm; RMSNorm half), parts = workers / merge_cluster, e.g.
+132 x 4096 columns = 2.2 MB. There is no atomics mode. The rows kernel's column sums may live in
+shared memory (``acc_smem``), the workers of a cluster may merge theirs on chip before writing
+(``merge_cluster``), and the kernel for the saved statistics is compiled apart from the one that
+recomputes them (``split_stats``).
 """
 from __future__ import annotations
 
@@ -36,12 +40,13 @@ import numpy as np
 
 from .. import dtypes
 from ..config import KernelConfig, register_family
-from ..errors import ConfigError
+from ..errors import ConfigError, LaunchError
 from ..kernel import get_kernel
 from . import rowwise as rw
-from ._arrays import (Launch, LaunchPlans, OutputPlan, as_device_array, default_stream, device_pointer,
+from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, as_device_array, default_stream, device_pointer,
                       dtype_name, empty_as, new_like, same_memory)
 from .rowwise import FLOAT_DTYPES, _RowConfig
+from .workspace import stream_workspace
 
 
 # ---- configs ----------------------------------------------------------------------------------
@@ -101,9 +106,17 @@ class NormBwdConfig(_BwdRowConfig):
     # next rows in flight in shared-memory stages filled by cp.async.bulk - one lane per team
     # issues them, completion on an mbarrier per stage (see the template's BwdBulk).
     bulk_rows: int = 0
+    # The column sums in the rows kernel (launched cooperatively: a grid-wide barrier after the
+    # partial rows, then every block sums column tiles of them from L2) instead of the second
+    # kernel norm_bwd_colsum; the host falls back to the two kernels where the driver refuses the
+    # cooperative grid (see _NORM_BWD_FOLD and the template's fold_colsum).
+    fold_colsum: bool = False
+    # fold_colsum: drop each summed 128-byte line of partial rows from L2 (discard.global.L2) so
+    # that the partial rows are never written back to DRAM.
+    discard_partials: bool = True
 
     def __post_init__(self):
-        for name in ("prefetch", "balance", "acc_smem", "split_stats"):
+        for name in ("prefetch", "balance", "acc_smem", "split_stats", "fold_colsum", "discard_partials"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
@@ -224,6 +237,25 @@ _NORM_BWD_MERGE = {"group": 1, "block": 1, "cluster": 1}   # sm_90; kept as a kn
 _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (1024, 1024)}
 # Rows in flight per row team through bulk-copy stages (bulk_rows, sm_90): 0 until measured.
 _NORM_BWD_BULK_ROWS = {"group": 0, "block": 0, "cluster": 0}
+# The column sums folded into the rows kernel (fold_colsum, a cooperative launch: a grid barrier
+# after the partial rows, then every block sums column tiles of them from L2, _fold_tile4) instead
+# of the second kernel norm_bwd_colsum.  Measured (H200, 2026-11-26, bench_training.py --quick
+# --variants fold, bf16, 192 MiB per case, % of a 1 GiB copy, RMSNorm / LayerNorm):
+#                                        1k group      4k block      16k cluster
+#   two kernels (rows + norm_bwd_colsum) 77.0 / 72.7   71.5 / 61.3   67.0 / 58.5
+#   fold, summed lines dropped from L2   75.3 / 71.5   75.6 / 66.0   70.8 / 64.6
+#   fold, summed lines kept in L2        75.3 / 71.7   75.9 / 66.3   69.9 / 64.7
+#   fold + merge_cluster 4 (acc_smem)    67.0 / 63.6   72.7 / 66.3   -
+# The fold wins where a worker's partial row is long and the second kernel's tail, launch gap and
+# DRAM round trip of the partials weigh (4k: +4 / +5 points, 16k: +4 / +6); at 1k the lane groups'
+# 400-530 partial rows of 4 KB cost the fold's tail more than the second kernel (1024-thread
+# blocks, all SMs) pays: the two kernels win by ~1.5 points.  Dropping the summed lines
+# (discard_partials) is level with keeping them (within +-0.3 at 4k, +0.9 / -0.1 at 16k): kept on.
+# Merging clusters first loses or ties everywhere: off (_NORM_BWD_MERGE).  Clusters fold through a
+# cooperative launch of the __cluster_dims__ kernel (the driver took it: 16k cluster 4, 64k
+# cluster 8); where a driver refuses, the op falls back to the two kernels once and remembers
+# (_FOLD_REFUSED).
+_NORM_BWD_FOLD = {"group": False, "block": True, "cluster": True}
 
 
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None,
@@ -254,6 +286,7 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
                               blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cls_], acc_smem=acc,
                               merge_cluster=_NORM_BWD_MERGE[cls_] if acc and hopper else 1,
                               bulk_rows=_NORM_BWD_BULK_ROWS[cls_] if wide and hopper else 0,
+                              fold_colsum=_NORM_BWD_FOLD[cls_],
                               min_blocks=max(1, _NORM_BWD_THREADS_PER_SM[cls_][int(layer)] // cfg.block_size))
         return cfg
 
@@ -384,18 +417,27 @@ def _eps_ok(eps, op):
 # ---- norm backward ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _NormBwdPlan:
-    """A norm backward's two launches and what they need allocated per call."""
-    rows: Launch            # arrays: dy, x, weight, [mean], rstd, dx, partial, scratch
-    colsum: Launch          # arrays: partial, dweight, dbias
+    """A norm backward's launches and what they need allocated per call."""
+    rows: Launch            # arrays: dy, x, weight, [mean], rstd, dx, partial, scratch (+ counters, dweight, dbias)
+    colsum: Launch | None   # arrays: partial, dweight, dbias; None: the rows kernel folds them (cooperative)
     dx: OutputPlan          # dx's shape / dtype / kind (its launch field is unused)
     partial_shape: tuple
     scratch_rows: int       # 0: no scratch
     dweight_shape: tuple
     weight_dtype: object
     has_bias: bool
+    device: int = 0         # fold: the device whose stream workspace holds the barrier's counters
 
 
 _PLANS = LaunchPlans()
+# fold_colsum configs whose cooperative launch a device refused (a LaunchError: too many blocks at
+# once, a cluster shape the cooperative path does not take, no cooperative launches): their calls
+# take the two-kernel path from then on.
+_FOLD_REFUSED: set = set()
+
+
+class _FoldRefused(Exception):
+    """A plan's cooperative launch was refused: the caller plans again without the fold."""
 
 
 def rmsnorm_backward(dy, x, weight, rstd=None, *, eps: float = 1e-6, out=None, dtype: str | None = None,
@@ -451,7 +493,11 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
         if type(eps) is float else None
     plan = _PLANS.get(key)
     if plan is not None:
-        return _norm_bwd_replay(plan, (dy, x, weight, mean, rstd) if layer else (dy, x, weight, rstd), out, stream)
+        try:
+            return _norm_bwd_replay(plan, (dy, x, weight, mean, rstd) if layer else (dy, x, weight, rstd), out,
+                                    stream)
+        except _FoldRefused:   # planned again below, without the fold (nothing was launched)
+            _PLANS.put(key, None)
     # check
     dt = rw._dtype_of(x, dtype, op)
     xv, (rows, n, xs) = rw._rows_of(x, op, stream)
@@ -481,24 +527,38 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     while vec > 1 and rw._ptr(wv) % min(16, vec * dtypes.itemsize(wdt)):
         vec //= 2
     cfg = _config_for("norm_bwd", config, n, dt, vec, op, weight_dtype=wdt)
+    if cfg.fold_colsum and (rows == 0 or cfg in _FOLD_REFUSED):   # (no rows: the column kernel writes zeros)
+        cfg = cfg.replace(fold_colsum=False)
+    fold = cfg.fold_colsum
     k = get_kernel(cfg, ("layernorm_bwd_rows" if layer else "rmsnorm_bwd_rows")
                    + ("" if rstd is not None else "_recompute"))
     units = -(-rows // cfg.rows_per_block)
     resident = _resident_workers(k, cfg)
+    if fold:   # at most what the driver co-schedules (it refuses a cooperative grid beyond that)
+        resident = min(resident, _cooperative_workers(k, cfg))
     workers = min(units, resident)
     if cfg.balance and units > resident:
         workers = -(-units // -(-units // resident))   # as many rows each as ceil(units / resident)
     m = cfg.merge_cluster
     workers = -(-workers // m) * m             # whole clusters (resident is a multiple of m)
-    ldp = -(-n // 4) * 4                       # float4-aligned partial rows
+    # float4-aligned partial rows; whole 128-byte lines when the fold sums them (so that a line is
+    # one tile's, which may drop it from L2)
+    ldp = -(-n // 32) * 32 if fold else -(-n // 4) * 4
     nparts = (2 if layer else 1) * (workers // m)
-    rows_launch = Launch(k, (workers * cfg.cluster_size,), (cfg.block_size,), cfg.shared_mem_bytes,
-                         (rows, n, dys, xs, dxs, ldp, float(eps)))
-    cols = _colsum_columns(n)
-    colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // cols), 2 if dbias is not None else 1),
-                    (1024,), 0, (workers // m, n, ldp, cols))
+    blocks = workers * cfg.cluster_size
+    head = (rows, n, dys, xs, dxs, ldp, float(eps))
+    if fold:
+        tile4 = _fold_tile4(n, blocks, cfg.block_size, workers // m)
+        rows_launch = Launch(k, (blocks,), (cfg.block_size,), cfg.shared_mem_bytes, (*head, tile4), cooperative=True)
+        colsum = None
+    else:
+        rows_launch = Launch(k, (blocks,), (cfg.block_size,), cfg.shared_mem_bytes, head)
+        cols = _colsum_columns(n)
+        colsum = Launch(get_kernel(cfg, "norm_bwd_colsum"), (-(-n // cols), 2 if dbias is not None else 1),
+                        (1024,), 0, (workers // m, n, ldp, cols))
     plan = _NormBwdPlan(rows_launch, colsum, OutputPlan.of(rows_launch, out), (max(nparts, 1), ldp),
-                        rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None)
+                        rows if cfg.two_pass else 0, tuple(wv.shape), dweight.dtype, dbias is not None,
+                        _device_of(x) if fold else 0)
     # launch
     s = default_stream(x, stream)
     partial, scratch = _workspace(x, plan)
@@ -507,13 +567,61 @@ def _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, conf
     dwv = as_device_array(dweight, op, "dweight")
     dbv = as_device_array(dbias, op, "dbias") if dbias is not None else None
     views = (dyv, xv, wv, *stats, ov)
-    if rows:
-        rows_launch.run((*views, pv, sv), s)
-    colsum.run((pv, dwv, dbv), s)
+    if fold:
+        cv = as_device_array(_counters(x, plan, s), op, "workspace")
+        try:
+            rows_launch.run((*views, pv, sv, cv, dwv, dbv), s)
+        except LaunchError:
+            _FOLD_REFUSED.add(cfg)   # (cfg is `config` when one was passed)
+            return _norm_bwd(op, dy, x, weight, bias, mean, rstd, eps, out, dtype, stream, config)
+    else:
+        if rows:
+            rows_launch.run((*views, pv, sv), s)
+        colsum.run((pv, dwv, dbv), s)
     arrays = (dy, x, weight, mean, rstd, out) if layer else (dy, x, weight, rstd, out)
     if key is not None and same_memory(views, arrays) and rows:
         _PLANS.put(key, plan)
     return out, dweight, dbias
+
+
+def _cooperative_workers(k, cfg) -> int:
+    """Workers of the rows kernel a cooperative launch may have: the blocks the driver runs at once
+    (Kernel.cooperative_limit, what the launch checks the grid against: the same block and dynamic
+    shared memory as the launch) in whole workers."""
+    limit = k.cooperative_limit(cfg.block_size, cfg.shared_mem_bytes)
+    clusters = limit // cfg.launch_cluster
+    return max(1, clusters) * cfg.merge_cluster
+
+
+def _fold_tile4(n: int, blocks: int, block: int, parts: int) -> int:
+    """float4 columns per tile of the fold's column sums (1, 2, 4 or 8): the fewest dependent
+    rounds on the busiest block - ceil(tiles / blocks) tiles, each ceil(parts / (lanes x 4)) rounds
+    of L2 loads, lanes = block / tile4 - and among equals the widest tile (8: one 128-byte line of
+    each partial row, which the block may then drop from L2).  E.g. 4k RMSNorm, 396 block workers of
+    256 threads: 4 (256 tiles, one per block, 2 rounds) where 8 takes 4 rounds and 1 three tiles;
+    16k cluster rows, 248 blocks, 62 partial rows: 8 (512 tiles, 2-3 per block, 1 round each).
+    (REASONED from the loads' latency, not measured.)  Not a function of dbias: dweight's bits do
+    not depend on whether the bias is passed."""
+    n4 = -(-n // 4)
+    best = None
+    for tile4 in (8, 4, 2, 1):
+        lanes = max(1, block // tile4)
+        cost = -(-(-(-n4 // tile4)) // blocks) * -(-parts // (lanes * 4))
+        if best is None or cost < best[0]:
+            best = (cost, tile4)
+    return best[1]
+
+
+def _device_of(x) -> int:
+    from .. import device
+    return x.get_device() if _is_torch(x) else device.current_device()
+
+
+def _counters(like, plan: _NormBwdPlan, stream):
+    """Two int32 counters of the stream's workspace for the fold's grid barrier: zero between
+    launches (the barrier's last block leaves them so), per stream (ops/workspace.py: launches in
+    flight on two streams would count each other's blocks)."""
+    return stream_workspace(like, plan.device, stream, 0, 8)[1]
 
 
 def _colsum_columns(n: int) -> int:
@@ -543,14 +651,26 @@ def _norm_bwd_replay(plan: _NormBwdPlan, inputs, out, stream):
     dbias = empty_as(x, plan.dweight_shape, plan.weight_dtype) if plan.has_bias else None
     arrays = inputs   # (mean,) rstd may be None: null pointers
     s = default_stream(x, stream)
+    fold = plan.colsum is None
+    tail = (_counters(x, plan, s), dweight, dbias) if fold else ()
     if plan.dx.torch:
         dev = x.get_device()
         ptr = lambda a: device_pointer(a, dev)  # noqa: E731
-        plan.rows.run([ptr(a) for a in (*arrays, out, partial, scratch)], s)
-        plan.colsum.run([ptr(a) for a in (partial, dweight, dbias)], s)
+        rows_args = [ptr(a) for a in (*arrays, out, partial, scratch, *tail)]
     else:
-        plan.rows.run((*arrays, out, partial, scratch), s)
-        plan.colsum.run((partial, dweight, dbias), s)
+        rows_args = (*arrays, out, partial, scratch, *tail)
+    try:
+        plan.rows.run(rows_args, s)
+    except LaunchError:
+        if not fold:
+            raise
+        _FOLD_REFUSED.add(plan.rows.kernel.config)
+        raise _FoldRefused() from None
+    if not fold:
+        if plan.dx.torch:
+            plan.colsum.run([ptr(a) for a in (partial, dweight, dbias)], s)
+        else:
+            plan.colsum.run((partial, dweight, dbias), s)
     return out, dweight, dbias
 
 
