@@ -49,6 +49,11 @@ class AttentionSm90Config(AttentionShape):
     persistent : one CTA per SM walks the (query tile, head, batch) tiles, causal heaviest first,
         loading the next tile's Q and K/V while the current one computes and stores (dense inputs
         only; two Q buffers where shared memory holds them, see :attr:`q_buffers`).
+    flat_walk : with persistent (two Q buffers) and intra_overlap, no window: each consumer
+        warpgroup runs one loop over its (tile, key tile) steps, so the GEMMs do not drain at a tile
+        boundary - the next tile's first S = Q K^T is issued with the current tile's last P V and
+        the tile's epilogue (O normalized, staged in a buffer of its own, stored) runs under the
+        following S GEMM.  Opt-in while it is measured.
     """
 
     family: ClassVar[str] = FAMILY
@@ -66,6 +71,7 @@ class AttentionSm90Config(AttentionShape):
     softmax_under_pv: bool = True
     exp2_poly: int = 0
     persistent: bool = False
+    flat_walk: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -77,6 +83,7 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("softmax_under_pv", (False, True))
         self._check_int("exp2_poly", 0, 8)
         self._check_choice("persistent", (False, True))
+        self._check_choice("flat_walk", (False, True))
         if self.persistent and self.is_varlen:
             self._fail("persistent", "False with cu_seqlens (varlen tiles come from the schedule table, one per CTA)")
         if self.pingpong and self.consumers < 2:
@@ -88,6 +95,8 @@ class AttentionSm90Config(AttentionShape):
             # tiles yet, so the walk keeps rejecting them.
             self._fail("persistent", "False with pingpong=True (the warpgroups' turn-taking does not carry across "
                                      "tiles)")
+        if self.flat_walk:
+            self._check_flat_walk()
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             if self.persistent and self._smem_bytes(1, False) <= SMEM_LIMIT_SM90:
                 self._fail("persistent", f"False for block_m={self.block_m}, block_n={self.block_n}, num_stages="
@@ -98,12 +107,28 @@ class AttentionSm90Config(AttentionShape):
                                   f"{self.block_m}, block_n={self.block_n}, num_stages={self.num_stages} at "
                                   f"head_dim={self.head_dim} needs {self.shared_mem_bytes} B")
 
+    def _check_flat_walk(self) -> None:
+        # The flattened loop carries GEMMs from one tile of the walk into the next: it needs the
+        # walk, the next tile's Q in a second buffer and the overlapped GEMM order; a window moves
+        # each tile's first key tile (not modelled: kept out).
+        if not self.persistent:
+            self._fail("flat_walk", "False unless persistent=True (it runs the persistent walk's tiles as one loop)")
+        if not self.intra_overlap:
+            self._fail("flat_walk", "False unless intra_overlap=True")
+        if self.has_window:
+            self._fail("flat_walk", "False with a sliding window")
+        if self._smem_bytes(2, True, True) > SMEM_LIMIT_SM90:
+            self._fail("flat_walk", f"False for block_m={self.block_m}, block_n={self.block_n}, num_stages="
+                                    f"{self.num_stages} at head_dim={self.head_dim}: two Q tiles and an O tile "
+                                    f"take {self._smem_bytes(2, True, True)} B of shared memory, sm_90 has "
+                                    f"{SMEM_LIMIT_SM90} B")
+
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        if any(f in params for f in _TILE_FIELDS if f != "persistent"):   # persistent=True keeps the tile
+        if any(f in params for f in _TILE_FIELDS if f not in ("persistent", "flat_walk")):   # they keep the tile
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
@@ -139,15 +164,17 @@ class AttentionSm90Config(AttentionShape):
 
     @property
     def shared_mem_bytes(self) -> int:
-        """q_buffers x Q tile + num_stages x (K tile + V tile), each D_BLOCKS x rows x 128 B, the
-        mbarriers and 1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
-        return self._smem_bytes(self.q_buffers, self.persistent)
+        """q_buffers x Q tile (+ an O tile with flat_walk) + num_stages x (K tile + V tile), each
+        D_BLOCKS x rows x 128 B, the mbarriers and 1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
+        return self._smem_bytes(self.q_buffers, self.persistent, self.flat_walk)
 
-    def _smem_bytes(self, q_buffers: int, persistent: bool) -> int:
+    def _smem_bytes(self, q_buffers: int, persistent: bool, o_buffer: bool = False) -> int:
+        """Bytes for ``q_buffers`` Q tiles, the K/V ring, the barriers and the slack; ``o_buffer``: plus
+        flat_walk's O staging tile (block_m rows, laid out as a Q tile)."""
         q = self.block_m * 128 * self.d_blocks
         kv = self.block_n * 128 * self.d_blocks
         bars = 8 * (q_buffers * (2 if persistent else 1) + 4 * self.num_stages)   # + q_free[] when persistent
-        return q_buffers * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
+        return (q_buffers + (1 if o_buffer else 0)) * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
 
     @property
     def launch_registers(self) -> int:
@@ -189,6 +216,7 @@ class Tile(NamedTuple):
     why: str
     softmax_under_pv: bool = True
     persistent: bool = False
+    flat_walk: bool = False
 
 
 _TILE_FIELDS = tuple(f for f in Tile._fields if f != "why")   # the config fields a Tile sets
