@@ -287,7 +287,7 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng, reg
             yield
 
     def producer_warp():   # setmaxnreg.dec (the Q / K / V threads' warps and the idle fourth)
-        if regs is not None and consumers > 1:
+        if regs is not None and regs[1] < regs[0]:   # a split (one consumer alone on the SM: none)
             pool[0] += 32 * (regs[0] - regs[1])
         yield
 
@@ -315,7 +315,7 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng, reg
 
     def warp(w):
         cw, lead = w // 4, w % 4 == 0
-        if regs is not None and consumers > 1:   # setmaxnreg.inc
+        if regs is not None and regs[1] < regs[0]:   # setmaxnreg.inc
             need = 32 * (regs[2] - regs[0])
             while pool[0] < need:
                 yield
