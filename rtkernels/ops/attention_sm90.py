@@ -409,9 +409,13 @@ SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
     (8, 64, False, 4, Tile(192, 128, 2, True, False, persistent=True, why=(
         "d64 non-causal S=512 (4 key tiles): 331 -> 376 (387) walking the per-head-dim tile (H100 "
         "2026-11-25: 1.16x); at 1k (8 key tiles) 424 -> 421: kept off"))),
-    (8, 64, True, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
+    (8, 64, True, 4, Tile(128, 128, 2, True, False, persistent=True, why=(
         "d64 causal S=512: 196 -> 230 (261); 1k: 276 -> 290 (310); 128x64 s3 walking 225 / 273, the "
-        "per-head-dim 192x112 walking 212 / 279"))),
+        "per-head-dim 192x112 walking 212 / 279; at S=512 two 64x128 CTAs per SM 217 (H200 2026-11-26)"))),
+    (8, 64, True, 8, Tile(64, 128, 2, True, False, ctas_per_sm=2, why=(
+        "d64 causal S=1k: two 64-row CTAs per SM, one per tile, 291 -> 307 (cuDNN 342; H200 2026-11-26, "
+        "the cuDNN kernel's own shape: 64-row tiles, two consumer warpgroups per SM on different tiles); "
+        "walking the same tile 226, 64x64 282; at 2k 387 vs 385: kept off. Measured at d64 only"))),
     (72, 96, False, 8, Tile(192, 128, 2, False, False, persistent=True, why=(
         "d80 non-causal S=512: 346 -> 410 (349); 1k: 426 -> 452 (367) walking the per-head-dim tile "
         "(H100 2026-11-25: 1.19x / 1.05x); 128x128 overlap walking 394 / 434"))),
@@ -421,9 +425,10 @@ SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
     (104, 128, False, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
         "d128 non-causal S=512: 423 -> 492 (514); 1k: 545 -> 559 (574; the old config's second copy "
         "526); the per-head-dim 192x128 spills 4 B walking (NVRTC 13.5), 192x64 walking 462 / 492"))),
-    (104, 128, True, 4, Tile(128, 128, 2, True, False, persistent=True, why=(
-        "d128 causal S=512: 275 -> 284 (335) walking the per-head-dim tile without pingpong (128x64 s3 "
-        "walking 287); at 1k 380 -> 374: kept off"))),
+    (104, 128, True, 8, Tile(64, 64, 2, True, False, ctas_per_sm=2, why=(
+        "d128 causal S=512 (8 key tiles of 64): two 64x64 CTAs per SM, one per tile, 285 -> 308 (cuDNN "
+        "347; H200 2026-11-26), walking it 197, the session-9 row (128x128 walking) 285; at 1k 405 vs "
+        "the per-head-dim 128x128 pingpong 410: kept off. Measured at d128 only"))),
     (136, 256, False, 8, Tile(128, 64, 2, True, False, persistent=True, why=(
         "d256 non-causal S=512 (8 key tiles of 64): 476 -> 490 (516), 128x80 walking 483; at 1k "
         "593 -> 555: kept off"))),
