@@ -142,18 +142,26 @@ def test_short_schedule_picks_its_tile_per_call(monkeypatch):
     row's head-dim range; dense inputs only; RTKERNELS_SM90_PERSISTENT=0 or 1 turn the rows off.
     (No compile: a row's config is taken as written.)"""
     monkeypatch.delenv("RTKERNELS_SM90_PERSISTENT", raising=False)
+    reach = {}   # (head dim, causal) -> keys the earlier rows already cover (rows in increasing reach)
     for i, (lo, hi, causal, most, tile) in enumerate(A90.SHORT_SCHEDULE):
         edge = most * tile.block_n
         for d in (lo, hi):
-            assert A90.short_entry(d, causal, 1) == i and A90.short_entry(d, causal, edge) == i, (d, causal)
+            first = reach.get((d, causal), 0) + 1
+            assert A90.short_entry(d, causal, first) == i and A90.short_entry(d, causal, edge) == i, (d, causal)
+            later = [j for j, r in enumerate(A90.SHORT_SCHEDULE) if j > i and r[0] <= d <= r[1] and r[2] == causal]
+            if later:   # one key more: the next row of this head dim
+                assert A90.short_entry(d, causal, edge + 1) == later[0], (d, causal, edge)
+                continue
             assert A90.short_entry(d, causal, edge + 1) is None, (d, causal, edge)
             cfg = A90.choose_config("float16", d, causal, seqlen_k=edge)
             assert _tile_of(cfg) == tuple(getattr(tile, f) for f in A90._TILE_FIELDS), (d, causal, cfg)
             assert cfg.exp2_poly == A90._EXP2_POLY_DENSE and not cfg.has_window and not cfg.has_softcap
             assert A90.choose_config("float16", d, causal, seqlen_k=edge + 1) == A90.choose_config("float16", d, causal)
             for flag in ("has_window", "has_softcap", "is_varlen"):
-                assert A90.short_entry(d, causal, 1, {flag: True}) is None
-            assert A90.short_entry(d, causal, 1, {"has_window": False}) == i
+                assert A90.short_entry(d, causal, first, {flag: True}) is None
+            assert A90.short_entry(d, causal, first, {"has_window": False}) == i
+        for d in range(lo, hi + 1, 8):
+            reach[(d, causal)] = edge
     assert A90.short_entry(64, False, None) is None
     short = A90.choose_config("bfloat16", 64, True, seqlen_k=512)
     assert short.persistent and (short.block_m, short.pingpong) == (128, False)
@@ -190,19 +198,20 @@ def test_short_schedule_kernel_memo(monkeypatch):
 
 
 def test_short_schedule_rows_are_well_formed_and_fit():
-    """Rows: head-dim ranges on the multiples of 8, no two rows for one (head dim, causal), a reason
-    each; every row's tile is a valid config (shared memory, no pingpong with the walk) at every head
-    dim it covers, in both dtypes."""
-    seen = set()
+    """Rows: head-dim ranges on the multiples of 8; the rows of one (head dim, causal) in strictly
+    increasing reach (keys), so each is reachable; a reason each; every row's tile is a valid config
+    (shared memory, no pingpong with the walk) at every head dim it covers, in both dtypes."""
+    reach = {}
     for lo, hi, causal, most, tile in A90.SHORT_SCHEDULE:
         assert 8 <= lo <= hi <= 256 and lo % 8 == 0 and hi % 8 == 0 and isinstance(causal, bool)
         assert most >= 1 and len(tile.why) > 40 and "->" in tile.why
         for d in range(lo, hi + 1, 8):
-            assert (d, causal) not in seen, (d, causal)
-            seen.add((d, causal))
+            assert reach.get((d, causal), 0) < most * tile.block_n, (d, causal)
+            first = reach.get((d, causal), 0) + 1
+            reach[(d, causal)] = most * tile.block_n
             for dt in ("float16", "bfloat16"):
-                cfg = A90.choose_config(dt, d, causal, seqlen_k=1)
-                assert cfg.shared_mem_bytes <= A90.SMEM_LIMIT_SM90 and not (cfg.persistent and cfg.pingpong)
+                cfg = A90.choose_config(dt, d, causal, seqlen_k=first)
+                assert cfg.shared_mem_bytes <= A90.smem_limit(cfg.ctas_per_sm) and not (cfg.persistent and cfg.pingpong)
 
 
 def _short_build_cases():
@@ -211,12 +220,13 @@ def _short_build_cases():
     with RTKERNELS_TEST_FULL_SWEEP=1."""
     from sweep import FULL_SWEEP
     out = []
-    for lo, hi, causal, _, tile in A90.SHORT_SCHEDULE:
+    for lo, hi, causal, most, tile in A90.SHORT_SCHEDULE:
+        keys = most * tile.block_n   # the row's reach: this row's tile, whichever rows come before
         dims = range(lo, hi + 1, 8) if FULL_SWEEP else [hi] + [
             d for d in range(lo, hi, 8) if tile.persistent
-            and A90.choose_config("bfloat16", d, causal, seqlen_k=1).q_buffers
-            != A90.choose_config("bfloat16", d + 8, causal, seqlen_k=1).q_buffers]
-        out += [(d, causal) for d in dims]
+            and A90.choose_config("bfloat16", d, causal, seqlen_k=keys).q_buffers
+            != A90.choose_config("bfloat16", d + 8, causal, seqlen_k=keys).q_buffers]
+        out += [(d, causal, keys) for d in dims]
     return out
 
 
@@ -226,7 +236,7 @@ def built_short(built):
     persistent fixture already built are shared (d64 non-causal, d128 both)."""
     from concurrent.futures import ThreadPoolExecutor
     have = {c: k for c, k in built.values()}
-    cfgs = {case: A90.choose_config("bfloat16", *case, seqlen_k=1) for case in _short_build_cases()}
+    cfgs = {(d, c, keys): A90.choose_config("bfloat16", d, c, seqlen_k=keys) for d, c, keys in _short_build_cases()}
     todo = [c for c in dict.fromkeys(cfgs.values()) if c not in have]
     with ThreadPoolExecutor(2) as ex:
         have.update(zip(todo, ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), todo)))
@@ -236,7 +246,7 @@ def built_short(built):
 def test_short_schedule_builds_without_spills(built_short):
     """NVRTC 13.5, sm_90a: no spills or local memory, HGMMA + TMA, no ptxas wgmma/setmaxnreg notes."""
     bad = []
-    for (d, causal), (cfg, k) in built_short.items():
+    for (d, causal, _), (cfg, k) in built_short.items():
         r = k.resources
         ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", k.sass, re.M)
         names = {o.split(".")[0] for o in ops}
@@ -287,7 +297,7 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng, reg
             yield
 
     def producer_warp():   # setmaxnreg.dec (the Q / K / V threads' warps and the idle fourth)
-        if regs is not None and consumers > 1:
+        if regs is not None and regs[1] < regs[0]:   # a split (one consumer alone on the SM: none)
             pool[0] += 32 * (regs[0] - regs[1])
         yield
 
@@ -315,7 +325,7 @@ def _simulate_walk(tiles, stages, consumers, q_bufs, overlap, under_pv, rng, reg
 
     def warp(w):
         cw, lead = w // 4, w % 4 == 0
-        if regs is not None and consumers > 1:   # setmaxnreg.inc
+        if regs is not None and regs[1] < regs[0]:   # setmaxnreg.inc
             need = 32 * (regs[2] - regs[0])
             while pool[0] < need:
                 yield
@@ -661,13 +671,15 @@ def test_gpu_op_dispatches_persistent_with_env(monkeypatch):
 
 
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype, short?): every SHORT_SCHEDULE
-# row at its last seqlen_k (512 or 1024), one below and one above, at the ends of its head-dim range;
+# row at its last seqlen_k (512 or 1024), one below and one above, at the ends of its head-dim range
+# (d64 / d128 causal: the walked row to 512, the two-CTAs-per-SM row to 1024 / 512);
 # GQA, seqlen_q != seqlen_k (causal: bottom-right; seqlen_q > seqlen_k leaves rows that see no key)
 SHORT_CASES = [
     (2, 500, 500, 4, 2, 64, False, "bfloat16", True), (2, 512, 512, 4, 1, 64, False, "float16", True),
     (2, 513, 513, 4, 2, 64, False, "bfloat16", False), (2, 300, 512, 6, 2, 40, False, "bfloat16", True),
     (2, 1000, 1000, 4, 2, 64, True, "bfloat16", True), (2, 1024, 1024, 4, 1, 64, True, "float16", True),
     (2, 1025, 1025, 4, 2, 64, True, "bfloat16", False), (2, 513, 513, 4, 4, 24, True, "bfloat16", True),
+    (2, 512, 512, 4, 2, 64, True, "bfloat16", True), (2, 300, 700, 4, 1, 56, True, "float16", True),
     (2, 1024, 1024, 4, 2, 80, False, "bfloat16", True), (2, 1025, 1025, 4, 2, 80, False, "bfloat16", False),
     (2, 513, 1000, 4, 1, 96, False, "float16", True),
     (2, 1000, 1024, 4, 2, 96, True, "bfloat16", True), (2, 512, 512, 4, 2, 72, True, "float16", True),

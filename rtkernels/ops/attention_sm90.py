@@ -23,6 +23,17 @@ FAMILY = "attention_sm90"
 SMEM_LIMIT_SM90 = _arch.limits("sm_90").max_smem_per_block_optin   # 227 KiB on H100/H200
 _ALIGN_SLACK = 1024                   # the template rounds the dynamic smem base up to 1 KiB
 LAUNCH_REGISTER_FILE = _arch.limits("sm_90").registers_per_block   # 64 Ki 32-bit registers
+_SM90 = _arch.limits("sm_90")
+
+
+def smem_limit(ctas_per_sm: int) -> int:
+    """Dynamic shared memory one CTA may take so that ``ctas_per_sm`` of them share an SM: the SM's
+    228 KiB split, less the 1 KiB the driver reserves per CTA, in its 128-byte allocation units
+    (2 CTAs: 115712 B); one CTA: the 227 KiB opt-in cap."""
+    if ctas_per_sm == 1:
+        return SMEM_LIMIT_SM90
+    per = _SM90.max_smem_per_sm // ctas_per_sm // _SM90.smem_allocation_unit * _SM90.smem_allocation_unit
+    return per - _SM90.reserved_smem_per_block
 
 
 @register_family
@@ -49,6 +60,18 @@ class AttentionSm90Config(AttentionShape):
     persistent : one CTA per SM walks the (query tile, head, batch) tiles, causal heaviest first,
         loading the next tile's Q and K/V while the current one computes and stores (dense inputs
         only; two Q buffers where shared memory holds them, see :attr:`q_buffers`).
+    flat_walk : with persistent (two Q buffers) and intra_overlap, no window: each consumer
+        warpgroup runs one loop over its (tile, key tile) steps, so the GEMMs do not drain at a tile
+        boundary - the next tile's first S = Q K^T is issued with the current tile's last P V and
+        the tile's epilogue (O normalized, staged in a buffer of its own, stored) runs under the
+        following S GEMM.  Opt-in while it is measured.
+    ctas_per_sm : CTAs the kernel is built to keep resident per SM (1 or 2).  2, for 64-row tiles
+        (one consumer warpgroup) at head_dim <= 128: __launch_bounds__(256, 2) caps the launch at
+        128 registers a thread, setmaxnreg moves the producer's to the consumer (see
+        :attr:`register_split`), the tile must fit half the SM's shared memory
+        (:func:`smem_limit`), and a persistent grid is 2 x SMs - two independent 64-row walks per
+        SM, one's softmax and epilogue under the other's GEMMs (cuDNN's structure at short causal
+        lengths, in two CTAs).  Opt-in while it is measured.
     """
 
     family: ClassVar[str] = FAMILY
@@ -66,6 +89,8 @@ class AttentionSm90Config(AttentionShape):
     softmax_under_pv: bool = True
     exp2_poly: int = 0
     persistent: bool = False
+    flat_walk: bool = False
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
         self._check_shape()
@@ -77,6 +102,18 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("softmax_under_pv", (False, True))
         self._check_int("exp2_poly", 0, 8)
         self._check_choice("persistent", (False, True))
+        self._check_choice("flat_walk", (False, True))
+        self._check_choice("ctas_per_sm", (1, 2))
+        if self.ctas_per_sm > 1 and self.consumers != 1:
+            self._fail("ctas_per_sm", "1 unless block_m=64 (two CTAs of one consumer warpgroup share an SM; "
+                                      "wider tiles take its registers alone)")
+        if self.ctas_per_sm > 1 and self.head_dim > 128:
+            # ptxas (NVRTC 13.5) rejects d256 at 64x32: "C7602 Insufficient registers (128) ... target
+            # of 158" at its O += P V (wgmma 64x256, 128 accumulators) - one instruction's operands
+            # must fit the launch cap, though the consumer's code past setmaxnreg uses more (d64:
+            # up to R165).  d136-192 not tried.
+            self._fail("ctas_per_sm", "1 for head_dim > 128 (its O accumulator's wgmma needs more than the "
+                                      "128 registers two CTAs per SM launch with)")
         if self.persistent and self.is_varlen:
             self._fail("persistent", "False with cu_seqlens (varlen tiles come from the schedule table, one per CTA)")
         if self.pingpong and self.consumers < 2:
@@ -88,22 +125,46 @@ class AttentionSm90Config(AttentionShape):
             # tiles yet, so the walk keeps rejecting them.
             self._fail("persistent", "False with pingpong=True (the warpgroups' turn-taking does not carry across "
                                      "tiles)")
-        if self.shared_mem_bytes > SMEM_LIMIT_SM90:
-            if self.persistent and self._smem_bytes(1, False) <= SMEM_LIMIT_SM90:
+        if self.flat_walk:
+            self._check_flat_walk()
+        limit = self.smem_limit
+        if self.shared_mem_bytes > limit:
+            if self.persistent and self._smem_bytes(1, False) <= limit:
                 self._fail("persistent", f"False for block_m={self.block_m}, block_n={self.block_n}, num_stages="
                                          f"{self.num_stages} at head_dim={self.head_dim}: its Q buffer's release "
                                          f"barriers take {self._smem_bytes(1, True)} B of shared memory, sm_90 has "
-                                         f"{SMEM_LIMIT_SM90} B")
-            self._fail("block_n", f"a tile that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: block_m="
+                                         f"{limit} B{self._per_cta}")
+            if self.ctas_per_sm > 1 and self.shared_mem_bytes <= SMEM_LIMIT_SM90:
+                self._fail("ctas_per_sm", f"1 for block_m={self.block_m}, block_n={self.block_n}, num_stages="
+                                          f"{self.num_stages} at head_dim={self.head_dim}: it needs "
+                                          f"{self.shared_mem_bytes} B of shared memory, {self.ctas_per_sm} CTAs "
+                                          f"per SM get {limit} B each")
+            self._fail("block_n", f"a tile that fits sm_90's {limit} B of shared memory{self._per_cta}: block_m="
                                   f"{self.block_m}, block_n={self.block_n}, num_stages={self.num_stages} at "
                                   f"head_dim={self.head_dim} needs {self.shared_mem_bytes} B")
+
+    def _check_flat_walk(self) -> None:
+        # The flattened loop carries GEMMs from one tile of the walk into the next: it needs the
+        # walk, the next tile's Q in a second buffer and the overlapped GEMM order; a window moves
+        # each tile's first key tile (not modelled: kept out).
+        if not self.persistent:
+            self._fail("flat_walk", "False unless persistent=True (it runs the persistent walk's tiles as one loop)")
+        if not self.intra_overlap:
+            self._fail("flat_walk", "False unless intra_overlap=True")
+        if self.has_window:
+            self._fail("flat_walk", "False with a sliding window")
+        if self._smem_bytes(2, True, True) > self.smem_limit:
+            self._fail("flat_walk", f"False for block_m={self.block_m}, block_n={self.block_n}, num_stages="
+                                    f"{self.num_stages} at head_dim={self.head_dim}: two Q tiles and an O tile "
+                                    f"take {self._smem_bytes(2, True, True)} B of shared memory, sm_90 has "
+                                    f"{self.smem_limit} B{self._per_cta}")
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        if any(f in params for f in _TILE_FIELDS if f != "persistent"):   # persistent=True keeps the tile
+        if any(f in params for f in _TILE_FIELDS if f not in ("persistent", "flat_walk")):   # they keep the tile
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
@@ -135,25 +196,37 @@ class AttentionSm90Config(AttentionShape):
         """Q tiles in shared memory: 2 when persistent and they fit (the next tile's Q lands while
         this one computes; d <= 128 at 2 stages: e.g. d128 128x128 takes 2 x 32 + 128 KiB of K/V),
         else 1 (d192 / d256 tiles fill shared memory with one: the next Q loads after the epilogue)."""
-        return 2 if self.persistent and self._smem_bytes(2, True) <= SMEM_LIMIT_SM90 else 1
+        return 2 if self.persistent and self._smem_bytes(2, True) <= self.smem_limit else 1
+
+    @property
+    def smem_limit(self) -> int:
+        """Shared memory the config may take: :func:`smem_limit` of its ``ctas_per_sm``."""
+        return smem_limit(self.ctas_per_sm)
+
+    @property
+    def _per_cta(self) -> str:
+        return f" per CTA at ctas_per_sm={self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""
 
     @property
     def shared_mem_bytes(self) -> int:
-        """q_buffers x Q tile + num_stages x (K tile + V tile), each D_BLOCKS x rows x 128 B, the
-        mbarriers and 1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
-        return self._smem_bytes(self.q_buffers, self.persistent)
+        """q_buffers x Q tile (+ an O tile with flat_walk) + num_stages x (K tile + V tile), each
+        D_BLOCKS x rows x 128 B, the mbarriers and 1 KiB of slack for aligning the base to the 128-byte swizzle's 1 KiB period."""
+        return self._smem_bytes(self.q_buffers, self.persistent, self.flat_walk)
 
-    def _smem_bytes(self, q_buffers: int, persistent: bool) -> int:
+    def _smem_bytes(self, q_buffers: int, persistent: bool, o_buffer: bool = False) -> int:
+        """Bytes for ``q_buffers`` Q tiles, the K/V ring, the barriers and the slack; ``o_buffer``: plus
+        flat_walk's O staging tile (block_m rows, laid out as a Q tile)."""
         q = self.block_m * 128 * self.d_blocks
         kv = self.block_n * 128 * self.d_blocks
         bars = 8 * (q_buffers * (2 if persistent else 1) + 4 * self.num_stages)   # + q_free[] when persistent
-        return q_buffers * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
+        return (q_buffers + (1 if o_buffer else 0)) * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
 
     @property
     def launch_registers(self) -> int:
-        """Registers per thread the CTA holds at launch: __launch_bounds__(threads, 1) caps ptxas at
-        the 64 Ki file / threads in whole 8-register units (384 threads: 168, not 170.7; 512: 128)."""
-        return min(255, LAUNCH_REGISTER_FILE // self.threads_per_block // 8 * 8)
+        """Registers per thread the CTA holds at launch: __launch_bounds__(threads, ctas_per_sm) caps
+        ptxas at the 64 Ki file / (threads x ctas_per_sm) in whole 8-register units (384 threads:
+        168, not 170.7; 512: 128; 256 threads twice per SM: 128)."""
+        return min(255, LAUNCH_REGISTER_FILE // (self.threads_per_block * self.ctas_per_sm) // 8 * 8)
 
     @property
     def register_split(self) -> tuple[int, int]:
@@ -161,7 +234,14 @@ class AttentionSm90Config(AttentionShape):
         the pool of the CTA's launch registers (``threads x launch_registers``) can pay for it, so
         the split must fit that pool, not the 64 Ki file: at 384 threads the pool is 64512."""
         if self.consumers == 1:
-            return 256, 256            # 256 threads: every thread may already hold 255 (no setmaxnreg)
+            if self.ctas_per_sm == 1:
+                return 256, 256        # 256 threads: every thread may already hold 255 (no setmaxnreg)
+            # Two CTAs per SM: each holds 256 x 128 = 32768 at launch.  The producer keeps 24 (40
+            # walking persistently, as at two consumers), the consumer takes the rest: 128 * 24 +
+            # 128 * 232 = 128 * 40 + 128 * 216 = 32768.
+            pool = self.threads_per_block * self.launch_registers
+            producer = 40 if self.persistent else 24
+            return producer, (pool - 128 * producer) // 128 // 8 * 8
         if self.consumers == 2:
             # 128 * 24 + 256 * 240 = 64512, the whole pool.  Persistent: the producer walks the tiles
             # too (24 spilled 4-16 B of its loop state), so it keeps 40 and the consumers take 232
@@ -189,6 +269,8 @@ class Tile(NamedTuple):
     why: str
     softmax_under_pv: bool = True
     persistent: bool = False
+    flat_walk: bool = False
+    ctas_per_sm: int = 1
 
 
 _TILE_FIELDS = tuple(f for f in Tile._fields if f != "why")   # the config fields a Tile sets
@@ -327,9 +409,13 @@ SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
     (8, 64, False, 4, Tile(192, 128, 2, True, False, persistent=True, why=(
         "d64 non-causal S=512 (4 key tiles): 331 -> 376 (387) walking the per-head-dim tile (H100 "
         "2026-11-25: 1.16x); at 1k (8 key tiles) 424 -> 421: kept off"))),
-    (8, 64, True, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
+    (8, 64, True, 4, Tile(128, 128, 2, True, False, persistent=True, why=(
         "d64 causal S=512: 196 -> 230 (261); 1k: 276 -> 290 (310); 128x64 s3 walking 225 / 273, the "
-        "per-head-dim 192x112 walking 212 / 279"))),
+        "per-head-dim 192x112 walking 212 / 279; at S=512 two 64x128 CTAs per SM 217 (H200 2026-11-26)"))),
+    (8, 64, True, 8, Tile(64, 128, 2, True, False, ctas_per_sm=2, why=(
+        "d64 causal S=1k: two 64-row CTAs per SM, one per tile, 291 -> 307 (cuDNN 342; H200 2026-11-26, "
+        "the cuDNN kernel's own shape: 64-row tiles, two consumer warpgroups per SM on different tiles); "
+        "walking the same tile 226, 64x64 282; at 2k 387 vs 385: kept off. Measured at d64 only"))),
     (72, 96, False, 8, Tile(192, 128, 2, False, False, persistent=True, why=(
         "d80 non-causal S=512: 346 -> 410 (349); 1k: 426 -> 452 (367) walking the per-head-dim tile "
         "(H100 2026-11-25: 1.19x / 1.05x); 128x128 overlap walking 394 / 434"))),
@@ -339,9 +425,10 @@ SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
     (104, 128, False, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
         "d128 non-causal S=512: 423 -> 492 (514); 1k: 545 -> 559 (574; the old config's second copy "
         "526); the per-head-dim 192x128 spills 4 B walking (NVRTC 13.5), 192x64 walking 462 / 492"))),
-    (104, 128, True, 4, Tile(128, 128, 2, True, False, persistent=True, why=(
-        "d128 causal S=512: 275 -> 284 (335) walking the per-head-dim tile without pingpong (128x64 s3 "
-        "walking 287); at 1k 380 -> 374: kept off"))),
+    (104, 128, True, 8, Tile(64, 64, 2, True, False, ctas_per_sm=2, why=(
+        "d128 causal S=512 (8 key tiles of 64): two 64x64 CTAs per SM, one per tile, 285 -> 308 (cuDNN "
+        "347; H200 2026-11-26), walking it 197, the session-9 row (128x128 walking) 285; at 1k 405 vs "
+        "the per-head-dim 128x128 pingpong 410: kept off. Measured at d128 only"))),
     (136, 256, False, 8, Tile(128, 64, 2, True, False, persistent=True, why=(
         "d256 non-causal S=512 (8 key tiles of 64): 476 -> 490 (516), 128x80 walking 483; at 1k "
         "593 -> 555: kept off"))),
@@ -485,16 +572,12 @@ def tensor_maps(cfg: AttentionSm90Config, q_, k_, v_, o_, specs=None):
 
 
 _NO_MASK = (0, 0, 0.0)   # (window_left, window_right, softcap) of a config without those options
-# A persistent CTA holds an SM by itself: __launch_bounds__(threads, 1), setmaxnreg hands out the
-# whole register file, and every tile takes more than half the shared memory.
-PERSISTENT_CTAS_PER_SM = 1
-
-
 def persistent_grid(cfg: AttentionSm90Config, batch: int, seqlen_q: int, nheads: int, sm_count: int) -> int:
-    """CTAs of a persistent launch: one per SM, never more than there are tiles (from the shapes
-    only: a CUDA graph replays it unchanged)."""
+    """CTAs of a persistent launch: ``cfg.ctas_per_sm`` per SM (1: the CTA holds the SM's registers
+    by setmaxnreg; 2: the 64-row tiles built for two), never more than there are tiles (from the
+    shapes only: a CUDA graph replays it unchanged)."""
     tiles = -(-seqlen_q // cfg.block_m) * nheads * batch
-    return max(1, min(tiles, sm_count * PERSISTENT_CTAS_PER_SM))
+    return max(1, min(tiles, sm_count * cfg.ctas_per_sm))
 
 
 def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float, mask_args=_NO_MASK,
