@@ -145,6 +145,29 @@ def test_tma_plan_maps_the_caches_as_they_are():
         kv_mod.set_variant(None)
 
 
+def test_split_rule_contig_splits_paged_caches_as_contiguous_ones():
+    """bench variant split_rule=contig: a paged cache gets the contiguous cache's split count
+    (B1 S32k 32/8: 16 fused, not PAGED_FILL's 33 with the combine launch)."""
+    def plan(paged, variant):
+        kv_mod.set_variant(variant)
+        try:
+            if paged:
+                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((2048, 16, 8, 128)),
+                               v_cache=Fake((2048, 16, 8, 128)), block_table=Fake((1, 2048), "int32"),
+                               cache_seqlens=Fake((1,), "int32"))
+            else:
+                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((1, 32768, 8, 128)),
+                               v_cache=Fake((1, 32768, 8, 128)), cache_seqlens=Fake((1,), "int32"))
+            return kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
+                                    torch=False, out_dtype="float16", f32="float32", arch="sm_90", sms=132,
+                                    variant=kv_mod._VARIANT)
+        finally:
+            kv_mod.set_variant(None)
+    contig, paged = plan(False, None).num_splits, plan(True, None).num_splits
+    assert paged > contig, (paged, contig)
+    assert plan(True, dict(split_rule="contig")).num_splits == contig
+
+
 def _tma_plan(**views):
     p = check(_views(**views), None, None, None)
     return kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
@@ -330,7 +353,7 @@ TMA_CASES = [
     (2, 1, 16, 1, 256, "float16", 256, 0, 1300, 2),      # MQA 16, d256, page 256
     (3, 1, 16, 4, 192, "bfloat16", 48, 2, 700, None),    # d192 (3 column blocks), page 48
     (3, 4, 32, 8, 128, "bfloat16", 16, 4, 500, None),    # speculative: 16 rows
-    (3, 16, 32, 8, 128, "bfloat16", None, 2, 800, 2),    # 64 rows: two 32-row tiles in keys mode
+    (3, 16, 32, 8, 128, "bfloat16", None, 2, 800, 2),    # 64 rows: two 32-row tiles (keys mode forced)
     (4, 1, 8, 8, 64, "bfloat16", None, 0, 37, None),     # capacity 37: a tile past the cache's end (zero-filled)
 ]
 
@@ -339,25 +362,61 @@ TMA_CASES = [
 @pytest.mark.parametrize("combine", ["fused", "kernel"])
 @pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", TMA_CASES)
 def test_gpu_tma_against_float64_reference(variant, combine, batch, sq, h, hkv, d, dtype, page, new, cap, splits):
-    variant(dict(loader="tma", combine=combine))
+    """The keys mode's TMA rings (per-warp rings, lane 0 issuing)."""
+    variant(dict(loader="tma", warp_split="keys", combine=combine))
     x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
     plan = _plan_of(x, splits)
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
-    assert plan.config.loader == "tma" and plan.tma is not None, plan.config
+    assert plan.config.loader == "tma" and plan.tma is not None and plan.config.warp_split == "keys", plan.config
+
+
+# Rows mode (> 32 query rows per kv head: speculative verification, chunked prefill; or forced for
+# decoding with several kv heads per CTA): the CTA ring filled by one producer thread, against the
+# forced cp.async ring.  (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size,
+# seqlen_new, capacity, num_splits)
+ROWS_CASES = [
+    (3, 8, 32, 8, 128, "bfloat16", None, 8, 900, None),  # Sq8 x group 4 = 32 rows (4 warps, 2 pad)
+    (3, 16, 32, 8, 128, "bfloat16", 16, 4, 1000, None),  # Sq16 x 4 = 64 rows, page 16: a copy per page
+    (2, 16, 16, 2, 128, "float16", 64, 16, 700, 3),      # 128 rows (8 warps), page 64, 3 splits
+    (2, 32, 8, 2, 64, "bfloat16", 256, 32, 1300, None),  # d64, 128 rows, page 256, 64-key tiles
+    (2, 16, 8, 1, 256, "float16", None, 2, 600, 2),      # d256 MQA: 128 rows, Q in shared memory
+    (3, 12, 24, 4, 80, "bfloat16", 48, 3, 500, None),    # d80 (2 column blocks, zero-filled), 72 rows, page 48
+    (2, 300, 4, 2, 64, "bfloat16", 64, 300, 700, None),  # chunked prefill: 600 rows, 5 row tiles
+    (4, 1, 16, 16, 72, "float16", 16, 1, 400, None),     # decode, 8 kv heads per CTA (one box), padded d
+    (4, 1, 32, 8, 128, "bfloat16", None, 0, 900, 4),     # decode, 8 kv heads per CTA, contiguous
+    (4, 4, 8, 8, 64, "bfloat16", None, 0, 37, None),     # capacity 37: a tile past the cache's end
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["tma", "cp.async"])
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", ROWS_CASES)
+def test_gpu_rows_mode_tma_and_cp_async_against_float64_reference(variant, loader, batch, sq, h, hkv, d, dtype, page,
+                                                                  new, cap, splits):
+    """Ragged lengths (0 and 1 among them), appends, GQA 1-8, pages 16-256, splits, poisoned
+    outputs, both dtypes; each case run on the rows mode's TMA ring and on its cp.async ring."""
+    variant(dict(warp_split="rows", loader=loader))
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
+    plan = _plan_of(x, splits)
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.warp_split == "rows" and plan.config.loader == loader, plan.config
+    assert (plan.tma is not None) == (loader == "tma")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("l2", [0, 256])
 @pytest.mark.parametrize("page", [None, 16, 64], ids=("contig", "paged16", "paged64"))
-def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, l2, page):
+@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, sq, l2, page):
     """TMA moves whole boxes, so a tile past a sequence's end brings the cache's next rows (NaN
-    here) into shared memory: the kernel zeroes them before P V.  Ragged lengths with 0, 1 and
-    one short of a tile."""
+    here) into shared memory: the kernel zeroes them before P V (keys mode: the warp; rows mode:
+    the CTA, then a barrier).  Ragged lengths with 0, 1 and one short of a tile; seqlen_q 16 x
+    group 4 runs the rows mode."""
     import cupy as cp
     from gpu_util import poison
     variant(dict(loader="tma", l2_prefetch=l2))
     cap = 640
-    x = _make(_seed(), 5, 1, 16, 4, 128, "bfloat16", page, cap, lens=[0, 1, 15, 333, cap])
+    x = _make(_seed(), 5, sq, 16, 4, 128, "bfloat16", page, cap, lens=[0, 1, 15, 333, cap])
     for b, n in enumerate(x.lens_h):   # every cache entry a sequence does not use: NaN
         if page is None:
             poison(x.kc[b, n:]), poison(x.vc[b, n:])
@@ -380,8 +439,9 @@ def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, l2, page):
         out = poison(cp.empty(x.q.shape, x.q.dtype))
         o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
         cp.cuda.Device().synchronize()
-        _check(x, o, lse, True, None, f"NaN tails page={page} l2={l2} splits={splits}")
-    assert _plan_of(x).config.loader == "tma"
+        _check(x, o, lse, True, None, f"NaN tails sq={sq} page={page} l2={l2} splits={splits}")
+    plan = _plan_of(x)
+    assert plan.config.loader == "tma" and plan.config.warp_split == ("rows" if sq > 8 else "keys"), plan.config
 
 
 @pytest.mark.gpu
@@ -403,11 +463,12 @@ def test_gpu_tma_appends_cross_page_boundaries(variant, page):
 
 
 @pytest.mark.gpu
-def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant):
+@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant, sq):
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(loader="tma"))
-    x = _make(_seed(), 3, 1, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
+    x = _make(_seed(), 3, sq, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
     x.table_h[1, 100] = 1 << 30
     x.table.set(x.table_h)
     o, lse = _call(x, return_lse=True)
@@ -418,16 +479,18 @@ def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
-def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, page):
+@pytest.mark.parametrize("page", [None, 16, 64], ids=("contig", "paged16", "paged64"))
+@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, sq, page):
     """CuPy stream capture of a TMA call with splits: the tensor maps travel as kernel parameters
     (they depend on the caches' addresses only), so replays see new cache_seqlens and, paged, a
-    new block table (the pages permuted) - against the reference and an eager call each time."""
+    new block table (the pages permuted) - against the reference and an eager call each time;
+    seqlen_q 16 x group 4 runs the rows mode's producer ring."""
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(loader="tma"))
     cap = 2000
-    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", page, cap, lens=[cap] * 3)   # every page mapped
+    x = _make(_seed(), 3, sq, 32, 8, 128, "bfloat16", page, cap, lens=[cap] * 3)   # every page mapped
     out = cp.empty(x.q.shape, x.q.dtype)
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
@@ -437,7 +500,8 @@ def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, page):
         s.begin_capture()
         _, lse = _call(x, out=out, num_splits=6, return_lse=True)
         graph = s.end_capture()
-    assert _plan_of(x, 6).config.loader == "tma"
+    plan = _plan_of(x, 6)
+    assert plan.config.loader == "tma" and plan.config.warp_split == ("rows" if sq > 8 else "keys"), plan.config
     rng = np.random.default_rng(_seed())
     for step in range(3):
         x.lens_h = rng.integers(0, cap, size=3).astype(np.int32)

@@ -745,7 +745,9 @@ DEFAULT_ORDER = "heads"
 # num_stages, num_warps, schedule, loader, l2_prefetch), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
 # and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
-# per SM) overriding the
+# per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
+# paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
+# forced splits the two were 71.9 / 75.5) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
@@ -800,7 +802,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
             per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
-            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged, split_rows, per_sm)
+            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged and rule != "contig", split_rows, per_sm)
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
