@@ -129,9 +129,11 @@ def test_rows_and_tiles_cover_every_head_dim_and_fit():
                     warp_rows = 16 if cfg.warp_split == "rows" else cfg.rows
                     assert warp_rows * cfg.block_n <= 1024 or cfg.block_n == 16   # S in <= 32 registers
                     assert cfg.warp_split == kw.get("warp_split", "rows" if rows_total > kv_mod.ROWS_MODE_ABOVE else "keys")
-                    if cfg.warp_split == "rows":   # the no-spill budget of the CTA-wide copy (see MAX_LOAD_ITERS)
-                        iters = -(-cfg.kv_heads * cfg.block_n * (d // 8) // cfg.threads_per_block)
+                    if cfg.warp_split == "rows" and cfg.loader == "cp.async":   # the no-spill budget of the
+                        iters = -(-cfg.kv_heads * cfg.block_n * (d // 8) // cfg.threads_per_block)   # CTA-wide copy
                         assert cfg.num_warps >= kv_mod.ROWS_MODE_MIN_WARPS and iters <= kv_mod.MAX_LOAD_ITERS, cfg
+                    elif cfg.warp_split == "rows":   # TMA: one producer thread, a stage of slack
+                        assert cfg.num_warps >= kv_mod.ROWS_MODE_MIN_WARPS and cfg.num_stages >= 3, cfg
     # rows mode: 16 rows per warp, up to 8 warps; decoding packs up to 8 kv heads (dividing nheads_kv)
     assert choose_config("bfloat16", 128, 64, False, True, "sm_90", warp_split="rows").num_warps == 4
     assert choose_config("bfloat16", 128, 300, False, True, "sm_90", warp_split="rows").rows == 128
@@ -405,12 +407,15 @@ def test_heuristic_configs_compile_clean(arch, dtype, d, rows_total, paged, caus
     main = rtk.get_kernel(cfg, "attention_decode", arch=arch)
     ops = _opcodes(main.sass)
     assert any(o.startswith("HMMA.16816.F32") for o in ops), "mma.sync m16n8k16"
-    assert any(o.startswith("LDGSTS.E.BYPASS.128") for o in ops), "16-byte cp.async.cg"
+    if cfg.loader == "cp.async":
+        assert any(o.startswith("LDGSTS.E.BYPASS.128") for o in ops), "16-byte cp.async.cg"
+    else:   # sm_90's default: tensor copies (test_attention_kvcache_tma.py looks closer)
+        assert any(o.startswith("UTMALDG.4D") for o in ops), "4-D tensor copies"
     assert any(o == "LDSM.16.M88.4" for o in ops) and any(o.startswith("LDSM.16.MT88") for o in ops)
     if cfg.warp_split == "keys":
         assert any(o == "STG.E.128" for o in ops), "16-byte output stores"
     else:
-        assert any(o.startswith("BAR.SYNC") for o in ops), "rows mode: one CTA barrier per tile"
+        assert any(o.startswith("BAR.SYNC") for o in ops), "rows mode: CTA barriers (cp.async: one per tile)"
     assert any(o.startswith("ATOMG") or o.startswith("RED") for o in ops), "the fused merge's counter"
     for name in cfg.kernels:
         k = rtk.get_kernel(cfg, name, arch=arch)
@@ -585,11 +590,11 @@ GPU_CASES = [
 
 
 def _default_loader(plan, d):
-    """The loader the default heuristics must pick for this plan on this GPU: TMA in keys mode on
-    sm_90+ (RTKERNELS_DECODE_LOADER may switch it off), else cp.async."""
+    """The loader the default heuristics must pick for this plan on this GPU: TMA in both warp
+    splits on sm_90+ (RTKERNELS_DECODE_LOADER may switch it off), else cp.async."""
     from rtkernels.ops.attention import _device_arch
     tma = kv_mod.DECODE_LOADER == "tma" and kv_mod.tma_capable(d, _device_arch(0))
-    return "tma" if tma and plan.config.warp_split == "keys" else "cp.async"
+    return "tma" if tma else "cp.async"
 
 
 def _plan_for(x, splits=None):
@@ -597,8 +602,9 @@ def _plan_for(x, splits=None):
     return kv_mod._plan(arrays, True, None, True, splits, "bfloat16" if x.dtype == "bfloat16" else None)[0]
 
 
-# The default loader (TMA in keys mode on sm_90) and the cp.async ring forced (sm_80's path, the
-# rows mode's, and the fallback for caches no tensor map describes), on every case.
+# The default loader (TMA on sm_90: keys mode's warp rings, rows mode's producer ring) and the
+# cp.async rings forced (sm_80's path, and the fallback for caches no tensor map describes), on
+# every case.
 LOADERS = [None, dict(loader="cp.async")]
 LOADER_IDS = ("default", "cpasync")
 
@@ -674,7 +680,9 @@ VARIANTS = [
     dict(warp_split="rows", combine="fused"),
     dict(warp_split="rows", order="splits", combine="kernel"),
     dict(warp_split="rows", kv_heads=2, block_n=32),
-    dict(warp_split="rows", kv_heads=1, num_stages=2),
+    dict(warp_split="rows", kv_heads=1, num_stages=3),
+    dict(warp_split="rows", loader="cp.async", kv_heads=2, block_n=32),
+    dict(warp_split="rows", loader="cp.async", kv_heads=1, num_stages=2),
 ]
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, num_splits)
 VARIANT_CASES = [
@@ -707,12 +715,13 @@ def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loader", LOADERS, ids=LOADER_IDS)
 @pytest.mark.parametrize("sq,hkv", [(16, 4), (64, 4), (300, 8), (33, 2)])
-def test_gpu_rows_mode_many_rows(variant, sq, hkv):
+def test_gpu_rows_mode_many_rows(variant, loader, sq, hkv):
     """Many query rows per kv head (speculative verification, chunked prefill): the rows mode
-    (opt-in: keys mode is the default), one or several row tiles of up to 128 rows, causal
-    bottom-right, with and without splits."""
-    variant(dict(warp_split="rows"))
+    (the default above 32 rows per kv head), one or several row tiles of up to 128 rows, causal
+    bottom-right, with and without splits; its TMA ring (sm_90) and its cp.async ring."""
+    variant(dict(warp_split="rows", **(loader or {})))
     for splits in (None, 3):
         x = _run(_seed(), 2, sq, 16, hkv, 128, "bfloat16", 16 if sq > 50 else None, True, min(sq, 8), 900,
                  num_splits=splits)
@@ -1015,20 +1024,24 @@ def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_strea
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loader", LOADERS, ids=LOADER_IDS)
 @pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
-def test_gpu_speculative_default_rows_mode_graph_replay(page):
+def test_gpu_speculative_default_rows_mode_graph_replay(variant, loader, page):
     """seqlen_q 16 x group 4 = 64 rows per kv head: the default is the rows mode with the heavy
     split rule (several splits, combine launch or fused merge); captured in a CuPy graph and
-    replayed with new lengths (ragged, 0 and 1 among them), against the reference each time."""
+    replayed with new lengths (ragged, 0 and 1 among them) and, paged, new block tables, against
+    the reference each time; the default loader (TMA on sm_90) and the cp.async ring."""
     import cupy as cp
     from gpu_util import to_f64
+    variant(loader)
     cap = 2048   # 24 CTAs of 64 rows: 2 splits (>= 1024 keys each)
-    x = _make(_seed(), 3, 16, 32, 8, 128, "bfloat16", page, cap, lens=[cap - 16] * 3)
+    x = _make(_seed(), 3, 16, 32, 8, 128, "bfloat16", page, cap, lens=[cap - 16] * 3)   # every page mapped
     out = cp.empty(x.q.shape, x.q.dtype)
     arrays = (x.q, x.kc, x.vc, x.lens, x.table, None, None, out)
     plan, _ = kv_mod._plan(arrays, True, None, True, None, "bfloat16")
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
     assert plan.config.warp_split == "rows" and plan.num_splits > 1, plan
+    assert plan.config.loader == (_default_loader(plan, 128) if loader is None else "cp.async"), plan.config
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
     with s:
@@ -1041,6 +1054,11 @@ def test_gpu_speculative_default_rows_mode_graph_replay(page):
     for step, fixed in enumerate(([0, 1, cap - 16], None, None)):
         x.lens_h = np.array(fixed if fixed else rng.integers(0, cap - 16, size=3), np.int32)
         x.lens.set(x.lens_h)
+        if page:   # the same pages (the first cap - 16 keys' worth), each sequence's in a new order
+            for b in range(3):
+                used = -(-(cap - 16) // page)
+                x.table_h[b, :used] = rng.permutation(x.table_h[b, :used])
+            x.table.set(x.table_h)
         cp.cuda.Device().synchronize()
         graph.launch(s)
         s.synchronize()

@@ -1,8 +1,10 @@
-"""attention_decode's TMA loader (loader="tma": per-warp rings filled by Hopper tensor copies) and
-cp.async's L2 prefetch qualifier (l2_prefetch): config, layout and heuristics, a few compiles
-(CPU); the TMA path against the float64 reference over contiguous / paged (16, 48, 64, 256) /
-transposed caches, ragged lengths, GQA 1-16, head dims 64-256, both dtypes, splits, stream-K,
-NaN cache tails and CUDA-graph replays with new lengths and block tables (GPU, ``-m gpu``).
+"""attention_decode's TMA loader (loader="tma": keys mode's per-warp rings, rows mode's CTA ring
+with a producer thread and full / empty mbarriers, filled by Hopper tensor copies) and cp.async's
+L2 prefetch qualifier (l2_prefetch): config, layout and heuristics, a few compiles (CPU); the TMA
+path against the float64 reference over contiguous / paged (16, 48, 64, 256) / transposed caches,
+ragged lengths, GQA 1-16, head dims 64-256, both dtypes, splits, stream-K, NaN cache tails and
+CUDA-graph replays with new lengths and block tables, in both warp splits, and the rows mode's
+forced cp.async ring beside it (GPU, ``-m gpu``).
 
 Uses test_attention_kvcache's helpers (inputs, reference check, poisoned outputs)."""
 from __future__ import annotations
@@ -27,7 +29,7 @@ TMA = dict(loader="tma")
 # ---- config ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [
     dict(loader="bulk"), dict(l2_prefetch=32), dict(l2_prefetch=True),
-    dict(loader="tma", warp_split="rows", kv_heads=4, num_warps=4, rows=16),
+    dict(num_stages=2, loader="tma", warp_split="rows", kv_heads=4, num_warps=4, rows=16),   # no slack stage
 ])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
@@ -51,19 +53,32 @@ def test_tma_smem_layout():
                               loader="tma")
     assert c.tma_columns == 128
     assert c.shared_mem_bytes == 1024 + 2 * (4 * 3 * 2 * 16 * 128 + 16 * 104) + 8 * 12
+    # rows mode: one CTA ring of 4 stages x (K + V) x 2 kv heads x 32 keys x 128, no Q tile (q_in_regs),
+    # full + empty mbarriers per stage; 2 tiles in flight (the last stage is the producer's slack)
+    c = AttentionDecodeConfig(dtype="bfloat16", head_dim=128, rows=32, block_n=32, num_warps=4, num_stages=4,
+                              warp_split="rows", kv_heads=2, loader="tma")
+    assert c.shared_mem_bytes == 1024 + 2 * 4 * 2 * 2 * 32 * 128 + 8 * 2 * 4
+    assert c.bytes_in_flight == 2 * 2 * 32 * 2 * 128 * 2
+    # ... d192 (3 column blocks) with Q in shared memory (2 heads x 64 rows x 200 elements)
+    c = AttentionDecodeConfig(dtype="float16", head_dim=192, rows=64, block_n=16, num_warps=8, num_stages=3,
+                              warp_split="rows", kv_heads=2, loader="tma", q_in_regs=False)
+    assert c.shared_mem_bytes == 1024 + 2 * (3 * 2 * 2 * 16 * 192 + 2 * 64 * 200) + 8 * 2 * 3
 
 
 def test_choose_config_loader(monkeypatch):
     c = choose_config("bfloat16", 128, 4, True, False, "sm_90", loader="tma")
     assert c.loader == "tma" and c.warp_split == "keys" and c.shared_mem_bytes <= 113 * 1024
-    # many rows: the keys mode (row tiles) when tma is asked for; the rows mode has no TMA ring
+    # many rows: the rows mode's own TMA ring (keys mode's with warp_split="keys")
     c = choose_config("bfloat16", 128, 64, False, True, "sm_90", loader="tma")
+    assert c.loader == "tma" and c.warp_split == "rows" and c.rows == 64 and c.num_stages >= 3
+    c = choose_config("bfloat16", 128, 64, False, True, "sm_90", loader="tma", warp_split="keys")
     assert c.loader == "tma" and c.warp_split == "keys" and c.rows == 32
     for d, arch in ((128, "sm_80"), (128, "sm_89"), (80, "sm_86")):
-        with pytest.raises(ConfigError, match="loader"):
-            choose_config("bfloat16", d, 4, False, False, arch, loader="tma")
-    with pytest.raises(ConfigError, match="loader"):
-        choose_config("bfloat16", 128, 4, False, False, "sm_90", loader="tma", warp_split="rows")
+        for ws in ("keys", "rows"):
+            with pytest.raises(ConfigError, match="loader"):
+                choose_config("bfloat16", d, 4, False, False, arch, loader="tma", warp_split=ws)
+    with pytest.raises(ConfigError, match="num_stages"):
+        choose_config("bfloat16", 128, 64, False, False, "sm_90", loader="tma", num_stages=2)
     # the default: TMA in keys mode on sm_90 at every head dim, cp.async elsewhere
     assert kv_mod.DECODE_LOADER == "tma" or kv_mod.os.environ.get("RTKERNELS_DECODE_LOADER")
     monkeypatch.setattr(kv_mod, "DECODE_LOADER", "tma")
@@ -71,11 +86,19 @@ def test_choose_config_loader(monkeypatch):
     assert choose_config("float16", 256, 16, True, True, "sm_90").loader == "tma"
     assert choose_config("bfloat16", 80, 4, False, False, "sm_90").loader == "tma"
     assert choose_config("bfloat16", 128, 4, False, False, "sm_80").loader == "cp.async"
+    # many rows: the rows mode with its TMA ring, 2 CTAs per SM, 2 tiles in flight (d128 Sq16 x group 4)
     c = choose_config("bfloat16", 128, 64, False, True, "sm_90")
-    assert c.warp_split == "rows" and c.loader == "cp.async"   # many rows: the rows mode keeps cp.async
-    # RTKERNELS_DECODE_LOADER=cp.async: back to the cp.async ring
+    assert c.warp_split == "rows" and c.loader == "tma" and c.num_stages == 4 and c.block_n == 32, c
+    assert c.shared_mem_bytes <= 113 * 1024 and c.bytes_in_flight == 2 * 32 * 512
+    for d, rows_total, paged in ((256, 128, True), (64, 300, False), (80, 48, True), (192, 64, False)):
+        c = choose_config("float16", d, rows_total, paged, True, "sm_90")
+        assert c.warp_split == "rows" and c.loader == "tma" and c.num_stages >= 3, c
+    assert choose_config("bfloat16", 128, 64, False, True, "sm_80").loader == "cp.async"
+    # RTKERNELS_DECODE_LOADER=cp.async: back to the cp.async rings in both modes
     monkeypatch.setattr(kv_mod, "DECODE_LOADER", "cp.async")
     assert choose_config("bfloat16", 128, 4, False, False, "sm_90").loader == "cp.async"
+    c = choose_config("bfloat16", 128, 64, False, True, "sm_90")
+    assert c.warp_split == "rows" and c.loader == "cp.async" and c.num_stages == 3
     c = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=256)
     assert c.l2_prefetch == 256
 
@@ -90,14 +113,29 @@ def test_tma_plan_maps_the_caches_as_they_are():
         plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
                                 f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
         assert plan.config.loader == "tma"
-        assert plan.tma == ("float16", (3, 100, 2, 128), (25600, 256, 128, 1), (25600, 256, 128, 1),
-                            (1, plan.config.block_n, 1, 64), 256)
+        # dims (batch, kv heads, keys, head_dim): keys inside heads, whatever the strides
+        assert plan.tma == ("float16", (3, 2, 100, 128), (25600, 128, 256, 1), (25600, 128, 256, 1),
+                            (1, 1, plan.config.block_n, 64), 256)
         paged = _views(q=Fake((2, 1, 8, 128)), k_cache=Fake((9, 48, 2, 128)), v_cache=Fake((9, 48, 2, 128)),
                        block_table=Fake((2, 4), "int32"))
         p = check(paged, None, None, None)
         plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
                                 f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
-        assert plan.tma[1] == (9, 48, 2, 128) and plan.tma[4] == (1, 16, 1, 64)
+        assert plan.tma[1] == (9, 2, 48, 128) and plan.tma[4] == (1, 1, 16, 64)
+        # rows mode: a box of the CTA's kv_heads heads x block_n keys (paged: x 16 keys)
+        kv_mod.set_variant(dict(loader="tma", warp_split="rows", kv_heads=2))
+        plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                                f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+        assert plan.config.warp_split == "rows" and plan.config.kv_heads == 2 and plan.config.loader == "tma"
+        assert plan.tma[1] == (9, 2, 48, 128) and plan.tma[2] == (48 * 256, 128, 256, 1)
+        assert plan.tma[4] == (1, 2, 16, 64)
+        p = check(_views(q=Fake((2, 16, 8, 128)), k_cache=Fake((3, 100, 2, 128)), v_cache=Fake((3, 100, 2, 128))),
+                  None, None, None)
+        kv_mod.set_variant(dict(l2_prefetch=256))
+        plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
+                                f32="float32", arch="sm_90", sms=132, variant=kv_mod._VARIANT)
+        assert plan.config.warp_split == "rows" and plan.config.loader == "tma"   # 64 rows: the default
+        assert plan.tma[4] == (1, 1, plan.config.block_n, 64)
         p = check(_views(q=Fake((2, 1, 8, 128)), k_cache=Fake((2, 0, 2, 128)), v_cache=Fake((2, 0, 2, 128))),
                   None, None, None)
         plan = kv_mod.make_plan(p, causal=True, return_lse=False, num_splits=None, torch=False, out_dtype="float16",
@@ -105,6 +143,29 @@ def test_tma_plan_maps_the_caches_as_they_are():
         assert plan.tma is None and (plan.config is None or plan.config.loader == "cp.async")
     finally:
         kv_mod.set_variant(None)
+
+
+def test_split_rule_contig_splits_paged_caches_as_contiguous_ones():
+    """bench variant split_rule=contig: a paged cache gets the contiguous cache's split count
+    (B1 S32k 32/8: 16 fused, not PAGED_FILL's 33 with the combine launch)."""
+    def plan(paged, variant):
+        kv_mod.set_variant(variant)
+        try:
+            if paged:
+                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((2048, 16, 8, 128)),
+                               v_cache=Fake((2048, 16, 8, 128)), block_table=Fake((1, 2048), "int32"),
+                               cache_seqlens=Fake((1,), "int32"))
+            else:
+                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((1, 32768, 8, 128)),
+                               v_cache=Fake((1, 32768, 8, 128)), cache_seqlens=Fake((1,), "int32"))
+            return kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
+                                    torch=False, out_dtype="float16", f32="float32", arch="sm_90", sms=132,
+                                    variant=kv_mod._VARIANT)
+        finally:
+            kv_mod.set_variant(None)
+    contig, paged = plan(False, None).num_splits, plan(True, None).num_splits
+    assert paged > contig, (paged, contig)
+    assert plan(True, dict(split_rule="contig")).num_splits == contig
 
 
 def _tma_plan(**views):
@@ -135,7 +196,9 @@ def test_tma_maps_of_size_one_dims_get_valid_strides():
             assert plan.config.loader == "tma", plan.config
             _, mshape, ks, vs, box, _ = plan.tma
             assert ks == vs and ks[-1] == 1 and all(s > 0 and s % 8 == 0 for s in ks[:-1]), ks
-            for n, s, want in zip(shape, ks, _strides_of(shape)):
+            order = (0, 2, 1, 3)   # the map's (batch, kv heads, keys, head_dim)
+            assert mshape == tuple(shape[i] for i in order)
+            for n, s, want in zip(mshape, ks, (_strides_of(shape)[i] for i in order)):
                 assert n == 1 or s == want, (shape, ks)
             check_tensor_map(1 << 20, "float16", mshape, ks, box)   # what the driver would be given
 
@@ -162,35 +225,65 @@ def test_tma_falls_back_to_cp_async_where_no_map_can_describe_the_cache():
     assert kv_mod.tma_strides((1, 5, 1, 8), (0, 8, 0, 1)) == (40, 8, 40, 1)
 
 
-def _swizzle_128b(row: int, col: int, rows: int) -> int:
-    """Where the TMA copy with CU_TENSOR_MAP_SWIZZLE_128B puts element (row, col) of a box of
-    ``rows`` x 64 16-bit columns (one 128-byte row per key, 1024-byte aligned): byte address bits
-    [4, 7) XOR bits [7, 10) - the 16-byte chunk XOR the row mod 8 - per 64-column block."""
-    byte = row * 128 + (col % 64) * 2
+def _tma_lands(r: int, hh: int, col: int, block_n: int, kv_heads: int, box_rows: int) -> int:
+    """Where the tensor copies put element (key r of the tile, kv head hh, column col) of a K (or V)
+    tile, in 16-bit elements from the tile's start, from the copy's own rules: copy (column block
+    col // 64, key group r // box_rows) lands at the start its issuer gives it (blocks of kv_heads x
+    block_n x 64, groups after one another) as a box [kv_heads][box_rows][64 columns] of 128-byte
+    rows, and CU_TENSOR_MAP_SWIZZLE_128B XORs byte address bits [4, 7) - the 16-byte chunk - with
+    bits [7, 10) of the shared address (every copy's start is 1024-byte aligned)."""
+    start = (col // 64) * kv_heads * block_n * 64 + (r // box_rows) * kv_heads * box_rows * 64
+    byte = 2 * start + (hh * box_rows + r % box_rows) * 128 + (col % 64) * 2
     byte ^= ((byte >> 7) & 7) << 4
-    return (col // 64) * rows * 64 + byte // 2
+    return byte // 2
 
 
-@pytest.mark.parametrize("block_n,head_dim", [(16, 128), (32, 64), (16, 256), (16, 72), (32, 40), (16, 96)])
-def test_tma_fragment_addresses_follow_the_swizzle(block_n, head_dim):
-    """The template's k_frag_row / v_frag_row / v_frag_row_x2 arithmetic (mirrored here)
-    addresses the row and 16-byte column chunk ldmatrix wants from each lane, in the layout the
-    hardware writes; head dims not a multiple of 64 / 16 included (padded K steps, odd V tile)."""
+def _t_row(r, hh, dc, block_n, kv_heads, box_rows):
+    """The template's t_row (mirrored)."""
+    return dc * kv_heads * block_n * 64 + (r // box_rows) * kv_heads * box_rows * 64 + (hh * box_rows + r % box_rows) * 64
+
+
+@pytest.mark.parametrize("block_n,head_dim,kv_heads,box_rows", [
+    (16, 128, 1, 16), (32, 64, 1, 32), (16, 256, 1, 16), (16, 72, 1, 16), (32, 40, 1, 32), (16, 96, 1, 16),
+    (32, 64, 1, 16),                         # keys mode, paged: two 16-key copies per tile
+    (32, 128, 4, 32), (64, 80, 2, 64),       # rows mode: one box of kv_heads heads per column block
+    (32, 128, 2, 16), (64, 72, 8, 16),       # rows mode, paged: a box per 16-key group
+])
+def test_tma_fragment_addresses_follow_the_swizzle(block_n, head_dim, kv_heads, box_rows):
+    """The template's k_frag_row / v_frag_row / v_frag_row_x2 arithmetic (mirrored here, from each
+    kv head's base t_row(0, hh, 0)) addresses the row and 16-byte column chunk ldmatrix wants from
+    each lane, in the layout the hardware writes; head dims not a multiple of 64 / 16 included
+    (padded K steps, odd V tile), one or several kv heads and key groups per copy; and
+    tma_zero_tail's t_row covers each row's 8 chunks of a block exactly."""
     n_tiles_o = head_dim // 8
-    for lane in range(32):
-        k_row0, kc, vc, r7 = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, lane >> 4, lane & 7
-        for np_ in range(block_n // 16):
-            for kk in range(-(-head_dim // 16)):
-                got = k_row0 * 64 + np_ * 16 * 64 + (kk // 4) * block_n * 64 + (((2 * (kk % 4) + kc) ^ r7) << 3)
-                assert got == _swizzle_128b(k_row0 + np_ * 16, kk * 16 + kc * 8, block_n), (lane, np_, kk)
-        for kk in range(block_n // 16):
-            for dp in range(n_tiles_o // 2):
-                got = (lane & 15) * 64 + kk * 16 * 64 + (dp // 4) * block_n * 64 + (((2 * (dp % 4) + vc) ^ r7) << 3)
-                assert got == _swizzle_128b((lane & 15) + kk * 16, dp * 16 + vc * 8, block_n), (lane, kk, dp)
-            if n_tiles_o % 2:
-                c = n_tiles_o - 1
-                got = (lane & 15) * 64 + kk * 16 * 64 + (c // 8) * block_n * 64 + (((c % 8) ^ r7) << 3)
-                assert got == _swizzle_128b((lane & 15) + kk * 16, c * 8, block_n), (lane, kk, "x2")
+    for hh in range(kv_heads):
+        base = _t_row(0, hh, 0, block_n, kv_heads, box_rows)
+
+        def row(r, dc):
+            return _t_row(r, 0, dc, block_n, kv_heads, box_rows)
+
+        for lane in range(32):
+            k_row0, kc, vc, r7 = (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, lane >> 4, lane & 7
+            for np_ in range(block_n // 16):
+                for kk in range(-(-head_dim // 16)):
+                    got = base + k_row0 * 64 + row(np_ * 16, kk // 4) + (((2 * (kk % 4) + kc) ^ r7) << 3)
+                    want = _tma_lands(k_row0 + np_ * 16, hh, kk * 16 + kc * 8, block_n, kv_heads, box_rows)
+                    assert got == want, (hh, lane, np_, kk)
+            for kk in range(block_n // 16):
+                for dp in range(n_tiles_o // 2):
+                    got = base + (lane & 15) * 64 + row(kk * 16, dp // 4) + (((2 * (dp % 4) + vc) ^ r7) << 3)
+                    want = _tma_lands((lane & 15) + kk * 16, hh, dp * 16 + vc * 8, block_n, kv_heads, box_rows)
+                    assert got == want, (hh, lane, kk, dp)
+                if n_tiles_o % 2:
+                    c = n_tiles_o - 1
+                    got = base + (lane & 15) * 64 + row(kk * 16, c // 8) + (((c % 8) ^ r7) << 3)
+                    assert got == _tma_lands((lane & 15) + kk * 16, hh, c * 8, block_n, kv_heads, box_rows), \
+                        (hh, lane, kk, "x2")
+    # every (key, head, column block) row is one 128-byte row of the tile, all distinct
+    d_boxes = -(-head_dim // 64)
+    starts = sorted(_t_row(r, hh, dc, block_n, kv_heads, box_rows)
+                    for r in range(block_n) for hh in range(kv_heads) for dc in range(d_boxes))
+    assert starts == list(range(0, d_boxes * kv_heads * block_n * 64, 64))
 
 
 # ---- compile (a few: CI has two cores) --------------------------------------------------------
@@ -200,10 +293,15 @@ def _opcodes(sass):
 
 @pytest.mark.parametrize("dtype,d,rows_total,paged,causal,kw", [
     ("bfloat16", 128, 4, False, False, {}),
-    ("float16", 128, 32, True, True, {}),                  # 32 rows: two m-tiles per warp
+    ("float16", 128, 32, True, True, dict(warp_split="keys")),   # 32 rows: two m-tiles per warp
     ("bfloat16", 256, 16, True, False, {}),
     ("bfloat16", 64, 4, False, False, dict(schedule="streamk")),
     ("float16", 72, 8, True, True, {}),                    # d72: padded K step, odd V tile, 2 boxes
+    # rows mode: the CTA ring, one producer thread, full / empty mbarriers
+    ("bfloat16", 128, 64, False, True, {}),                # speculative Sq16 x group 4: 4 warps, 32-key tiles
+    ("float16", 128, 64, True, True, {}),                  # ... paged: a copy per 16-key group
+    ("bfloat16", 256, 128, True, True, {}),                # 8 warps, Q in shared memory (cp.async, once)
+    ("float16", 72, 16, False, True, dict(warp_split="rows", nheads_kv=4)),   # a box of 4 kv heads, padded d
 ])
 def test_tma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw):
     cfg = choose_config(dtype, d, rows_total, paged, causal, "sm_90", loader="tma", **kw)
@@ -217,6 +315,11 @@ def test_tma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw):
     assert not (r.spill_stores or r.spill_loads or r.stack_frame), f"{cfg}: {r}"
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory"
     assert not rtk_inspect.flags(k), rtk_inspect.flags(k)
+    if cfg.warp_split == "rows":
+        # K/V by tensor copies only (Q_IN_REGS: no cp.async at all); the warps release stages on
+        # the empty barriers (plain arrives) besides the producer's arrive.expect_tx
+        assert cfg.q_in_regs == (not any(o.startswith("LDGSTS") for o in ops)), "cp.async only for Q in smem"
+        assert sum(o.startswith("SYNCS.ARRIVE") for o in ops) >= 2, "producer and consumer arrivals"
     print(cfg, r)
 
 
@@ -250,7 +353,7 @@ TMA_CASES = [
     (2, 1, 16, 1, 256, "float16", 256, 0, 1300, 2),      # MQA 16, d256, page 256
     (3, 1, 16, 4, 192, "bfloat16", 48, 2, 700, None),    # d192 (3 column blocks), page 48
     (3, 4, 32, 8, 128, "bfloat16", 16, 4, 500, None),    # speculative: 16 rows
-    (3, 16, 32, 8, 128, "bfloat16", None, 2, 800, 2),    # 64 rows: two 32-row tiles in keys mode
+    (3, 16, 32, 8, 128, "bfloat16", None, 2, 800, 2),    # 64 rows: two 32-row tiles (keys mode forced)
     (4, 1, 8, 8, 64, "bfloat16", None, 0, 37, None),     # capacity 37: a tile past the cache's end (zero-filled)
 ]
 
@@ -259,25 +362,61 @@ TMA_CASES = [
 @pytest.mark.parametrize("combine", ["fused", "kernel"])
 @pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", TMA_CASES)
 def test_gpu_tma_against_float64_reference(variant, combine, batch, sq, h, hkv, d, dtype, page, new, cap, splits):
-    variant(dict(loader="tma", combine=combine))
+    """The keys mode's TMA rings (per-warp rings, lane 0 issuing)."""
+    variant(dict(loader="tma", warp_split="keys", combine=combine))
     x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
     plan = _plan_of(x, splits)
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
-    assert plan.config.loader == "tma" and plan.tma is not None, plan.config
+    assert plan.config.loader == "tma" and plan.tma is not None and plan.config.warp_split == "keys", plan.config
+
+
+# Rows mode (> 32 query rows per kv head: speculative verification, chunked prefill; or forced for
+# decoding with several kv heads per CTA): the CTA ring filled by one producer thread, against the
+# forced cp.async ring.  (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size,
+# seqlen_new, capacity, num_splits)
+ROWS_CASES = [
+    (3, 8, 32, 8, 128, "bfloat16", None, 8, 900, None),  # Sq8 x group 4 = 32 rows (4 warps, 2 pad)
+    (3, 16, 32, 8, 128, "bfloat16", 16, 4, 1000, None),  # Sq16 x 4 = 64 rows, page 16: a copy per page
+    (2, 16, 16, 2, 128, "float16", 64, 16, 700, 3),      # 128 rows (8 warps), page 64, 3 splits
+    (2, 32, 8, 2, 64, "bfloat16", 256, 32, 1300, None),  # d64, 128 rows, page 256, 64-key tiles
+    (2, 16, 8, 1, 256, "float16", None, 2, 600, 2),      # d256 MQA: 128 rows, Q in shared memory
+    (3, 12, 24, 4, 80, "bfloat16", 48, 3, 500, None),    # d80 (2 column blocks, zero-filled), 72 rows, page 48
+    (2, 300, 4, 2, 64, "bfloat16", 64, 300, 700, None),  # chunked prefill: 600 rows, 5 row tiles
+    (4, 1, 16, 16, 72, "float16", 16, 1, 400, None),     # decode, 8 kv heads per CTA (one box), padded d
+    (4, 1, 32, 8, 128, "bfloat16", None, 0, 900, 4),     # decode, 8 kv heads per CTA, contiguous
+    (4, 4, 8, 8, 64, "bfloat16", None, 0, 37, None),     # capacity 37: a tile past the cache's end
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["tma", "cp.async"])
+@pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", ROWS_CASES)
+def test_gpu_rows_mode_tma_and_cp_async_against_float64_reference(variant, loader, batch, sq, h, hkv, d, dtype, page,
+                                                                  new, cap, splits):
+    """Ragged lengths (0 and 1 among them), appends, GQA 1-8, pages 16-256, splits, poisoned
+    outputs, both dtypes; each case run on the rows mode's TMA ring and on its cp.async ring."""
+    variant(dict(warp_split="rows", loader=loader))
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap, num_splits=splits)
+    plan = _plan_of(x, splits)
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.config.warp_split == "rows" and plan.config.loader == loader, plan.config
+    assert (plan.tma is not None) == (loader == "tma")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("l2", [0, 256])
 @pytest.mark.parametrize("page", [None, 16, 64], ids=("contig", "paged16", "paged64"))
-def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, l2, page):
+@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, sq, l2, page):
     """TMA moves whole boxes, so a tile past a sequence's end brings the cache's next rows (NaN
-    here) into shared memory: the kernel zeroes them before P V.  Ragged lengths with 0, 1 and
-    one short of a tile."""
+    here) into shared memory: the kernel zeroes them before P V (keys mode: the warp; rows mode:
+    the CTA, then a barrier).  Ragged lengths with 0, 1 and one short of a tile; seqlen_q 16 x
+    group 4 runs the rows mode."""
     import cupy as cp
     from gpu_util import poison
     variant(dict(loader="tma", l2_prefetch=l2))
     cap = 640
-    x = _make(_seed(), 5, 1, 16, 4, 128, "bfloat16", page, cap, lens=[0, 1, 15, 333, cap])
+    x = _make(_seed(), 5, sq, 16, 4, 128, "bfloat16", page, cap, lens=[0, 1, 15, 333, cap])
     for b, n in enumerate(x.lens_h):   # every cache entry a sequence does not use: NaN
         if page is None:
             poison(x.kc[b, n:]), poison(x.vc[b, n:])
@@ -300,8 +439,9 @@ def test_gpu_tma_nan_past_the_sequences_is_never_used(variant, l2, page):
         out = poison(cp.empty(x.q.shape, x.q.dtype))
         o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
         cp.cuda.Device().synchronize()
-        _check(x, o, lse, True, None, f"NaN tails page={page} l2={l2} splits={splits}")
-    assert _plan_of(x).config.loader == "tma"
+        _check(x, o, lse, True, None, f"NaN tails sq={sq} page={page} l2={l2} splits={splits}")
+    plan = _plan_of(x)
+    assert plan.config.loader == "tma" and plan.config.warp_split == ("rows" if sq > 8 else "keys"), plan.config
 
 
 @pytest.mark.gpu
@@ -323,11 +463,12 @@ def test_gpu_tma_appends_cross_page_boundaries(variant, page):
 
 
 @pytest.mark.gpu
-def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant):
+@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant, sq):
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(loader="tma"))
-    x = _make(_seed(), 3, 1, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
+    x = _make(_seed(), 3, sq, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
     x.table_h[1, 100] = 1 << 30
     x.table.set(x.table_h)
     o, lse = _call(x, return_lse=True)
@@ -338,16 +479,18 @@ def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
-def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, page):
+@pytest.mark.parametrize("page", [None, 16, 64], ids=("contig", "paged16", "paged64"))
+@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, sq, page):
     """CuPy stream capture of a TMA call with splits: the tensor maps travel as kernel parameters
     (they depend on the caches' addresses only), so replays see new cache_seqlens and, paged, a
-    new block table (the pages permuted) - against the reference and an eager call each time."""
+    new block table (the pages permuted) - against the reference and an eager call each time;
+    seqlen_q 16 x group 4 runs the rows mode's producer ring."""
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(loader="tma"))
     cap = 2000
-    x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", page, cap, lens=[cap] * 3)   # every page mapped
+    x = _make(_seed(), 3, sq, 32, 8, 128, "bfloat16", page, cap, lens=[cap] * 3)   # every page mapped
     out = cp.empty(x.q.shape, x.q.dtype)
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
@@ -357,7 +500,8 @@ def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, page):
         s.begin_capture()
         _, lse = _call(x, out=out, num_splits=6, return_lse=True)
         graph = s.end_capture()
-    assert _plan_of(x, 6).config.loader == "tma"
+    plan = _plan_of(x, 6)
+    assert plan.config.loader == "tma" and plan.config.warp_split == ("rows" if sq > 8 else "keys"), plan.config
     rng = np.random.default_rng(_seed())
     for step in range(3):
         x.lens_h = rng.integers(0, cap, size=3).astype(np.int32)

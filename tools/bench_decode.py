@@ -22,6 +22,10 @@ time of a new head dim.  Run on the GPU host from the repository root:
     PYTHONPATH=. python tools/bench_decode.py --quick --no-host --variant-layouts contig,paged16,paged64 \
         --splits 8,32 --variants "cp=loader:cp.async;s4=num_stages:4;n32=block_n:32;fill2=split_rule:fill2"
         # the TMA default (sm_90) against the cp.async ring, a deeper ring, 32-key tiles, and B1's split count
+    PYTHONPATH=. python tools/bench_decode.py --quick --no-host --layouts contig,paged16,paged64 \
+        --variant-layouts contig,paged16,paged64 --shapes 8:8192:32:8:128:4,8:8192:32:8:128:16,8:8192:32:8:128:64 \
+        --variants "cp=loader:cp.async;s5=num_stages:5"
+        # speculative decoding: the rows mode's TMA producer ring (default) against its cp.async ring
 
 Layouts: ``contig`` (batch, seqlen, nheads_kv, head_dim), ``hnd`` (a (batch, nheads_kv, seqlen,
 head_dim) cache passed as its transposed view), ``paged16`` / ``paged64``.  SDPA runs on its
@@ -29,9 +33,10 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 ``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
-order splits|heads, combine fused|kernel, split_rule decode|old|fill2, schedule streamk, loader
-tma|cp.async (tma: the default in keys mode on sm_90), l2_prefetch 64|128|256; cfg tags: K keys
-mode with cp.async, KT keys mode with TMA, pN prefetch) on the
+order splits|heads, combine fused|kernel, split_rule decode|old|fill2|contig (contig: paged caches
+split as contiguous ones), schedule streamk, loader tma|cp.async (tma: the default in both modes on
+sm_90), l2_prefetch 64|128|256; cfg tags: K keys mode with cp.async, KT keys mode with TMA, R<n>h
+rows mode with n kv heads per CTA (R<n>hT: its TMA producer ring), pN prefetch) on the
 ``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
 ``--host-profile`` times the pieces of a call.
 """
@@ -165,7 +170,8 @@ def _plan_of(kv, s, layout, dtype, torch, kw, variant=None):
 
 def _short(plan):
     cfg = plan.config
-    mode = ("KT" if cfg.loader == "tma" else "K") if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h"
+    tma = "T" if cfg.loader == "tma" else ""
+    mode = f"K{tma}" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h{tma}"
     comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
     l2 = f" p{cfg.l2_prefetch}" if cfg.l2_prefetch else ""
     if cfg.schedule == "streamk":   # a grid of a few CTAs per SM sharing the key tiles

@@ -80,10 +80,13 @@ class AttentionDecodeConfig(AttentionShape):
     schedule : "split": one CTA per (row tile, split, sequence, head group).  "streamk" (keys mode,
         one row tile): a grid of a few CTAs per SM sharing all key tiles equally (template header).
     loader : how K/V tiles reach shared memory.  "cp.async": every lane copies 16-byte chunks
-        (sm_80+).  "tma" (keys mode, sm_90+): lane 0 of each warp issues Hopper tensor copies (one
-        per 64 columns x block_n keys, or x 16 keys of one page; columns past head_dim zero-filled)
-        into a 128-byte-swizzled ring completing on an mbarrier per stage; the launch passes a
-        tensor map of each cache.  The op's default on sm_90 (see DECODE_LOADER).
+        (sm_80+).  "tma" (sm_90+): Hopper tensor copies (one per 64 columns x block_n keys x
+        kv_heads heads, or x 16 keys of one page; columns past head_dim zero-filled) into
+        128-byte-swizzled stages completing on an mbarrier per stage; the launch passes a tensor
+        map of each cache.  Keys mode: lane 0 of each warp fills its warp's ring.  Rows mode: one
+        producer thread fills the CTA's ring (num_stages >= 3: num_stages - 2 tiles in flight, a
+        stage refilled once every warp released it on its "empty" mbarrier).  The op's default on
+        sm_90 (see DECODE_LOADER).
     l2_prefetch : bytes a K/V miss brings into L2 (0: the default; 64, 128, 256): cp.async's
         ``.L2::<n>B`` qualifier, or the tensor maps' L2 promotion with loader "tma".
     """
@@ -121,9 +124,9 @@ class AttentionDecodeConfig(AttentionShape):
             self._fail("schedule", "'split' with warp_split='rows' ('streamk' is keys mode only)")
         self._check_choice("loader", LOADERS)
         self._check_choice("l2_prefetch", L2_PREFETCHES)
-        if self.loader == "tma":
-            if self.warp_split != "keys":
-                self._fail("loader", "'cp.async' with warp_split='rows' ('tma' is keys mode only)")
+        if self.loader == "tma" and self.warp_split == "rows" and self.num_stages < 3:
+            self._fail("num_stages", "3 to 6 with loader='tma' and warp_split='rows' (the producer refills a "
+                                     "stage one tile after every warp released it)")
         if self.warp_split == "keys":
             self._check_choice("rows", (16, 32, 48, 64))
             self._check_choice("num_warps", (1, 2, 4, 8))
@@ -147,20 +150,24 @@ class AttentionDecodeConfig(AttentionShape):
         """keys: the larger of the main loop's buffers (Q tile + each warp's ring of K and V
         tiles, rows padded to odd 16-byte chunks) and the end's merge of the warps (float32 O per
         warp and row, strides of 8 or 24 words mod 32, plus row statistics) laid over them.
-        rows: the Q tiles of the CTA's kv heads (none with q_in_regs) + the CTA's ring."""
+        rows: the Q tiles of the CTA's kv heads (none with q_in_regs) + the CTA's ring.
+        TMA: 1 KB to align the ring(s) to the swizzle's 1024-byte period, the ring(s) (unpadded
+        rows of whole 64-column blocks), Q; the keys mode's merge laid over them; then the 8-byte
+        mbarriers (keys: one per warp and stage; rows: full and empty per stage)."""
         qk = ((self.head_dim_padded // 8) | 1) * 8
         vs = ((self.head_dim // 8) | 1) * 8
-        if self.warp_split == "rows":
-            q_tile = 0 if self.q_in_regs else self.kv_heads * self.rows * qk
-            return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
+        rows_mode = self.warp_split == "rows"
+        q_tile = (0 if self.q_in_regs else self.kv_heads * self.rows * qk) if rows_mode else self.rows * qk
         red_stride = self.head_dim + 8 if self.head_dim % 16 == 0 else self.head_dim
-        merge = 4 * (self.num_warps * self.rows * red_stride + 2 * self.num_warps * self.rows + 2 * self.rows)
+        merge = 0 if rows_mode else \
+            4 * (self.num_warps * self.rows * red_stride + 2 * self.num_warps * self.rows + 2 * self.rows)
         if self.loader == "tma":
-            # 1 KB to align the rings to the swizzle's 1024-byte period, the rings (unpadded rows),
-            # Q; the merge laid over them; then an 8-byte mbarrier per warp and stage
-            ring = self.num_warps * self.num_stages * 2 * self.block_n * self.tma_columns * 2
-            body = -(-max(1024 + ring + 2 * self.rows * qk, merge) // 8) * 8
-            return body + 8 * self.num_warps * self.num_stages
+            rings = 1 if rows_mode else self.num_warps
+            ring = rings * self.num_stages * 2 * self.kv_heads * self.block_n * self.tma_columns * 2
+            body = -(-max(1024 + ring + 2 * q_tile, merge) // 8) * 8
+            return body + 8 * self.num_stages * (2 if rows_mode else self.num_warps)
+        if rows_mode:
+            return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
         pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
         return max(pipe, merge)
 
@@ -173,9 +180,11 @@ class AttentionDecodeConfig(AttentionShape):
     @property
     def bytes_in_flight(self) -> int:
         """K/V bytes one CTA keeps requested while it computes: num_stages - 1 tiles (per warp in
-        keys mode, per CTA of kv_heads heads in rows mode)."""
+        keys mode, per CTA of kv_heads heads in rows mode; the rows mode's TMA ring num_stages - 2,
+        its last stage the producer's slack)."""
         tiles = self.num_warps if self.warp_split == "keys" else self.kv_heads
-        return tiles * (self.num_stages - 1) * self.block_n * 2 * self.head_dim * 2
+        ahead = self.num_stages - (2 if self.warp_split == "rows" and self.loader == "tma" else 1)
+        return tiles * ahead * self.block_n * 2 * self.head_dim * 2
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
@@ -271,17 +280,21 @@ ROWS_MODE_ABOVE = 32
 # is measured against it: keys mode reached 93-95% of copy at 1 split on an H100 (2026-11-25).
 # tools/bench_decode.py --variants times both in one run; RTKERNELS_DECODE_WARP_SPLIT overrides.
 DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # read at import
-# K/V loader of the keys mode where TMA can serve (sm_90+, a cache a tensor map can describe - see
-# tma_strides): "tma".  Measured (H200, 2026-11-26, tools/bench_decode.py --variants tma=loader:tma,
+# K/V loader where TMA can serve (sm_90+, a cache a tensor map can describe - see tma_strides):
+# "tma", in both warp splits.  Keys mode:  Measured (H200, 2026-11-26, tools/bench_decode.py --variants tma=loader:tma,
 # bf16, % of the copy rate, cp.async -> tma, cuDNN beside): B64 S2k 94.3 -> 100 (101), B128 S1k
 # 91.7 -> 96.5 (99.0), B16 S4k d64 89.3 -> 96.1 (96.9), B8 S8k 86.7 -> 92.1 (90.3), Sq4 B8 S8k
 # 80.9 -> 85.7 (cuDNN 32.6); paged 16 / 64 +5-10 points (B128 S1k paged16 89.0 -> 96.0, B16 S4k
 # d64 paged16 82.5 -> 92.5).  Why (issue #15): the cp.async ring streamed ~30 GB/s per SM with
 # 64-128 KB in flight, past Little's law's ~48-64 KB, so the request path was the limit: a d128
 # 16-key tile is 64 cp.async instructions per lane, a TMA tile 4 copies issued by one lane (167
-# registers instead of 194).  Many rows (> ROWS_MODE_ABOVE) keep the rows mode and its cp.async
-# ring: Sq16 B8 S8k 66.1% there against 61.6% for TMA keys mode (same run).
-# RTKERNELS_DECODE_LOADER=cp.async switches back (read at import).
+# registers instead of 194).  Many rows (> ROWS_MODE_ABOVE) keep the rows mode (its cp.async ring:
+# Sq16 B8 S8k 66.1% against 61.6% for TMA keys mode, same run), now with a TMA ring of its own
+# (one producer thread, full / empty mbarriers): the cp.async ring's 128 threads issue 16 cp.async
+# each per 32-key d128 tile between two CTA barriers, the same request-path limit the keys mode
+# lost to TMA.  Reasoned, pending the lead's A/B (tools/bench_decode.py --variants cp=loader:cp.async,
+# seqlen_q 16 / 64); the cp.async rows ring stays for sm_80 and caches no map describes.
+# RTKERNELS_DECODE_LOADER=cp.async switches both modes back (read at import).
 DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
@@ -352,17 +365,24 @@ def _kv_heads_for(nheads_kv: int, want: int | None) -> int:
 # each chunk's page id and address held for the next tile; 8 chunks at 4-8 warps: 145-240 registers.
 ROWS_MODE_MIN_WARPS = 4
 MAX_LOAD_ITERS = 8
+# rows mode with TMA: ring depths to try, deepest first.  The producer refills the stage of tile
+# n - 2 while the warps compute tile n (one stage of slack, so no warp waits for the slowest one),
+# so 4 stages keep the cp.async ring's 2 tiles in flight: d128, 32-key tiles of one kv head = 2 x
+# 16 KB per CTA, 65 KB of shared memory (two CTAs per sm_90 SM, as COMPUTE_FILL asks).  Reasoned;
+# tools/bench_decode.py --variants times num_stages 3 and 5 against it.
+ROWS_TMA_STAGES = (4, 3)
 
 
 def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads=None, block_n=None,
-                 num_stages=None, l2_prefetch=0) -> AttentionDecodeConfig:
+                 num_stages=None, l2_prefetch=0, loader="cp.async") -> AttentionDecodeConfig:
     """warp_split="rows": 16 rows per warp, up to 128 rows per head (8 warps) for many rows; for
     decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA; at least
     ROWS_MODE_MIN_WARPS warps.  Tiles: ~128 (d <= 64: 256, d > 128: 64) key rows of K+V per stage
     over the CTA's heads (64 KB of K+V at d128, as the keys mode's 4 warps x 16 keys x 2 stages)
-    and at most MAX_LOAD_ITERS chunks per thread; 3 stages where the shared memory allows, else 2;
-    else 16-key tiles; else fewer kv heads, else fewer rows per CTA.  Reasoned, to be measured
-    (tools/bench_decode.py --variants)."""
+    and (cp.async) at most MAX_LOAD_ITERS chunks per thread; 3 stages where the shared memory
+    allows, else 2 (TMA: ROWS_TMA_STAGES, else 3); else 16-key tiles; else fewer kv heads, else
+    fewer rows per CTA.  Reasoned, to be measured (tools/bench_decode.py --variants)."""
+    tma = loader == "tma"
     hd_pad = -(-head_dim // 16) * 16
     chunks = head_dim // 8
     limit = _smem_limit(arch)
@@ -374,9 +394,13 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
         while kv >= 1:
             rw = max(need_rw, -(-ROWS_MODE_MIN_WARPS // kv))
             threads = 32 * kv * rw
-            if kv * rw <= 8:
+            # TMA: the ring's stages are cheap to deepen, so first look for a tile two CTAs fit on
+            # one SM (COMPUTE_FILL) before taking the whole shared memory (reasoned)
+            for budget in ((limit // 2 - 1024, limit) if tma else (limit,)):
+                if kv * rw > 8:
+                    break
                 for bn in ((block_n,) if block_n else (64, 32, 16)):
-                    iters = -(-kv * bn * chunks // threads)
+                    iters = 0 if tma else -(-kv * bn * chunks // threads)   # TMA: no copy in the threads
                     # S of a 16-row warp is bn / 2 registers: <= 32, and <= 16 beside d >= 128's O
                     # (d128, 64-key tiles, causal: 255 registers and 36 B of spills, NVRTC 13.5 sm_90)
                     too_big = bn > max(16, target // kv) or (hd_pad >= 128 and bn > 32)
@@ -384,12 +408,12 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
                         continue
                     if not block_n and iters > MAX_LOAD_ITERS and kv > 1:
                         break   # even 16-key tiles are too many chunks per thread: fewer kv heads
-                    for stages in ((num_stages,) if num_stages else (3, 2)):
+                    for stages in ((num_stages,) if num_stages else ROWS_TMA_STAGES if tma else (3, 2)):
                         cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * rw,
                                                     block_n=bn, num_warps=kv * rw, num_stages=stages, paged=paged,
                                                     q_in_regs=hd_pad <= 128, warp_split="rows", kv_heads=kv,
-                                                    l2_prefetch=l2_prefetch)
-                        if cfg.shared_mem_bytes <= limit:
+                                                    loader=loader, l2_prefetch=l2_prefetch)
+                        if cfg.shared_mem_bytes <= budget:
                             return cfg
             kv //= 2
         need_rw //= 2
@@ -413,26 +437,19 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
     rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
     (tuning: tools/bench_decode.py --variants).  ``loader`` None: DECODE_LOADER where the config
     allows it (keys mode, :func:`tma_capable`), else "cp.async"; "tma" given explicitly also
-    selects the keys mode for many rows (the rows mode has no TMA ring) and raises ConfigError
-    where TMA cannot serve."""
-    if loader == "tma":
-        if not tma_capable(head_dim, arch):
-            raise ConfigError.bad_value(FAMILY, "loader", loader, f"'cp.async' at head_dim={head_dim} on {arch} "
-                                        "('tma' needs sm_90+)")
-        if warp_split is None:
-            warp_split = "keys"
+    raises ConfigError where TMA cannot serve."""
+    if loader == "tma" and not tma_capable(head_dim, arch):
+        raise ConfigError.bad_value(FAMILY, "loader", loader, f"'cp.async' at head_dim={head_dim} on {arch} "
+                                    "('tma' needs sm_90+)")
     if warp_split is None:
         warp_split = "rows" if rows_total > ROWS_MODE_ABOVE else DECODE_WARP_SPLIT
     if loader is None:
-        loader = "tma" if DECODE_LOADER == "tma" and warp_split == "keys" and tma_capable(head_dim, arch) \
-            else "cp.async"
+        loader = "tma" if DECODE_LOADER == "tma" and tma_capable(head_dim, arch) else "cp.async"
     if warp_split not in WARP_SPLITS:
         raise ConfigError.bad_value(FAMILY, "warp_split", warp_split, "'keys' or 'rows'")
     if warp_split == "rows":
-        if loader == "tma":
-            raise ConfigError.bad_value(FAMILY, "loader", loader, "'cp.async' with warp_split='rows'")
         return _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads, block_n,
-                            num_stages, l2_prefetch)
+                            num_stages, l2_prefetch, loader)
     rows = rows_for(rows_total, head_dim)
     limit = _smem_limit(arch)
     tiles = candidates(head_dim)
@@ -728,7 +745,9 @@ DEFAULT_ORDER = "heads"
 # num_stages, num_warps, schedule, loader, l2_prefetch), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
 # and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
-# per SM) overriding the
+# per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
+# paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
+# forced splits the two were 71.9 / 75.5) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
@@ -783,7 +802,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
             per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
-            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged, split_rows, per_sm)
+            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged and rule != "contig", split_rows, per_sm)
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
@@ -818,15 +837,19 @@ def _tma_spec(p: Problem, cfg: AttentionDecodeConfig) -> tuple | None:
     """loader "tma": what the per-call tensor maps of k_cache and v_cache are built from (they
     depend on the caches' addresses, so :func:`_execute` encodes them - memoized by address and
     shape in rtkernels.tma, host work only, capturable): 4-D maps over the caches as they are,
-    (batch or num_blocks, seq or page_size, nheads_kv, head_dim) with their element strides
-    (:func:`tma_strides`), and a box of one kv head's 64 columns x block_n keys (paged: 16 keys,
-    one page's group); columns past head_dim (head dims not a multiple of 64) are the map's
-    out-of-bounds, which the copy fills with zeros."""
+    with their element strides (:func:`tma_strides`), dims ordered (batch or num_blocks, nheads_kv,
+    seq or page_size, head_dim) whatever the strides - keys inside heads, so a box of several kv
+    heads lands as one block of key rows per head - and a box of kv_heads heads x block_n keys
+    (paged: 16 keys, one page's group) x 64 columns; columns past head_dim (head dims not a
+    multiple of 64) are the map's out-of-bounds, which the copy fills with zeros."""
     if cfg.loader != "tma":
         return None
-    box = (1, 16 if p.paged else cfg.block_n, 1, 64)
-    return (p.dtype, p.cache_shape, tma_strides(p.cache_shape, p.strides["k_cache"]),
-            tma_strides(p.cache_shape, p.strides["v_cache"]), box, cfg.l2_prefetch)
+    order = (0, 2, 1, 3)
+    shape = tuple(p.cache_shape[i] for i in order)
+    k_strides, v_strides = (tma_strides(p.cache_shape, p.strides[n]) for n in ("k_cache", "v_cache"))
+    box = (1, cfg.kv_heads, 16 if p.paged else cfg.block_n, 64)
+    return (p.dtype, shape, tuple(k_strides[i] for i in order), tuple(v_strides[i] for i in order), box,
+            cfg.l2_prefetch)
 
 
 def tma_strides(shape: tuple, strides: tuple, itemsize: int = 2) -> tuple | None:
