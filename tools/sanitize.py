@@ -550,6 +550,7 @@ ATTN_FWD_VARIANTS = (
     (2, 100, 100, 2, 1, 256, True, "bfloat16", "", True),
     (1, 77, 77, 3, 3, 80, False, "bfloat16", "packed", False),
     (1, 1, 300, 4, 1, 128, False, "bfloat16", "", False),
+    (1, 600, 700, 2, 1, 64, True, "float16", "", True),   # two 64-row CTAs per SM (SHORT_SCHEDULE, d64 causal)
 )
 
 
