@@ -26,7 +26,7 @@ from rtkernels.ops import attention_sm90 as A90
 from rtkernels.ops.attention_sm90 import AttentionSm90Config
 
 from test_attention_sm90 import _Bar
-from test_attention_sm90_persistent import PTXAS_NOTES, _need_sm90, _inputs, _random_walk, _regs
+from test_attention_sm90_persistent import PTXAS_NOTES, _need_sm90, run_and_check, _random_walk, _regs
 
 FLAT_128 = dict(block_m=128, block_n=128, num_stages=2, intra_overlap=True, pingpong=False, persistent=True,
                 flat_walk=True)
@@ -351,19 +351,9 @@ def _kernel(cfg):
 
 
 def _check_case(case, sm_count, seed=None):
-    import cupy as cp
-    from test_attention import _check
-    seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed
-    batch, sq, sk, h, hkv, d, causal, dtype = case
+    d, causal, dtype = case[5:]
     cfg = _flat_config(dtype, d, causal)
-    q, k, v, o, lse = _inputs(case, seed)
-    A90.launch(_kernel(cfg), cfg, q, k, v, o, lse, d ** -0.5, sm_count=sm_count)
-    cp.cuda.get_current_stream().synchronize()
-    try:
-        _check(q, k, v, causal, dtype, o, lse)
-    except AssertionError as e:
-        raise AssertionError(f"{e}\ncase={case} seed={seed} sm_count={sm_count} cfg={cfg.key()}") from None
-    return cfg, (q, k, v, o, lse)
+    return cfg, run_and_check(cfg, _kernel(cfg), case, sm_count, seed)
 
 
 @pytest.mark.gpu

@@ -593,22 +593,30 @@ def _inputs(case, seed):
     return q, k, v, o, lse
 
 
-def _check_case(case, sm_count, seed=None):
+def run_and_check(cfg, kern, case, sm_count, seed=None):
+    """Launch ``kern`` (built from ``cfg``) on fresh inputs of ``case`` with poisoned outputs, check
+    against the float64 reference; a failure names the case, seed, grid and config.  Returns
+    (q, k, v, o, lse).  Shared by the flat-walk and two-CTA tests."""
     import cupy as cp
+    from rtkernels import device
     from test_attention import _check
     seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed
     batch, sq, sk, h, hkv, d, causal, dtype = case
-    cfg, kern = _kernel(dtype, d, causal)
     q, k, v, o, lse = _inputs(case, seed)
     A90.launch(kern, cfg, q, k, v, o, lse, d ** -0.5, sm_count=sm_count)
     cp.cuda.get_current_stream().synchronize()
-    from rtkernels import device
-    grid = A90.persistent_grid(cfg, batch, sq, h, sm_count or device.sm_count())
-    tiles = -(-sq // cfg.block_m) * h * batch
+    grid = A90.persistent_grid(cfg, batch, sq, h, sm_count or device.sm_count()) if cfg.persistent else None
     try:
         _check(q, k, v, causal, dtype, o, lse)
     except AssertionError as e:
-        raise AssertionError(f"{e}\ncase={case} seed={seed} grid={grid} tiles={tiles} cfg={cfg.key()}") from None
+        raise AssertionError(f"{e}\ncase={case} seed={seed} sm_count={sm_count} grid={grid} "
+                             f"cfg={cfg.key()}") from None
+    return q, k, v, o, lse
+
+
+def _check_case(case, sm_count, seed=None):
+    cfg, kern = _kernel(case[7], case[5], case[6])
+    run_and_check(cfg, kern, case, sm_count, seed)
 
 
 @pytest.mark.gpu
