@@ -322,17 +322,18 @@ def tune(head_dims, dtype: str, torch, seqlen: int = 4096) -> list[dict]:
 def parse_tiles(spec: str) -> list[dict]:
     """``"192x112ov,128x128ovpp,128x64s3,128x128ovpppst"`` -> attention_sm90 tile fields (``ov``:
     intra_overlap, ``pp``: pingpong, ``sN``: num_stages, ``early``: softmax_under_pv=False, ``pst``:
-    persistent, ``flat``: flat_walk, e.g. 128x128ovpstflat; ``cN``: ctas_per_sm, e.g. 64x128ovpstc2)."""
+    persistent, ``flat``: flat_walk, e.g. 128x128ovpstflat; ``l2``: l2_walk (causal cells only), e.g.
+    64x64ovpstl2c2; ``cN``: ctas_per_sm, e.g. 64x128ovpstc2)."""
     import re
     out = []
     for tok in filter(None, (t.strip() for t in spec.split(","))):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?(pst)?(flat)?(?:c(\d))?", tok)
+        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?(pst)?(flat)?(l2)?(?:c(\d))?", tok)
         if not m:
-            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early][pst][flat][cN], e.g. 192x112ov, "
+            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early][pst][flat][l2][cN], e.g. 192x112ov, "
                              "128x128ovpppst or 64x128ovpstc2")
         out.append(dict(block_m=int(m[1]), block_n=int(m[2]), num_stages=int(m[3] or 2), intra_overlap=bool(m[4]),
                         pingpong=bool(m[5]), softmax_under_pv=not m[6], persistent=bool(m[7]),
-                        flat_walk=bool(m[8]), ctas_per_sm=int(m[9] or 1)))
+                        flat_walk=bool(m[8]), l2_walk=bool(m[9]), ctas_per_sm=int(m[10] or 1)))
     return out
 
 
@@ -629,7 +630,7 @@ def short_summary(rows) -> list[dict]:
 def _short90(c) -> str:
     return (f"{c.block_m}x{c.block_n} s{c.num_stages}" + (" ov" if c.intra_overlap else "")
             + (" pp" if c.pingpong else "") + ("" if c.softmax_under_pv or not c.intra_overlap else " early")
-            + (" pst" if c.persistent else "") + (" flat" if c.flat_walk else "")
+            + (" pst" if c.persistent else "") + (" flat" if c.flat_walk else "") + (" l2" if c.l2_walk else "")
             + (f" c{c.ctas_per_sm}" if c.ctas_per_sm > 1 else ""))
 
 

@@ -65,6 +65,11 @@ class AttentionSm90Config(AttentionShape):
         boundary - the next tile's first S = Q K^T is issued with the current tile's last P V and
         the tile's epilogue (O normalized, staged in a buffer of its own, stored) runs under the
         following S GEMM.  Opt-in while it is measured.
+    l2_walk : with persistent and causal: walk the tiles in sections of (batch, head) pairs whose
+        K/V the host sizes to L2 (:func:`walk_group`), heaviest first within each section, instead
+        of heaviest first over every pair (which re-reads every pair's K/V from HBM at each query
+        tile level: the CPU model counts ~4x the once-only K/V traffic at S=512, ~8x at 1k for
+        64-row tiles).  Opt-in while it is measured.
     ctas_per_sm : CTAs the kernel is built to keep resident per SM (1 or 2).  2, for 64-row tiles
         (one consumer warpgroup) at head_dim <= 128: __launch_bounds__(256, 2) caps the launch at
         128 registers a thread, setmaxnreg moves the producer's to the consumer (see
@@ -90,6 +95,7 @@ class AttentionSm90Config(AttentionShape):
     exp2_poly: int = 0
     persistent: bool = False
     flat_walk: bool = False
+    l2_walk: bool = False
     ctas_per_sm: int = 1
 
     def __post_init__(self):
@@ -104,6 +110,10 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("persistent", (False, True))
         self._check_choice("flat_walk", (False, True))
         self._check_choice("ctas_per_sm", (1, 2))
+        self._check_choice("l2_walk", (False, True))
+        if self.l2_walk and not (self.persistent and self.causal):
+            self._fail("l2_walk", "False unless persistent=True and causal=True (the non-causal walk already runs "
+                                  "a head's query tiles together)")
         if self.ctas_per_sm > 1 and self.consumers != 1:
             self._fail("ctas_per_sm", "1 unless block_m=64 (two CTAs of one consumer warpgroup share an SM; "
                                       "wider tiles take its registers alone)")
@@ -164,7 +174,7 @@ class AttentionSm90Config(AttentionShape):
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        if any(f in params for f in _TILE_FIELDS if f not in ("persistent", "flat_walk")):   # they keep the tile
+        if any(f in params for f in _TILE_FIELDS if f not in ("persistent", "flat_walk", "l2_walk")):   # they keep the tile
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
@@ -271,6 +281,7 @@ class Tile(NamedTuple):
     persistent: bool = False
     flat_walk: bool = False
     ctas_per_sm: int = 1
+    l2_walk: bool = False
 
 
 _TILE_FIELDS = tuple(f for f in Tile._fields if f != "why")   # the config fields a Tile sets
@@ -595,8 +606,9 @@ def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float
         if sm_count is None:
             from .. import device
             sm_count = device.sm_count()
-        return Launch(kern, (persistent_grid(cfg, batch, seqlen_q, nheads, sm_count),), (cfg.threads_per_block,),
-                      cfg.shared_mem_bytes, (*tail, batch))
+        grid = persistent_grid(cfg, batch, seqlen_q, nheads, sm_count)
+        extra = (walk_group(cfg, batch, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, grid),) if cfg.l2_walk else ()
+        return Launch(kern, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (*tail, batch, *extra))
     return Launch(kern, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
                   cfg.shared_mem_bytes, tail)
 
@@ -629,15 +641,67 @@ def kernel_for(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", ma
     return hit
 
 
-def linear_tiles(m_tiles: int, heads: int, batch: int, causal: bool) -> list[tuple[int, int, int]]:
+def linear_tiles(m_tiles: int, heads: int, batch: int, causal: bool,
+                 group: int | None = None) -> list[tuple[int, int, int]]:
     """(tile, head, batch) of each linear tile index of the persistent walk, in index order: the
-    mirror of ``rtk::attn::linear_tile`` (rtk/attn_mask.cuh) that the CPU tests check."""
+    mirror of ``rtk::attn::linear_tile`` (rtk/attn_mask.cuh) that the CPU tests check; ``group``:
+    l2_walk's pairs per section (``rtk::attn::linear_tile_grouped``)."""
     out = []
-    for t in range(m_tiles * heads * batch):
-        if causal:
+    pairs = heads * batch
+    for t in range(m_tiles * pairs):
+        if group is not None:
+            s, loc = divmod(t, group * m_tiles)
+            mt, r = divmod(loc, min(group, pairs - s * group))
+            pair = s * group + r
+            out.append((m_tiles - 1 - mt, pair % heads, pair // heads))
+        elif causal:
             mt, r = divmod(t, heads * batch)
             out.append((m_tiles - 1 - mt, r % heads, r // heads))
         else:
             r, tile = divmod(t, m_tiles)
             out.append((tile, r % heads, r // heads))
     return out
+
+
+# l2_walk's section: the K/V of the pairs the CTAs stream at once should stay in L2 until every
+# query tile of those pairs has read them.  Reasoned, not tuned: H100/H200 have 50 MB of L2 in two
+# halves, and lines every SM reads may sit in both, so a section's K/V gets 16 MiB (the rest holds
+# Q / O and the next section's first loads).  The CPU model (walk_cost; FlashAttention's grid,
+# 16k tokens, hidden 2048) counts K/V read from HBM, as multiples of once, heaviest first over all
+# pairs -> sectioned: d128 S=512 64x64 at 264 CTAs 4.2 -> 1.06, d64 1k 64x128 8.1 -> 1.03, d64 2k
+# 15 -> 1.3, d128 1k 128x128 at 132 CTAs 4.2 -> 1.06.
+L2_SECTION_BYTES = 16 << 20
+
+
+def walk_cost(m_tiles: int, pairs: int, grid: int, group: int, key_tiles) -> float:
+    """Max over the CTAs of (key tiles + 1 per tile) of the static walk (CTA c takes linear tiles c,
+    c + grid, ...) in sections of ``group`` pairs, over the mean; ``key_tiles[m]``: query tile m's."""
+    import numpy as np
+    kt = np.asarray(key_tiles, dtype=np.int64) + 1              # + the tile's fixed cost, as one key tile
+    t = np.arange(m_tiles * pairs, dtype=np.int64)
+    s, loc = np.divmod(t, group * m_tiles)
+    gs = np.minimum(group, pairs - s * group)
+    work = kt[m_tiles - 1 - loc // gs]
+    per_cta = np.bincount(t % grid, weights=work, minlength=grid)
+    return float(per_cta.max() / per_cta.mean())
+
+
+def walk_group(cfg: AttentionSm90Config, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, kv_group: int,
+               grid: int) -> int:
+    """l2_walk's (batch, head) pairs per section: at most what keeps a section's K/V within
+    :data:`L2_SECTION_BYTES` (a GQA group's heads share theirs), and of the sizes from half that up,
+    the one whose static walk is the most even (sections whose tile count nears a multiple of the
+    grid hand the same CTAs the heavy tiles of every section: 1.2-1.4x the mean in the model);
+    ties: the larger.  From the shapes only (a CUDA graph replays it)."""
+    import numpy as np
+    pairs = nheads * batch
+    itemsize = 2
+    per_pair = max(1, 2 * seqlen_k * cfg.head_dim * itemsize // kv_group)
+    most = max(1, min(pairs, L2_SECTION_BYTES // per_pair))
+    m_tiles = -(-seqlen_q // cfg.block_m)
+    diag = seqlen_k - seqlen_q   # bottom-right causal: query row i sees keys <= i + diag
+    rows_end = np.minimum(np.arange(1, m_tiles + 1) * cfg.block_m, seqlen_q)
+    keys = np.clip(rows_end + diag, 0, seqlen_k)
+    key_tiles = np.maximum(-(-keys // cfg.block_n), 1)
+    sizes = range(most, max(1, most // 2) - 1, -max(1, most // 32))
+    return min(sizes, key=lambda g: (round(walk_cost(m_tiles, pairs, grid, g, key_tiles), 3), -g))
