@@ -680,13 +680,14 @@ def test_gpu_op_dispatches_persistent_with_env(monkeypatch):
 
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype, short?): every SHORT_SCHEDULE
 # row at its last seqlen_k (512 or 1024), one below and one above, at the ends of its head-dim range
-# (d64 / d128 causal: the walked row to 512, the two-CTAs-per-SM row to 1024 / 512);
+# (causal rows walk in L2-sized sections: d64 to 2048 keys, d128 to 4096, d256 a second row to 1024);
 # GQA, seqlen_q != seqlen_k (causal: bottom-right; seqlen_q > seqlen_k leaves rows that see no key)
 SHORT_CASES = [
     (2, 500, 500, 4, 2, 64, False, "bfloat16", True), (2, 512, 512, 4, 1, 64, False, "float16", True),
     (2, 513, 513, 4, 2, 64, False, "bfloat16", False), (2, 300, 512, 6, 2, 40, False, "bfloat16", True),
     (2, 1000, 1000, 4, 2, 64, True, "bfloat16", True), (2, 1024, 1024, 4, 1, 64, True, "float16", True),
-    (2, 1025, 1025, 4, 2, 64, True, "bfloat16", False), (2, 513, 513, 4, 4, 24, True, "bfloat16", True),
+    (2, 1025, 1025, 4, 2, 64, True, "bfloat16", True), (2, 513, 513, 4, 4, 24, True, "bfloat16", True),
+    (2, 2048, 2048, 2, 1, 64, True, "float16", True), (2, 2049, 2049, 2, 2, 64, True, "bfloat16", False),
     (2, 512, 512, 4, 2, 64, True, "bfloat16", True), (2, 300, 700, 4, 1, 56, True, "float16", True),
     (2, 1024, 1024, 4, 2, 80, False, "bfloat16", True), (2, 1025, 1025, 4, 2, 80, False, "bfloat16", False),
     (2, 513, 1000, 4, 1, 96, False, "float16", True),
@@ -695,11 +696,13 @@ SHORT_CASES = [
     (2, 1000, 1000, 4, 2, 128, False, "bfloat16", True), (2, 1024, 1024, 4, 1, 112, False, "float16", True),
     (2, 1025, 1025, 4, 2, 128, False, "bfloat16", False),
     (2, 512, 512, 4, 2, 128, True, "bfloat16", True), (2, 500, 500, 4, 1, 120, True, "float16", True),
-    (2, 513, 513, 4, 2, 128, True, "bfloat16", False), (2, 1000, 300, 4, 2, 104, True, "bfloat16", True),
+    (2, 513, 513, 4, 2, 128, True, "bfloat16", True), (2, 1000, 300, 4, 2, 104, True, "bfloat16", True),
+    (1, 4096, 4096, 2, 1, 128, True, "bfloat16", True), (1, 4097, 4097, 2, 1, 120, True, "float16", False),
     (2, 512, 512, 4, 2, 256, False, "bfloat16", True), (2, 500, 500, 4, 1, 136, False, "float16", True),
     (2, 513, 513, 4, 2, 256, False, "bfloat16", False), (2, 1000, 512, 4, 2, 192, False, "bfloat16", True),
     (2, 512, 512, 4, 2, 256, True, "bfloat16", True), (2, 500, 500, 4, 2, 248, True, "float16", True),
-    (2, 513, 513, 4, 1, 200, True, "bfloat16", False), (2, 333, 512, 4, 2, 192, True, "bfloat16", True),
+    (2, 513, 513, 4, 1, 200, True, "bfloat16", True), (2, 333, 512, 4, 2, 192, True, "bfloat16", True),
+    (2, 1024, 1024, 2, 1, 256, True, "bfloat16", True), (2, 1025, 1025, 2, 1, 144, True, "float16", False),
 ]
 
 

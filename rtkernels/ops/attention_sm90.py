@@ -404,7 +404,10 @@ def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
 # is each CTA's fixed cost (launch, barrier setup, the exposed Q + first K/V load, the store), paid
 # once per query tile whose main loop is only a few key tiles.  Causal d <= 128 rows also take
 # 128-row query tiles (reasoned: the diagonal tile's masked part is a smaller share of less work, and
-# the walk, heaviest first, evens the SMs' finishing times).
+# the walk, heaviest first, evens the SMs' finishing times).  Causal rows walk in L2-sized sections
+# (l2_walk): heaviest first over ALL (batch, head) pairs, every query-tile level swept every pair's
+# K/V - more than L2 holds - so each level re-read them from HBM (CPU model: 4-8x the K/V bytes; the
+# walk ran 20-35% below one CTA per tile); sections of pairs whose K/V fit L2 read them about once.
 #
 # Measured: H200, 2026-11-26, `tools/bench_attention.py --short-ab` (bf16, FlashAttention's grid:
 # 16k tokens, hidden 2048; old, new and 9 tiles plain and persistent, SDPA cuDNN, 3 interleaved
@@ -420,32 +423,32 @@ SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
     (8, 64, False, 4, Tile(192, 128, 2, True, False, persistent=True, why=(
         "d64 non-causal S=512 (4 key tiles): 331 -> 376 (387) walking the per-head-dim tile (H100 "
         "2026-11-25: 1.16x); at 1k (8 key tiles) 424 -> 421: kept off"))),
-    (8, 64, True, 4, Tile(128, 128, 2, True, False, persistent=True, why=(
-        "d64 causal S=512: 196 -> 230 (261); 1k: 276 -> 290 (310); 128x64 s3 walking 225 / 273, the "
-        "per-head-dim 192x112 walking 212 / 279; at S=512 two 64x128 CTAs per SM 217 (H200 2026-11-26)"))),
-    (8, 64, True, 8, Tile(64, 128, 2, True, False, ctas_per_sm=2, why=(
-        "d64 causal S=1k: two 64-row CTAs per SM, one per tile, 291 -> 307 (cuDNN 342; H200 2026-11-26, "
-        "the cuDNN kernel's own shape: 64-row tiles, two consumer warpgroups per SM on different tiles); "
-        "walking the same tile 226, 64x64 282; at 2k 387 vs 385: kept off. Measured at d64 only"))),
+    (8, 64, True, 16, Tile(128, 128, 2, True, False, persistent=True, l2_walk=True, why=(
+        "d64 causal, the walk in L2-sized sections (H200 2026-11-26, old -> row (cuDNN)): S=512 195 -> 237 "
+        "(267; heaviest-first walk over all pairs 231); 1k 279 -> 323 (344; two 64x128 CTAs per SM 306); "
+        "2k 382 -> 397 (399); at 4k 452 vs 449: kept off"))),
     (72, 96, False, 8, Tile(192, 128, 2, False, False, persistent=True, why=(
         "d80 non-causal S=512: 346 -> 410 (349); 1k: 426 -> 452 (367) walking the per-head-dim tile "
         "(H100 2026-11-25: 1.19x / 1.05x); 128x128 overlap walking 394 / 434"))),
-    (72, 96, True, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
-        "d80 causal S=512: 207 -> 245 (222); 1k: 291 -> 300 (268); 128x64 s3 walking 247 / 292, the "
-        "per-head-dim 192x112 walking 229 / 287"))),
+    (72, 96, True, 8, Tile(128, 128, 2, True, False, persistent=True, l2_walk=True, why=(
+        "d80 causal, the walk in L2-sized sections (H200 2026-11-26): S=512 209 -> 267 (234; the "
+        "heaviest-first walk 247); 1k 306 -> 353 (296; 309); at 2k 420 vs 416: kept off"))),
     (104, 128, False, 8, Tile(128, 128, 2, True, False, persistent=True, why=(
         "d128 non-causal S=512: 423 -> 492 (514); 1k: 545 -> 559 (574; the old config's second copy "
         "526); the per-head-dim 192x128 spills 4 B walking (NVRTC 13.5), 192x64 walking 462 / 492"))),
-    (104, 128, True, 8, Tile(64, 64, 2, True, False, ctas_per_sm=2, why=(
-        "d128 causal S=512 (8 key tiles of 64): two 64x64 CTAs per SM, one per tile, 285 -> 308 (cuDNN "
-        "347; H200 2026-11-26), walking it 197, the session-9 row (128x128 walking) 285; at 1k 405 vs "
-        "the per-head-dim 128x128 pingpong 410: kept off. Measured at d128 only"))),
+    (104, 128, True, 32, Tile(128, 128, 2, True, False, persistent=True, l2_walk=True, why=(
+        "d128 causal, the walk in L2-sized sections (H200 2026-11-26): S=512 288 -> 350 (352; two 64x64 "
+        "CTAs per SM 308, the heaviest-first walk 287); 1k 412 -> 472 (445); 2k 517 -> 562 (521); 4k "
+        "592 -> 607 (576)"))),
     (136, 256, False, 8, Tile(128, 64, 2, True, False, persistent=True, why=(
         "d256 non-causal S=512 (8 key tiles of 64): 476 -> 490 (516), 128x80 walking 483; at 1k "
         "593 -> 555: kept off"))),
     (136, 256, True, 8, Tile(128, 64, 2, True, False, why=(
         "d256 causal S=512: 320 -> 329 (334), one CTA per tile (walking: 266 - the walk lost at every "
-        "causal d256 cell, 0.81-0.85x); at 1k 426 -> 430: kept off"))),
+        "causal d256 cell, 0.81-0.85x; in L2-sized sections 339 vs 342, H200 2026-11-26)"))),
+    (136, 256, True, 16, Tile(128, 64, 2, True, False, persistent=True, l2_walk=True, why=(
+        "d256 causal S=1k, the walk in L2-sized sections (H200 2026-11-26): 452 -> 477 (469); at 2k "
+        "562 vs 562: kept off"))),
 ]
 
 
