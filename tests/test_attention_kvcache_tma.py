@@ -323,6 +323,28 @@ def test_tma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw):
     print(cfg, r)
 
 
+# The many-CTA shapes' occupancy variants (tools/bench_decode.py --variants, issue #15: B64 S2k,
+# B128 S1k, B16 S4k d64 at 2 CTAs per SM): smaller rings / fewer warps for 3-4 CTAs per SM, or 8
+# warps for 1.  (head_dim, variant fields, CTAs per SM the tile must reach on sm_90)
+OCCUPANCY_VARIANTS = [
+    (128, dict(num_warps=2), 4),                   # 2 warps x 3 stages x 8 KB: 54 KB
+    (128, dict(num_stages=2), 3),                  # 71 KB; 167 registers x 128 threads x 3 fits 64K
+    (128, dict(num_warps=2, num_stages=4), 3),     # 71 KB, 3 tiles in flight per warp
+    (64, dict(block_n=16), 4),                     # d64 16-key tiles (4 KB of K+V): 53 KB, 115 registers
+    (64, dict(num_warps=2), 4),                    # d64 32-key tiles, 2 warps: 53 KB
+]
+
+
+@pytest.mark.parametrize("d,fields,per_sm", OCCUPANCY_VARIANTS)
+def test_occupancy_variants_reach_their_residency(d, fields, per_sm):
+    cfg = choose_config("bfloat16", d, 4, False, False, "sm_90", loader="tma", warp_split="keys", **fields)
+    k = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), f"{cfg}: {r}"
+    got = kv_mod._ctas_per_sm(cfg, k, "sm_90")
+    assert got == per_sm, f"{cfg}: {got} CTAs per SM ({r.registers} registers, {cfg.shared_mem_bytes} B), want {per_sm}"
+
+
 def test_l2_prefetch_qualifier_reaches_the_ptx():
     cfg = choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_prefetch=128, loader="cp.async")
     k = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
@@ -368,6 +390,25 @@ def test_gpu_tma_against_float64_reference(variant, combine, batch, sq, h, hkv, 
     plan = _plan_of(x, splits)
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
     assert plan.config.loader == "tma" and plan.tma is not None and plan.config.warp_split == "keys", plan.config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [
+    dict(num_warps=2), dict(num_stages=2), dict(num_warps=2, num_stages=4), dict(block_n=16), dict(num_warps=8),
+    dict(schedule="streamk", num_warps=2),
+], ids=("w2", "s2", "w2s4", "n16", "w8", "skw2"))
+@pytest.mark.parametrize("case", [
+    (6, 1, 32, 8, 128, "bfloat16", None, 1, 900),   # GQA 4, ragged lengths, an append
+    (3, 1, 16, 16, 64, "float16", 16, 0, 500),      # MHA d64, page 16
+], ids=("d128", "d64paged16"))
+def test_gpu_occupancy_variants_against_float64_reference(variant, fields, case):
+    """The bench's occupancy variants for the many-CTA shapes (see OCCUPANCY_VARIANTS)."""
+    batch, sq, h, hkv, d, dtype, page, new, cap = case
+    variant(dict(loader="tma", warp_split="keys", **fields))
+    x = _run(_seed(), batch, sq, h, hkv, d, dtype, page, True, new, cap)
+    cfg = _plan_of(x).config
+    print(cfg)
+    assert cfg.loader == "tma" and all(getattr(cfg, f) == v for f, v in fields.items()), cfg
 
 
 # Rows mode (> 32 query rows per kv head: speculative verification, chunked prefill; or forced for

@@ -168,16 +168,23 @@ def _plan_of(kv, s, layout, dtype, torch, kw, variant=None):
     return plan
 
 
-def _short(plan):
+def _short(plan, kv=None):
+    """The plan's config tag; with ``kv`` (the op's module) also " o<n>": CTAs resident per SM
+    (the kernel's occupancy: registers, shared memory, threads) - what the many-CTA shapes' wave
+    count (grid / (n x SMs)) and each SM's share of the streams follow from."""
     cfg = plan.config
     tma = "T" if cfg.loader == "tma" else ""
     mode = f"K{tma}" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h{tma}"
     comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
     l2 = f" p{cfg.l2_prefetch}" if cfg.l2_prefetch else ""
+    occ = ""
+    if kv is not None and plan.split is not None:
+        from rtkernels import device
+        occ = f" o{kv._ctas_per_sm(cfg, plan.split.kernel, device.current_arch())}"
     if cfg.schedule == "streamk":   # a grid of a few CTAs per SM sharing the key tiles
         return f"SK{'T' if cfg.loader == 'tma' else ''} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} " \
-               f"s{cfg.num_stages} g{plan.split.grid[0]}{l2}"
-    return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}{l2}"
+               f"s{cfg.num_stages} g{plan.split.grid[0]}{l2}{occ}"
+    return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}{l2}{occ}"
 
 
 def parse_variants(text: str) -> dict:
@@ -230,7 +237,7 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
         try:
             fn(sets[0])   # compile, plan, warm
             if layout is not None:
-                row[f"{name}_cfg"] = _short(_plan_of(kv, sets[0], layout, dtype, torch, kw, variant))
+                row[f"{name}_cfg"] = _short(_plan_of(kv, sets[0], layout, dtype, torch, kw, variant), kv)
             live[name] = fn
         except Exception as exc:   # noqa: BLE001 - a peer without support for this shape
             row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
