@@ -473,6 +473,22 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
                       family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
+# Two warps per CTA (four CTAs per SM instead of two) for unsplit contiguous grids of more than one
+# wave of two-CTA slots.  Measured (H200, 2026-11-26, `tools/bench_decode.py --variants w2=num_warps:2`,
+# % of copy, the default timed twice within 0.4): B64 S2k 32/8 d128 (512 CTAs) 101 -> 104, B128 S1k 64/8
+# (1024 CTAs) 97.0 -> 98.9 - the last partial wave of 264 slots shrinks; B16 S4k d64 (256 CTAs, one
+# wave) 99.0 -> 99.1: not taken.  Paged caches lost (B128 paged16 97.4 -> 95.6, B16 94.5 -> 90.7) and a
+# split grid (B8 S8k) fell 93.9 -> 70.5: both keep four warps.  Head dims <= 128 (d256's rings keep two
+# CTAs per SM at two warps: nothing to gain).
+TWO_WARP_HEAD_DIM_MAX = 128
+
+
+def _two_warp_ctas(cfg, p, fields: dict, ctas: int, sms: int, splits) -> bool:
+    return ("num_warps" not in fields and not splits and not p.paged and cfg.warp_split == "keys"
+            and cfg.loader == "tma" and cfg.schedule == "split" and cfg.num_warps == 4
+            and p.head_dim <= TWO_WARP_HEAD_DIM_MAX and ctas > 2 * sms)
+
+
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
                       ctas_per_sm: int = 1) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
@@ -535,7 +551,12 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
             for paged in (False, True):
                 for causal in (False, True):
                     for rows_total in (1, 16):
-                        out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys"))
+                        keys = choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys")
+                        out.append(keys)
+                        if (not paged and keys.loader == "tma" and keys.num_warps == 4
+                                and d <= TWO_WARP_HEAD_DIM_MAX):   # large unsplit grids (_two_warp_ctas)
+                            out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
+                                                     num_warps=2))
                         for nkv in (1, 2, 4, 8):
                             out.append(choose_config(dt, d, rows_total, paged, causal, arch, nheads_kv=nkv,
                                                      warp_split="rows"))
@@ -790,6 +811,9 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
+    if _two_warp_ctas(cfg, p, fields, ctas, sms, num_splits or v.get("num_splits")):
+        cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
+                            **fields, num_warps=2)
     head_rows = min(cfg.rows, max(rows_total, 1))   # query rows per kv head of a CTA: its FLOPs per K/V byte
     cta_rows = cfg.kv_heads * head_rows
     if cfg.schedule == "streamk":
