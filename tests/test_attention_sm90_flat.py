@@ -26,7 +26,8 @@ from rtkernels.ops import attention_sm90 as A90
 from rtkernels.ops.attention_sm90 import AttentionSm90Config
 
 from test_attention_sm90 import _Bar
-from test_attention_sm90_persistent import PTXAS_NOTES, _need_sm90, run_and_check, _random_walk, _regs
+from test_attention_sm90_persistent import (PTXAS_NOTES, TINY, _need_sm90, case_id, run_and_check,
+                                              _random_walk, _regs)
 
 FLAT_128 = dict(block_m=128, block_n=128, num_stages=2, intra_overlap=True, pingpong=False, persistent=True,
                 flat_walk=True)
@@ -322,7 +323,6 @@ def test_flat_builds_asynchronous_without_spills(built_flat, d, causal):
 
 # ---- GPU ------------------------------------------------------------------------------------
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype): cheap first
-TINY = (1, 1, 1, 1, 1, 64, True, "bfloat16")
 CASES = [
     TINY,
     (1, 1, 1, 1, 1, 128, False, "float16"),
@@ -339,8 +339,6 @@ CASES = [
     (2, 1024, 1024, 16, 16, 64, False, "bfloat16"),
     (2, 2049, 2049, 3, 1, 64, False, "bfloat16"),
 ]
-_IDS = lambda c: "b{}_q{}_k{}_h{}/{}_d{}_{}_{}".format(   # noqa: E731
-    c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7])
 _KERNELS: dict = {}
 
 
@@ -363,7 +361,7 @@ def test_gpu_flat_tiny_first():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=_IDS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_gpu_flat_device_grid(case):
     _need_sm90()
     _check_case(case, None)
@@ -371,7 +369,7 @@ def test_gpu_flat_device_grid(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm_count", [1, 3])
-@pytest.mark.parametrize("case", CASES[2:], ids=_IDS)
+@pytest.mark.parametrize("case", CASES[2:], ids=case_id)
 def test_gpu_flat_small_grid_walks_many_tiles(case, sm_count):
     """1 or 3 CTAs for up to ~200 tiles: every barrier (Q buffers, K/V ring, the O staging rows)
     goes through many phases per CTA."""
@@ -381,7 +379,7 @@ def test_gpu_flat_small_grid_walks_many_tiles(case, sm_count):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(2, 1000, 1000, 5, 1, 128, True, "bfloat16"), (2, 777, 901, 4, 2, 64, False,
-                                                                                  "float16")], ids=_IDS)
+                                                                                  "float16")], ids=case_id)
 def test_gpu_flat_matches_the_per_tile_walk(case):
     """The same sums in the same order per tile: the flat loop's O and lse equal the per-tile
     persistent kernel's bit for bit."""

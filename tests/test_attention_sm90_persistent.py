@@ -554,6 +554,14 @@ def _need_sm90():
 
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype): cheap first
 TINY = (1, 1, 1, 1, 1, 64, True, "bfloat16")
+
+
+def case_id(c) -> str:
+    """A GPU case's test id (shared by the flat-walk and two-CTA test files)."""
+    return "b{}_q{}_k{}_h{}/{}_d{}_{}_{}".format(c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full",
+                                                 c[7])
+
+
 CASES = [
     TINY,
     (3, 7, 7, 5, 5, 64, True, "bfloat16"),
@@ -626,8 +634,7 @@ def test_gpu_tiny_first():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_{}_{}".format(
-    c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7]))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_gpu_device_grid(case):
     _need_sm90()
     _check_case(case, None)
@@ -635,8 +642,7 @@ def test_gpu_device_grid(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm_count", [1, 3])
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_{}_{}".format(
-    c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7]))
+@pytest.mark.parametrize("case", CASES[1:], ids=case_id)
 def test_gpu_small_grid_walks_many_tiles(case, sm_count):
     """1 or 3 CTAs for up to 165 tiles: every barrier goes through many phases per CTA, and the Q
     buffers and K/V ring wrap at every tile boundary."""

@@ -26,7 +26,8 @@ from rtkernels.errors import ConfigError
 from rtkernels.ops import attention_sm90 as A90
 from rtkernels.ops.attention_sm90 import AttentionSm90Config
 
-from test_attention_sm90_persistent import PTXAS_NOTES, _need_sm90, run_and_check, _random_walk, _simulate_walk
+from test_attention_sm90_persistent import (PTXAS_NOTES, TINY, _need_sm90, case_id, run_and_check,
+                                              _random_walk, _simulate_walk)
 
 TWO = dict(block_m=64, num_stages=2, intra_overlap=True, pingpong=False, ctas_per_sm=2)
 
@@ -155,7 +156,6 @@ def test_two_cta_builds_fit_two_per_sm_without_spills(built_two, case):
 
 # ---- GPU ------------------------------------------------------------------------------------
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype): cheap first
-TINY = (1, 1, 1, 1, 1, 64, True, "bfloat16")
 CASES = [
     TINY,
     (1, 1, 1, 1, 1, 128, False, "float16"),
@@ -173,8 +173,6 @@ CASES = [
     (2, 777, 901, 3, 1, 96, False, "bfloat16"),
     (2, 2049, 2049, 3, 1, 128, False, "bfloat16"),
 ]
-_IDS = lambda c: "b{}_q{}_k{}_h{}/{}_d{}_{}_{}".format(   # noqa: E731
-    c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7])
 _KERNELS: dict = {}
 
 
@@ -230,7 +228,7 @@ def test_gpu_driver_keeps_two_ctas_per_sm(prebuilt, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [True, False], ids=["walk", "grid"])
-@pytest.mark.parametrize("case", CASES, ids=_IDS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_gpu_two_ctas_device_grid(prebuilt, case, persistent):
     _need_sm90()
     _check_case(case, None, persistent)
@@ -238,7 +236,7 @@ def test_gpu_two_ctas_device_grid(prebuilt, case, persistent):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm_count", [1, 3])
-@pytest.mark.parametrize("case", CASES[2:], ids=_IDS)
+@pytest.mark.parametrize("case", CASES[2:], ids=case_id)
 def test_gpu_two_ctas_small_grid_walks_many_tiles(prebuilt, case, sm_count):
     """2 or 6 CTAs for up to ~200 tiles: every barrier goes through many phases per CTA."""
     _need_sm90()
@@ -247,7 +245,7 @@ def test_gpu_two_ctas_small_grid_walks_many_tiles(prebuilt, case, sm_count):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(2, 1000, 1000, 5, 1, 128, True, "bfloat16"), (2, 777, 901, 4, 2, 64, False,
-                                                                                  "float16")], ids=_IDS)
+                                                                                  "float16")], ids=case_id)
 def test_gpu_two_ctas_match_the_one_cta_build(prebuilt, case):
     """The same tile built for one CTA per SM (no register split, no cap) computes the same sums
     in the same order: O and lse equal bit for bit."""

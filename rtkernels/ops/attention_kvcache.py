@@ -281,7 +281,7 @@ ROWS_MODE_ABOVE = 32
 # tools/bench_decode.py --variants times both in one run; RTKERNELS_DECODE_WARP_SPLIT overrides.
 DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # read at import
 # K/V loader where TMA can serve (sm_90+, a cache a tensor map can describe - see tma_strides):
-# "tma", in both warp splits.  Keys mode:  Measured (H200, 2026-11-26, tools/bench_decode.py --variants tma=loader:tma,
+# "tma", in both warp splits.  Keys mode: measured (H200, 2026-11-26, tools/bench_decode.py --variants tma=loader:tma,
 # bf16, % of the copy rate, cp.async -> tma, cuDNN beside): B64 S2k 94.3 -> 100 (101), B128 S1k
 # 91.7 -> 96.5 (99.0), B16 S4k d64 89.3 -> 96.1 (96.9), B8 S8k 86.7 -> 92.1 (90.3), Sq4 B8 S8k
 # 80.9 -> 85.7 (cuDNN 32.6); paged 16 / 64 +5-10 points (B128 S1k paged16 89.0 -> 96.0, B16 S4k
@@ -292,8 +292,9 @@ DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # 
 # Sq16 B8 S8k 66.1% against 61.6% for TMA keys mode, same run), now with a TMA ring of its own
 # (one producer thread, full / empty mbarriers): the cp.async ring's 128 threads issue 16 cp.async
 # each per 32-key d128 tile between two CTA barriers, the same request-path limit the keys mode
-# lost to TMA.  Reasoned, pending the lead's A/B (tools/bench_decode.py --variants cp=loader:cp.async,
-# seqlen_q 16 / 64); the cp.async rows ring stays for sm_80 and caches no map describes.
+# lost to TMA.  Measured (H200, 2026-11-26, --variants cp=loader:cp.async, B8 S8k 32/8 d128, % of
+# copy cp.async -> tma): Sq16 67.7 -> 71.4 (paged16 48.8 -> 59.7), Sq64 19.2 -> 19.9; the cp.async
+# rows ring stays for sm_80 and caches no map describes.
 # RTKERNELS_DECODE_LOADER=cp.async switches both modes back (read at import).
 DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
 
@@ -483,10 +484,14 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
 TWO_WARP_HEAD_DIM_MAX = 128
 
 
-def _two_warp_ctas(cfg, p, fields: dict, ctas: int, sms: int, splits) -> bool:
-    return ("num_warps" not in fields and not splits and not p.paged and cfg.warp_split == "keys"
-            and cfg.loader == "tma" and cfg.schedule == "split" and cfg.num_warps == 4
-            and p.head_dim <= TWO_WARP_HEAD_DIM_MAX and ctas > 2 * sms)
+def _two_warp_tile(cfg: AttentionDecodeConfig) -> bool:
+    """A config the two-warp rule may replace: the keys mode's four-warp TMA tile on a contiguous cache."""
+    return (not cfg.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and cfg.schedule == "split"
+            and cfg.num_warps == 4 and cfg.head_dim <= TWO_WARP_HEAD_DIM_MAX)
+
+
+def _two_warp_ctas(cfg, fields: dict, ctas: int, sms: int, splits) -> bool:
+    return "num_warps" not in fields and not splits and _two_warp_tile(cfg) and ctas > 2 * sms
 
 
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
@@ -553,8 +558,7 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
                     for rows_total in (1, 16):
                         keys = choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys")
                         out.append(keys)
-                        if (not paged and keys.loader == "tma" and keys.num_warps == 4
-                                and d <= TWO_WARP_HEAD_DIM_MAX):   # large unsplit grids (_two_warp_ctas)
+                        if _two_warp_tile(keys):   # large unsplit grids (_two_warp_ctas)
                             out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
                                                      num_warps=2))
                         for nkv in (1, 2, 4, 8):
@@ -797,8 +801,9 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     rows_total = p.seqlen_q * group
     fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule", "loader",
                                 "l2_prefetch") if f in v}
-    if "k_cache" not in p.strides or tma_strides(p.cache_shape, p.strides["k_cache"]) is None \
-            or tma_strides(p.cache_shape, p.strides["v_cache"]) is None:
+    map_strides = tuple(tma_strides(p.cache_shape, p.strides[n]) if n in p.strides else None
+                        for n in ("k_cache", "v_cache"))
+    if None in map_strides:
         # an empty cache (a zero dimension), a broadcast or reversed one: no tensor map can
         # describe it, so this call streams it with cp.async (whatever the default or a variant asks)
         fields["loader"] = "cp.async"
@@ -811,13 +816,13 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
-    if _two_warp_ctas(cfg, p, fields, ctas, sms, num_splits or v.get("num_splits")):
+    if _two_warp_ctas(cfg, fields, ctas, sms, num_splits or v.get("num_splits")):
         cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                             **fields, num_warps=2)
     head_rows = min(cfg.rows, max(rows_total, 1))   # query rows per kv head of a CTA: its FLOPs per K/V byte
     cta_rows = cfg.kv_heads * head_rows
     if cfg.schedule == "streamk":
-        return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch)
+        return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch, map_strides)
     kernel = get_kernel(cfg, "attention_decode", arch=arch) if rows_total > 0 else None
     if not (num_splits or v.get("num_splits")):
         rule = v.get("split_rule")
@@ -854,10 +859,10 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                 combine = Launch(get_kernel(cfg, "attention_decode_combine", arch=arch), (rows_all,),
                                  (COMBINE_THREADS,), 0, (args,))
     return Plan(split, combine, append, cfg, num_splits, fused, out_shape, out_dtype, lse_shape, f32, part_bytes,
-                lse_off, counter_bytes, torch, p.device, _tma_spec(p, cfg))
+                lse_off, counter_bytes, torch, p.device, _tma_spec(p, cfg, map_strides))
 
 
-def _tma_spec(p: Problem, cfg: AttentionDecodeConfig) -> tuple | None:
+def _tma_spec(p: Problem, cfg: AttentionDecodeConfig, map_strides: tuple) -> tuple | None:
     """loader "tma": what the per-call tensor maps of k_cache and v_cache are built from (they
     depend on the caches' addresses, so :func:`_execute` encodes them - memoized by address and
     shape in rtkernels.tma, host work only, capturable): 4-D maps over the caches as they are,
@@ -865,12 +870,13 @@ def _tma_spec(p: Problem, cfg: AttentionDecodeConfig) -> tuple | None:
     seq or page_size, head_dim) whatever the strides - keys inside heads, so a box of several kv
     heads lands as one block of key rows per head - and a box of kv_heads heads x block_n keys
     (paged: 16 keys, one page's group) x 64 columns; columns past head_dim (head dims not a
-    multiple of 64) are the map's out-of-bounds, which the copy fills with zeros."""
+    multiple of 64) are the map's out-of-bounds, which the copy fills with zeros.  ``map_strides``:
+    (k_cache's, v_cache's) from :func:`tma_strides`."""
     if cfg.loader != "tma":
         return None
     order = (0, 2, 1, 3)
     shape = tuple(p.cache_shape[i] for i in order)
-    k_strides, v_strides = (tma_strides(p.cache_shape, p.strides[n]) for n in ("k_cache", "v_cache"))
+    k_strides, v_strides = map_strides
     box = (1, cfg.kv_heads, 16 if p.paged else cfg.block_n, 64)
     return (p.dtype, shape, tuple(k_strides[i] for i in order), tuple(v_strides[i] for i in order), box,
             cfg.l2_prefetch)
@@ -933,7 +939,7 @@ def _ctas_per_sm(cfg: AttentionDecodeConfig, kernel, arch: str) -> int:
 
 
 def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, out_shape, out_dtype, lse_shape, f32,
-                  torch: bool) -> Plan:
+                  torch: bool, map_strides: tuple) -> Plan:
     """schedule="streamk": as many CTAs as fit on the SMs at once (the kernel's occupancy), never more
     than the work units (key tiles of all items at full capacity); partials: two slots of rows x
     head_dim float32 (and rows lse) per CTA; a merge counter per (sequence, kv head)."""
@@ -950,7 +956,7 @@ def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, o
     lse_off = 4 * grid * 2 * cfg.rows * p.head_dim
     return Plan(split, None, append, cfg, 1, False, out_shape, out_dtype, lse_shape, f32,
                 lse_off + 4 * grid * 2 * cfg.rows, lse_off, 4 * p.batch * p.nheads_kv, torch, p.device,
-                _tma_spec(p, cfg))
+                _tma_spec(p, cfg, map_strides))
 
 
 # ---- workspace (split-KV partials, fused-merge counters) per (device, stream): ops/workspace.py ----
