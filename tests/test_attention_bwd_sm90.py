@@ -27,11 +27,13 @@ HEAD_DIMS = list(range(8, 129, 8))
 
 
 @pytest.mark.parametrize("bad", [dict(head_dim=136), dict(head_dim=12), dict(dtype="float32"), dict(num_stages=1),
-                                 dict(num_stages=4), dict(deterministic="yes")])
+                                 dict(num_stages=4), dict(deterministic="yes"), dict(block_m=96), dict(block_m=32),
+                                 dict(block_m=128, head_dim=72), dict(block_m=128, has_window=True),
+                                 dict(block_m=128, has_softcap=True), dict(block_m=128, num_stages=3)])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
         AttentionBwdSm90Config(**bad)
-    assert "attention_bwd_sm90" in str(e.value) and next(iter(bad)) in str(e.value)
+    assert "attention_bwd_sm90" in str(e.value) and any(name in str(e.value) for name in bad)
 
 
 def test_config_derived_values():
@@ -43,6 +45,21 @@ def test_config_derived_values():
                                   + 8 * 9 + 1024)
     assert rtk.families()["attention_bwd_sm90"] is AttentionBwdSm90Config and AttentionBwdSm90Config.needs_arch_specific
     assert B90.heuristic_configs(("bfloat16",))[0].shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+    # block_m 128: Q, dO tiles of 128 rows, dS^T of 128 queries; still two 64-row dQ slots
+    c = AttentionBwdSm90Config(dtype="bf16", head_dim=64, block_m=128, causal=True, is_varlen=True)
+    assert c.shared_mem_bytes == (2 * 128 * 128 + 2 * (2 * 128 * 128 + 1024) + 2 * 128 * 256 + 2 * 64 * 64 * 4
+                                  + 8 * 9 + 1024) <= B90.SMEM_LIMIT_SM90
+    assert AttentionBwdSm90Config().block_m == 64 and c.key() != c.replace(block_m=64).key()
+
+
+def test_query_step_switch(monkeypatch):
+    """block_m 64 by default; the switch gives 128 only where the 128-row kernel exists."""
+    assert all(c.block_m == 64 for c in B90.heuristic_configs(("bfloat16",)))
+    monkeypatch.setattr(B90, "BLOCK_M_128", True)
+    assert B90.choose_config("bfloat16", 64, True, True, is_varlen=True).block_m == 128
+    assert B90.choose_config("bfloat16", 72, True, False).block_m == 64
+    assert B90.choose_config("bfloat16", 64, False, False, has_softcap=True).block_m == 64
+    assert B90.choose_config("bfloat16", 192, False, False).block_m == 64   # attention_bwd_sm90_big: always 64
 
 
 def test_dispatch_rules():
@@ -84,6 +101,21 @@ def test_sass_has_wgmma_tma_and_reductions(d, causal, det):
     assert "UTMALDG" in sass and "UBLKRED" in sass and "LDL" not in sass and "STL" not in sass
     conv = get_kernel(B90.choose_config("bfloat16", d, causal, det), "attention_bwd_sm90_dq_convert", arch="sm_90a")
     assert "LDG.E.128" in conv.sass and "STG.E.128" in conv.sass and conv.resources.spill_stores == 0
+
+
+@pytest.mark.parametrize("causal,det,varlen", [(False, False, False), (True, True, True)])
+def test_block_m_128_builds_clean(causal, det, varlen):
+    """128 query rows per step at head_dim 64: no spill or local memory, and per step 2 x 4 k-steps
+    of S^T / dP^T, 2 x 8 of dV / dK over 128 queries, 2 x 8 of dQ (one m64 wgmma chain per half)."""
+    from rtkernels.kernel import get_kernel
+    cfg = AttentionBwdSm90Config(dtype="bfloat16", head_dim=64, causal=causal, deterministic=det, is_varlen=varlen,
+                                 block_m=128)
+    k = get_kernel(cfg, arch="sm_90a")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    sass = k.sass
+    assert sass.count("HGMMA") == 2 * 4 + 2 * 8 + 2 * 8
+    assert "UTMALDG" in sass and sass.count("UBLKRED") >= 1 and "LDL" not in sass and "STL" not in sass
 
 
 def test_every_consumer_thread_releases_its_ring_stage():

@@ -22,6 +22,9 @@ timing the dispatched config with those fields replaced (cells whose config has 
 rejects the value are left empty), e.g. the big kernel's dQ bulk reductions against its default;
 repeat it for more columns (alt2_*, ...), e.g. the big kernel's layout="qk" with 96 keys:
 ``--alt layout=qk,key_block=96,dq_mode=red,num_stages=2 --alt layout=qk,key_block=96,dq_mode=ring,num_stages=2``.
+The Hopper backward's 128 query rows per step at head dim 64 against the default 64:
+``--head-dims 64 --alt block_m=128 --alt block_m=128,deterministic=true`` (the second column against
+the default non-deterministic rtk_tflops; compare it with rtk_det_tflops).
 
 --template times the Hopper backward compiled from another version of its template (before /
 after a change: ``git show BASE:templates/attention_bwd_sm90.cu.j2 > old.cu.j2``), same grid;
@@ -348,7 +351,8 @@ def main():
                     alt = _alt_config(cfg, spec)
                     n = "" if i == 0 else str(i + 1)   # columns alt_*, alt2_*, ...
                     if alt is not None:
-                        abwd, _, agrads, _ = _ours(q, k, v, do, causal, args.dtype, False, torch, config=alt)
+                        adet = bool(getattr(alt, "deterministic", False))   # the op checks config against it
+                        abwd, _, agrads, _ = _ours(q, k, v, do, causal, args.dtype, adet, torch, config=alt)
                         row[f"alt{n}_config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(alt)
                         row[f"alt{n}_maxdiff"] = _max_diff(grads, agrads, torch)
                         row[f"rtk_alt{n}_tflops"] = 2.5 * fl / (

@@ -22,6 +22,12 @@ back to back (benchutil.time_batched: the host's launch cost hides behind the GP
 output is compared with rtk's once (max abs difference) before it is timed.
 
     PYTHONPATH=. python tools/bench_attention_masks.py --varlen --window --softcap --out $OUT [--quick]
+
+--bwd-alt NAME=VALUE[,...] (--varlen --backward): also time the Hopper backward with these fields of
+its dispatched config replaced (e.g. ``block_m=128``), on the varlen batch and on its dense twin,
+interleaved with the default config round by round (``benchutil.time_batched`` per round, the
+median of the rounds): columns rtk_alt_tflops, alt_ratio (alt / default), rtk_dense_alt_tflops,
+dense_alt_ratio, alt_varlen_vs_dense; cells whose config rejects the fields are left empty.
 """
 from __future__ import annotations
 
@@ -76,16 +82,20 @@ def _maxdiff(a, b, torch):
 _SHARED_DO = {}
 
 
-def _rtk(q, k, v, dtype, torch, backward, **kw):
-    """rtk.attention (and its backward) over prepared arrays."""
+def _rtk(q, k, v, dtype, torch, backward, bwd_config=None, **kw):
+    """rtk.attention (and its backward, with ``bwd_config`` when given) over prepared arrays."""
     from rtkernels.ops.attention import attention
     from rtkernels.ops.attention_bwd import attention_backward
     extra = {"dtype": "bfloat16"} if (torch is None and dtype == "bfloat16") else {}
     o, lse = attention(q, k, v, **kw, **extra)
     if not backward:
         return (lambda: attention(q, k, v, out=o, **kw, **extra)), o
-    do = _SHARED_DO[tuple(q.shape)] = _randn(torch, tuple(q.shape), dtype)
+    do = _SHARED_DO.get(tuple(q.shape)) if bwd_config is not None else None   # the alt: the default's dO
+    if do is None:
+        do = _SHARED_DO[tuple(q.shape)] = _randn(torch, tuple(q.shape), dtype)
     bkw = {n: kw[n] for n in kw if n not in ("return_lse",)}
+    if bwd_config is not None:   # (the op checks deterministic against the config's)
+        bkw.update(config=bwd_config, deterministic=bwd_config.deterministic)
     grads = attention_backward(do, q, k, v, o, lse, **bkw, **extra)
     return (lambda: attention_backward(do, q, k, v, o, lse, dq=grads[0], dk=grads[1], dv=grads[2], **bkw,
                                        **extra)), grads[0]
@@ -131,6 +141,41 @@ def _time(run, row, name, flops, warmup, repeat):
     return ms
 
 
+def _interleaved(runs: dict, row, flops, warmup, repeat, rounds: int = 3) -> None:
+    """Time the candidates ``runs`` (name -> run) round by round, each round every candidate in
+    turn (a clock or thermal drift hits them alike): {name}_ms = the median of its rounds."""
+    times = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, run in runs.items():
+            times[name].append(bu.time_batched(run, warmup=warmup if r == 0 else 1, repeat=max(3, repeat // rounds)))
+    for name, ts in times.items():
+        ms = sorted(ts)[len(ts) // 2]
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+
+
+def _bwd_alt(args, d, causal, flags):
+    """The varlen (or dense) Hopper backward config the op dispatches, with --bwd-alt's fields; None
+    without --bwd-alt, off sm_90 or where the config rejects them."""
+    if not (args.bwd_alt and args.backward):
+        return None
+    import cupy as cp
+    from rtkernels.errors import ConfigError
+    from rtkernels.ops import attention_bwd_sm90 as B90
+    from rtkernels.ops.attention import _device_arch
+    if not B90.is_sm90(_device_arch(cp.cuda.runtime.getDevice())):
+        return None
+    changes = {}
+    for item in args.bwd_alt.split(","):
+        name, _, value = item.partition("=")
+        changes[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    try:
+        return B90.choose_config(args.dtype, d, causal, bool(changes.get("deterministic", False)),
+                                 **flags).replace(**changes)
+    except (ConfigError, TypeError):
+        return None
+
+
 def _peer(row, name, made, ref_out, torch, flops, warmup, repeat):
     run, out = made
     if run is None:
@@ -167,7 +212,15 @@ def bench_varlen(args, torch, warmup, repeat):
                    "mean_len": round(total / len(lens)), "max_len": longest}
             kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             run, out = _rtk(q, k, v, args.dtype, torch, args.backward, **kw)
-            _time(run, row, "rtk", flops, warmup, repeat)
+            alt = _bwd_alt(args, d, True, dict(is_varlen=True))
+            if alt is None:
+                _time(run, row, "rtk", flops, warmup, repeat)
+            else:
+                arun, aout = _rtk(q, k, v, args.dtype, torch, args.backward, bwd_config=alt, **kw)
+                row["alt_config"] = f"block_m={alt.block_m}" + (" det" if alt.deterministic else "")
+                row["alt_maxdiff"] = _maxdiff(aout, out, torch)
+                _interleaved({"rtk": run, "rtk_alt": arun}, row, flops, warmup, repeat)
+                row["alt_ratio"] = row["rtk_alt_tflops"] / row["rtk_tflops"]
             if torch is not None:
                 fn = _torch_varlen(torch, cu, cu, longest, longest, True)
                 _peer(row, "torch_varlen", _torch_autograd(fn, q, k, v, torch, args.backward) if fn else
@@ -177,6 +230,8 @@ def bench_varlen(args, torch, warmup, repeat):
                                                     max_seqlen_k=longest, causal=True)
                     _peer(row, "fa4", _torch_autograd(fn, q, k, v, torch, args.backward), out, torch, flops, warmup,
                           repeat)
+                    if row.get("fa4_tflops") and "rtk_alt_tflops" in row:
+                        row["alt_vs_fa4"] = row["rtk_alt_tflops"] / row["fa4_tflops"]
             # the dense layout at the batch's mean length: the same kind of work without varlen
             s = max(64, round(total / len(lens) / 64) * 64)
             b = max(1, total // s)
@@ -184,7 +239,16 @@ def bench_varlen(args, torch, warmup, repeat):
             dflops = _flops(mask, [s] * b, [s] * b, h, d, args.backward)
             drow = {}
             drun, dout = _rtk(dq_, dk_, dv_, args.dtype, torch, args.backward, causal=True)
-            _time(drun, drow, "dense", dflops, warmup, repeat)
+            dalt = _bwd_alt(args, d, True, {})
+            if dalt is None:
+                _time(drun, drow, "dense", dflops, warmup, repeat)
+            else:
+                darun, _ = _rtk(dq_, dk_, dv_, args.dtype, torch, args.backward, bwd_config=dalt, causal=True)
+                _interleaved({"dense": drun, "dense_alt": darun}, drow, dflops, warmup, repeat)
+                row["rtk_dense_alt_tflops"] = drow["dense_alt_tflops"]
+                row["dense_alt_ratio"] = drow["dense_alt_tflops"] / drow["dense_tflops"]
+                if "rtk_alt_tflops" in row:
+                    row["alt_varlen_vs_dense"] = row["rtk_alt_tflops"] / drow["dense_alt_tflops"]
             row["dense_shape"] = f"{b}x{s}"
             row["rtk_dense_tflops"] = drow["dense_tflops"]
             row["varlen_vs_dense"] = row["rtk_tflops"] / drow["dense_tflops"]
@@ -206,9 +270,10 @@ def bench_varlen(args, torch, warmup, repeat):
             rows.append(row)
             print(row, flush=True)
             del q, k, v, dq_, dk_, dv_
-    return rows, ["head_dim", "tokens", "seqs", "mean_len", "rtk_tflops", "torch_varlen_tflops", "fa4_tflops",
-                  "ratio_vs_torch_varlen", "ratio_vs_fa4", "dense_shape", "rtk_dense_tflops", "varlen_vs_dense",
-                  "sdpa_cudnn_dense_tflops"]
+    return rows, ["head_dim", "tokens", "seqs", "mean_len", "rtk_tflops", "rtk_alt_tflops", "alt_ratio",
+                  "torch_varlen_tflops", "fa4_tflops", "ratio_vs_torch_varlen", "ratio_vs_fa4", "alt_vs_fa4",
+                  "dense_shape", "rtk_dense_tflops", "rtk_dense_alt_tflops", "dense_alt_ratio", "varlen_vs_dense",
+                  "alt_varlen_vs_dense", "sdpa_cudnn_dense_tflops"]
 
 
 def bench_window(args, torch, warmup, repeat):
@@ -338,6 +403,8 @@ def main():
     p.add_argument("--softcap-seqlen", type=int, default=4096)
     p.add_argument("--exp2-poly", default="", help="--softcap: also time these exp2_poly values (0-8) of the "
                    "Hopper forward, with and without softcap (columns cap_polyN / nocap_polyN)")
+    p.add_argument("--bwd-alt", default="", help="--varlen --backward: also time the Hopper backward's config with "
+                   "these fields (NAME=VALUE[,...], e.g. block_m=128), interleaved with the default")
     p.add_argument("--tag", default="")
     args = p.parse_args()
     if not (args.varlen or args.window or args.softcap):

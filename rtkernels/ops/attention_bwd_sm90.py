@@ -26,8 +26,13 @@ from .workspace import carve, stream_handle, stream_workspace
 FAMILY = "attention_bwd_sm90"
 MAX_HEAD_DIM = 128
 _ALIGN_SLACK = 1024
-_BLOCK_M = 64        # query rows per step (the template's BLOCK_M)
+_BLOCK_M = 64        # query rows per step of attention_bwd_sm90_big (and this family's default block_m)
+_DQ_ROWS = 64        # rows of one dQ accumulator tile (the template's DQ_ROWS; dq_convert's unit)
 _CONSUMERS = 2
+# block_m 128: Q and dO tiles of 128 rows in one 64-column block each (head_dim <= 64: one block;
+# at 72..128 two blocks make the two-stage ring alone 128 KiB and the config 300+ KiB), S^T and dP^T
+# of 64 keys x 128 queries (64 f32 registers each) beside dK and dV (head_dim / 2 each).
+BLOCK_M128_MAX_HEAD_DIM = 64
 
 
 @register_family
@@ -42,6 +47,11 @@ class AttentionBwdSm90Config(AttentionShape):
     deterministic : add the key tiles' dQ partials in a fixed order per query tile (bit-identical
         results run to run) instead of unordered float32 reductions.
     num_stages : depth of the Q/dO/lse/delta ring (2 or 3).
+    block_m : query rows per step, 64 or 128 (128 up to head_dim 64, two ring stages).  Each step
+        runs S^T, dP^T, dV and dK over block_m queries and, on one consumer warpgroup (alternating),
+        dQ = dS K for them; 128 halves the steps a key tile walks - the per-step hand-overs (ring
+        stage, dS^T barrier, dQ slot) and the pipeline fill at each sequence's start - for 64 more
+        registers per consumer thread (FlashAttention-3/4's sm90 choice at head dim 64).
     """
 
     family: ClassVar[str] = FAMILY
@@ -55,6 +65,7 @@ class AttentionBwdSm90Config(AttentionShape):
 
     deterministic: bool = False
     num_stages: int = 2
+    block_m: int = _BLOCK_M
 
     def __post_init__(self):
         self._check_shape()
@@ -63,6 +74,16 @@ class AttentionBwdSm90Config(AttentionShape):
                                    "in one warpgroup's registers; larger head dims use attention_backward)")
         self._check_choice("deterministic", (False, True))
         self._check_choice("num_stages", (2, 3))
+        self._check_choice("block_m", (64, 128))
+        if self.block_m == 128 and self.head_dim > BLOCK_M128_MAX_HEAD_DIM:
+            self._fail("block_m", f"64 at head_dim > {BLOCK_M128_MAX_HEAD_DIM} (Q and dO tiles of 128 rows in more "
+                                  f"than one 64-column block exceed shared memory; head_dim={self.head_dim})")
+        if self.block_m == 128 and (self.has_window or self.has_softcap):
+            # ptxas (NVRTC 13.5, sm_90a, d64 bf16, 40 / 232 registers): plain, causal, varlen and
+            # deterministic builds are clean at 128 rows, but the window's per-element bounds spill
+            # 80 B (non-causal), softcap's tanh 64 B (causal), all three options 176 B
+            self._fail("block_m", "64 with a window or softcap (their per-score work beside 128-row S^T and dP^T "
+                                  "spills registers at 128)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
@@ -81,13 +102,14 @@ class AttentionBwdSm90Config(AttentionShape):
 
     @property
     def shared_mem_bytes(self) -> int:
-        """K and V (block_n rows), num_stages x (Q, dO tiles of 64 rows + 64 lse and delta values),
-        two dS^T buffers (block_n x 64 x 2 B), two f32 dQ tiles (64 x head_dim), the mbarriers and
+        """K and V (block_n rows), num_stages x (Q, dO tiles of block_m rows + block_m lse and delta
+        values), two dS^T buffers (block_n x block_m x 2 B), two f32 dQ tiles (64 x head_dim: a
+        128-row step fills both, each tile leaving by its own bulk reduction), the mbarriers and
         1 KiB to align the base."""
         kv = 2 * self.d_blocks * self.block_n * 128
-        ring = self.num_stages * (2 * self.d_blocks * _BLOCK_M * 128 + 2 * _BLOCK_M * 4)
-        ds = 2 * self.block_n * 128
-        dq = 2 * _BLOCK_M * self.head_dim * 4
+        ring = self.num_stages * (2 * self.d_blocks * self.block_m * 128 + 2 * self.block_m * 4)
+        ds = 2 * self.block_n * self.block_m * 2
+        dq = 2 * _DQ_ROWS * self.head_dim * 4
         bars = 8 * (1 + 2 * self.num_stages + 4)
         return kv + ring + ds + dq + bars + _ALIGN_SLACK
 
@@ -114,6 +136,20 @@ class AttentionBwdSm90Config(AttentionShape):
 
 
 # ---- heuristics ---------------------------------------------------------------------------
+# Query rows per step the op picks where a 128-row config exists (head_dim <= 64, no window or
+# softcap): 64 until a GPU A/B decides (tools/bench_attention_bwd.py --alt block_m=128,
+# tools/bench_attention_masks.py --varlen --backward --bwd-alt block_m=128); False keeps every
+# dispatch exactly as before the field existed.
+BLOCK_M_128 = False
+
+
+def query_step(head_dim: int, **mask_flags) -> int:
+    """block_m the op picks: 128 where :data:`BLOCK_M_128` is on and the 128-row kernel builds clean
+    (:class:`AttentionBwdSm90Config`'s rule), else 64."""
+    ok = head_dim <= BLOCK_M128_MAX_HEAD_DIM and not (mask_flags.get("has_window") or mask_flags.get("has_softcap"))
+    return 128 if (BLOCK_M_128 and ok) else _BLOCK_M
+
+
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90Config:
     """The config the op runs: head dims <= 128 this family's kernel, 136..256 attention_bwd_sm90_big's
     (:mod:`rtkernels.ops.attention_bwd_sm90_big`, which splits the head dim between the consumer
@@ -124,7 +160,7 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
         from . import attention_bwd_sm90_big as big
         return big.choose_config(dtype, head_dim, causal, deterministic, **mask_flags)
     return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
-                                  **mask_flags)
+                                  block_m=query_step(head_dim, **mask_flags), **mask_flags)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:
@@ -162,7 +198,7 @@ def picks(head_dim: int, causal: bool, mask_flags: tuple = (), dtype: str = "bfl
         return False
     if not any(v for _, v in mask_flags):
         return True
-    key = (head_dim, bool(causal), mask_flags, dtype, bool(deterministic))
+    key = (head_dim, bool(causal), mask_flags, dtype, bool(deterministic), query_step(head_dim, **dict(mask_flags)))
     if key not in _MASKED_CLEAN:
         from ..kernel import get_kernel
         cfg = choose_config(dtype, head_dim, causal, deterministic, **dict(mask_flags))
@@ -227,11 +263,11 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
                stream=stream)
     maps = tuple(tensor_map(a, cfg.dtype, shape, strides_, box, swizzle=cfg.tma_swizzle)
                  for a, (shape, strides_, box) in zip((q_, k_, v_, do_), map_specs(cfg, q_, k_, v_, do_)))
-    m_tiles = -(-seqlen_q // _BLOCK_M)
+    m_tiles = -(-seqlen_q // _DQ_ROWS)
     # f32 dQ tiles in the consumers' fragment order, and (deterministic) 4 int32 per query tile for
     # the ordered additions (one 16-byte acquire load each); zeroed on the launch stream
     with cupy_stream(stream):
-        dq_accum = cupy.empty((batch, nheads, m_tiles, _BLOCK_M * cfg.head_dim), cupy.float32)
+        dq_accum = cupy.empty((batch, nheads, m_tiles, _DQ_ROWS * cfg.head_dim), cupy.float32)
         count = cupy.empty((batch, nheads, m_tiles, 4), cupy.int32) if cfg.deterministic else None
     sptr = cupy.cuda.get_current_stream().ptr if stream is None else (
         stream.ptr if hasattr(stream, "ptr") else _StreamPtr(stream).ptr)
@@ -250,10 +286,10 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
 def map_specs(cfg: AttentionBwdSm90Config, q_, k_, v_, do_) -> tuple:
     """(shape, strides, box) of the Q, K, V and dO tensor maps - everything but the base addresses,
     so a launch plan can keep them: boxes one swizzle span wide (64 columns = 128 bytes, SW128; or
-    the big kernel's 32 = 64 bytes, SW64) of 64 query rows or block_n key rows."""
+    the big kernel's 32 = 64 bytes, SW64) of block_m query rows or block_n key rows."""
     box = lambda rows: (1, rows, 1, cfg.tma_box_cols)   # noqa: E731
     return tuple((tuple(a.shape), _map_strides(a), box(rows))
-                 for a, rows in ((q_, _BLOCK_M), (k_, cfg.block_n), (v_, cfg.block_n), (do_, _BLOCK_M)))
+                 for a, rows in ((q_, cfg.block_m), (k_, cfg.block_n), (v_, cfg.block_n), (do_, cfg.block_m)))
 
 
 # ---- varlen: one plan for the full path and the replays ----------------------------------------------
@@ -284,7 +320,7 @@ class VarlenBackwardPlan:
     dot_grid: tuple
     dot_block: tuple            # the pre-pass's threads (the template's DOT_THREADS)
     grid: tuple                 # the main kernel's: kv heads x schedule slots
-    m_tiles: int                # 64-row query tiles of each head's padded rows
+    m_tiles: int                # 64-row dQ tiles of each head's padded rows
     scalars: tuple              # total_q, total_k, group, nheads, sequences, softmax_scale
     strides: tuple              # element strides (first three) of o, do, dq, dk, dv
     mask_args: tuple
@@ -305,7 +341,7 @@ class VarlenBackwardPlan:
         do_, q_, k_, v_, _ = views
         _, total_q, nheads, head_dim = q_.shape
         total_k, nheads_kv = k_.shape[1], k_.shape[2]
-        m_tiles = rows // _BLOCK_M
+        m_tiles = rows // _DQ_ROWS
         slots = schedule_slots(vl, cfg.block_n, keys=True)
         # key tiles of the packed sequences; descending where the deterministic causal order needs it
         sched = schedule_launch(vl.batch, vl.total_k, vl.total_q, cfg.block_n, slots, cfg.causal and cfg.deterministic,

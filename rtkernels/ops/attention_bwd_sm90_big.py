@@ -86,6 +86,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         self._check_choice("dq_mode", ("red", "bulk", "ring"))
         self._check_choice("layout", ("kt", "qk"))
         self._check_choice("key_block", _KEY_BLOCKS)
+        self._check_choice("block_m", (_BLOCK_M,))   # 64 query rows per step (the template's BLOCK_M)
         if self.key_block != 64 and self.layout != "qk":
             self._fail("key_block", '64 with layout="kt" (its keys are one wgmma M of 64)')
         if self.key_block == 96 and self.head_dim > QK_MAX_HEAD_DIM:
