@@ -31,7 +31,10 @@ CHECKED_DIMS = [136, 144, 176, 192, 200, 248, 256]   # compiled on the CPU, caus
                                  dict(num_stages=3), dict(deterministic="yes"), dict(dq_mode="atomic"),
                                  dict(dq_mode="bulk", deterministic=True), dict(head_dim=256, dq_mode="bulk"),
                                  dict(layout="kq"), dict(key_block=96), dict(key_block=128, layout="qk"),
-                                 dict(key_block=96, layout="qk", head_dim=200)])
+                                 dict(key_block=96, layout="qk", head_dim=200),
+                                 dict(do_stages=1), dict(ds_buffers=1), dict(do_stages=3, layout="qk"),
+                                 dict(ds_buffers=3, layout="qk"),
+                                 dict(do_stages=1, layout="qk", key_block=96, dq_mode="ring", num_stages=2)])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
         AttentionBwdSm90BigConfig(**{"head_dim": 192, **bad})
@@ -97,6 +100,40 @@ def test_qk_layout_compiles_clean():
     assert not [line for line in k.module.log.splitlines() if "wgmma" in line]
     assert k.sass.count("HGMMA.") == 2 * 12 + 2 * 3 * 4 + 6
     assert "UBLKRED" in k.sass and "UTMALDG" in k.sass
+
+
+SPLIT_RING = dict(layout="qk", key_block=96, num_stages=2, do_stages=1, ds_buffers=1, dq_mode="bulk")
+
+
+def test_qk_split_ring_shared_memory():
+    """FlashAttention-4's d192 rings (two Q stages, one dO stage) with the bulk dQ reduction fit at
+    96 keys only with one dS buffer (d192: 231224 of 232448 B); with two they exceed it; the red
+    reduction fits either way.  do_stages=0 keeps the shared ring's byte count."""
+    c = AttentionBwdSm90BigConfig(head_dim=192, **SPLIT_RING)
+    assert c.dout_stages == 1
+    tile = 6 * 64 * 64 + 64 * 4
+    assert c.shared_mem_bytes == (2 * 96 * 6 * 64 + 3 * tile + 2 * 16384 + 64 * 192 * 4 + 8 * (1 + 4 + 2)
+                                  + 1024) <= B90.SMEM_LIMIT_SM90
+    with pytest.raises(ConfigError, match="num_stages"):
+        c.replace(ds_buffers=2)
+    assert c.replace(ds_buffers=2, dq_mode="red").shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+    for d in (136, 176):
+        assert c.replace(head_dim=d).shared_mem_bytes <= B90.SMEM_LIMIT_SM90
+    base = AttentionBwdSm90BigConfig(head_dim=192, layout="qk", key_block=96, num_stages=1, dq_mode="bulk")
+    assert base.dout_stages == 1 and base.shared_mem_bytes == c.replace(
+        num_stages=1, do_stages=0, ds_buffers=2).shared_mem_bytes
+
+
+def test_qk_split_ring_builds_clean():
+    """The split-ring build (d192 causal, bulk dQ, one dS buffer): no spills, the same 54 HGMMA per
+    step as the shared ring, one bulk reduction, no register reductions, no serialized wgmma."""
+    from rtkernels.kernel import get_kernel
+    k = get_kernel(AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, **SPLIT_RING),
+                   arch="sm_90a")
+    r = k.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    assert not [line for line in k.module.log.splitlines() if "wgmma" in line]
+    assert k.sass.count("HGMMA.") == 54 and k.sass.count("UBLKRED") == 1 and "REDG" not in k.sass
 
 
 def test_qk_ring_mode_config_and_build():
@@ -309,6 +346,65 @@ def test_gpu_qk_layout(batch, sq, sk, h, hkv, d, causal, dtype, kb, dq_mode, sta
                                     key_block=kb, dq_mode=dq_mode, num_stages=stages)
     print(f"qk case batch={batch} sq={sq} sk={sk} h={h}/{hkv} d={d} causal={causal} {dtype} {cfg}")
     bwd_tests._gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det, hopper=cfg)
+
+
+SPLIT_RING_CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, key_block, dq_mode, ds_buffers, deterministic
+    (3, 255, 255, 16, 2, 192, True, "bfloat16", 96, "bulk", 1, False),   # GQA 8:1, causal
+    (1, 2048, 2048, 2, 1, 192, False, "bfloat16", 96, "bulk", 1, False),  # many steps per CTA
+    (1, 1000, 255, 8, 1, 176, True, "float16", 96, "bulk", 1, False),    # causal rows that see no key
+    (2, 113, 1000, 8, 1, 136, False, "float16", 96, "bulk", 1, False),   # MQA, odd lengths
+    (1, 77, 77, 2, 1, 192, True, "float16", 96, "bulk", 1, False),       # one step per CTA
+    (2, 300, 301, 4, 2, 160, True, "bfloat16", 96, "red", 2, False),     # a block past the head dim
+    (2, 113, 1000, 8, 1, 192, False, "float16", 96, "red", 1, True),     # deterministic, one dS buffer
+    (1, 4097, 1000, 2, 1, 200, True, "bfloat16", 64, "red", 1, True),    # 64 keys above d192
+    (2, 17, 4097, 4, 1, 256, True, "float16", 64, "red", 1, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,sk,h,hkv,d,causal,dtype,kb,dq_mode,ds_bufs,det", SPLIT_RING_CASES)
+def test_gpu_qk_split_ring(batch, sq, sk, h, hkv, d, causal, dtype, kb, dq_mode, ds_bufs, det):
+    """layout="qk" with a separate one-stage dO ring beside two Q stages (do_stages=1) and one or
+    two dS buffers, against the float64 reference (the 2x error rule)."""
+    _require_sm90()
+    cfg = AttentionBwdSm90BigConfig(dtype=dtype, head_dim=d, causal=causal, deterministic=det, layout="qk",
+                                    key_block=kb, dq_mode=dq_mode, num_stages=2, do_stages=1, ds_buffers=ds_bufs)
+    print(f"split-ring case batch={batch} sq={sq} sk={sk} h={h}/{hkv} d={d} causal={causal} {dtype} {cfg}")
+    bwd_tests._gpu_case(batch, sq, sk, h, hkv, d, causal, dtype, deterministic=det, hopper=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_qk_split_ring_deterministic_is_bit_identical():
+    import cupy as cp
+    _require_sm90()
+    cfg = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, deterministic=True, layout="qk",
+                                    key_block=96, num_stages=2, do_stages=1, ds_buffers=1)
+    a, b = (bwd_tests._gpu_case(2, 700, 900, 4, 2, 192, True, "bfloat16", deterministic=True, seed=11, hopper=cfg)
+            for _ in range(2))
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        diff = x.view(cp.uint16) != y.view(cp.uint16)
+        assert not bool(diff.any()), f"qk split ring d192 causal: {name} differs at {int(diff.sum())} elements"
+
+
+@pytest.mark.gpu
+def test_gpu_host_nvrtc_builds_split_ring_clean():
+    """The split-ring configs the bench times (d136 and d192, causal and not, bulk with one dS
+    buffer; red with two) built by the GPU host's NVRTC: no spill beyond loop bookkeeping, no
+    serialized wgmma."""
+    _require_sm90()
+    from rtkernels.kernel import get_kernel
+    bad = []
+    for d in (136, 192):
+        for causal in (False, True):
+            for extra in (dict(dq_mode="bulk", ds_buffers=1), dict(dq_mode="red", ds_buffers=2)):
+                cfg = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=d, causal=causal, layout="qk", key_block=96,
+                                                num_stages=2, do_stages=1, **extra)
+                k = get_kernel(cfg, arch="sm_90a")
+                notes = [line for line in k.module.log.splitlines() if "wgmma" in line]
+                print(d, causal, extra, k.resources, len(notes))
+                if not B90.bookkeeping_spill_only(k.resources) or notes:
+                    bad.append((d, causal, extra, k.resources, notes))
+    assert not bad, bad
 
 
 @pytest.mark.gpu

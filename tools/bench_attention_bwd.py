@@ -21,7 +21,10 @@ run: head dims 136..256 ran on it before attention_bwd_sm90_big.  --alt dq_mode=
 timing the dispatched config with those fields replaced (cells whose config has no such field or
 rejects the value are left empty), e.g. the big kernel's dQ bulk reductions against its default;
 repeat it for more columns (alt2_*, ...), e.g. the big kernel's layout="qk" with 96 keys:
-``--alt layout=qk,key_block=96,dq_mode=red,num_stages=2 --alt layout=qk,key_block=96,dq_mode=ring,num_stages=2``.
+``--alt layout=qk,key_block=96,dq_mode=red,num_stages=2 --alt layout=qk,key_block=96,dq_mode=ring,num_stages=2``,
+or FlashAttention-4's d192 rings (two Q stages, one dO stage, one dS buffer):
+``--alt layout=qk,key_block=96,num_stages=2,do_stages=1,ds_buffers=1,dq_mode=bulk``.  With --grid the compact
+table last carries each alt's TFLOP/s and its ratio to the faster peer.
 The Hopper backward's 128 query rows per step at head dim 64 against the default 64:
 ``--head-dims 64 --alt block_m=128 --alt block_m=128,deterministic=true`` (the second column against
 the default non-deterministic rtk_tflops; compare it with rtk_det_tflops).
@@ -433,8 +436,16 @@ def main():
     print("backward TFLOP/s = 2.5 x forward FLOPs / time; fwd+bwd = 3.5 x forward FLOPs / time")
     print(bu.table(rows, cols))
     if args.grid:
-        print("\nbackward TFLOP/s; ratio_vs_best = rtk / max(FA4, SDPA cuDNN) (target >= 1.0)")
-        print(bu.table(rows, COMPACT))
+        # the --alt columns beside the default, each with its ratio to the faster peer
+        alts = [("" if i == 0 else str(i + 1), spec) for i, spec in enumerate(args.alt or ())]
+        for n, _ in alts:
+            for r in rows:
+                if r.get(f"rtk_alt{n}_tflops") and r.get("best_peer"):
+                    r[f"alt{n}_vs_best"] = r[f"rtk_alt{n}_tflops"] / r[f"{r['best_peer']}_tflops"]
+        print("\nbackward TFLOP/s; ratio_vs_best = rtk / max(FA4, SDPA cuDNN) (target >= 1.0)"
+              + "".join(f"; alt{n} = {spec}" for n, spec in alts))
+        print(bu.table(rows, COMPACT[:4] + [c for n, _ in alts for c in (f"rtk_alt{n}_tflops", f"alt{n}_vs_best")]
+                       + COMPACT[4:]))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         :class:`rtkernels.ops.attention_bwd_sm90.AttentionBwdSm90Config`; head_dim a multiple of 8
         in [136, 256].
     deterministic : add each query tile's dQ partials in key-tile order (bit-identical runs).
-    num_stages : depth of the Q/dO/lse/delta ring (1 or 2; 2 fits every head dim up to 256).
+    num_stages : depth of the Q/lse ring, and of dO/delta's unless ``do_stages`` (1 or 2; 2 fits every
+        head dim up to 256).
     dq_mode : "red" - each thread adds its dQ fragments with 16-byte reductions (red.global.add.v4);
         "bulk" - each consumer warpgroup stages its half of the f32 dQ tile in shared memory and one
         thread adds it with a TMA bulk reduction (cp.reduce.async.bulk; +64 x head_dim x 4 B of
@@ -63,6 +64,16 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         (head dim as M, no exchange before dV, dK), and only dQ = dS K reads the other's dS.
     key_block : keys per CTA: 64, or 96 with layout "qk" and head_dim <= 192 (dK^T + dV^T of 48
         keys x 192 head-dim rows: 144 registers per thread).
+    do_stages : 0 - dO and delta share the Q ring's stages (one full / empty barrier pair per
+        stage); 1 or 2 (layout "qk", dq_mode "red" or "bulk") - a separate dO / delta ring of that
+        depth, so ``num_stages`` counts Q / lse stages only: FlashAttention-4's sm90 choice at
+        head dim 192 (two Q stages, one dO stage).  The next step's Q is then loaded a whole step
+        ahead and its S GEMM starts at once; the dO stage is released as soon as this step's
+        dV^T GEMM has read it and refills behind the dK^T and dQ GEMMs.
+    ds_buffers : dS buffers (2; 1 with layout "qk"): one buffer saves 2 x 8 KiB at 96 keys (what
+        lets two Q stages, one dO stage and the f32 dQ staging tile fit together), at the cost of
+        a one-way wait per step (a warpgroup rewrites its dS slice only after the other one's dQ
+        GEMM of the previous step has read it).
     """
 
     family: ClassVar[str] = FAMILY
@@ -75,6 +86,8 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     dq_mode: str = "red"
     layout: str = "kt"
     key_block: int = 64
+    do_stages: int = 0
+    ds_buffers: int = 2
 
     def __post_init__(self):
         self._check_shape()
@@ -97,6 +110,13 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         if self.dq_mode == "ring" and (self.layout != "qk" or self.num_stages != 2):
             self._fail("dq_mode", '"red" or "bulk" unless layout="qk" and num_stages=2 (the staging reuses the '
                                   'stage a step has read while the other stage feeds the next step)')
+        self._check_choice("do_stages", (0, 1, 2))
+        self._check_choice("ds_buffers", (1, 2))
+        if self.do_stages and (self.layout != "qk" or self.dq_mode == "ring"):
+            self._fail("do_stages", '0 unless layout="qk" with dq_mode "red" or "bulk" (a separate dO ring is '
+                                    'built for the "qk" consumers only)')
+        if self.ds_buffers != 2 and self.layout != "qk":
+            self._fail("ds_buffers", '2 unless layout="qk" ("kt" alternates its P^T and dS^T buffers together)')
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
@@ -132,21 +152,28 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         return self.key_block * 128
 
     @property
+    def dout_stages(self) -> int:
+        """Stages of dO and delta: do_stages, or the Q ring's num_stages when they share it."""
+        return self.do_stages or self.num_stages
+
+    @property
     def shared_mem_bytes(self) -> int:
-        """K and V (key_block rows), num_stages x (Q, dO tiles of 64 rows + 64 lse and delta
-        values), two P^T and two dS^T buffers ("qk": one P buffer - only its own warpgroup reads
-        it - and two dS), the f32 dQ staging tile (dq_mode "bulk"), the mbarriers and 1 KiB to
-        align the base."""
+        """K and V (key_block rows), num_stages x (Q tile of 64 rows + 64 lse values),
+        dout_stages x (dO tile + 64 delta values), two P^T and ds_buffers dS^T buffers ("qk": one P
+        buffer - only its own warpgroup reads it), the f32 dQ staging tile (dq_mode "bulk"), the
+        mbarriers (kv, full / empty per stage, and per dO stage with a separate dO ring) and 1 KiB
+        to align the base."""
         kv = 2 * self.d_blocks * self.key_block * 64
-        ring = self.num_stages * (2 * self.d_blocks * _BLOCK_M * 64 + 2 * _BLOCK_M * 4)
-        pds = (3 if self.layout == "qk" else 4) * self.pds_bytes
+        tile = self.d_blocks * _BLOCK_M * 64 + _BLOCK_M * 4
+        ring = (self.num_stages + self.dout_stages) * tile
+        pds = ((1 if self.layout == "qk" else 2) + self.ds_buffers) * self.pds_bytes
         dq = _BLOCK_M * self.head_dim * 4 if self.dq_mode == "bulk" else 0
-        bars = 8 * (1 + 2 * self.num_stages)
+        bars = 8 * (1 + 2 * self.num_stages + 2 * self.do_stages)
         return kv + ring + pds + dq + bars + _ALIGN_SLACK
 
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
-        p.update(split=self.split, block_n=self.block_n)
+        p.update(split=self.split, block_n=self.block_n, dout_stages=self.dout_stages)
         return p
 
     @property
