@@ -732,6 +732,35 @@ def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d
         assert plan.combine is not None and not plan.fused
 
 
+# The fused merge's three ways through the partials (templates/attention_decode.cu.j2, after the
+# counter): few (row, column chunk) units - split groups summed in shared memory; >= 8 splits - a
+# unit at a time, splits in batches of 8; fewer splits - 4 units at a time (the last batch partial).
+# (batch, seqlen_q, nheads, nheads_kv, head_dim, warp_split, num_splits, lens)
+MERGE_CASES = [
+    (3, 1, 8, 8, 64, "keys", 9, [700, 0, 1]),        # 1 row x 16 chunks: 4 split groups of 9 splits
+    (2, 1, 4, 4, 80, "keys", 3, [650, 33]),          # 20 chunks, 3 splits: 2 split groups
+    (1, 1, 32, 8, 128, "keys", 16, [799]),           # B1 decode: 4 rows x 32 chunks = the threads, 16 splits
+    (2, 1, 16, 2, 128, "keys", 40, [800, 17]),       # 8 rows, 40 splits (empty ones too): batches of 8
+    (2, 3, 16, 4, 128, "keys", 3, [700, 2]),         # 12 rows x 32 chunks: 3 units a thread, causal
+    (2, 16, 16, 4, 128, "rows", 5, [800, 300]),      # rows mode, 64 rows x 32 chunks: 16 units a thread
+    (2, 4, 24, 4, 96, "keys", 2, [500, 0]),          # 24 rows, d96 (24 chunks)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", [None, "serial"], ids=["merge", "serial"])
+@pytest.mark.parametrize("batch,sq,h,hkv,d,split,splits,lens", MERGE_CASES)
+def test_gpu_fused_merge_paths(variant, merge, batch, sq, h, hkv, d, split, splits, lens):
+    """The fused merge (the last CTA of a group merges the splits' partials) against the float64
+    reference on every path of its loads, with empty sequences and splits without keys; lse too."""
+    variant(dict(warp_split=split, combine="fused", **({"merge": merge} if merge else {})))
+    x = _run(_seed(), batch, sq, h, hkv, d, "bfloat16", None, True, 0, max(lens) + 1, lens=lens,
+             num_splits=splits)
+    plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, None, None, None, None), True, None, True, splits, "bfloat16")
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.fused and plan.num_splits == splits and plan.config.warp_split == split, plan
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("loader", LOADERS, ids=LOADER_IDS)
 @pytest.mark.parametrize("sq,hkv", [(16, 4), (64, 4), (300, 8), (33, 2)])

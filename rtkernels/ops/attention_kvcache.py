@@ -728,7 +728,7 @@ class Plan:
 
 
 def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_tiles: int, order: int = 1,
-          fused: bool = False) -> np.void:
+          fused: int = 0) -> np.void:
     """The by-value DecodeArgs for these sizes and strides."""
     a = np.zeros((), ARGS_DTYPE)
     h, d = p.nheads, p.head_dim
@@ -767,7 +767,8 @@ ORDER = {"splits": 0, "heads": 1}
 DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
-# num_stages, num_warps, schedule, loader, l2_prefetch), order ("splits"/"heads"), combine ("fused"/"kernel"), num_splits
+# num_stages, num_warps, schedule, loader, l2_prefetch), order ("splits"/"heads"), combine ("fused"/"kernel"), merge
+# ("serial": the fused merge of session 10, a few dependent L2 round trips per row, as a baseline), num_splits
 # and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
 # per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
@@ -839,12 +840,14 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     rows_all = p.batch * p.seqlen_q * p.nheads
     fused = False
     if num_splits > 1:
-        fits = 16 + 4 * cta_rows * num_splits <= cfg.shared_mem_bytes   # the merge's weights
+        # the merge's weights (rounded to 16 bytes) and its split groups' float4 sums (<= one per thread)
+        fits = 16 + 16 * -(-cta_rows * num_splits // 4) + 16 * cfg.threads_per_block <= cfg.shared_mem_bytes
         want = v.get("combine")
         fused = fits and (want == "fused" or (want is None and
                                               num_splits * cta_rows * p.head_dim * 4 <= FUSED_COMBINE_MAX_BYTES))
     order = ORDER[v.get("order", DEFAULT_ORDER)]
-    args = _args(p, cfg, num_splits, row_tiles, order, fused)
+    # a.fused: 0 none / the combine launch, 1 the merge, 2 the first (serial) merge (variant merge:serial)
+    args = _args(p, cfg, num_splits, row_tiles, order, (2 if v.get("merge") == "serial" else 1) if fused else 0)
     split = combine = None
     append = _append_launch(p, cfg, args, arch)
     part_bytes = lse_off = counter_bytes = 0
