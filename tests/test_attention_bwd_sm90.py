@@ -53,9 +53,11 @@ def test_config_derived_values():
 
 
 def test_query_step_switch(monkeypatch):
-    """block_m 64 by default; the switch gives 128 only where the 128-row kernel exists."""
+    """block_m 128 by default where the 128-row kernel exists; the switch off gives 64 everywhere."""
+    monkeypatch.setattr(B90, "BLOCK_M_128", False)
     assert all(c.block_m == 64 for c in B90.heuristic_configs(("bfloat16",)))
     monkeypatch.setattr(B90, "BLOCK_M_128", True)
+    assert {c.block_m for c in B90.heuristic_configs(("bfloat16",)) if c.head_dim <= 64} == {128}
     assert B90.choose_config("bfloat16", 64, True, True, is_varlen=True).block_m == 128
     assert B90.choose_config("bfloat16", 72, True, False).block_m == 64
     assert B90.choose_config("bfloat16", 64, False, False, has_softcap=True).block_m == 64
@@ -93,7 +95,8 @@ def test_dispatched_configs_compile_without_spills(causal, det):
 @pytest.mark.parametrize("d,causal,det", [(64, False, False), (128, True, True), (72, True, False)])
 def test_sass_has_wgmma_tma_and_reductions(d, causal, det):
     from rtkernels.kernel import get_kernel
-    sass = get_kernel(B90.choose_config("bfloat16", d, causal, det), arch="sm_90a").sass
+    # the 64-row step (d64 dispatches 128 rows: test_block_m_128_builds_clean covers that one)
+    sass = get_kernel(B90.choose_config("bfloat16", d, causal, det).replace(block_m=64), arch="sm_90a").sass
     d_steps, m_steps, n_steps = -(-d // 16), 4, 8
     # per step: S^T and dP^T over the head dim, dV and dK over the query tile, dQ over 128 keys
     assert sass.count("HGMMA") == 2 * d_steps + 2 * m_steps + n_steps

@@ -51,19 +51,22 @@ def test_config_derived_values():
     assert AttentionBwdSm90BigConfig.needs_arch_specific
     assert [BIG.column_split(d) for d in (136, 176, 192, 200, 248)] == [64, 96, 96, 96, 128]
     for cfg in BIG.heuristic_configs(("bfloat16",)):
-        # two stages, except "qk" with 96 keys and the bulk dQ reduction (one fits)
-        assert cfg.shared_mem_bytes <= B90.SMEM_LIMIT_SM90 and cfg.num_stages == (1 if cfg.layout == "qk" else 2), cfg
+        # two stages everywhere ("qk": two Q stages beside one dO stage and one dS buffer)
+        assert cfg.shared_mem_bytes <= B90.SMEM_LIMIT_SM90 and cfg.num_stages == 2, cfg
+        assert (cfg.do_stages, cfg.ds_buffers) == ((1, 1) if cfg.layout == "qk" else (0, 2)), cfg
 
 
 def test_choose_config_rule():
-    """Non-causal head dims <= 192, neither deterministic nor masked: "qk", 96 keys, bulk dQ, one
-    stage; everything else "kt" with 64 keys and two stages (bulk dQ where it fits and allowed)."""
+    """Head dims <= 192, causal or not, neither deterministic nor masked: "qk", 96 keys, bulk dQ,
+    FA4's rings (two Q stages, one dO stage, one dS buffer); everything else "kt" with 64 keys and
+    two stages (bulk dQ where it fits and allowed)."""
     for d in HEAD_DIMS:
         for causal in (False, True):
             for det in (False, True):
                 cfg = BIG.choose_config("bfloat16", d, causal, det)
-                if not causal and not det and d <= 192:
-                    assert (cfg.layout, cfg.key_block, cfg.dq_mode, cfg.num_stages) == ("qk", 96, "bulk", 1), cfg
+                if not det and d <= 192:
+                    assert (cfg.layout, cfg.key_block, cfg.dq_mode, cfg.num_stages, cfg.do_stages, cfg.ds_buffers) \
+                        == ("qk", 96, "bulk", 2, 1, 1), cfg
                 else:
                     assert (cfg.layout, cfg.key_block, cfg.num_stages) == ("kt", 64, 2), cfg
                     assert cfg.dq_mode == ("bulk" if not det and d <= 192 else "red"), cfg
@@ -235,7 +238,7 @@ def test_sass_has_wgmma_tma_and_reductions(built, d, causal):
 
 def test_dq_bulk_mode_compiles_to_bulk_reductions():
     from rtkernels.kernel import get_kernel
-    cfg = B90.choose_config("bfloat16", 192, True, False).replace(dq_mode="bulk")
+    cfg = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, num_stages=2, dq_mode="bulk")  # "kt"
     assert cfg.shared_mem_bytes == AttentionBwdSm90BigConfig(head_dim=192).shared_mem_bytes + 64 * 192 * 4
     k = get_kernel(cfg, arch="sm_90a")
     r = k.resources

@@ -137,10 +137,14 @@ class AttentionBwdSm90Config(AttentionShape):
 
 # ---- heuristics ---------------------------------------------------------------------------
 # Query rows per step the op picks where a 128-row config exists (head_dim <= 64, no window or
-# softcap): 64 until a GPU A/B decides (tools/bench_attention_bwd.py --alt block_m=128,
-# tools/bench_attention_masks.py --varlen --backward --bwd-alt block_m=128); False keeps every
-# dispatch exactly as before the field existed.
-BLOCK_M_128 = False
+# softcap): 128.  Measured (H200, 2026-11-26, bf16 d64, FA4 in the same run, TFLOP/s block_m 64 ->
+# 128; tools/bench_attention_bwd.py --alt block_m=128, bench_attention_masks.py --varlen --backward
+# --bwd-alt block_m=128): dense 2k 396 -> 422, 4k 475 -> 526, causal 2k 283 -> 344, causal 4k 405
+# -> 440 (FA4 399 / 460 / 288 / 421); deterministic 322 -> 369, 394 -> 408; varlen causal 16k / 32k
+# / 64k tokens 409 -> 455, 420 -> 466, 400 -> 445 (FA4 505 / 501 / 476).  Each 128-row step does
+# half the steps' fixed work (barriers, the dQ slot hand-off, per-step TMA issue) per key tile,
+# as FA4's sm90 backward at d64 does.  False restores 64 everywhere (A/B).
+BLOCK_M_128 = True
 
 
 def query_step(head_dim: int, **mask_flags) -> int:

@@ -189,7 +189,17 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     """The config the op runs (it cannot depend on the sequence length: one per dtype, head dim,
     causal, deterministic and mask options).
 
-    Non-causal, head_dim <= 192, neither deterministic nor masked: layout "qk", 96 keys per CTA,
+    head_dim <= 192, neither deterministic nor masked, causal or not: layout "qk", 96 keys per CTA,
+    dQ by bulk reduction, FlashAttention-4's rings: two Q stages, one dO stage (its own barriers,
+    released as soon as dV^T has read it) and one dS buffer (one shared ring of Q+dO with two
+    stages and two dS buffers exceeds shared memory with the f32 dQ staging tile).  Measured
+    (H200, 2026-11-26, bf16, FA4 and cuDNN in the same run, TFLOP/s at S 2k / 4k / 16k, old "qk" s1
+    or causal "kt" -> these rings): d192 non-causal 357 / 385 / 446 -> 417 / 465 / 484 (FA4 418 /
+    441 / 507), causal 290 / 359 / 426 -> 328 / 396 / 473 (FA4 302 / 389 / 488); the same rings
+    with red dQ and two dS buffers 0.85-0.98x of FA4, 64 keys 0.67-0.82x.  The text below is the
+    history of the choice before them.
+
+    Non-causal, head_dim <= 192 (session 9): layout "qk", 96 keys per CTA,
     dQ by bulk reduction, one ring stage (two and the f32 staging tile exceed shared memory).
     Measured (H200, 2026-11-26, bf16, FlashAttention's grid, TFLOP/s at S 2k / 4k / 16k,
     tools/bench_attention_bwd.py --alt): d192 "kt" 64 keys s2 bulk 366 / 408 / 424, "qk" 96 s1
@@ -214,8 +224,8 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
                                     num_stages=2, **mask_flags)
     if deterministic or any(mask_flags.values()):
         return cfg
-    if not causal and head_dim <= QK_MAX_HEAD_DIM:
-        return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=1)
+    if head_dim <= QK_MAX_HEAD_DIM:
+        return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=2, do_stages=1, ds_buffers=1)
     try:
         return cfg.replace(dq_mode="bulk")
     except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
