@@ -191,6 +191,21 @@ def _kernel(cfg):
     return _KERNELS[cfg]
 
 
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Every config the GPU tests launch, compiled in parallel once (about 40: one at a time they
+    would take most of the run); nothing without an sm_90 device."""
+    from concurrent.futures import ThreadPoolExecutor
+    from rtkernels import device
+    if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
+        return
+    cfgs = {_config(opt, c[7], c[5], c[6], on) for c in CASES for opt in OPTION_TILES for on in (True, False)
+            if (opt != "lpt" or c[6]) and (on or opt in ("lpt", "rq"))}
+    with ThreadPoolExecutor(16) as ex:
+        for cfg, k in zip(cfgs, ex.map(lambda c: rtk.get_kernel(c, arch="sm_90a"), cfgs)):
+            _KERNELS[cfg] = k
+
+
 def _run(cfg, case, seed, sm_count=None):
     import cupy as cp
     from test_attention import _check
@@ -212,7 +227,7 @@ def _same(a, b, what, case, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", ["lpt", "rq", "ps", "ps_plain"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_gpu_option(case, option):
+def test_gpu_option(case, option, prebuilt):
     """Against the float64 reference with poisoned outputs; lpt_grid and rescale_under_qk also bit for
     bit against the same config without them (the same arithmetic in another order of tiles / of
     independent instructions)."""
