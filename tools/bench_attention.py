@@ -15,6 +15,10 @@ Also: cold compile time of one config and its warm (disk-cache) load time.  Run 
     PYTHONPATH=. python tools/bench_attention.py --grid fa [--backward] --out results/
         # the issue's grid, rtk / FA4 / SDPA only (forward: head dims 64, 80, 128, 256 x seqlens
         # 512, 1k, 4k, 16k; backward: 64, 128, 192, 256 x 2k, 4k, 16k; causal and not), compact table last
+    PYTHONPATH=. python tools/bench_attention.py --fwd-ab --out results/
+        # S=4k/16k x head dims 64, 80, 128, 256 x causal/not: the current pick twice, FA4-inspired
+        # candidates (FWD_AB_TILES: p_smem, rescale_under_qk, lpt_grid, other tiles), FA4 and SDPA
+        # cuDNN interleaved over 5 rounds; a summary per cell last
     PYTHONPATH=. python tools/bench_attention.py --backward [...]    # = tools/bench_attention_bwd.py [...]
     PYTHONPATH=. python tools/bench_attention.py --varlen|--window|--softcap [--backward] [...]
                                                   # = tools/bench_attention_masks.py [...]
@@ -323,17 +327,20 @@ def parse_tiles(spec: str) -> list[dict]:
     """``"192x112ov,128x128ovpp,128x64s3,128x128ovpppst"`` -> attention_sm90 tile fields (``ov``:
     intra_overlap, ``pp``: pingpong, ``sN``: num_stages, ``early``: softmax_under_pv=False, ``pst``:
     persistent, ``flat``: flat_walk, e.g. 128x128ovpstflat; ``l2``: l2_walk (causal cells only), e.g.
-    64x64ovpstl2c2; ``cN``: ctas_per_sm, e.g. 64x128ovpstc2)."""
+    64x64ovpstl2c2; ``cN``: ctas_per_sm, e.g. 64x128ovpstc2; ``rq``: rescale_under_qk, e.g. 128x80ovrq;
+    ``ps``: p_smem, e.g. 192x128ovps;
+    ``lpt``: lpt_grid (causal cells only), e.g. 128x80ovpplpt)."""
     import re
     out = []
     for tok in filter(None, (t.strip() for t in spec.split(","))):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?(pst)?(flat)?(l2)?(?:c(\d))?", tok)
+        m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d))?(ov)?(pp)?(early)?(rq)?(ps)?(pst)?(flat)?(l2)?(?:c(\d))?(lpt)?", tok)
         if not m:
-            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early][pst][flat][l2][cN], e.g. 192x112ov, "
-                             "128x128ovpppst or 64x128ovpstc2")
+            raise SystemExit(f"--tiles: {tok!r} is not BMxBN[sS][ov][pp][early][rq][ps][pst][flat][l2][cN][lpt], "
+                             "e.g. 192x112ov, 128x128ovpppst, 64x128ovpstc2, 192x128ovps or 128x80ovrqlpt")
         out.append(dict(block_m=int(m[1]), block_n=int(m[2]), num_stages=int(m[3] or 2), intra_overlap=bool(m[4]),
-                        pingpong=bool(m[5]), softmax_under_pv=not m[6], persistent=bool(m[7]),
-                        flat_walk=bool(m[8]), l2_walk=bool(m[9]), ctas_per_sm=int(m[10] or 1)))
+                        pingpong=bool(m[5]), softmax_under_pv=not m[6], rescale_under_qk=bool(m[7]),
+                        p_smem=bool(m[8]), persistent=bool(m[9]), flat_walk=bool(m[10]), l2_walk=bool(m[11]),
+                        ctas_per_sm=int(m[12] or 1), lpt_grid=bool(m[13])))
     return out
 
 
@@ -605,6 +612,178 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
     return rows
 
 
+# --fwd-ab: the long cells against FA4.  Candidates beside the current pick: FA4's sm90 choices
+# (flash_attn/cute/interface.py _tile_size_fwd_sm90 + flash_fwd_sm90.py: d64 192x128 P in registers,
+# intra-warpgroup overlap and the warp-scheduler barrier between warpgroups (our pingpong); d80 192x144
+# (causal 192x128), P through shared memory (our ps; 192x144 does not fit beside our 128-column d80
+# tiles), overlap, barrier; d128 128x128 registers, overlap, barrier;
+# d256 128x80, overlap, no barrier, O rescaled under the QK GEMM (our rq); 2 stages everywhere; causal in
+# the LPT order (our lpt)) and the neighbours they suggest.  Causal cells also time every non-persistent
+# candidate with lpt_grid.  Keyed by (largest head dim of the class, causal).
+FWD_AB_TILES = {
+    (64, False): "192x128ovpp,192x128ovrq,192x112ov,192x144ovps,192x144ovppps",
+    (64, True): "192x128ov,192x128ovpp,192x112ovpp",
+    (96, False): "192x128ovps,192x128ovppps,192x112ov,192x112ovpp,192x112ovps,128x128ovpp",
+    (96, True): "192x128ovps,192x128ovppps,192x112ovps",
+    (128, False): "128x128ovpp,128x176ovpp,128x144ovpp,128x128ovpprq,192x128ovps,192x112ovps",
+    (128, True): "128x128ovpp,128x128ovpprq,128x128ov",
+    (256, False): "128x80ov,128x80ovrq,128x80ovpprq,128x64ovpp",
+    (256, True): "128x80ov,128x80ovrq,128x80ovpprq",
+}
+
+
+def _fwd_ab_specs(head_dim: int, causal: bool) -> str:
+    cls = next(c for c in (64, 96, 128, 256) if head_dim <= c)
+    return FWD_AB_TILES[(cls, causal)]
+
+
+def _fits(H, dtype: str, head_dim: int, causal: bool, fields: dict):
+    """The config of tile ``fields`` (lpt_grid dropped: added per cell), or None where it does not
+    fit shared memory at this head dim."""
+    from rtkernels.errors import ConfigError
+    try:
+        return H.AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
+                                     **{k: v for k, v in fields.items() if k != "lpt_grid"})
+    except ConfigError:
+        return None
+
+
+def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), rounds: int = 5,
+           tiles: str | None = None) -> list[dict]:
+    """Per (head_dim, causal, seqlen) on FlashAttention's grid: the current pick ("cur":
+    attention_sm90.choose_config with the call's seqlen_k, what rtk.attention runs), the same config
+    again ("cur again": the run's noise), the candidates of :data:`FWD_AB_TILES` (or ``tiles``), each
+    causal one-CTA-per-tile one also with lpt_grid, FA4 and SDPA cuDNN - interleaved over ``rounds``
+    (median), every rtk output (NaN-poisoned first) compared with cur's and FA4's.  A row per
+    candidate; spilling builds get a note instead of a time."""
+    import statistics
+    import cupy as cp
+    from concurrent.futures import ThreadPoolExecutor
+    import rtkernels as rtk
+    from rtkernels.ops import attention_sm90 as H
+    cells = {}
+    for d in head_dims:
+        for causal in causals:
+            specs = [c for c in (_fits(H, dtype, d, causal, t) for t in parse_tiles(tiles or _fwd_ab_specs(d, causal)))
+                     if c is not None]
+            for s in seqlens:
+                cur = H.choose_config(dtype, d, causal, seqlen_k=s)
+                extra = list(specs)
+                if causal:   # each one-CTA-per-tile candidate in the LPT order too
+                    extra += [c.replace(lpt_grid=True) for c in [cur] + specs if not c.persistent]
+                cands, seen = [("cur", cur), ("cur again", cur)], {cur}
+                for c in extra:
+                    if c not in seen:
+                        seen.add(c)
+                        cands.append((_short90(c), c))
+                cells[(d, causal, s)] = cands
+    configs = list(dict.fromkeys(c for v in cells.values() for _, c in v))
+
+    def build(c):
+        try:
+            k = rtk.get_kernel(c, arch="sm_90a")
+        except Exception as exc:   # noqa: BLE001
+            return c, None, str(exc).splitlines()[0][:80]
+        r = k.resources
+        spilled = r.spill_stores or r.spill_loads or r.stack_frame
+        return c, (None if spilled else k), (f"{r.spill_stores} B spilled" if spilled else "")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        built = {c: (k, note) for c, k, note in ex.map(build, configs)}
+    print(f"built {len(configs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
+        lambda t: t)
+    as_f32 = ((lambda x: (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)) if dtype == "bfloat16"
+              else (lambda x: x.astype(cp.float32)))
+    rows = []
+    for d in head_dims:
+        for s in seqlens:
+            h, b = HIDDEN // d, max(1, TOKENS // s)
+            q, k, v = _inputs(b, s, h, d, dtype, torch)
+            qc, kc, vc = (as_cp(t) for t in (q, k, v))
+            lse = cp.empty((b, h, s), cp.float32)
+            for causal in causals:
+                flops = _flops(b, s, s, h, d, causal)
+                head = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b}
+                peer_runs = []   # (cand, label, run, output or None)
+                if torch is not None:
+                    frun, fout = _fa4(q, k, v, causal, torch)
+                    if frun is not None:
+                        peer_runs.append(("fa4", "FA4", frun, as_cp(fout.contiguous())))
+                    if "sdpa_cudnn" in peers:
+                        crun, _ = _sdpa(q, k, v, causal, peers["sdpa_cudnn"], torch)
+                        if crun is not None:
+                            peer_runs.append(("cudnn", "SDPA cuDNN", crun, None))
+                fa4_out = next((o for n, _, _, o in peer_runs if n == "fa4"), None)
+                runs, named, ref = [], [], None
+                for name, c in cells[(d, causal, s)]:
+                    kern, note = built[c]
+                    row = dict(head, cand=name, tile=_short90(c))
+                    if kern is None:
+                        row["note"] = note
+                        rows.append(row)
+                        print(row, flush=True)
+                        continue
+                    oc = cp.empty_like(qc)
+                    oc.view(cp.uint16).fill(0x7FFF)   # NaN bytes: a row never stored shows in the diffs
+                    r = sm90_runner(kern, c, qc, kc, vc, oc, lse)
+                    r()
+                    cp.cuda.get_current_stream().synchronize()
+                    if ref is None:
+                        ref = oc
+                    else:
+                        row["max_diff_vs_cur"] = float(cp.abs(as_f32(ref) - as_f32(oc)).max())
+                    if fa4_out is not None:
+                        row["max_diff_vs_fa4"] = float(cp.abs(as_f32(fa4_out) - as_f32(oc)).max())
+                    runs.append(r)
+                    named.append(row)
+                for name, label, run, _ in peer_runs:
+                    runs.append(run)
+                    named.append(dict(head, cand=name, tile=label))
+                ms = [[] for _ in runs]
+                for _ in range(rounds):   # interleaved: clocks and neighbours drift alike for all
+                    for i, r in enumerate(runs):
+                        ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
+                for row, m in zip(named, ms):
+                    row["tflops"] = flops / (statistics.median(m) * 1e-3) / 1e12
+                get = lambda n: next((r["tflops"] for r in named if r["cand"] == n), None)   # noqa: E731
+                cur_t, fa4_t, cud_t = get("cur"), get("fa4"), get("cudnn")
+                for row in named:
+                    if cur_t:
+                        row["vs_cur"] = row["tflops"] / cur_t
+                    if fa4_t:
+                        row["vs_fa4"] = row["tflops"] / fa4_t
+                    if cud_t:
+                        row["vs_cudnn"] = row["tflops"] / cud_t
+                    rows.append(row)
+                    print(row, flush=True)
+                del ref
+            del q, k, v, qc, kc, vc
+    return rows
+
+
+def fwd_ab_summary(rows) -> list[dict]:
+    """One line per cell: cur, cur again (the noise), the best rtk candidate, FA4, cuDNN, ratios."""
+    out = []
+    for key in dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in rows):
+        cell = [r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == key and "tflops" in r]
+        get = lambda n: next((r["tflops"] for r in cell if r["cand"] == n), None)   # noqa: E731
+        rtk_rows = [r for r in cell if r["cand"] not in ("fa4", "cudnn")]
+        if not rtk_rows:
+            continue
+        best = max(rtk_rows, key=lambda r: r["tflops"])
+        cur, fa4, cud = get("cur"), get("fa4"), get("cudnn")
+        peer = max((x for x in (fa4, cud) if x), default=None)
+        out.append({"head_dim": key[0], "causal": key[1], "seqlen": key[2],
+                    "cur_tile": next((r["tile"] for r in cell if r["cand"] == "cur"), None), "cur": cur,
+                    "cur_again": get("cur again"), "best_tile": best["tile"], "best": best["tflops"],
+                    "fa4": fa4, "cudnn": cud,
+                    "cur_vs_peer": cur / peer if cur and peer else None,
+                    "best_vs_peer": best["tflops"] / peer if peer else None,
+                    "best_vs_cur": best["tflops"] / cur if cur else None})
+    return out
+
+
 def short_summary(rows) -> list[dict]:
     """One line per cell: old, new, the best rtk candidate, cuDNN, and the ratios the issue asks."""
     out = []
@@ -630,8 +809,9 @@ def short_summary(rows) -> list[dict]:
 def _short90(c) -> str:
     return (f"{c.block_m}x{c.block_n} s{c.num_stages}" + (" ov" if c.intra_overlap else "")
             + (" pp" if c.pingpong else "") + ("" if c.softmax_under_pv or not c.intra_overlap else " early")
+            + (" rq" if c.rescale_under_qk else "") + (" ps" if c.p_smem else "")
             + (" pst" if c.persistent else "") + (" flat" if c.flat_walk else "") + (" l2" if c.l2_walk else "")
-            + (f" c{c.ctas_per_sm}" if c.ctas_per_sm > 1 else ""))
+            + (f" c{c.ctas_per_sm}" if c.ctas_per_sm > 1 else "") + (" lpt" if c.lpt_grid else ""))
 
 
 def _short(cfg) -> str:
@@ -683,7 +863,12 @@ def main():
     p.add_argument("--changed-only", action="store_true",
                    help="--short-ab: only the cells where the per-call choice differs from the per-head-dim "
                         "config: old, new, old again (the noise) and cuDNN, --rounds interleaved rounds")
-    p.add_argument("--rounds", type=int, default=3, help="--short-ab: interleaved rounds (median)")
+    p.add_argument("--fwd-ab", action="store_true",
+                   help="long cells (default S 4096,16384; head dims 64,80,128,256): the current pick twice, "
+                        "FA4-inspired candidates (FWD_AB_TILES, or --tiles), causal ones also with lpt_grid, FA4 "
+                        "and SDPA cuDNN, interleaved --rounds (default 5); a summary per cell last")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="--short-ab / --fwd-ab: interleaved rounds (median; default 3 / 5)")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     p.add_argument("--grid", choices=["fa"], default=None,
@@ -714,7 +899,7 @@ def main():
     if args.short_ab:
         sa_seqlens = seqlens if "--seqlens" in sys.argv else [512, 1024]
         sa_dims = head_dims if "--head-dims" in sys.argv else [64, 80, 128, 256]
-        rows = short_ab(sa_dims, sa_seqlens, args.dtype, torch, peers, causals, rounds=args.rounds,
+        rows = short_ab(sa_dims, sa_seqlens, args.dtype, torch, peers, causals, rounds=args.rounds or 3,
                         tiles=args.tiles if args.tiles else SHORT_TILES, changed_only=args.changed_only)
         summary = short_summary(rows)
         bu.save(args.out, "bench_attention_short" + sfx, {"env": env, "dtype": args.dtype, "rows": rows,
@@ -728,6 +913,22 @@ def main():
                 ["head_dim", "causal", "seqlen", "old", "new", "new_tile", "new_vs_old", "cudnn", "new_vs_cudnn", "best",
                  "best_tile", "best_vs_cudnn"])
         print(bu.table(summary, cols))
+        return
+    if args.fwd_ab:
+        fa_seqlens = seqlens if "--seqlens" in sys.argv else [4096, 16384]
+        fa_dims = head_dims if "--head-dims" in sys.argv else [64, 80, 128, 256]
+        rows = fwd_ab(fa_dims, fa_seqlens, args.dtype, torch, peers, causals, rounds=args.rounds or 5,
+                      tiles=args.tiles)
+        summary = fwd_ab_summary(rows)
+        bu.save(args.out, "bench_attention_fwd_ab" + sfx, {"env": env, "dtype": args.dtype, "rows": rows,
+                                                            "summary": summary})
+        print(f"\n{env['gpu']} ({env['sms']} SMs), {args.dtype}, {env['date']}: every candidate, TFLOP/s")
+        print(bu.table(rows, ["head_dim", "causal", "seqlen", "cand", "tile", "tflops", "vs_cur", "vs_fa4",
+                              "vs_cudnn", "max_diff_vs_cur", "max_diff_vs_fa4", "note"]))
+        print("\nper cell: cur = what rtk.attention runs now (timed twice), best = fastest rtk candidate, "
+              "peer = the faster of FA4 and cuDNN")
+        print(bu.table(summary, ["head_dim", "causal", "seqlen", "cur_tile", "cur", "cur_again", "best_tile",
+                                 "best", "fa4", "cudnn", "cur_vs_peer", "best_vs_peer", "best_vs_cur"]))
         return
     if args.tune_sm90 and args.persistent_ab:
         def save_ab(rows):

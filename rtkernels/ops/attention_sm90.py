@@ -54,6 +54,18 @@ class AttentionSm90Config(AttentionShape):
     softmax_under_pv : with intra_overlap, wait for P_{n-1} V_{n-1} only after tile n's softmax,
         so the exponentials run under that GEMM (off: wait before the softmax and release V_{n-1}
         one softmax earlier).
+    p_smem : stage P in shared memory (this warpgroup's rows of a block_m x block_n tile, swizzled as
+        a Q tile) and read both operands of O += P V from there (wgmma SS) instead of P from
+        registers: the P registers live only until stored, so three warpgroups overlap S and P V at
+        128-key tiles where P in registers spills (d80 192x128 with overlap: 48 B), at the cost of
+        the stores, a barrier per key tile and block_m x ceil(block_n / 64) x 128 B of shared memory
+        (FlashAttention-4's sm90 choice for head dims 65-96: 192x144, causal 192x128).  Not with
+        flat_walk.  Opt-in while it is measured.
+    rescale_under_qk : with intra_overlap (not flat_walk): rescale O by the previous tile's
+        correction after S_n = Q K_n^T is issued, before P_{n-1} V_{n-1} (a second wgmma fence), so
+        the head_dim / 2 multiplies per thread run under the S GEMM instead of ahead of both issues
+        (FlashAttention-4's sm90 order for head dims > 128: d256's 128 per thread per key tile).
+        Opt-in while it is measured.
     exp2_poly : of every 8 exponentials of the softmax, how many a polynomial computes on the FMA
         pipe instead of the MUFU unit (0-8; ``rtk::poly_exp2``): for kernels the 16-per-clock MUFU
         unit bounds, as softcap's extra tanh per score makes it.
@@ -77,6 +89,14 @@ class AttentionSm90Config(AttentionShape):
         (:func:`smem_limit`), and a persistent grid is 2 x SMs - two independent 64-row walks per
         SM, one's softmax and epilogue under the other's GEMMs (cuDNN's structure at short causal
         lengths, in two CTAs).  Opt-in while it is measured.
+    lpt_grid : causal, one CTA per tile (not persistent, dense): a 1-D grid whose index runs the
+        tiles heaviest first within sections of (batch, head) pairs sized to L2 (:func:`lpt_group`),
+        so the hardware's dispatcher hands each freed SM the heaviest tile left (longest processing
+        time first, FlashAttention-4's sm90 causal order).  Off: the (query tile, head, batch) grid
+        runs each pair's tiles heaviest first but pair after pair, so the last pairs' heaviest
+        tiles start in the last wave (a greedy model of the dispatcher: 13% over the even split at
+        d256 128x80 S=4k, 3.5-6.5% at d64-128 S=4k/16k; sectioned heaviest first: 0.2-1%).
+        Opt-in while it is measured.
     """
 
     family: ClassVar[str] = FAMILY
@@ -92,11 +112,14 @@ class AttentionSm90Config(AttentionShape):
     intra_overlap: bool = True
     pingpong: bool = False
     softmax_under_pv: bool = True
+    rescale_under_qk: bool = False
+    p_smem: bool = False
     exp2_poly: int = 0
     persistent: bool = False
     flat_walk: bool = False
     l2_walk: bool = False
     ctas_per_sm: int = 1
+    lpt_grid: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -111,6 +134,17 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("flat_walk", (False, True))
         self._check_choice("ctas_per_sm", (1, 2))
         self._check_choice("l2_walk", (False, True))
+        self._check_choice("lpt_grid", (False, True))
+        self._check_choice("rescale_under_qk", (False, True))
+        self._check_choice("p_smem", (False, True))
+        if self.p_smem and self.flat_walk:
+            self._fail("p_smem", "False with flat_walk=True (its loop keeps P in registers)")
+        if self.rescale_under_qk and (not self.intra_overlap or self.flat_walk):
+            self._fail("rescale_under_qk", "False unless intra_overlap=True and flat_walk=False (flat_walk's loop "
+                                           "already rescales under the S GEMM)")
+        if self.lpt_grid and not (self.causal and not self.persistent and not self.is_varlen):
+            self._fail("lpt_grid", "False unless causal=True, persistent=False and without cu_seqlens (it orders "
+                                   "the causal tiles of a dense grid of one CTA per tile)")
         if self.l2_walk and not (self.persistent and self.causal):
             self._fail("l2_walk", "False unless persistent=True and causal=True (the non-causal walk already runs "
                                   "a head's query tiles together)")
@@ -174,7 +208,8 @@ class AttentionSm90Config(AttentionShape):
         """No tile field given: the op's own config for (dtype, head_dim, causal), so
         ``rtk report attention_sm90 --sweep head_dim=...`` shows what rtk.attention runs; some
         given: the rest keep the dataclass defaults (a hand-picked tile is taken as written)."""
-        if any(f in params for f in _TILE_FIELDS if f not in ("persistent", "flat_walk", "l2_walk")):   # they keep the tile
+        # (the walk / order flags alone keep the tile)
+        if any(f in params for f in _TILE_FIELDS if f not in ("persistent", "flat_walk", "l2_walk", "lpt_grid")):
             return {}
         try:   # no base object: the dataclass's default tile does not fit every head dim
             cfg = choose_config(params.get("dtype", cls.dtype), params.get("head_dim", cls.head_dim),
@@ -185,6 +220,7 @@ class AttentionSm90Config(AttentionShape):
         tile = {f: getattr(cfg, f) for f in _TILE_FIELDS}
         if params.get("persistent"):
             tile["pingpong"] = False   # the walk runs without turns (validation says why)
+            tile["lpt_grid"] = False   # the walk has its own order
         return tile
 
     # ---- derived values (the template re-checks them with static_assert) --------------
@@ -228,8 +264,9 @@ class AttentionSm90Config(AttentionShape):
         flat_walk's O staging tile (block_m rows, laid out as a Q tile)."""
         q = self.block_m * 128 * self.d_blocks
         kv = self.block_n * 128 * self.d_blocks
+        p = self.block_m * 128 * -(-self.block_n // 64) if self.p_smem else 0   # 64-key blocks of the P tile
         bars = 8 * (q_buffers * (2 if persistent else 1) + 4 * self.num_stages)   # + q_free[] when persistent
-        return (q_buffers + (1 if o_buffer else 0)) * q + 2 * self.num_stages * kv + bars + _ALIGN_SLACK
+        return (q_buffers + (1 if o_buffer else 0)) * q + 2 * self.num_stages * kv + p + bars + _ALIGN_SLACK
 
     @property
     def launch_registers(self) -> int:
@@ -282,6 +319,9 @@ class Tile(NamedTuple):
     flat_walk: bool = False
     ctas_per_sm: int = 1
     l2_walk: bool = False
+    lpt_grid: bool = False
+    rescale_under_qk: bool = False
+    p_smem: bool = False
 
 
 _TILE_FIELDS = tuple(f for f in Tile._fields if f != "why")   # the config fields a Tile sets
@@ -350,7 +390,9 @@ def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None 
                                    **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly)
     t = candidate(head_dim, causal)
     if persistent_choice(t, dtype, head_dim, causal, mask_flags):
-        t = t._replace(persistent=True, pingpong=False)   # the walk runs without turns (validation)
+        t = t._replace(persistent=True, pingpong=False, lpt_grid=False)   # the walk: no turns, its own order
+    if mask_flags.get("is_varlen"):
+        t = t._replace(lpt_grid=False)   # varlen tiles come from the schedule table
     cfg = AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal,
                               **{f: getattr(t, f) for f in _TILE_FIELDS}, exp2_poly=poly, **mask_flags)
     if not any(mask_flags.values()) and not t.persistent:
@@ -361,7 +403,9 @@ def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None 
         try:
             options.append(AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, block_m=128,
                                                block_n=block_n, intra_overlap=True, pingpong=not t.persistent,
-                                               exp2_poly=poly, persistent=t.persistent, **mask_flags))
+                                               exp2_poly=poly, persistent=t.persistent, lpt_grid=t.lpt_grid,
+                                               rescale_under_qk=t.rescale_under_qk, p_smem=t.p_smem,
+                                               **mask_flags))
         except ConfigError:
             pass   # does not fit shared memory
     return first_without_spills(list(dict.fromkeys(options)), "sm_90a")
@@ -479,8 +523,8 @@ def persistent_choice(tile: Tile, dtype: str, head_dim: int, causal: bool, mask_
         return False
     try:
         AttentionSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, **mask_flags,
-                            **{f: getattr(tile, f) for f in _TILE_FIELDS if f not in ("persistent", "pingpong")},
-                            persistent=True)
+                            **{f: getattr(tile, f) for f in _TILE_FIELDS
+                               if f not in ("persistent", "pingpong", "lpt_grid")}, persistent=True)
     except ConfigError:
         return False   # its barriers do not fit beside the tile
     return True
@@ -599,7 +643,7 @@ def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float
     """The launch for q_, k_ shapes without its array arguments (the four tensor maps, then lse);
     ``mask_args``: (window_left, window_right, softcap) from AttentionMask.kernel_args;
     ``sm_count``: the SMs a persistent config's grid fills (default: the current device's; tests
-    pass a few to make each CTA walk many tiles)."""
+    pass a few to make each CTA walk many tiles), or lpt_grid's sections are balanced over."""
     batch, seqlen_q, nheads, _ = q_.shape
     seqlen_k, nheads_kv = k_.shape[1], k_.shape[2]
     # o, its strides, cu_seqlens and the schedule are varlen's (attention.VarlenForwardPlan.run)
@@ -612,6 +656,13 @@ def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float
         grid = persistent_grid(cfg, batch, seqlen_q, nheads, sm_count)
         extra = (walk_group(cfg, batch, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, grid),) if cfg.l2_walk else ()
         return Launch(kern, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (*tail, batch, *extra))
+    if cfg.lpt_grid:
+        if sm_count is None:
+            from .. import device
+            sm_count = device.sm_count()
+        group = lpt_group(cfg, batch, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, sm_count)
+        return Launch(kern, (-(-seqlen_q // cfg.block_m) * nheads * batch,), (cfg.threads_per_block,),
+                      cfg.shared_mem_bytes, (*tail, batch, group))
     return Launch(kern, (-(-seqlen_q // cfg.block_m), nheads, batch), (cfg.threads_per_block,),
                   cfg.shared_mem_bytes, tail)
 
@@ -708,3 +759,50 @@ def walk_group(cfg: AttentionSm90Config, batch: int, seqlen_q: int, seqlen_k: in
     key_tiles = np.maximum(-(-keys // cfg.block_n), 1)
     sizes = range(most, max(1, most // 2) - 1, -max(1, most // 32))
     return min(sizes, key=lambda g: (round(walk_cost(m_tiles, pairs, grid, g, key_tiles), 3), -g))
+
+
+# lpt_grid's sections: the dispatcher keeps one CTA per tile in flight on every SM, from one or two
+# sections at a time.  Reasoned, then checked on the greedy model below (FlashAttention's grid, 132
+# SMs, key tiles + 1.5 per tile): sections of K/V <= 16 MiB left 4-8% over the even split at d80
+# S=4k/16k (no size in [most/2, most] balances), <= 32 MiB 0.1-1% in every causal cell of d64-256
+# at S=2k-16k; FA4's sm90 LPT order gives its sections 50 MB.
+LPT_SECTION_BYTES = 32 << 20
+
+
+def dispatch_cost(m_tiles: int, pairs: int, slots: int, group: int, key_tiles) -> float:
+    """Finishing time of the last CTA over the mean work per slot, when a dispatcher hands the tiles
+    of lpt_grid's order (sections of ``group`` pairs, heaviest first in each) to whichever of
+    ``slots`` frees first; a tile costs its key tiles + 1.5 (its fixed cost, as that many key
+    tiles: reasoned).  ``key_tiles[m]``: query tile m's."""
+    import heapq
+    cost = [k + 1.5 for k in key_tiles]
+    free = [0.0] * slots
+    total = 0.0
+    for s0 in range(0, pairs, group):
+        gs = min(group, pairs - s0)
+        for m in range(m_tiles - 1, -1, -1):
+            c = cost[m]
+            total += gs * c
+            for _ in range(gs):
+                heapq.heapreplace(free, free[0] + c)
+    return max(free) / (total / slots)
+
+
+def lpt_group(cfg: AttentionSm90Config, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, kv_group: int,
+              sm_count: int) -> int:
+    """lpt_grid's (batch, head) pairs per section: at most what keeps a section's K/V within
+    :data:`LPT_SECTION_BYTES` (a GQA group's heads share theirs), and of up to 9 sizes from half
+    that up, the one :func:`dispatch_cost` finds most even (a section whose tile count nears a
+    multiple of the slots hands the same SMs every section's heavy tiles: up to 15% over the even
+    split in the model); ties: the larger.  From the shapes only (a CUDA graph replays it); a few
+    ms of host time per shape (the plan memo keeps the launch)."""
+    pairs = nheads * batch
+    per_pair = max(1, 2 * seqlen_k * cfg.head_dim * 2 // kv_group)
+    most = max(1, min(pairs, LPT_SECTION_BYTES // per_pair))
+    m_tiles = -(-seqlen_q // cfg.block_m)
+    diag = seqlen_k - seqlen_q   # bottom-right causal: query row i sees keys <= i + diag
+    key_tiles = [max(1, -(-max(0, min(seqlen_k, min((m + 1) * cfg.block_m, seqlen_q) + diag)) // cfg.block_n))
+                 for m in range(m_tiles)]
+    slots = sm_count * cfg.ctas_per_sm
+    sizes = range(most, max(1, most // 2) - 1, -max(1, most // 8))
+    return min(sizes, key=lambda g: (round(dispatch_cost(m_tiles, pairs, slots, g, key_tiles), 3), -g))
