@@ -338,13 +338,26 @@ HEURISTICS: list[tuple[int, int, bool | None, Tile]] = [
                         "turns, 477 at 192x144 without overlap, 425 for 128x192 pingpong; the softmax-bound "
                         "small head dim gains most from warpgroups in flight; O 32 + S 64 + P 32 fit the 160 "
                         "registers each, 0 spills")),
-    (8, 96, True, Tile(192, 112, 2, True, False,
-                       "causal d64: 418 vs 411 at 192x144 without overlap, 404 with turns, 365 for 128x128 "
-                       "pingpong; d96: 468 vs 459 with turns, 456 at 192x144, 448 for 128x128 pingpong; "
+    (8, 64, True, Tile(192, 128, 2, True, False, lpt_grid=True, why=(
+        "causal d64, session 11 (H200 2026-11-26, tools/bench_attention.py --fwd-ab, current pick "
+        "timed twice for the run's noise, <= 0.3%): 192x112 455 / 542 -> 192x128 with the 1-D "
+        "heaviest-first grid in L2-sized sections (lpt_grid) 460 / 554 TFLOP/s at 4k / 16k; the "
+        "3-D grid ran each (batch, head)'s heaviest tiles one pair after another, so the last pairs' "
+        "heaviest tiles started in the last wave (greedy dispatch model: 3.5-6.5% over an even "
+        "split, lpt sections 0.2%)"))),
+    (72, 96, True, Tile(192, 112, 2, True, False, lpt_grid=True, why=
+                       "causal d80, session 11 (as d64's row): 192x112 490 / 568 -> with lpt_grid 500 / 581 "
+                       "at 4k / 16k.  Session 4, when this row also held d64: causal d64: 418 vs 411 at "
+                       "192x144 without overlap, 404 with turns, 365 for 128x128 pingpong; d96: 468 vs 459 with turns, 456 at 192x144, 448 for 128x128 pingpong; "
                        "with each warpgroup stopping at its own rows' last tile (no turns): d64 at 2k 380 vs "
                        "353 for 128x128 overlap, d96 531 (d128's 128x128 pingpong: 575); O + S + P = 48 + "
                        "56 + 28 at d96 fit 160 registers (192x128 spills)")),
-    (72, 128, False, Tile(192, 128, 2, False, False,
+    (72, 88, False, Tile(192, 112, 2, True, False, why=(
+        "non-causal d80, session 11 (H200 2026-11-26, --fwd-ab): 192x128 without overlap 555 / 556 "
+        "-> 192x112 with overlap 566 / 585 TFLOP/s at 4k / 16k (16k had fallen below 4k: 2150 CTAs "
+        "of 192x128 leave a 4.2% last-wave tail, and no overlap, since 192x128 with overlap spills "
+        "48 B at d80); d96-128 keep the row below (d128: 192x128 still the fastest)"))),
+    (96, 128, False, Tile(192, 128, 2, False, False,
                           "non-causal d96 / d112 / d128: 572 / 578 / 621 without overlap vs 568 / 571 / - with "
                           "overlap + turns at 192x112 / 192x96 (192x128 with overlap spills) and 482 / 520 / 604 "
                           "for 128x128 overlap + pingpong; without overlap S and P never live together, so "
@@ -357,7 +370,12 @@ HEURISTICS: list[tuple[int, int, bool | None, Tile]] = [
     (136, 192, None, Tile(128, 112, 2, True, True,
                           "d160 678 / 559, d192 711 / 618 TFLOP/s (bench_attention); 3 column blocks: Q 48 KiB + "
                           "2 x (K + V) 168 KiB = 217 KiB fits 227; O 96 + S 56 + P 28 registers, 0 spills")),
-    (200, 256, None, Tile(128, 80, 2, True, True,
+    (200, 256, True, Tile(128, 80, 2, True, False, rescale_under_qk=True, lpt_grid=True, why=(
+        "causal d256, session 11 (H200 2026-11-26, --fwd-ab): 128x80 pingpong 638 / 779 -> 128x80 "
+        "without turns, O rescaled while the QK GEMM runs (rescale_under_qk, as FA4 does at d256) and "
+        "lpt_grid 689 at 4k (1.08x; 16k: rq alone 783); the 3-D grid's greedy dispatch model put "
+        "causal d256 4k at 13.4% over an even split"))),
+    (200, 256, False, Tile(128, 80, 2, True, True,
                           "d256: 660 / 548 TFLOP/s vs 671 / 551 without pingpong (noise) and 619 / 503 at 64-key "
                           "tiles; 4 column blocks: Q 64 KiB + 2 x (K + V) 160 KiB = 225 KiB fits 227; O 128 + S 40 "
                           "+ P 20 registers, 0 spills")),
