@@ -17,7 +17,6 @@ float16); fixed and running max against each other.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
