@@ -13,7 +13,8 @@ Three modes (``tools/bench_attention.py --varlen | --window | --softcap`` lands 
            ``vs_dense_time`` is the window's time over that dense time scaled to equal FLOPs
            (target <= 1.15).
 --softcap  FlashAttention's grid at seqlen 4096 (16k tokens, hidden 2048), softcap 50 vs none: rtk,
-           FA4 flash_attn_func(softcap=) when importable; ``softcap_ratio`` = TFLOP/s with / without.
+           FA4 flash_attn_func(softcap=) when importable; ``softcap_ratio`` = TFLOP/s with / without;
+           --variants times the Hopper forward's fixed_max x exp2_poly variants against the same plain call.
 
 TFLOP/s count only the unmasked pairs: 4 * head_dim * nheads * (visible (query, key) pairs), the pairs
 counted row by row from the same mask spec the kernels get (rtkernels.ops.attention_mask.visible_pairs).
@@ -317,11 +318,13 @@ def bench_window(args, torch, warmup, repeat):
 
 
 class _exp2_poly:
-    """RTKERNELS_SM90_EXP2_POLY set to ``poly`` while inside (the Hopper forward's exp2_poly knob),
-    with the memoized kernels and launch plans dropped on the way in and out."""
+    """RTKERNELS_SM90_EXP2_POLY set to ``poly`` (None: unset) and RTKERNELS_SM90_SOFTCAP_FIXED_MAX to
+    ``fixed`` (None: unset) while inside (the Hopper forward's exp2_poly and fixed_max knobs), with the
+    memoized kernels and launch plans dropped on the way in and out."""
 
-    def __init__(self, poly: int):
-        self.poly, self.old = poly, None
+    def __init__(self, poly, fixed=None):
+        self.poly, self.fixed, self.old = poly, fixed, None
+        self.names = {"RTKERNELS_SM90_EXP2_POLY": poly, "RTKERNELS_SM90_SOFTCAP_FIXED_MAX": fixed}
 
     def _drop(self):
         from rtkernels.ops import attention as att
@@ -331,16 +334,32 @@ class _exp2_poly:
         att._FORWARD_PLANS.clear()
 
     def __enter__(self):
-        self.old = os.environ.get("RTKERNELS_SM90_EXP2_POLY")
-        os.environ["RTKERNELS_SM90_EXP2_POLY"] = str(self.poly)
+        self.old = {n: os.environ.get(n) for n in self.names}
+        for n, val in self.names.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = str(val)
         self._drop()
 
     def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop("RTKERNELS_SM90_EXP2_POLY", None)
-        else:
-            os.environ["RTKERNELS_SM90_EXP2_POLY"] = self.old
+        for n, old in self.old.items():
+            if old is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = old
         self._drop()
+
+
+def _sm90_tile(dtype, d, causal, softcap):
+    """The Hopper forward's config for this call, short: 'BMxBN ov pp pN fixed' (what a variant ran)."""
+    from rtkernels.ops import attention_sm90 as sm90
+    flags = {"has_softcap": True} if softcap else {}
+    if softcap and sm90.softcap_fixed_max(dtype, softcap, d, causal):
+        flags["fixed_max"] = True
+    c = sm90.choose_config(dtype, d, causal, **flags)
+    return (f"{c.block_m}x{c.block_n}" + (" ov" if c.intra_overlap else "") + (" pp" if c.pingpong else "")
+            + f" p{c.exp2_poly}" + (" fixed" if c.fixed_max else ""))
 
 
 def bench_softcap(args, torch, warmup, repeat):
@@ -362,6 +381,7 @@ def bench_softcap(args, torch, warmup, repeat):
             _time(plain, prow, "p", flops, warmup, repeat)
             row["rtk_nocap_tflops"] = prow["p_tflops"]
             row["softcap_ratio"] = row["rtk_tflops"] / prow["p_tflops"]
+            row["rtk_tile"] = _sm90_tile(args.dtype, d, causal, args.softcap)
             for poly in args.exp2_poly:   # the sm_90 forward's exp2_poly knob, softcap and plain
                 with _exp2_poly(poly):
                     for name, kw in (("cap", {"softcap": args.softcap}), ("nocap", {})):
@@ -369,6 +389,18 @@ def bench_softcap(args, torch, warmup, repeat):
                         made, _ = _rtk(q, k, v, args.dtype, torch, args.backward, causal=causal, **kw)
                         _time(made, r, "x", flops, warmup, repeat)
                         row[f"{name}_poly{poly}_tflops"] = r["x_tflops"]
+            # the fixed_max knob (0: the running max) x exp2_poly ("d": the heuristic's share), softcap only;
+            # each variant's ratio to the plain call timed above, and the config it ran
+            for fixed, poly in args.variants:
+                with _exp2_poly(None if poly == "d" else int(poly), fixed):
+                    r = {}
+                    made, o_var = _rtk(q, k, v, args.dtype, torch, args.backward, causal=causal,
+                                       softcap=args.softcap)
+                    tag = f"fm{fixed}_p{poly}"
+                    row[f"{tag}_maxdiff"] = _maxdiff(o_var, out, torch)
+                    _time(made, r, "x", flops, warmup, repeat)
+                    row[f"{tag}_ratio"] = r["x_tflops"] / prow["p_tflops"]
+                    row[f"{tag}_tile"] = _sm90_tile(args.dtype, d, causal, args.softcap)
             if torch is not None and fa4_dense is not None:
                 cap = args.softcap
                 fn = lambda a, b_, c: fa4_dense(a, b_, c, causal=causal, softcap=cap)  # noqa: E731
@@ -383,9 +415,10 @@ def bench_softcap(args, torch, warmup, repeat):
             rows.append(row)
             print(row, flush=True)
             del q, k, v
-    return rows, ["head_dim", "causal", "seqlen", "rtk_tflops", "rtk_nocap_tflops", "softcap_ratio", "fa4_tflops",
-                  "ratio_vs_fa4", "fa4_softcap_ratio"] + [f"{n}_poly{p}_tflops" for p in args.exp2_poly
-                                                          for n in ("cap", "nocap")]
+    return rows, ["head_dim", "causal", "seqlen", "rtk_tile", "rtk_tflops", "rtk_nocap_tflops", "softcap_ratio",
+                  "fa4_tflops", "ratio_vs_fa4", "fa4_softcap_ratio"] + [f"{n}_poly{p}_tflops" for p in args.exp2_poly
+                                                                        for n in ("cap", "nocap")] \
+        + [f"fm{f}_p{p}_{c}" for f, p in args.variants for c in ("ratio", "tile")]
 
 
 def main():
@@ -405,12 +438,16 @@ def main():
                    "Hopper forward, with and without softcap (columns cap_polyN / nocap_polyN)")
     p.add_argument("--bwd-alt", default="", help="--varlen --backward: also time the Hopper backward's config with "
                    "these fields (NAME=VALUE[,...], e.g. block_m=128), interleaved with the default")
+    p.add_argument("--variants", default="", help="--softcap: also time these softcap variants of the Hopper "
+                   "forward, as fixed_max:exp2_poly pairs (fixed_max 0 = running max, 1 = fixed reference; exp2_poly "
+                   "0-8 or d = the heuristic's), e.g. 0:d,1:0,1:2,1:4 (columns fmF_pP_ratio / _tile)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
     if not (args.varlen or args.window or args.softcap):
         args.varlen, args.window, args.softcap = True, "4096,0", 50.0
     args.head_dims = [int(x) for x in args.head_dims.split(",")]
     args.exp2_poly = [int(x) for x in args.exp2_poly.split(",") if x]
+    args.variants = [tuple(x.split(":")) for x in args.variants.split(",") if x]
     args.tokens = [int(x) for x in args.tokens.split(",")]
     if args.window:
         args.window = tuple(int(x) for x in args.window.split(","))

@@ -589,7 +589,11 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         if hopper:
             # short dense problems may take another schedule (attention_sm90.SHORT_SCHEDULE): chosen here,
             # once per signature - later calls replay the recorded launch
-            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags, None if varlen else seqlen_k)
+            # softcap: a fixed exponent reference instead of the running max where the cap's range fits
+            # (attention_sm90.softcap_fixed_max); part of the kernel's memo key like the mask flags
+            capped = spec.has_softcap and _sm90.softcap_fixed_max(dt, spec.softcap, head_dim, causal)
+            fixed = (("fixed_max", True),) if capped else ()
+            kern, cfg = _sm90.kernel_for(dt, head_dim, causal, arch, flags + fixed, None if varlen else seqlen_k)
             if not tune:
                 if varlen:   # one plan for this call and, with both hints, the later ones
                     vplan = VarlenForwardPlan.record(kern, cfg, (q_, k_, v_, o_), o, lse, softmax_scale, mask_args,

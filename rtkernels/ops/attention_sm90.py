@@ -69,6 +69,10 @@ class AttentionSm90Config(AttentionShape):
     exp2_poly : of every 8 exponentials of the softmax, how many a polynomial computes on the FMA
         pipe instead of the MUFU unit (0-8; ``rtk::poly_exp2``): for kernels the 16-per-clock MUFU
         unit bounds, as softcap's extra tanh per score makes it.
+    fixed_max : with has_softcap, bfloat16: the softmax takes its exponentials against a fixed
+        reference instead of the running row max - capped scores lie in [-softcap, softcap] - so no
+        row max, no correction and no rescale of O (``softmax_tile`` in the template; the host takes
+        it where :func:`softcap_fixed_max` says the cap's range fits float's exponents).
     persistent : one CTA per SM walks the (query tile, head, batch) tiles, causal heaviest first,
         loading the next tile's Q and K/V while the current one computes and stores (dense inputs
         only; two Q buffers where shared memory holds them, see :attr:`q_buffers`).
@@ -115,6 +119,7 @@ class AttentionSm90Config(AttentionShape):
     rescale_under_qk: bool = False
     p_smem: bool = False
     exp2_poly: int = 0
+    fixed_max: bool = False
     persistent: bool = False
     flat_walk: bool = False
     l2_walk: bool = False
@@ -130,6 +135,10 @@ class AttentionSm90Config(AttentionShape):
         self._check_choice("pingpong", (False, True))
         self._check_choice("softmax_under_pv", (False, True))
         self._check_int("exp2_poly", 0, 8)
+        self._check_choice("fixed_max", (False, True))
+        if self.fixed_max and not (self.has_softcap and self.dtype == "bfloat16"):
+            self._fail("fixed_max", "False unless has_softcap=True and dtype='bfloat16' (only capped scores are "
+                                    "bounded; a float16 P cannot hold the fixed reference's range)")
         self._check_choice("persistent", (False, True))
         self._check_choice("flat_walk", (False, True))
         self._check_choice("ctas_per_sm", (1, 2))
@@ -303,6 +312,7 @@ class AttentionSm90Config(AttentionShape):
         p["smem_bytes"] = self.shared_mem_bytes
         p["q_buffers"] = self.q_buffers
         p["producer_regs"], p["consumer_regs"] = self.register_split
+        p["fixed_max_headroom"], p["fixed_max_floor"] = FIXED_MAX_HEADROOM, FIXED_MAX_FLOOR
         return p
 
 
@@ -400,7 +410,7 @@ def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None 
     all three options together also d96 causal and d112).  Persistent tiles of
     RTKERNELS_SM90_PERSISTENT=1 take the same fallback, without pingpong (which the walk does not
     support): the tile walk's state spilled 4-8 B of d128's 192x128 tile."""
-    poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")))
+    poly = exp2_poly_share(head_dim, causal, bool(mask_flags.get("has_softcap")), bool(mask_flags.get("fixed_max")))
     row = short_entry(head_dim, causal, seqlen_k, mask_flags)
     if row is not None:   # checked without spills over the row's head dims (see SHORT_SCHEDULE)
         t = SHORT_SCHEDULE[row][4]
@@ -442,16 +452,52 @@ def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None 
 # spilled the d64 192x128 tile (dense d64 fell from 509 to 394).
 _EXP2_POLY_SOFTCAP = {False: 2, True: 0}   # by causal
 _EXP2_POLY_DENSE = 0
+# With fixed_max (no running max): 0 until measured.  Reasoned: the SASS of the d64 192x128 main
+# loop falls from 745-821 to 533 instructions per 64 scores (plain: 527) - the max tree, shuffles,
+# correction and O rescale go - and 2 of 8 emulated exponentials spill 4 B in that tile (NVRTC 13.5;
+# the fallback is the 128x128 pingpong tile), so the share is left to tools/bench_attention_masks.py
+# --softcap --exp2-poly.
+_EXP2_POLY_FIXED_MAX = 0
 
 
-def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool) -> int:
+def exp2_poly_share(head_dim: int, causal: bool, has_softcap: bool, fixed_max: bool = False) -> int:
     """The heuristic's exp2_poly; ``RTKERNELS_SM90_EXP2_POLY`` (0-8) overrides it for tuning runs
     (read when a config is chosen: set it before the first call of a shape)."""
     env = os.environ.get("RTKERNELS_SM90_EXP2_POLY")
     if env:
         return int(env)
+    if fixed_max:
+        return _EXP2_POLY_FIXED_MAX
     return _EXP2_POLY_SOFTCAP[bool(causal)] if has_softcap else _EXP2_POLY_DENSE
 
+
+# fixed_max (softcap): P = 2^(c (t - ref)) with c = softcap * log2(e), t = tanh(.) in [-1, 1] and
+# c (1 - ref) = E = clamp(2c - FIXED_MAX_FLOOR, 0, FIXED_MAX_HEADROOM), so P <= 2^E and a row's
+# largest P >= 2^(E - 2c) >= 2^-FLOOR.  Reasoned, not tuned: HEADROOM 64 keeps l = sum P (<= 2^84
+# at 2^20 keys) and O = P V finite for |v| < 2^44 (bfloat16 activations are nowhere near); FLOOR 88
+# keeps every key within 2^-38 of the row's largest P a normal float (ex2.approx.ftz flushes below
+# 2^-126; those keys weigh < 2^-38 of the row, far under bfloat16's 2^-9).  Softcap 30 gets E = 0
+# (P <= 1, as with a running max), 50 (Gemma 2) E = 56.
+FIXED_MAX_HEADROOM = 64
+FIXED_MAX_FLOOR = 88
+SOFTCAP_FIXED_MAX_LIMIT = (FIXED_MAX_HEADROOM + FIXED_MAX_FLOOR) / (2 * 1.4426950408889634)   # 52.68
+
+
+def softcap_fixed_max(dtype: str, softcap: float, head_dim: int = 64, causal: bool = True) -> bool:
+    """Whether the Hopper forward takes ``fixed_max`` for this call: a bfloat16 softcap up to
+    :data:`SOFTCAP_FIXED_MAX_LIMIT`, at head dims <= 64 or causal.  Measured (H200, 2026-11-26,
+    S=4k, cap 50, tools/bench_attention_masks.py --softcap --variants, softcap / plain speed, running
+    max -> fixed): d64 0.592 -> 0.659 non-causal, 0.651 -> 0.693 causal; d128 causal 0.757 -> 0.764;
+    d128 non-causal 0.749 -> 0.697 (0.738 with exp2_poly 4): there the running max with 2 of 8
+    exponentials on the FMA pipe stays (the tile has no overlap, so the max tree was hidden behind
+    the other warpgroups' GEMMs anyway; reasoned).  ``RTKERNELS_SM90_SOFTCAP_FIXED_MAX=0`` turns it
+    off, ``=1`` on at every head dim (A/B runs; read when a config is chosen: set it before the first
+    call of a shape)."""
+    env = os.environ.get("RTKERNELS_SM90_SOFTCAP_FIXED_MAX", "").strip()
+    if env not in ("", "0", "1"):
+        raise ConfigError.bad_value(FAMILY, "RTKERNELS_SM90_SOFTCAP_FIXED_MAX", env, "0 or 1")
+    where = env == "1" or head_dim <= 64 or causal
+    return env != "0" and where and dtype == "bfloat16" and 0 < softcap <= SOFTCAP_FIXED_MAX_LIMIT
 
 # Short dense calls: per call, a SHORT_SCHEDULE row may replace the per-head-dim config (HEURISTICS,
 # tuned at S=4k) by another tile and the persistent tile walk.  RTKERNELS_SM90_PERSISTENT: unset, the
