@@ -269,7 +269,10 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
 #    32 KiB, a quarter of the 128 x 128 split's reads at the tile's last split (s2-s4 of 128 x 128
 #    lost 2 us at 128x4096x4096 to their 64-192 KiB per tile).  128x4096x4096: 64 tiles -> 128 units
 #    of 32 k-blocks (whole: 17.6 us, 0.93x).  The schedule model cannot rank it: its DRAM floor
-#    (2.9 TB/s, fitted on the H100) is above what cuBLAS runs on the H200 (16.4 us).
+#    (2.9 TB/s, fitted on the H100) is above what cuBLAS runs on the H200 (16.4 us).  2b is tried
+#    before 2: at 128x4096x14336 (rule 2's own example) 128 x 64 s2 ran 0.978x / 0.994x cuBLAS
+#    against rule 2's 128 x 128 s3 0.953x / 0.970x in two H200 runs (2026-11-26, sessions 10 and
+#    11, `--lastcells-ab`): the thin split's partials are a quarter of the wide one's.
 # 3. stream-K of 128 x 256 tiles only where (a) there is at least one full wave of them (below it,
 #    at M = 128, every stream-K schedule lost to whole tiles or split-K: 0.49-0.89x cuBLAS against
 #    0.92-0.96x), (b) every wave shape of WAVE_TILES leaves the SMs idle for more than
@@ -495,12 +498,13 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     dp = min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), t.block_m * t.block_n))
     if not wgmma:   # the partials are stored from wgmma accumulators
         return _config(dp, dtype, **layout)
-    split_k = heuristic_split_k(dp, m, n, k, batch, sm_count)
-    if split_k > 1:
-        return _config(_tile(SPLIT_TILE), dtype, split_k, **layout)
+    # 2b before 2: where the whole-tile pick is the thin tile, its own split wins (see 2b)
     split_k = thin_split_k(dp, m, n, k, batch, sm_count)
     if split_k > 1:
         return _config(dp, dtype, split_k, **layout)
+    split_k = heuristic_split_k(dp, m, n, k, batch, sm_count)
+    if split_k > 1:
+        return _config(_tile(SPLIT_TILE), dtype, split_k, **layout)
     if stream_k and stream_k_pays(m, n, k, batch, sm_count):
         return _config(_tile(STREAM_K_TILE), dtype, stream_k=True, **layout)
     return _config(dp, dtype, **layout)
