@@ -202,6 +202,34 @@ BULK_CLASSES = [
 ]
 
 
+# bulk stages forced on at each width's heuristic tile (_check_config runs both ops, saved and
+# recomputed statistics): one stage (the parity flips every row) with the tables' sums and cap, two
+# with register sums (the LayerNorm 4k candidate).  Rows: 1, 7, 33 leave lane groups of a block
+# without a row (1k: 4 teams per block; the host launches no more block / cluster workers than rows,
+# so merged clusters in BULK_CLASSES cover whole workers without a row), 4097 a ragged last round
+# over many stage wraps (16k: 301, to bound the float64 references).
+BULK_EDGE_VARIANTS = {
+    "bulk1": dict(bulk_rows=1),
+    "bulk2_accreg": dict(bulk_rows=2, acc_smem=False, min_blocks=1),
+}
+BULK_EDGE_CASES = [(n, r) for n in (1024, 4096) for r in (1, 7, 33, 4097)] + [(16384, r) for r in (1, 7, 33, 301)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(BULK_EDGE_VARIANTS))
+@pytest.mark.parametrize("n, rows", BULK_EDGE_CASES)
+def test_norm_backward_bulk_edges_gpu(n, rows, variant):
+    from rtkernels import device
+    from rtkernels.ops import rowwise as rw
+    arch = device.current_arch()
+    if rw._arch_number(arch) < 90:
+        pytest.skip("bulk copies need sm_90")
+    cfgs = dict.fromkeys(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
+                         .replace(**BULK_EDGE_VARIANTS[variant]) for layer in (False, True))
+    for cfg in cfgs:
+        _check_config(cfg, n, rows, variant)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(LOAD_AHEAD))
 @pytest.mark.parametrize("n, rows", LOAD_AHEAD_CASES)

@@ -1,0 +1,165 @@
+"""The norm backward's bulk_rows stage protocol (templates/norm_bwd.cu.j2, BwdBulk), modelled on the CPU.
+
+Each row team (a lane group, a block, a cluster row's block) keeps kBulk rows in flight through
+shared-memory stages: start() arms stages 0..kBulk-1 with the team's first rows, the loop waits on
+its current stage (parity flipping per wrap), reads it, and after the row's reduction release()
+arms the same stage with the row kBulk further on.  The loop bound is the block's (uniform for all
+its teams), so a lane group may iterate past its own last row.  The model runs every team of a
+grid with the copies landing in random order and checks what synccheck and racecheck would: a wait
+finds its own row in the stage (no parity aliasing, no overwrite before the read), and at exit every
+phase that completed was waited on and no copy is in flight.  The first version (a bare arrival for
+a row past the end, waited on only while the loop ran) fails the exit check - synccheck's "Missing
+wait" on the H200 (docs/data/sanitize_norm_bwd_ln_bulk_trial_synccheck_findings_session10_*.jsonl).
+No GPU, no compiles.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "norm_bwd.cu.j2"
+
+
+class _Bar:
+    """An mbarrier of arrival count 1 (the leader's arrive.expect_tx; its bytes land later, modelled
+    as that arrival happening when the copy lands).  ``completed`` counts phases exactly, so a wait
+    that fell a phase behind (parity aliasing) is caught."""
+
+    def __init__(self):
+        self.completed = 0
+
+    def arrive(self):
+        self.completed += 1
+
+    def try_wait(self, parity: int, expect_phase: int) -> bool:
+        ok = self.completed % 2 != parity
+        if ok:
+            assert self.completed == expect_phase + 1, "parity aliasing: a wait passed on a later phase"
+        return ok
+
+
+def _simulate(rows: int, workers: int, teams: int, stages: int, rng, first_version: bool = False):
+    """Every team of `workers` blocks of `teams` row teams (team t of block b: rows b * teams + t +
+    k * workers * teams, as RowTeam's first_row / row_step / local_row).  Returns the rows each
+    team read, in order."""
+    step = workers * teams
+    landing = []                  # (team state, stage, row) of copies in flight
+    done_rows = {}
+
+    def team(b, t):
+        bars = [_Bar() for _ in range(stages)]
+        slot = [None] * stages     # the row a stage holds (None while its copy is in flight)
+        waited = [0] * stages
+        st = dict(bars=bars, slot=slot)
+        first_row = b * teams
+        first = first_row + t
+
+        def issue(s, row):
+            if row >= rows:
+                if first_version:
+                    bars[s].arrive()   # the bare arrival: the phase completes at once
+                return
+            slot[s] = None
+            landing.append((st, s, row))
+
+        for s in range(stages):         # start()
+            issue(s, first + s * step)
+        stage, parity, read = 0, 0, []
+        base = first_row
+        while base < rows:              # the block's loop: uniform over its teams
+            row = base + t
+            row_ok = row < rows
+            if row_ok or first_version:   # acquire(): the first version waited past the end too
+                while not bars[stage].try_wait(parity, waited[stage]):
+                    yield
+                waited[stage] += 1
+                if row_ok:
+                    assert slot[stage] == row, f"stage {stage} holds row {slot[stage]}, the team waits for {row}"
+                    read.append(row)
+            yield                       # the reduction: every lane has its slots in registers
+            issue(stage, row + stages * step)   # release()
+            stage += 1
+            if stage == stages:
+                stage, parity = 0, parity ^ 1
+            base += step
+        done_rows[(b, t)] = read
+        # the block exits: nothing of this team in flight, every completed phase waited on
+        assert not any(c[0] is st for c in landing), f"team {(b, t)} exits with a copy in flight"
+        for s in range(stages):
+            assert bars[s].completed == waited[s], \
+                f"team {(b, t)} stage {s}: {bars[s].completed} phases completed, {waited[s]} waited (missing wait)"
+
+    live = [team(b, t) for b in range(workers) for t in range(teams)]
+    while live or landing:
+        pick = int(rng.integers(len(live) + len(landing)))
+        if pick < len(live):
+            try:
+                next(live[pick])
+            except StopIteration:
+                live.pop(pick)
+        else:
+            st, s, row = landing.pop(pick - len(live))
+            st["slot"][s] = row
+            st["bars"][s].arrive()
+    return done_rows
+
+
+# (rows, workers, teams per block): one row; fewer rows than workers (and than a block's lane
+# groups); a ragged last round; rows a multiple of the grid; many rows per team (several wraps)
+SHAPES = [(1, 1, 1), (1, 4, 1), (1, 2, 8), (7, 1, 4), (7, 3, 1), (7, 9, 1), (33, 5, 4), (33, 2, 16),
+          (64, 4, 4), (300, 264, 1), (4097, 3, 4), (4097, 33, 1)]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows, workers, teams", SHAPES)
+def test_bulk_stages_are_all_waited(rows, workers, teams, stages):
+    rng = np.random.default_rng(rows * 131 + workers * 7 + teams + stages)
+    read = _simulate(rows, workers, teams, stages, rng)
+    step = workers * teams
+    for (b, t), got in read.items():   # each team reads exactly its rows, in order
+        assert got == list(range(b * teams + t, rows, step)), (rows, workers, teams, stages, b, t)
+    assert sum(len(v) for v in read.values()) == rows
+
+
+@pytest.mark.parametrize("rows, workers, teams", [(300, 264, 1), (33, 2, 16), (7, 1, 4)])
+def test_first_version_leaves_unwaited_phases(rows, workers, teams):
+    """The model catches the fault synccheck reported: bare arrivals for rows past the end."""
+    with pytest.raises(AssertionError, match="missing wait"):
+        _simulate(rows, workers, teams, 2, np.random.default_rng(0), first_version=True)
+
+
+def _bulk_source() -> str:
+    s = TEMPLATE.read_text()
+    start = s.index("struct BwdBulk {")
+    return s[start:s.index("\n};\n", start)]
+
+
+def test_template_arms_and_waits_only_rows_in_range():
+    """The template does what the model assumes: issue() returns before touching the barrier for a
+    row past the end (no bare arrival anywhere), acquire() returns before its wait for one."""
+    src = _bulk_source()
+    assert "mbar_arrive(" not in src, "a bare arrival completes a phase nobody waits on"
+    issue = src[src.index("void issue("):src.index("static __device__ __forceinline__ void copy(")]
+    assert re.search(r"if \(row >= rows\) return;", issue), "issue() must arm nothing past the end"
+    assert issue.index("row >= rows") < issue.index("mbar_arrive_expect_tx")
+    acquire = src[src.index("void acquire("):src.index("void release(")]
+    assert acquire.index("if (!row_ok) return;") < acquire.index("mbar_wait"), "acquire() waits only for rows < rows"
+
+
+def test_bulk_table_switches_one_class_and_op(monkeypatch):
+    """_NORM_BWD_BULK's entry replaces the tables' loads and occupancy knobs for its class and op
+    only, on sm_90 with 16-byte vectors (the switch the lead makes after measuring)."""
+    from rtkernels.ops import rowwise_bwd as rb
+    direct = {k: rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90", layer=k) for k in (False, True)}
+    assert all(c.bulk_rows == 0 for c in direct.values())
+    monkeypatch.setitem(rb._NORM_BWD_BULK, "block", (None, (2, False, 0)))
+    ln = rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90", layer=True)
+    assert (ln.bulk_rows, ln.acc_smem, ln.min_blocks, ln.ring_rows) == (2, False, 1, 0)
+    assert ln.replace(bulk_rows=0, acc_smem=True, min_blocks=4) == direct[True]   # only those knobs
+    assert rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90") == direct[False]
+    assert rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_80", layer=True).bulk_rows == 0
+    assert rb.plan_bwd("norm_bwd", 2048, "bfloat16", 4, "sm_90", layer=True).bulk_rows == 0   # 8-byte vectors
+    assert rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).bulk_rows == 0  # cluster class
