@@ -6,10 +6,14 @@ its current stage (parity flipping per wrap), reads it, and after the row's redu
 arms the same stage with the row kBulk further on.  The loop bound is the block's (uniform for all
 its teams), so a lane group may iterate past its own last row.  The model runs every team of a
 grid with the copies landing in random order and checks what synccheck and racecheck would: a wait
-finds its own row in the stage (no parity aliasing, no overwrite before the read), and at exit every
-phase that completed was waited on and no copy is in flight.  The first version (a bare arrival for
-a row past the end, waited on only while the loop ran) fails the exit check - synccheck's "Missing
-wait" on the H200 (docs/data/sanitize_norm_bwd_ln_bulk_trial_synccheck_findings_session10_*.jsonl).
+finds its own row in the stage (no parity aliasing, no overwrite before the read), every phase that
+completed was waited on and no copy is in flight at exit, and the leader arrives once per phase and
+waits on that phase before it arrives on the barrier again.  Two earlier versions fail it, each
+reported by synccheck as "Missing wait" on the H200 (2026-11-26): a bare arrival for a row past the
+end (docs/data/sanitize_norm_bwd_ln_bulk_trial_synccheck_findings_session10_*.jsonl), and the saved
+statistics by cp.async onto the stage's mbarrier - cp.async.mbarrier.arrive is a second arrive of
+the leader on the phase of its arrive.expect_tx (only the kernels with saved statistics were
+reported, at those arrives; the recompute kernels with the same stages were clean).
 No GPU, no compiles.
 """
 from __future__ import annotations
@@ -24,32 +28,75 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "norm_bwd.cu.j
 
 
 class _Bar:
-    """An mbarrier of arrival count 1 (the leader's arrive.expect_tx; its bytes land later, modelled
-    as that arrival happening when the copy lands).  ``completed`` counts phases exactly, so a wait
-    that fell a phase behind (parity aliasing) is caught."""
+    """An mbarrier of arrival count 1: a phase completes once its pending arrival count and its
+    transaction bytes are both zero.  ``completed`` counts phases exactly, so a wait that fell a
+    phase behind (parity aliasing) is caught.  The per-thread rule synccheck applies (inferred from
+    its reports): a thread arrives at most once on a phase and waits on it before arriving on the
+    barrier again ("missing wait" otherwise)."""
 
     def __init__(self):
         self.completed = 0
+        self.pending = 1       # arrivals still due in the current phase
+        self.tx = 0            # bytes still due in the current phase
+        self.unwaited = {}     # thread -> the phase it arrived on and has not waited on yet
 
-    def arrive(self):
-        self.completed += 1
+    def _note_arrival(self, thread):
+        if thread in self.unwaited:
+            raise AssertionError(f"thread {thread} arrives again before waiting on phase "
+                                 f"{self.unwaited[thread]} (missing wait)")
+        self.unwaited[thread] = self.completed
 
-    def try_wait(self, parity: int, expect_phase: int) -> bool:
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = 1
+
+    def arrive_expect_tx(self, thread, nbytes: int):
+        self._note_arrival(thread)
+        self.tx += nbytes
+        self.pending -= 1
+        self._maybe_complete()
+
+    def arrive_bare(self, thread):
+        self.arrive_expect_tx(thread, 0)
+
+    def cp_async_arrive(self, thread):
+        """cp.async.mbarrier.arrive (no .noinc): one more pending arrival now (SASS SYNCS.ARRIVE
+        .TRANS64.RED.A0T1, an arrive of this thread), made when its cp.async land (async_arrive)."""
+        self._note_arrival(thread)
+        self.pending += 1
+
+    def async_arrive(self):
+        self.pending -= 1
+        self._maybe_complete()
+
+    def complete_tx(self, nbytes: int):
+        self.tx -= nbytes
+        assert self.tx >= 0
+        self._maybe_complete()
+
+    def try_wait(self, thread, parity: int, expect_phase: int) -> bool:
         ok = self.completed % 2 != parity
         if ok:
             assert self.completed == expect_phase + 1, "parity aliasing: a wait passed on a later phase"
+            if self.unwaited.get(thread) == expect_phase:
+                del self.unwaited[thread]
         return ok
 
 
-def _simulate(rows: int, workers: int, teams: int, stages: int, rng, first_version: bool = False):
+def _simulate(rows: int, workers: int, teams: int, stages: int, rng, version: str = "current"):
     """Every team of `workers` blocks of `teams` row teams (team t of block b: rows b * teams + t +
-    k * workers * teams, as RowTeam's first_row / row_step / local_row).  Returns the rows each
-    team read, in order."""
+    k * workers * teams, as RowTeam's first_row / row_step / local_row).  version: "current", or
+    an earlier one - "bare_arrival" (a bare arrival for a row past the end, waited on only while
+    the loop ran), "stats_cp_async" (the statistics by cp.async onto the stage's mbarrier).
+    Returns the rows each team read, in order."""
     step = workers * teams
-    landing = []                  # (team state, stage, row) of copies in flight
+    landing = []                  # (team state, stage, row, what) of copies in flight
     done_rows = {}
+    row_bytes = 2 * 16            # dy and x of the team's part of a row (any nonzero size)
 
     def team(b, t):
+        leader = (b, t)
         bars = [_Bar() for _ in range(stages)]
         slot = [None] * stages     # the row a stage holds (None while its copy is in flight)
         waited = [0] * stages
@@ -59,11 +106,15 @@ def _simulate(rows: int, workers: int, teams: int, stages: int, rng, first_versi
 
         def issue(s, row):
             if row >= rows:
-                if first_version:
-                    bars[s].arrive()   # the bare arrival: the phase completes at once
+                if version == "bare_arrival":
+                    bars[s].arrive_bare(leader)   # the phase completes at once
                 return
             slot[s] = None
-            landing.append((st, s, row))
+            if version == "stats_cp_async":
+                bars[s].cp_async_arrive(leader)
+                landing.append((st, s, row, "stats"))
+            bars[s].arrive_expect_tx(leader, row_bytes)
+            landing.append((st, s, row, "rows"))
 
         for s in range(stages):         # start()
             issue(s, first + s * step)
@@ -72,8 +123,8 @@ def _simulate(rows: int, workers: int, teams: int, stages: int, rng, first_versi
         while base < rows:              # the block's loop: uniform over its teams
             row = base + t
             row_ok = row < rows
-            if row_ok or first_version:   # acquire(): the first version waited past the end too
-                while not bars[stage].try_wait(parity, waited[stage]):
+            if row_ok or version == "bare_arrival":   # acquire(): the first version waited past the end too
+                while not bars[stage].try_wait(leader, parity, waited[stage]):
                     yield
                 waited[stage] += 1
                 if row_ok:
@@ -91,6 +142,7 @@ def _simulate(rows: int, workers: int, teams: int, stages: int, rng, first_versi
         for s in range(stages):
             assert bars[s].completed == waited[s], \
                 f"team {(b, t)} stage {s}: {bars[s].completed} phases completed, {waited[s]} waited (missing wait)"
+            assert not bars[s].unwaited, f"team {(b, t)} stage {s}: an arrival never waited on (missing wait)"
 
     live = [team(b, t) for b in range(workers) for t in range(teams)]
     while live or landing:
@@ -101,9 +153,12 @@ def _simulate(rows: int, workers: int, teams: int, stages: int, rng, first_versi
             except StopIteration:
                 live.pop(pick)
         else:
-            st, s, row = landing.pop(pick - len(live))
-            st["slot"][s] = row
-            st["bars"][s].arrive()
+            st, s, row, what = landing.pop(pick - len(live))
+            if what == "rows":
+                st["slot"][s] = row
+                st["bars"][s].complete_tx(row_bytes)
+            else:
+                st["bars"][s].async_arrive()
     return done_rows
 
 
@@ -124,11 +179,12 @@ def test_bulk_stages_are_all_waited(rows, workers, teams, stages):
     assert sum(len(v) for v in read.values()) == rows
 
 
+@pytest.mark.parametrize("version", ["bare_arrival", "stats_cp_async"])
 @pytest.mark.parametrize("rows, workers, teams", [(300, 264, 1), (33, 2, 16), (7, 1, 4)])
-def test_first_version_leaves_unwaited_phases(rows, workers, teams):
-    """The model catches the fault synccheck reported: bare arrivals for rows past the end."""
+def test_earlier_versions_fail_the_model(rows, workers, teams, version):
+    """The model catches both faults synccheck reported as "Missing wait"."""
     with pytest.raises(AssertionError, match="missing wait"):
-        _simulate(rows, workers, teams, 2, np.random.default_rng(0), first_version=True)
+        _simulate(rows, workers, teams, 2, np.random.default_rng(0), version=version)
 
 
 def _bulk_source() -> str:
@@ -139,12 +195,18 @@ def _bulk_source() -> str:
 
 def test_template_arms_and_waits_only_rows_in_range():
     """The template does what the model assumes: issue() returns before touching the barrier for a
-    row past the end (no bare arrival anywhere), acquire() returns before its wait for one."""
+    row past the end (no bare arrival anywhere), the leader's one arrive per armed stage is its
+    arrive.expect_tx (no cp.async onto the barrier), acquire() returns before its wait for a row
+    past the end."""
     src = _bulk_source()
     assert "mbar_arrive(" not in src, "a bare arrival completes a phase nobody waits on"
+    assert "cp.async.mbarrier.arrive" not in src and "cp_async" not in src, \
+        "cp.async onto the stage's mbarrier is a second arrive of the leader per phase"
     issue = src[src.index("void issue("):src.index("static __device__ __forceinline__ void copy(")]
     assert re.search(r"if \(row >= rows\) return;", issue), "issue() must arm nothing past the end"
     assert issue.index("row >= rows") < issue.index("mbar_arrive_expect_tx")
+    # one arrive.expect_tx on each path (block / lane-group rows, cluster rows), nothing else arrives
+    assert issue.count("mbar_arrive_expect_tx(") == 2 and "arrive" not in issue.replace("mbar_arrive_expect_tx", "")
     acquire = src[src.index("void acquire("):src.index("void release(")]
     assert acquire.index("if (!row_ok) return;") < acquire.index("mbar_wait"), "acquire() waits only for rows < rows"
 

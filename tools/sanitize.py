@@ -1099,18 +1099,23 @@ def _norm_backward(ctx: Ctx):
 # Bulk-copy stages (bulk_rows, sm_90) forced on the width's heuristic tile (both ops): (width, rows,
 # config fields, saved statistics, quick).  Few rows per worker, where the first version left
 # stages armed for rows past the end unwaited (synccheck "Missing wait", H200 2026-11-26: 4k
-# LayerNorm, 300 rows); lane groups without a row; one row; one stage; cluster rows.
+# LayerNorm, 300 rows); lane groups without a row; one row; one stage; cluster rows.  Those arm
+# their stages in start() only; the two rows-many cases wrap every stage several times (release()
+# re-arms a stage its team has waited on), with and without saved statistics.  (The second "Missing
+# wait", the statistics' cp.async onto the stage barrier, showed in every case with statistics.)
 NORM_BWD_BULK = (
     (4096, 300, dict(bulk_rows=2, acc_smem=False, min_blocks=1), True, True),   # the 4k LayerNorm candidate
+    (4096, 2000, dict(bulk_rows=2, acc_smem=False, min_blocks=1), True, True),  # its steady state
     (4096, 7, dict(bulk_rows=2, acc_smem=False, min_blocks=1), False, False),
     (1024, 33, dict(bulk_rows=3), True, True),          # 4 lane groups per block: teams without rows
+    (1024, 4097, dict(bulk_rows=3), False, False),      # lane groups over many wraps, ragged last round
     (1000, 1, dict(bulk_rows=1), False, False),         # ragged lane-group row, one stage
     (16384, 9, dict(bulk_rows=2), True, False),         # cluster rows, sums in shared memory
 )
 
 
 @case("norm_backward_bulk", families=("norm_bwd",), ops=("rmsnorm_backward", "layernorm_backward"),
-      note="the norm backward's bulk-copy stages (cp.async.bulk onto mbarriers) on few rows per worker")
+      note="the norm backward's bulk-copy stages (cp.async.bulk onto mbarriers): few rows per worker, and wraps")
 def _norm_backward_bulk(ctx: Ctx):
     from rtkernels import device
     from rtkernels.ops import rowwise_bwd as rb

@@ -240,8 +240,9 @@ _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (102
 # the register cap) = bulk stages with those occupancy knobs in place of the tables' (the stages
 # take the shared memory the sums would, so the measured winner pairs them with register sums).
 # Measured (H200, 2026-11-26, bench_training.py --quick --variants, bf16, 192 MiB per case, % of a
-# 1 GiB copy; the stage protocol of that run armed unwaited stages - synccheck's "Missing wait" -
-# fixed since, same copies):
+# 1 GiB copy; the stage protocol of that run armed unwaited stages and took the saved statistics
+# by cp.async onto the stage barrier - both synccheck's "Missing wait" - fixed since: the same bulk
+# copies, the statistics by plain loads a row ahead):
 #                                        1k group      4k block      16k cluster
 #   direct loads (the tables above)      76.2 / 71.8   74.9 / 66.0   70.0 / 64.5
 #   bulk 2, the tables' sums and cap     73.3 / 70.4   75.2 / 67.4   68.5 / 60.2
