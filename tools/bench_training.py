@@ -12,7 +12,7 @@ Calls are queued behind a spin kernel (benchutil.time_queued: each call's own GP
 the host is slower) and the candidates of a case alternate over several rounds (median of rounds).
 
     PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
-        [--variants [NAME,...]]
+        [--variants [NAME,...]] [--widths N,...]
 
 --variants [NAMES|default|fold|bulk|all]: the norm backward's variants (NORM_VARIANTS: the first version
 "old", then the column sums in shared memory, the register cap, clusters merging partial rows, the
@@ -478,6 +478,9 @@ def main():
     p.add_argument("--ops", default="rmsnorm,layernorm,softmax,ce,adamw")
     p.add_argument("--variants", nargs="?", const="all", default="",
                    help="time the norm backward's variants (NORM_VARIANTS names, comma-separated; no value: all)")
+    p.add_argument("--widths", default="",
+                   help="row widths of the norm / softmax cases, comma-separated (default: NORM_WIDTHS, "
+                        "with --quick QUICK_NORM_WIDTHS)")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
@@ -488,7 +491,9 @@ def main():
         env["torch"] = torch.__version__
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
-    rows = bench_rows(args, cp, rtk, torch, copy_gbs, QUICK_NORM_WIDTHS if args.quick else NORM_WIDTHS)
+    widths = tuple(int(w) for w in args.widths.split(",")) if args.widths else \
+        QUICK_NORM_WIDTHS if args.quick else NORM_WIDTHS
+    rows = bench_rows(args, cp, rtk, torch, copy_gbs, widths)
     if "ce" in args.ops.split(","):
         rows += bench_ce(args, cp, rtk, torch, copy_gbs, QUICK_CE_CASES if args.quick else CE_CASES)
     if "adamw" in args.ops.split(","):
