@@ -213,8 +213,10 @@ def test_template_arms_and_waits_only_rows_in_range():
 
 def test_bulk_table_switches_one_class_and_op(monkeypatch):
     """_NORM_BWD_BULK's entry replaces the tables' loads and occupancy knobs for its class and op
-    only, on sm_90 with 16-byte vectors (the switch the lead makes after measuring)."""
+    only, on sm_90 with 16-byte vectors (LayerNorm's block class since 2026-11-26)."""
     from rtkernels.ops import rowwise_bwd as rb
+    assert rb._NORM_BWD_BULK["block"] == (None, (2, False, 0))
+    monkeypatch.setitem(rb._NORM_BWD_BULK, "block", (None, None))
     direct = {k: rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90", layer=k) for k in (False, True)}
     assert all(c.bulk_rows == 0 for c in direct.values())
     monkeypatch.setitem(rb._NORM_BWD_BULK, "block", (None, (2, False, 0)))
