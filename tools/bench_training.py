@@ -12,14 +12,16 @@ Calls are queued behind a spin kernel (benchutil.time_queued: each call's own GP
 the host is slower) and the candidates of a case alternate over several rounds (median of rounds).
 
     PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
-        [--variants [NAME,...]]
+        [--variants [NAME,...]] [--widths N,...]
 
---variants [NAMES|default|fold|all]: the norm backward's variants (NORM_VARIANTS: the first version
+--variants [NAMES|default|fold|bulk|all]: the norm backward's variants (NORM_VARIANTS: the first version
 "old", then the column sums in shared memory, the register cap, clusters merging partial rows, the
 load-ahead schemes, the two-kernel column sum "unfolded" against the fold) timed beside the
 heuristic config in the same rounds, each as % of the same copy, with its tile, registers, resident
 workers and partial rows.  "fold": the fold's A/B (FOLD_VARIANTS: the two kernels, the fold forced
 where the heuristic does not fold, the fold keeping its summed lines in L2, and 16k worker shapes).
+"bulk": the bulk-copy stages' A/B (BULK_VARIANTS: direct loads, 1-3 rows in flight per row team,
+with the heuristic's or register column sums).
 
 Targets (issue 21): norm / softmax backward >= 0.85x copy at widths 1k-16k and >= 1.5x torch
 eager; cross-entropy (loss + grad) >= 0.85x copy and >= 2x torch; AdamW >= 0.85x copy and >= 1.0x
@@ -66,6 +68,16 @@ NORM_VARIANTS = {
     # bulk stages with the sums in registers and no cap, where the heuristic keeps them in shared
     # memory (4k LayerNorm, 16k): the stages' shared memory instead of the sums'
     "bulk2_accreg": dict(bulk_rows=2, acc_smem=False, min_blocks=1, only=(2048, 4096, 8192, 16384, 32768, 65536)),
+    # round 3 (after the stage protocol's fix, 2026-11-26): the heuristic's tile loading directly
+    # with the direct-load tables' sums and cap (the reference once a class defaults to bulk
+    # stages), one row in flight (the prefetch's overlap without its registers), three, and the
+    # 4k winner capped to 3 blocks of 256 per SM (85 registers: ptxas 78-79, no spills; 396
+    # workers, each two rows ahead)
+    "direct": "direct",
+    "bulk1": dict(bulk_rows=1),
+    "bulk1_accreg": dict(bulk_rows=1, acc_smem=False, min_blocks=1, only=(2048, 4096, 8192, 16384, 32768, 65536)),
+    "bulk3_accreg": dict(bulk_rows=3, acc_smem=False, min_blocks=1, only=(2048, 4096, 8192, 16384, 32768, 65536)),
+    "bulk2_accreg_3blk": dict(bulk_rows=2, acc_smem=False, min_blocks=3, only=(2048, 4096, 8192)),
     # earlier load-ahead variants (rejected 2026-11-25), now on the new kernel
     "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2, prefetch=False),
@@ -95,6 +107,8 @@ NORM_VARIANTS = {
 }
 DEFAULT_VARIANTS = "prev_default,old,bulk2,bulk3,bulk2_accreg"
 FOLD_VARIANTS = "unfolded,folded,fold_keep,c2x512,c8x128,c2x256v4"   # --variants fold: the fold's A/B
+# --variants bulk: the bulk stages' A/B (_NORM_BWD_BULK in rowwise_bwd.py)
+BULK_VARIANTS = "direct,bulk1,bulk2,bulk1_accreg,bulk2_accreg,bulk3_accreg,bulk2_accreg_3blk"
 
 
 def _prev_default(base):
@@ -102,6 +116,15 @@ def _prev_default(base):
     cls_ = base.row_class
     return base.replace(acc_smem=True, merge_cluster=4 if cls_ in ("group", "block") else 1,
                         min_blocks=1 if cls_ == "group" else max(1, 1024 // base.block_size))
+
+
+def _direct(base, layer):
+    """`base`'s tile loading directly, with the direct-load tables' occupancy knobs (what the
+    heuristic picks where _NORM_BWD_BULK has no entry)."""
+    from rtkernels.ops import rowwise_bwd as rb
+    cls_ = base.row_class
+    return base.replace(bulk_rows=0, acc_smem=rb._NORM_BWD_ACC_SMEM[cls_][int(layer)],
+                        min_blocks=max(1, rb._NORM_BWD_THREADS_PER_SM[cls_][int(layer)] // base.block_size))
 
 
 def _norm_variants(args, n, layer):
@@ -114,11 +137,17 @@ def _norm_variants(args, n, layer):
     arch, _ = rw._arch_info()
     base = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
     names = list(NORM_VARIANTS) if args.variants == "all" else \
-        {"default": DEFAULT_VARIANTS, "fold": FOLD_VARIANTS}.get(args.variants, args.variants).split(",")
+        {"default": DEFAULT_VARIANTS, "fold": FOLD_VARIANTS, "bulk": BULK_VARIANTS}.get(args.variants,
+                                                                                       args.variants).split(",")
     out = {}
     for name in names:
         if NORM_VARIANTS[name] == "prev_default":
             out[name] = _prev_default(base)
+            continue
+        if NORM_VARIANTS[name] == "direct":
+            cfg = _direct(base, layer)
+            if cfg != base:
+                out[name] = cfg
             continue
         fields = dict(NORM_VARIANTS[name])
         only = fields.pop("only", None)
@@ -449,6 +478,9 @@ def main():
     p.add_argument("--ops", default="rmsnorm,layernorm,softmax,ce,adamw")
     p.add_argument("--variants", nargs="?", const="all", default="",
                    help="time the norm backward's variants (NORM_VARIANTS names, comma-separated; no value: all)")
+    p.add_argument("--widths", default="",
+                   help="row widths of the norm / softmax cases, comma-separated (default: NORM_WIDTHS, "
+                        "with --quick QUICK_NORM_WIDTHS)")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
@@ -459,7 +491,9 @@ def main():
         env["torch"] = torch.__version__
     copy_gbs = benchutil.copy_bandwidth(1 << 30)
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']})", flush=True)
-    rows = bench_rows(args, cp, rtk, torch, copy_gbs, QUICK_NORM_WIDTHS if args.quick else NORM_WIDTHS)
+    widths = tuple(int(w) for w in args.widths.split(",")) if args.widths else \
+        QUICK_NORM_WIDTHS if args.quick else NORM_WIDTHS
+    rows = bench_rows(args, cp, rtk, torch, copy_gbs, widths)
     if "ce" in args.ops.split(","):
         rows += bench_ce(args, cp, rtk, torch, copy_gbs, QUICK_CE_CASES if args.quick else CE_CASES)
     if "adamw" in args.ops.split(","):

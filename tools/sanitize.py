@@ -1090,34 +1090,75 @@ NORM_BWD_VARIANTS = (
 @case("norm_backward", families=("norm_bwd",), ops=("rmsnorm_backward", "layernorm_backward"),
       note="dx and the two-stage (rows, then column sums) dweight / dbias; with and without saved statistics")
 def _norm_backward(ctx: Ctx):
-    import rtkernels as rtk
-    from rtkernels.ops import rowwise_bwd as rb
     for dt, rows, n, wdt, stats, quick in NORM_BWD_VARIANTS:
         if not ctx.variant(f"{dt} {rows}x{n} w={wdt}{' stats' if stats else ''}", quick=quick):
             continue
-        x, x64 = _rows(ctx, dt, rows, n, n % 2 == 1)
-        dy, dy64 = ctx.randn((rows, n), dt)
-        w, w64 = ctx.randn((n,), wdt)
-        b, _ = ctx.randn((n,), wdt)
-        rstd = mean = None
-        if stats:   # the forward's float32 statistics, computed here (no forward kernel)
-            rstd = ctx.cp.asarray((1 / np.sqrt(np.mean(x64 ** 2, -1) + 1e-6)).astype(np.float32))
-        dx = ctx.poisoned((rows, n), dt)
-        got_dx, got_dw = rtk.rmsnorm_backward(dy, x, w, rstd, eps=1e-6, out=dx, **_bf(dt))
-        assert got_dx is dx
-        ref = rb.rmsnorm_backward_reference(dy64, x64, w64, 1e-6)
-        ctx.check("rms dx", dx, dt, ref[0], 4 * TOL[dt], exact_rerun=True)
-        ctx.check("rms dweight", got_dw, wdt, ref[1], 4 * TOL[wdt], exact_rerun=True)
-        if stats:
-            m64 = np.mean(x64, -1)
-            mean = ctx.cp.asarray(m64.astype(np.float32))
-            rstd = ctx.cp.asarray((1 / np.sqrt(np.mean((x64 - m64[:, None]) ** 2, -1) + 1e-5)).astype(np.float32))
-        dx = ctx.poisoned((rows, n), dt)
-        got_dx, got_dw, got_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, eps=1e-5, out=dx, **_bf(dt))
-        ref = rb.layernorm_backward_reference(dy64, x64, w64, 1e-5)
-        ctx.check("ln dx", dx, dt, ref[0], 4 * TOL[dt], exact_rerun=True)
-        ctx.check("ln dweight", got_dw, wdt, ref[1], 4 * TOL[wdt], exact_rerun=True)
-        ctx.check("ln dbias", got_db, wdt, ref[2], 4 * TOL[wdt], exact_rerun=True)
+        _norm_bwd_variant(ctx, dt, rows, n, wdt, stats, n % 2 == 1)
+
+
+# Bulk-copy stages (bulk_rows, sm_90) forced on the width's heuristic tile (both ops): (width, rows,
+# config fields, saved statistics, quick).  Few rows per worker, where the first version left
+# stages armed for rows past the end unwaited (synccheck "Missing wait", H200 2026-11-26: 4k
+# LayerNorm, 300 rows); lane groups without a row; one row; one stage; cluster rows.  Those arm
+# their stages in start() only; the two rows-many cases wrap every stage several times (release()
+# re-arms a stage its team has waited on), with and without saved statistics.  (The second "Missing
+# wait", the statistics' cp.async onto the stage barrier, showed in every case with statistics.)
+NORM_BWD_BULK = (
+    (4096, 300, dict(bulk_rows=2, acc_smem=False, min_blocks=1), True, True),   # the 4k LayerNorm candidate
+    (4096, 2000, dict(bulk_rows=2, acc_smem=False, min_blocks=1), True, False),  # its steady state
+    (4096, 7, dict(bulk_rows=2, acc_smem=False, min_blocks=1), False, False),
+    (1024, 33, dict(bulk_rows=3), True, True),          # 4 lane groups per block: teams without rows
+    (1024, 4097, dict(bulk_rows=3), False, False),      # lane groups over many wraps, ragged last round
+    (1000, 1, dict(bulk_rows=1), False, False),         # ragged lane-group row, one stage
+    (16384, 9, dict(bulk_rows=2), True, False),         # cluster rows, sums in shared memory
+)
+
+
+@case("norm_backward_bulk", families=("norm_bwd",), ops=("rmsnorm_backward", "layernorm_backward"),
+      note="the norm backward's bulk-copy stages (cp.async.bulk onto mbarriers): few rows per worker, and wraps")
+def _norm_backward_bulk(ctx: Ctx):
+    from rtkernels import device
+    from rtkernels.ops import rowwise_bwd as rb
+    ctx.require_sm90()
+    arch = device.current_arch()
+    for n, rows, fields, stats, quick in NORM_BWD_BULK:
+        if not ctx.variant(f"bfloat16 {rows}x{n} " + " ".join(f"{k}={v}" for k, v in fields.items())
+                           + (" stats" if stats else ""), quick=quick):
+            continue
+        configs = [rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
+                   .replace(**fields) for layer in (False, True)]
+        _norm_bwd_variant(ctx, "bfloat16", rows, n, "bfloat16", stats, False, configs)
+
+
+def _norm_bwd_variant(ctx: Ctx, dt, rows, n, wdt, stats, strided, configs=(None, None)):
+    """rmsnorm_backward then layernorm_backward of one shape against the float64 references;
+    configs: (RMSNorm's, LayerNorm's) NormBwdConfig or None (the heuristic)."""
+    import rtkernels as rtk
+    from rtkernels.ops import rowwise_bwd as rb
+    x, x64 = _rows(ctx, dt, rows, n, strided)
+    dy, dy64 = ctx.randn((rows, n), dt)
+    w, w64 = ctx.randn((n,), wdt)
+    b, _ = ctx.randn((n,), wdt)
+    rstd = mean = None
+    if stats:   # the forward's float32 statistics, computed here (no forward kernel)
+        rstd = ctx.cp.asarray((1 / np.sqrt(np.mean(x64 ** 2, -1) + 1e-6)).astype(np.float32))
+    dx = ctx.poisoned((rows, n), dt)
+    got_dx, got_dw = rtk.rmsnorm_backward(dy, x, w, rstd, eps=1e-6, out=dx, config=configs[0], **_bf(dt))
+    assert got_dx is dx
+    ref = rb.rmsnorm_backward_reference(dy64, x64, w64, 1e-6)
+    ctx.check("rms dx", dx, dt, ref[0], 4 * TOL[dt], exact_rerun=True)
+    ctx.check("rms dweight", got_dw, wdt, ref[1], 4 * TOL[wdt], exact_rerun=True)
+    if stats:
+        m64 = np.mean(x64, -1)
+        mean = ctx.cp.asarray(m64.astype(np.float32))
+        rstd = ctx.cp.asarray((1 / np.sqrt(np.mean((x64 - m64[:, None]) ** 2, -1) + 1e-5)).astype(np.float32))
+    dx = ctx.poisoned((rows, n), dt)
+    got_dx, got_dw, got_db = rtk.layernorm_backward(dy, x, w, b, mean, rstd, eps=1e-5, out=dx, config=configs[1],
+                                                    **_bf(dt))
+    ref = rb.layernorm_backward_reference(dy64, x64, w64, 1e-5)
+    ctx.check("ln dx", dx, dt, ref[0], 4 * TOL[dt], exact_rerun=True)
+    ctx.check("ln dweight", got_dw, wdt, ref[1], 4 * TOL[wdt], exact_rerun=True)
+    ctx.check("ln dbias", got_db, wdt, ref[2], 4 * TOL[wdt], exact_rerun=True)
 
 
 @case("softmax_backward", families=("softmax_bwd",), ops=("softmax_backward",))

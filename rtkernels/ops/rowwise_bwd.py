@@ -235,8 +235,28 @@ _NORM_BWD_MERGE = {"group": 1, "block": 1, "cluster": 1}   # sm_90; kept as a kn
 # rows: 72 -> 63 RMSNorm, 80 -> 63 LayerNorm, +3% instructions; 4 blocks of 256 per SM instead of
 # 3).  Lane groups (32 elements per thread) spill under 64 and keep ptxas's choice.
 _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (1024, 1024)}
-# Rows in flight per row team through bulk-copy stages (bulk_rows, sm_90): 0 until measured.
-_NORM_BWD_BULK_ROWS = {"group": 0, "block": 0, "cluster": 0}
+# Bulk-copy stages (bulk_rows, sm_90, 16-byte vectors) per row class, (RMSNorm, LayerNorm): None =
+# direct loads with the tables above; (rows in flight per row team, acc_smem, threads per SM for
+# the register cap) = bulk stages with those occupancy knobs in place of the tables' (the stages
+# take the shared memory the sums would, so the measured winner pairs them with register sums).
+# Measured (H200, 2026-11-26, bench_training.py --quick --variants, bf16, 192 MiB per case, % of a
+# 1 GiB copy; the stage protocol of that run armed unwaited stages and took the saved statistics
+# by cp.async onto the stage barrier - both synccheck's "Missing wait" - fixed since: the same bulk
+# copies, the statistics by plain loads a row ahead):
+#                                        1k group      4k block      16k cluster
+#   direct loads (the tables above)      76.2 / 71.8   74.9 / 66.0   70.0 / 64.5
+#   bulk 2, the tables' sums and cap     73.3 / 70.4   75.2 / 67.4   68.5 / 60.2
+#   bulk 2, sums in registers, no cap    (as above)    (as) / 71.0   63.4 / 59.7
+# LayerNorm 4k is the one clear win (+5): 264 workers (2 blocks of 256 per SM, 114 registers)
+# with two rows each in flight through the stages, against 528 capped workers loading directly -
+# half the partial rows (8.6 MB of dweight + dbias instead of 17 MB, 9% of the case, written and
+# folded) and more bytes in flight per SM.  Re-measured with the first protocol fix (H200,
+# 2026-11-26, --variants bulk, in the same rounds): LayerNorm 4k 71.1 vs 66.2 direct; RMSNorm 4k
+# 74.6 (bulk 2) vs 75.1: no win.  Adopted for LayerNorm's block class (2k-4k; 2k, 128-thread
+# blocks, not measured yet) on the condition of the check run that goes with this change: the
+# bulk path synccheck-clean (tools/sanitize.py --only norm_backward_bulk,norm_backward) and the
+# statistics' plain loads as fast (bench_training.py --variants bulk --widths 2048,4096).
+_NORM_BWD_BULK = {"group": (None, None), "block": (None, (2, False, 0)), "cluster": (None, None)}
 # The column sums folded into the rows kernel (fold_colsum, a cooperative launch: a grid barrier
 # after the partial rows, then every block sums column tiles of them from L2, _fold_tile4) instead
 # of the second kernel norm_bwd_colsum.  Measured (H200, 2026-11-26, bench_training.py --quick
@@ -280,14 +300,15 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
         cfg = cls(**common, block_size=block, **fields)
         if family == "norm_bwd" and not cfg.two_pass:
             cls_ = cfg.row_class
-            acc = _NORM_BWD_ACC_SMEM[cls_][int(layer)]
             wide = vec * size == 16
-            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cls_] if wide else 0,
+            bulk = _NORM_BWD_BULK[cls_][int(layer)] if wide and hopper else None
+            stages, acc, threads = bulk or (0, _NORM_BWD_ACC_SMEM[cls_][int(layer)],
+                                            _NORM_BWD_THREADS_PER_SM[cls_][int(layer)])
+            cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cls_] if wide and not stages else 0,
                               blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cls_], acc_smem=acc,
                               merge_cluster=_NORM_BWD_MERGE[cls_] if acc and hopper else 1,
-                              bulk_rows=_NORM_BWD_BULK_ROWS[cls_] if wide and hopper else 0,
-                              fold_colsum=_NORM_BWD_FOLD[cls_],
-                              min_blocks=max(1, _NORM_BWD_THREADS_PER_SM[cls_][int(layer)] // cfg.block_size))
+                              bulk_rows=stages, fold_colsum=_NORM_BWD_FOLD[cls_],
+                              min_blocks=max(1, threads // cfg.block_size))
         return cfg
 
     gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))
