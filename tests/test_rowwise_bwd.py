@@ -81,17 +81,19 @@ def test_plan_bwd_occupancy_knobs(n, arch, layer, acc, merge, min_blocks):
 ])
 def test_plan_bwd_loads_directly(n, dtype, vec):
     # measured: loading ahead (ring or prefetch) lost to direct loads at every row class (rowwise_bwd.py),
-    # but for LayerNorm's block rows of 16-byte vectors on sm_90: two rows in flight through bulk stages
+    # but on sm_90 with 16-byte vectors: lane groups take one bulk stage, LayerNorm's block rows two
     for layer in (False, True):
         cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90", layer=layer)
-        bulk = 2 if layer and cfg.row_class == "block" and vec * 2 == 16 and dtype == "bfloat16" else 0
+        wide = vec * 2 == 16 and dtype == "bfloat16"
+        bulk = 0 if not wide else 1 if cfg.row_class == "group" else 2 if layer and cfg.row_class == "block" else 0
         assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm, cfg.bulk_rows) == (0, False, 0, bulk)
 
 
 # ---- a few configs compile without spills (CPU) ------------------------------------------------------
 COMPILED = [   # (label, config, arch): the ring knob at each row class, prefetch, a heuristic config, sm_80
     ("1k group ring, float32 weights",
-     rb.plan_bwd("norm_bwd", 1024, "bfloat16", 8, "sm_90", weight_dtype="float32").replace(ring_rows=2), "sm_90"),
+     rb.plan_bwd("norm_bwd", 1024, "bfloat16", 8, "sm_90", weight_dtype="float32").replace(ring_rows=2, bulk_rows=0),
+     "sm_90"),
     ("16k cluster ring", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").replace(ring_rows=2), "sm_90"),
     ("64k 512-thread cluster ring (128-register cap), float32 weights",
      rb.plan_bwd("norm_bwd", 65536, "bfloat16", 8, "sm_90", weight_dtype="float32").replace(ring_rows=2), "sm_90"),

@@ -252,11 +252,14 @@ _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (102
 # half the partial rows (8.6 MB of dweight + dbias instead of 17 MB, 9% of the case, written and
 # folded) and more bytes in flight per SM.  Re-measured with the first protocol fix (H200,
 # 2026-11-26, --variants bulk, in the same rounds): LayerNorm 4k 71.1 vs 66.2 direct; RMSNorm 4k
-# 74.6 (bulk 2) vs 75.1: no win.  Adopted for LayerNorm's block class (2k-4k; 2k, 128-thread
-# blocks, not measured yet) on the condition of the check run that goes with this change: the
-# bulk path synccheck-clean (tools/sanitize.py --only norm_backward_bulk,norm_backward) and the
-# statistics' plain loads as fast (bench_training.py --variants bulk --widths 2048,4096).
-_NORM_BWD_BULK = {"group": (None, None), "block": (None, (2, False, 0)), "cluster": (None, None)}
+# 74.6 (bulk 2) vs 75.1: no win.  Check run with the final protocol (one expect-tx arrive per
+# stage, statistics by plain loads; H200, 2026-11-26): compute-sanitizer synccheck / racecheck /
+# memcheck 0 errors on norm_backward_bulk + norm_backward, and in the same rounds (% of copy, rtk
+# = the default after this change vs the old direct loads): LayerNorm 2k 71.6 vs 65.6, 4k 71.3 vs
+# 66.1 - adopted for LayerNorm's block class; RMSNorm 2k 73.7 (bulk 2) vs 73.7, 4k 74.1 vs 74.9:
+# not.  Lane groups (1k): one stage per team (bulk 1, the tables' sums) 78.5 / 74.0 vs direct 76.3
+# / 71.8, and 77.8 / 74.3 vs 76.5 / 72.4 in the run before - adopted for both ops.
+_NORM_BWD_BULK = {"group": ((1, False, 0), (1, False, 0)), "block": (None, (2, False, 0)), "cluster": (None, None)}
 # The column sums folded into the rows kernel (fold_colsum, a cooperative launch: a grid barrier
 # after the partial rows, then every block sums column tiles of them from L2, _fold_tile4) instead
 # of the second kernel norm_bwd_colsum.  Measured (H200, 2026-11-26, bench_training.py --quick
