@@ -208,6 +208,20 @@ def _run_checked(monkeypatch, q, k, v, dtype, causal, softcap, want_fixed, where
     return o, lse
 
 
+@pytest.fixture
+def fixed_everywhere(monkeypatch):
+    """fixed_max at every head dim (RTKERNELS_SM90_SOFTCAP_FIXED_MAX=1): the default takes it only
+    where it measured faster (head dims <= 64 or causal), but the opt-in must be right everywhere.
+    The kernel memos are cleared around the test so no later test replays a fixed_max plan."""
+    from rtkernels.ops import attention as att
+    monkeypatch.setenv("RTKERNELS_SM90_SOFTCAP_FIXED_MAX", "1")
+    A90._KERNELS.clear()
+    att._KERNELS.clear()
+    yield
+    A90._KERNELS.clear()
+    att._KERNELS.clear()
+
+
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, softcap): tails of every tile
 # size, GQA, seqlen_q != seqlen_k both ways, a single query
 CASES = [(1, 1, 1, 1, 1, 64, True, 50.0), (2, 1000, 1037, 4, 2, 64, False, 50.0),
@@ -219,7 +233,7 @@ CASES = [(1, 1, 1, 1, 1, 64, True, 50.0), (2, 1000, 1037, 4, 2, 64, False, 50.0)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_gpu_fixed_max_reference(monkeypatch, case):
+def test_gpu_fixed_max_reference(monkeypatch, fixed_everywhere, case):
     _need_sm90()
     b, sq, sk, h, hkv, d, causal, cap = case
     seed = int(np.random.SeedSequence().entropy % 2**32)
@@ -229,7 +243,7 @@ def test_gpu_fixed_max_reference(monkeypatch, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_fixed_max_extreme_rows(monkeypatch, d):
+def test_gpu_fixed_max_extreme_rows(monkeypatch, fixed_everywhere, d):
     """Rows whose every score sits near -softcap (the smallest row maximum the fixed reference
     allows: P ~ 2^(E - 2c) per key) or near +softcap (P ~ 2^E), softcap 50: q and k along one
     direction, scaled so that |s| >> softcap; queries alternate sign."""
@@ -251,7 +265,7 @@ def test_gpu_fixed_max_extreme_rows(monkeypatch, d):
 
 
 @pytest.mark.gpu
-def test_gpu_fixed_max_rows_without_keys_and_windows(monkeypatch):
+def test_gpu_fixed_max_rows_without_keys_and_windows(monkeypatch, fixed_everywhere):
     """Bottom-right causal with seqlen_q > seqlen_k leaves the first rows without keys (o = 0,
     lse = -inf from poisoned outputs); windows, whose edge tiles are masked."""
     _need_sm90()

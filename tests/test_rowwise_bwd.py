@@ -175,10 +175,10 @@ def test_every_norm_bwd_heuristic_config_compiles_without_spills(arch):
 # Each width's heuristic tile with every way of loading ahead; rows chosen so that workers walk
 # several rows each and the last wave is ragged (blocks_per_sm=1: ~4x the rows per worker).
 LOAD_AHEAD = {
-    "direct": dict(ring_rows=0, prefetch=False),
-    "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
-    "ring2": dict(ring_rows=2),
-    "ring3_1blk": dict(ring_rows=3, blocks_per_sm=1),
+    "direct": dict(ring_rows=0, prefetch=False, bulk_rows=0),
+    "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1, bulk_rows=0),   # a second register set: no cap
+    "ring2": dict(ring_rows=2, bulk_rows=0),
+    "ring3_1blk": dict(ring_rows=3, blocks_per_sm=1, bulk_rows=0),
     # the first version's kernel (both statistics paths in one, sums in registers, no cap)
     "old": dict(split_stats=False, acc_smem=False, merge_cluster=1, min_blocks=1),
     "acc_regs": dict(acc_smem=False, merge_cluster=1),
