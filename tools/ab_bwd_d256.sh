@@ -6,7 +6,8 @@
 #   tests_options.txt               pytest -m gpu tests/test_attention_bwd_sm90_big_options.py
 #   d256/  tools/bench_attention_bwd.py --grid fa --head-dims 256 with five --alt columns:
 #          dq_mode=ring | lpt_grid=true | dq_mode=ring,lpt_grid=true | do_stages=1 | do_stages=2
-#   d192/  the same grid at d192 (the default "qk" split ring) with --alt lpt_grid=true
+#   d192/  S 2k / 4k of that grid at d192 (the default "qk" split ring) with --alt lpt_grid=true
+#          (at 16k lpt_group picks one pair per section: the 3-D grid's own order)
 # and the last thing printed is one short table (TFLOP/s, each alt's ratio to the faster of FA4 and
 # SDPA cuDNN; non-causal cells leave lpt_grid empty: it is a causal option).  FA4 is optional: put
 # it on PYTHONPATH first.  About 3 minutes of GPU time.
@@ -41,13 +42,13 @@ for r in reps:
 print(f"prebuilt {len(cfgs)} configs in {time.perf_counter() - t0:.1f} s")
 EOF
 echo "prebuild rc $?: $(tail -1 "$W/prebuild.txt")"
-timeout 110 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd_sm90_big_options.py \
+timeout 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd_sm90_big_options.py \
     >"$W/tests_options.txt" 2>&1
 echo "kt option tests (rc $?): $(tail -1 "$W/tests_options.txt")"
-timeout 150 $PY tools/bench_attention_bwd.py --grid fa --head-dims 256 "${ALTS256[@]}" --out "$W/d256" \
+timeout 130 $PY tools/bench_attention_bwd.py --grid fa --head-dims 256 "${ALTS256[@]}" --out "$W/d256" \
     >"$W/d256/log.txt" 2>&1
 echo "d256 bench rc $?"
-timeout 70 $PY tools/bench_attention_bwd.py --grid fa --head-dims 192 "${ALTS192[@]}" --out "$W/d192" \
+timeout 50 $PY tools/bench_attention_bwd.py --grid fa --head-dims 192 --seqlens 2048,4096 "${ALTS192[@]}" --out "$W/d192" \
     >"$W/d192/log.txt" 2>&1
 echo "d192 bench rc $?"
 tar -czf "$OUT/ab_bwd_d256.tar.gz" -C "$W" .
