@@ -32,9 +32,12 @@ CHECKED_DIMS = [136, 144, 176, 192, 200, 248, 256]   # compiled on the CPU, caus
                                  dict(dq_mode="bulk", deterministic=True), dict(head_dim=256, dq_mode="bulk"),
                                  dict(layout="kq"), dict(key_block=96), dict(key_block=128, layout="qk"),
                                  dict(key_block=96, layout="qk", head_dim=200),
-                                 dict(do_stages=1), dict(ds_buffers=1), dict(do_stages=3, layout="qk"),
+                                 dict(do_stages=1, dq_mode="ring"), dict(ds_buffers=1), dict(do_stages=3, layout="qk"),
                                  dict(ds_buffers=3, layout="qk"),
-                                 dict(do_stages=1, layout="qk", key_block=96, dq_mode="ring", num_stages=2)])
+                                 dict(do_stages=1, layout="qk", key_block=96, dq_mode="ring", num_stages=2),
+                                 dict(dq_mode="ring", num_stages=1), dict(lpt_grid=True),
+                                 dict(lpt_grid=True, causal=True, deterministic=True),
+                                 dict(lpt_grid=True, causal=True, is_varlen=True), dict(lpt_grid="yes", causal=True)])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
         AttentionBwdSm90BigConfig(**{"head_dim": 192, **bad})
@@ -141,13 +144,13 @@ def test_qk_split_ring_builds_clean():
 
 def test_qk_ring_mode_config_and_build():
     """dq_mode="ring" (the bulk dQ reduction staged in the step's own Q/dO stage): two stages and 96
-    keys fit with it at d192 (no staging tile); "qk" and two stages only, never deterministic; the
+    keys fit with it at d192 (no staging tile); two shared stages only, never deterministic; the
     build has no spills, one bulk reduction and no register reductions."""
     from rtkernels.kernel import get_kernel
     c = AttentionBwdSm90BigConfig(dtype="bfloat16", head_dim=192, causal=True, layout="qk", key_block=96,
                                   dq_mode="ring", num_stages=2)
     assert c.shared_mem_bytes == c.replace(dq_mode="red").shared_mem_bytes <= B90.SMEM_LIMIT_SM90
-    for bad in (dict(layout="kt", key_block=64), dict(num_stages=1), dict(deterministic=True)):
+    for bad in (dict(do_stages=1), dict(num_stages=1), dict(deterministic=True)):
         with pytest.raises(ConfigError):
             c.replace(**bad)
     k = get_kernel(c, arch="sm_90a")

@@ -278,10 +278,13 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
     for buf in (dq_accum, count):
         if buf is not None:
             cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, sptr)
-    grid = (-(-seqlen_k // cfg.block_n), nheads_kv, batch)
+    grid, tail = (-(-seqlen_k // cfg.block_n), nheads_kv, batch), ()
+    if getattr(cfg, "lpt_grid", False):   # attention_bwd_sm90_big's heaviest-first causal grid
+        from .attention_bwd_sm90_big import main_grid
+        grid, tail = main_grid(cfg, batch, seqlen_q, seqlen_k, nheads_kv, nheads // nheads_kv)
     kern.launch(grid, (cfg.threads_per_block,), *maps,
                 lse2, delta, dq_accum, count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
-                *s_dk[:3], *s_dv[:3], float(softmax_scale), None, None, None, batch, *mask_args,
+                *s_dk[:3], *s_dv[:3], float(softmax_scale), None, None, None, batch, *mask_args, *tail,
                 shared_mem=cfg.shared_mem_bytes, stream=stream)
     convert.launch((m_tiles, nheads, batch), (128,), dq_accum, dq_, seqlen_q, *s_dq[:3], float(softmax_scale), None,
                    batch, stream=stream)

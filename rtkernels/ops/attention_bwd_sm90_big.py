@@ -9,11 +9,14 @@ memory), and dQ goes from registers to the f32 accumulator by 16-byte reductions
 header comment has the register and shared-memory counts that chose this layout.  ``layout="qk"``
 is FlashAttention-3/4's sm90 orientation: queries as wgmma M, each consumer warpgroup owns half
 the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with the head dim as M, only dQ
-reads the other warpgroup's dS; :func:`choose_config` runs it for non-causal calls up to head
-dim 192.
+reads the other warpgroup's dS; :func:`choose_config` runs it up to head dim 192 (neither
+deterministic nor masked).  Opt-in options of both layouts (A/B: tools/ab_bwd_d256.sh): a separate
+dO ring (``do_stages``), the bulk dQ reduction staged in the Q/dO ring stage (``dq_mode="ring"``: two
+stages with it at d256) and a heaviest-first causal grid (``lpt_grid``, :func:`lpt_group`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -54,9 +57,12 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         "bulk" - each consumer warpgroup stages its half of the f32 dQ tile in shared memory and one
         thread adds it with a TMA bulk reduction (cp.reduce.async.bulk; +64 x head_dim x 4 B of
         shared memory: two ring stages fit up to head_dim 192).  Not with ``deterministic``.
-        "ring" (layout "qk", two stages) - the bulk reduction staged in the step's own Q/dO ring
-        stage once both warpgroups have read it (no staging tile: two stages fit at 96 keys); the
-        stage returns to the producer when the reduction has read it, early in the next step.
+        "ring" (two shared Q/dO stages) - the bulk reduction staged in the step's own Q/dO ring
+        stage once both warpgroups have read it (warpgroup 0's half over the Q tile, 1's over dO;
+        no staging tile: two stages fit at 96 keys, and with "kt" at every head dim up to 256);
+        the stage returns to the producer when the reduction has read it, early in the next step.
+        "kt" at head dims 152 and 216 gives each tile one more 32-column block (unloaded) so the
+        wider warpgroup's f32 half fits it.
     layout : "kt" - keys are wgmma's M: S^T / dP^T split by queries, dK / dV by head-dim columns
         (P^T and dS^T cross between the warpgroups before dV and dK); "qk" - queries are wgmma's M
         (FlashAttention-3/4's sm90 choice at head dim 192): each consumer warpgroup owns
@@ -65,15 +71,21 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     key_block : keys per CTA: 64, or 96 with layout "qk" and head_dim <= 192 (dK^T + dV^T of 48
         keys x 192 head-dim rows: 144 registers per thread).
     do_stages : 0 - dO and delta share the Q ring's stages (one full / empty barrier pair per
-        stage); 1 or 2 (layout "qk", dq_mode "red" or "bulk") - a separate dO / delta ring of that
-        depth, so ``num_stages`` counts Q / lse stages only: FlashAttention-4's sm90 choice at
-        head dim 192 (two Q stages, one dO stage).  The next step's Q is then loaded a whole step
-        ahead and its S GEMM starts at once; the dO stage is released as soon as this step's
-        dV^T GEMM has read it and refills behind the dK^T and dQ GEMMs.
+        stage); 1 or 2 (dq_mode "red" or "bulk") - a separate dO / delta ring of that depth, so
+        ``num_stages`` counts Q / lse stages only: FlashAttention-4's sm90 choice at head dim 192
+        (two Q stages, one dO stage).  The next step's Q is then loaded a whole step ahead and
+        its S (S^T) GEMM starts at once; the dO stage is released as soon as this step's dV^T
+        (dV) GEMM has read it and refills behind the dK and dQ GEMMs.
     ds_buffers : dS buffers (2; 1 with layout "qk"): one buffer saves 2 x 8 KiB at 96 keys (what
         lets two Q stages, one dO stage and the f32 dQ staging tile fit together), at the cost of
         a one-way wait per step (a warpgroup rewrites its dS slice only after the other one's dQ
         GEMM of the previous step has read it).
+    lpt_grid : causal, not deterministic, without cu_seqlens: a 1-D grid whose index runs the key
+        tiles heaviest first (key tile 0 sees every query tile) within sections of (batch, kv
+        head) pairs sized to L2 (:func:`lpt_group`), so the dispatcher starts the long CTAs of every
+        pair before the short ones.  The 3-D grid runs pair after pair: the last pairs' heaviest
+        tiles start in the last wave and finish alone (the greedy model, FlashAttention's grid at
+        d256: 1.065 / 1.056 of the even split at S 2k / 4k, 1.003 in sections).
     """
 
     family: ClassVar[str] = FAMILY
@@ -88,6 +100,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     key_block: int = 64
     do_stages: int = 0
     ds_buffers: int = 2
+    lpt_grid: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -107,16 +120,18 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
                                     "registers per thread before dQ's)")
         if self.dq_mode != "red" and self.deterministic:
             self._fail("dq_mode", '"red" with deterministic=True (the ordered flush adds from registers)')
-        if self.dq_mode == "ring" and (self.layout != "qk" or self.num_stages != 2):
-            self._fail("dq_mode", '"red" or "bulk" unless layout="qk" and num_stages=2 (the staging reuses the '
-                                  'stage a step has read while the other stage feeds the next step)')
         self._check_choice("do_stages", (0, 1, 2))
+        if self.dq_mode == "ring" and (self.num_stages != 2 or self.do_stages):
+            self._fail("dq_mode", '"red" or "bulk" unless num_stages=2 and do_stages=0 (the staging reuses the '
+                                  'Q/dO stage a step has read while the other stage feeds the next step)')
         self._check_choice("ds_buffers", (1, 2))
-        if self.do_stages and (self.layout != "qk" or self.dq_mode == "ring"):
-            self._fail("do_stages", '0 unless layout="qk" with dq_mode "red" or "bulk" (a separate dO ring is '
-                                    'built for the "qk" consumers only)')
         if self.ds_buffers != 2 and self.layout != "qk":
             self._fail("ds_buffers", '2 unless layout="qk" ("kt" alternates its P^T and dS^T buffers together)')
+        self._check_choice("lpt_grid", (False, True))
+        if self.lpt_grid and not (self.causal and not self.deterministic and not self.is_varlen):
+            self._fail("lpt_grid", "False unless causal=True, deterministic=False and without cu_seqlens (it orders "
+                                   "the key tiles of a dense causal grid heaviest first; the deterministic order "
+                                   "and varlen's schedule have their own)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
@@ -141,7 +156,10 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         wide = max(self.split, self.head_dim - self.split)
         cols = -(-(self.split + wide) // 32)
         # layout "qk": dK^T / dV^T read Q^T / dO^T in 64-row wgmma atoms over the head dim
-        return max(cols, 2 * -(-self.head_dim // 64)) if self.layout == "qk" else cols
+        atoms = 2 * -(-self.head_dim // 64) if self.layout == "qk" else 0
+        # dq_mode "ring": a warpgroup's f32 half (64 rows x wide columns x 4 B) fits one tile
+        ring = -(-wide // 16) if self.dq_mode == "ring" else 0
+        return max(cols, atoms, ring)
 
     @property
     def pds_bytes(self) -> int:
@@ -230,6 +248,68 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
         return cfg.replace(dq_mode="bulk")
     except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
         return cfg
+
+
+# lpt_grid's sections: the CTAs resident at once (one per SM) walk the query tiles of one or two
+# sections' (batch, kv head) pairs, whose Q, dO (16-bit) and f32 dQ accumulator rows they all
+# read / add into; a section's share of those stays within this many bytes so L2 keeps them between
+# the CTAs of a pair.  Reasoned as the forward's LPT_SECTION_BYTES (50 MB of L2 on H100 / H200,
+# the rest for the K / V tiles and the next section's first loads); FlashAttention's grid at d256:
+# 8 pairs per section at S 2k, 4 at 4k, 1 at 16k (the 3-D grid's own order).
+LPT_SECTION_BYTES = 32 << 20
+
+
+def key_tile_steps(cfg: AttentionBwdSm90BigConfig, seqlen_q: int, seqlen_k: int) -> list[int]:
+    """Query tiles each key tile walks per query head (bottom-right causal, no window): the mirror
+    of ``Mask::query_range`` (rtk/attn_mask.cuh) - key tile n from the tile of row n * block_n -
+    (seqlen_k - seqlen_q) on."""
+    m_tiles = -(-seqlen_q // _BLOCK_M)
+    diag = seqlen_k - seqlen_q
+    return [m_tiles - (max(0, n * cfg.block_n - diag) // _BLOCK_M) for n in range(-(-seqlen_k // cfg.block_n))]
+
+
+def lpt_order(n_tiles: int, pairs: int, group: int) -> list[tuple[int, int]]:
+    """(key tile, pair) of each lpt_grid block index, in index order: the template's mapping
+    (rtk::attn::linear_tile_grouped, its tile flipped) - sections of ``group`` pairs, key tile 0
+    of each pair first, pairs fastest.  The CPU tests check it covers every tile once."""
+    out = []
+    for t in range(n_tiles * pairs):
+        s, loc = divmod(t, group * n_tiles)
+        rank, r = divmod(loc, min(group, pairs - s * group))
+        out.append((rank, s * group + r))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def lpt_group(cfg: AttentionBwdSm90BigConfig, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
+              kv_group: int, sm_count: int) -> int:
+    """lpt_grid's (batch, kv head) pairs per section: at most what keeps a section's Q, dO and f32
+    dQ rows within :data:`LPT_SECTION_BYTES`, and of up to 9 sizes from half that up, the one the
+    forward's greedy dispatcher model (rtkernels.ops.attention_sm90.dispatch_cost: one CTA per SM,
+    a key tile costs its query tiles + 1.5 for its K / V load and dK / dV store, reasoned) finds
+    most even; ties: the larger.  From the shapes only (a CUDA graph replays it); memoized (a few
+    ms of host time per new shape)."""
+    from .attention_sm90 import dispatch_cost
+    pairs = nheads_kv * batch
+    per_pair = max(1, kv_group * seqlen_q * cfg.head_dim * (2 + 2 + 4))
+    most = max(1, min(pairs, LPT_SECTION_BYTES // per_pair))
+    steps = key_tile_steps(cfg, seqlen_q, seqlen_k)
+    # dispatch_cost walks its list from the last entry (its heaviest first): the key tiles reversed
+    work = [kv_group * w for w in reversed(steps)]
+    sizes = range(most, max(1, most // 2) - 1, -max(1, most // 8))
+    return min(sizes, key=lambda g: (round(dispatch_cost(len(work), pairs, sm_count, g, work), 3), -g))
+
+
+def main_grid(cfg: AttentionBwdSm90BigConfig, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
+              kv_group: int) -> tuple[tuple, tuple]:
+    """(grid, trailing kernel arguments) of a dense launch: (key tiles, kv heads, batch) and none,
+    or with lpt_grid one block per key tile of every pair and :func:`lpt_group`'s section size."""
+    n_tiles = -(-seqlen_k // cfg.block_n)
+    if not cfg.lpt_grid:
+        return (n_tiles, nheads_kv, batch), ()
+    from .. import device
+    group = lpt_group(cfg, batch, seqlen_q, seqlen_k, nheads_kv, kv_group, device.sm_count())
+    return (n_tiles * nheads_kv * batch,), (group,)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90BigConfig]:
