@@ -26,6 +26,10 @@ time of a new head dim.  Run on the GPU host from the repository root:
         --variant-layouts contig,paged16,paged64 --shapes 8:8192:32:8:128:4,8:8192:32:8:128:16,8:8192:32:8:128:64 \
         --variants "cp=loader:cp.async;s5=num_stages:5"
         # speculative decoding: the rows mode's TMA producer ring (default) against its cp.async ring
+    PYTHONPATH=. python tools/bench_decode.py --quick --no-host --no-sdpa --layouts contig,paged16 \
+        --variant-layouts contig,paged16 --shapes 8:8192:32:8:128:8,8:8192:32:8:128:16,1:32768:32:8:128:16 \
+        --variants "wg=mma:wgmma;wg64=mma:wgmma+block_n:64+num_stages:3;wgs6=mma:wgmma+num_stages:6"
+        # seqlen_q 8-16: the rows mode's warpgroup MMAs against the default (mma.sync)
 
 Layouts: ``contig`` (batch, seqlen, nheads_kv, head_dim), ``hnd`` (a (batch, nheads_kv, seqlen,
 head_dim) cache passed as its transposed view), ``paged16`` / ``paged64``.  SDPA runs on its
@@ -35,8 +39,9 @@ the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;.
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
 order splits|heads, combine fused|kernel, merge serial (the session-10 fused merge), split_rule decode|old|fill2|contig (contig: paged caches
 split as contiguous ones), schedule streamk, loader tma|cp.async (tma: the default in both modes on
-sm_90), l2_prefetch 64|128|256; cfg tags: K keys mode with cp.async, KT keys mode with TMA, R<n>h
-rows mode with n kv heads per CTA (R<n>hT: its TMA producer ring), pN prefetch) on the
+sm_90), l2_prefetch 64|128|256, mma wgmma (the rows mode's warpgroup MMAs; implies warp_split rows);
+cfg tags: K keys mode with cp.async, KT keys mode with TMA, R<n>h rows mode with n kv heads per CTA
+(R<n>hT: its TMA producer ring, R1hTW: with wgmma), pN prefetch) on the
 ``--variant-layouts``; ``--splits`` adds forced split counts for the default and every variant.
 ``--host-profile`` times the pieces of a call.
 """
@@ -174,7 +179,8 @@ def _short(plan, kv=None):
     count (grid / (n x SMs)) and each SM's share of the streams follow from."""
     cfg = plan.config
     tma = "T" if cfg.loader == "tma" else ""
-    mode = f"K{tma}" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h{tma}"
+    wg = "W" if getattr(cfg, "mma", "sync") == "wgmma" else ""
+    mode = f"K{tma}" if cfg.warp_split == "keys" else f"R{cfg.kv_heads}h{tma}{wg}"
     comb = "" if plan.num_splits == 1 else ("f" if plan.fused else "c")
     l2 = f" p{cfg.l2_prefetch}" if cfg.l2_prefetch else ""
     occ = ""

@@ -26,6 +26,7 @@ the stream it was captured on.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
@@ -50,6 +51,7 @@ _GRID_X_MAX = 2 ** 31 - 1
 WARP_SPLITS = ("keys", "rows")
 SCHEDULES = ("split", "streamk")
 LOADERS = ("cp.async", "tma")
+MMAS = ("sync", "wgmma")
 L2_PREFETCHES = (0, 64, 128, 256)
 
 
@@ -89,6 +91,12 @@ class AttentionDecodeConfig(AttentionShape):
         sm_90 (see DECODE_LOADER).
     l2_prefetch : bytes a K/V miss brings into L2 (0: the default; 64, 128, 256): cp.async's
         ``.L2::<n>B`` qualifier, or the tensor maps' L2 promotion with loader "tma".
+    mma : "sync" (mma.sync m16n8k16, K/V fragments by ldmatrix; sm_80+) or "wgmma" (rows mode with
+        loader "tma", kv_heads 1, 4 or 8 warps, Q in registers, head_dim <= 128: each warpgroup's 64
+        rows take S = Q K^T and O += P V as Hopper warpgroup MMAs reading K/V from the TMA stages;
+        compiled for sm_90a).
+    lazy_rescale : skip the online softmax's rescale of O in a key tile where no row of the warp
+        has a new running maximum (a warp vote; exact: the correction is then 1).
     """
 
     family: ClassVar[str] = FAMILY
@@ -110,6 +118,8 @@ class AttentionDecodeConfig(AttentionShape):
     schedule: str = "split"
     loader: str = "cp.async"
     l2_prefetch: int = 0
+    mma: str = "sync"
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -143,6 +153,21 @@ class AttentionDecodeConfig(AttentionShape):
             want = 16 * (self.num_warps // self.kv_heads)
             if self.rows != want:
                 self._fail("rows", f"{want} = 16 x num_warps / kv_heads (warp_split='rows': 16 rows per warp)")
+        self._check_choice("mma", MMAS)
+        self._check_choice("lazy_rescale", (False, True))
+        if self.mma == "wgmma":
+            # one warpgroup per 64 rows of one kv head, B operands straight from the TMA stages
+            if self.warp_split != "rows":
+                self._fail("mma", "'sync' with warp_split='keys' ('wgmma' is rows mode only)")
+            if self.loader != "tma":
+                self._fail("mma", "'sync' with loader='cp.async' ('wgmma' reads K/V from the TMA stages)")
+            if self.kv_heads != 1:
+                self._fail("kv_heads", "1 with mma='wgmma' (a warpgroup's MMAs read one kv head's keys)")
+            if self.num_warps not in (4, 8):
+                self._fail("num_warps", "4 or 8 with mma='wgmma' (whole warpgroups of 64 rows)")
+            if not self.q_in_regs or self.head_dim > 128:
+                self._fail("head_dim" if self.head_dim > 128 else "q_in_regs",
+                           "head_dim <= 128 with q_in_regs=True for mma='wgmma' (Q's A fragments in registers)")
 
     # ---- derived values (the template re-checks them with static_assert) --------------
     @property
@@ -170,6 +195,11 @@ class AttentionDecodeConfig(AttentionShape):
             return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
         pipe = 2 * (self.rows * qk + self.num_warps * self.num_stages * self.block_n * (qk + vs))
         return max(pipe, merge)
+
+    @property
+    def needs_arch_specific(self) -> bool:   # the family-wide ClassVar, per config here
+        """mma "wgmma" compiles for the arch-specific target (sm_90a)."""
+        return self.mma == "wgmma"
 
     @property
     def tma_columns(self) -> int:
@@ -297,6 +327,11 @@ DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # 
 # rows ring stays for sm_80 and caches no map describes.
 # RTKERNELS_DECODE_LOADER=cp.async switches both modes back (read at import).
 DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
+# The rows mode's MMAs for more than 16 rows per kv head on sm_90 (head_dim <= 128): "wgmma" (a
+# warpgroup per 64 rows, K/V read from the TMA stages; see the template's header for the SASS count
+# behind it) or "sync" (mma.sync per warp).  "sync" until tools/bench_decode.py --variants
+# "wg=mma:wgmma" has timed the two in one run; RTKERNELS_DECODE_MMA=wgmma switches (read at import).
+DECODE_MMA = os.environ.get("RTKERNELS_DECODE_MMA") or "sync"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
@@ -375,14 +410,20 @@ ROWS_TMA_STAGES = (4, 3)
 
 
 def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads=None, block_n=None,
-                 num_stages=None, l2_prefetch=0, loader="cp.async") -> AttentionDecodeConfig:
+                 num_stages=None, l2_prefetch=0, loader="cp.async", num_warps=None,
+                 mma="sync") -> AttentionDecodeConfig:
     """warp_split="rows": 16 rows per warp, up to 128 rows per head (8 warps) for many rows; for
     decoding (<= 16 rows) one warp per kv head and up to 8 kv heads per CTA; at least
     ROWS_MODE_MIN_WARPS warps.  Tiles: ~128 (d <= 64: 256, d > 128: 64) key rows of K+V per stage
     over the CTA's heads (64 KB of K+V at d128, as the keys mode's 4 warps x 16 keys x 2 stages)
     and (cp.async) at most MAX_LOAD_ITERS chunks per thread; 3 stages where the shared memory
     allows, else 2 (TMA: ROWS_TMA_STAGES, else 3); else 16-key tiles; else fewer kv heads, else
-    fewer rows per CTA.  Reasoned, to be measured (tools/bench_decode.py --variants)."""
+    fewer rows per CTA.  Reasoned, to be measured (tools/bench_decode.py --variants).
+    mma "wgmma": one kv head, a warpgroup per 64 rows (4 warps up to 64 rows, padding rows
+    included; 8 warps above, or when ``num_warps`` asks), 32-key tiles by default."""
+    if mma == "wgmma":
+        return _wgmma_rows_config(dtype, head_dim, rows_total, paged, causal, arch, block_n, num_stages, l2_prefetch,
+                                  loader, num_warps)
     tma = loader == "tma"
     hd_pad = -(-head_dim // 16) * 16
     chunks = head_dim // 8
@@ -422,6 +463,34 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
                       "block", family=FAMILY, field="head_dim", value=head_dim, allowed="a smaller head_dim")
 
 
+# mma "wgmma": the rows mode's key tile and ring depths.  32 keys: S is 16 registers beside O's 64
+# and Q's 32 at d128 (the mma.sync rows mode's tile); 64 keys halves the softmax's per-tile row
+# bookkeeping (max, shuffles, rescale of O) per key for 16 more registers - tools/bench_decode.py
+# --variants times block_n 64 and deeper rings.  Reasoned, to be measured.
+WGMMA_BLOCK_N = 32
+
+
+def _wgmma_rows_config(dtype, head_dim, rows_total, paged, causal, arch, block_n, num_stages, l2_prefetch, loader,
+                       num_warps) -> AttentionDecodeConfig:
+    if head_dim > 128:
+        raise ConfigError.bad_value(FAMILY, "mma", "wgmma", f"'sync' at head_dim={head_dim} ('wgmma' keeps Q in "
+                                    "registers: head_dim <= 128)")
+    if loader != "tma":
+        raise ConfigError.bad_value(FAMILY, "mma", "wgmma", f"'sync' with loader={loader!r} ('wgmma' reads the TMA "
+                                    "stages)")
+    warps = num_warps or (4 if rows_total <= 64 else 8)
+    limit = _smem_limit(arch)
+    for stages in ((num_stages,) if num_stages else ROWS_TMA_STAGES):
+        cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * warps,
+                                    block_n=block_n or WGMMA_BLOCK_N, num_warps=warps, num_stages=stages, paged=paged,
+                                    q_in_regs=True, warp_split="rows", kv_heads=1, loader="tma",
+                                    l2_prefetch=l2_prefetch, mma="wgmma")
+        if cfg.shared_mem_bytes <= limit:
+            return cfg
+    raise ConfigError(f"{OP}: no wgmma rows-mode tile for head_dim={head_dim} fits {arch}'s {limit} B of shared "
+                      "memory per block", family=FAMILY, field="num_stages", value=num_stages, allowed="fewer stages")
+
+
 def tma_capable(head_dim: int, arch: str) -> bool:
     """Whether loader="tma" can serve this head dim on this arch (sm_90+; any head dim of the
     family: 64-column boxes, the columns past head_dim filled with zeros by the copy)."""
@@ -430,27 +499,46 @@ def tma_capable(head_dim: int, arch: str) -> bool:
 
 
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
-                  nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
-                  block_n: int | None = None, num_stages: int | None = None,
-                  num_warps: int | None = None, schedule: str = "split", loader: str | None = None,
-                  l2_prefetch: int = 0) -> AttentionDecodeConfig:
+                  lazy_rescale: bool = False, **tile) -> AttentionDecodeConfig:
+    """The config the heuristics pick (:func:`_choose_tile`; ``tile``: its keyword overrides), with
+    ``lazy_rescale`` (a tuning variant: no rescale of O in a tile where no row's maximum moved)."""
+    cfg = _choose_tile(dtype, head_dim, rows_total, paged, causal, arch, **tile)
+    return dataclasses.replace(cfg, lazy_rescale=True) if lazy_rescale else cfg
+
+
+def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
+                 nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
+                 block_n: int | None = None, num_stages: int | None = None,
+                 num_warps: int | None = None, schedule: str = "split", loader: str | None = None,
+                 l2_prefetch: int = 0, mma: str | None = None) -> AttentionDecodeConfig:
     """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
     rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
     (tuning: tools/bench_decode.py --variants).  ``loader`` None: DECODE_LOADER where the config
     allows it (keys mode, :func:`tma_capable`), else "cp.async"; "tma" given explicitly also
-    raises ConfigError where TMA cannot serve."""
+    raises ConfigError where TMA cannot serve.  ``mma`` None: DECODE_MMA where the config allows it
+    (rows mode, sm_90+, head_dim <= 128), else "sync"; "wgmma" given explicitly implies the rows mode
+    and raises ConfigError where it cannot serve."""
     if loader == "tma" and not tma_capable(head_dim, arch):
         raise ConfigError.bad_value(FAMILY, "loader", loader, f"'cp.async' at head_dim={head_dim} on {arch} "
                                     "('tma' needs sm_90+)")
+    if mma == "wgmma" and not tma_capable(head_dim, arch):
+        raise ConfigError.bad_value(FAMILY, "mma", mma, f"'sync' on {arch} ('wgmma' needs sm_90+)")
+    if mma not in (None,) + MMAS:
+        raise ConfigError.bad_value(FAMILY, "mma", mma, "'sync' or 'wgmma'")
     if warp_split is None:
-        warp_split = "rows" if rows_total > ROWS_MODE_ABOVE else DECODE_WARP_SPLIT
+        warp_split = "rows" if rows_total > ROWS_MODE_ABOVE or mma == "wgmma" else DECODE_WARP_SPLIT
     if loader is None:
         loader = "tma" if DECODE_LOADER == "tma" and tma_capable(head_dim, arch) else "cp.async"
     if warp_split not in WARP_SPLITS:
         raise ConfigError.bad_value(FAMILY, "warp_split", warp_split, "'keys' or 'rows'")
     if warp_split == "rows":
+        if mma is None:
+            mma = "wgmma" if (DECODE_MMA == "wgmma" and loader == "tma" and head_dim <= 128 and not kv_heads
+                              and rows_total > 16 and tma_capable(head_dim, arch)) else "sync"
         return _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads, block_n,
-                            num_stages, l2_prefetch, loader)
+                            num_stages, l2_prefetch, loader, num_warps, mma)
+    if mma == "wgmma":
+        raise ConfigError.bad_value(FAMILY, "mma", mma, "'sync' with warp_split='keys' ('wgmma' is rows mode only)")
     rows = rows_for(rows_total, head_dim)
     limit = _smem_limit(arch)
     tiles = candidates(head_dim)
@@ -801,13 +889,14 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
     rows_total = p.seqlen_q * group
     fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule", "loader",
-                                "l2_prefetch") if f in v}
+                                "l2_prefetch", "mma", "lazy_rescale") if f in v}
     map_strides = tuple(tma_strides(p.cache_shape, p.strides[n]) if n in p.strides else None
                         for n in ("k_cache", "v_cache"))
     if None in map_strides:
         # an empty cache (a zero dimension), a broadcast or reversed one: no tensor map can
         # describe it, so this call streams it with cp.async (whatever the default or a variant asks)
         fields["loader"] = "cp.async"
+        fields["mma"] = "sync"   # wgmma reads the TMA stages
     cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                         **fields)
     if cfg.schedule == "streamk" and rows_total > cfg.rows:   # stream-K takes one row tile per item
