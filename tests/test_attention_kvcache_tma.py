@@ -298,8 +298,10 @@ def _opcodes(sass):
     ("bfloat16", 64, 4, False, False, dict(schedule="streamk")),
     ("float16", 72, 8, True, True, {}),                    # d72: padded K step, odd V tile, 2 boxes
     # rows mode: the CTA ring, one producer thread, full / empty mbarriers
-    ("bfloat16", 128, 64, False, True, {}),                # speculative Sq16 x group 4: 4 warps, 32-key tiles
-    ("float16", 128, 64, True, True, {}),                  # ... paged: a copy per 16-key group
+    # speculative Sq16 x group 4 (4 warps, 32-key tiles) through mma.sync: the default there is
+    # wgmma (attention_kvcache.DECODE_MMA; test_attention_kvcache_wgmma.py builds it)
+    ("bfloat16", 128, 64, False, True, dict(mma="sync")),
+    ("float16", 128, 64, True, True, dict(mma="sync")),    # ... paged: a copy per 16-key group
     ("bfloat16", 256, 128, True, True, {}),                # 8 warps, Q in shared memory (cp.async, once)
     ("float16", 72, 16, False, True, dict(warp_split="rows", nheads_kv=4)),   # a box of 4 kv heads, padded d
 ])

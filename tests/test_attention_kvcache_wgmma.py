@@ -72,10 +72,17 @@ def test_choose_config_wgmma(monkeypatch):
         choose_config("bfloat16", 128, 64, False, True, "sm_90", mma="wgmma", loader="cp.async")
     with pytest.raises(ConfigError, match="mma"):
         choose_config("bfloat16", 128, 64, False, True, "sm_90", mma="wgmma", warp_split="keys")
-    # the default: mma.sync until the A/B (DECODE_MMA); the switch picks wgmma for > 16 rows only
+    # the default (DECODE_MMA, measured): wgmma for > 32 rows, and 17-32 rows on contiguous caches;
+    # "sync" switches back
+    monkeypatch.setattr(kv_mod, "DECODE_MMA", "sync")
     assert choose_config("bfloat16", 128, 64, False, True, "sm_90").mma == "sync"
     monkeypatch.setattr(kv_mod, "DECODE_MMA", "wgmma")
     assert choose_config("bfloat16", 128, 64, False, True, "sm_90").mma == "wgmma"
+    assert choose_config("bfloat16", 128, 64, True, True, "sm_90").mma == "wgmma"       # paged rows mode
+    c = choose_config("bfloat16", 128, 32, False, True, "sm_90")                         # Sq8 x group 4
+    assert (c.mma, c.warp_split) == ("wgmma", "rows"), c
+    assert choose_config("bfloat16", 128, 32, True, True, "sm_90").warp_split == "keys"  # paged: keys mode
+    assert choose_config("bfloat16", 192, 64, False, True, "sm_90").mma == "sync"       # head_dim > 128
     assert choose_config("bfloat16", 128, 4, False, True, "sm_90").mma == "sync"        # keys mode
     assert choose_config("bfloat16", 256, 64, False, True, "sm_90").mma == "sync"       # Q too big for registers
     assert choose_config("bfloat16", 128, 64, False, True, "sm_80").mma == "sync"       # no wgmma

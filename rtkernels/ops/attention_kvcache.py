@@ -329,9 +329,15 @@ DECODE_WARP_SPLIT = os.environ.get("RTKERNELS_DECODE_WARP_SPLIT") or "keys"   # 
 DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
 # The rows mode's MMAs for more than 16 rows per kv head on sm_90 (head_dim <= 128): "wgmma" (a
 # warpgroup per 64 rows, K/V read from the TMA stages; see the template's header for the SASS count
-# behind it) or "sync" (mma.sync per warp).  "sync" until tools/bench_decode.py --variants
-# "wg=mma:wgmma" has timed the two in one run; RTKERNELS_DECODE_MMA=wgmma switches (read at import).
-DECODE_MMA = os.environ.get("RTKERNELS_DECODE_MMA") or "sync"
+# behind it) or "sync" (mma.sync per warp).  Measured (H200, 2026-11-26, tools/bench_decode.py
+# --variants "wg=mma:wgmma", 32/8 heads d128, % of copy contiguous / paged16, default -> wgmma):
+# Sq16 B8 S8k 71.6 / 59.9 -> 77.4 / 66.5, Sq16 B1 S32k 64.0 / 54.8 -> 67.9 / 59.8 (rows mode:
+# wgmma everywhere it can run); Sq8 B8 S8k (32 rows, keys mode by default) 79.7 / 77.4 -> 84.2 /
+# 71.3: the wgmma rows mode (32 padding rows) takes contiguous caches with 17-32 rows per kv head,
+# paged ones keep the keys mode.  Skipping O's rescale when no row's max moved (lazy_rescale)
+# gained nothing (70.0 vs 71.6, 79.9 vs 79.7): off.  RTKERNELS_DECODE_MMA=sync switches back
+# (read at import).
+DECODE_MMA = os.environ.get("RTKERNELS_DECODE_MMA") or "wgmma"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
@@ -525,16 +531,19 @@ def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal
         raise ConfigError.bad_value(FAMILY, "mma", mma, f"'sync' on {arch} ('wgmma' needs sm_90+)")
     if mma not in (None,) + MMAS:
         raise ConfigError.bad_value(FAMILY, "mma", mma, "'sync' or 'wgmma'")
-    if warp_split is None:
-        warp_split = "rows" if rows_total > ROWS_MODE_ABOVE or mma == "wgmma" else DECODE_WARP_SPLIT
     if loader is None:
         loader = "tma" if DECODE_LOADER == "tma" and tma_capable(head_dim, arch) else "cp.async"
+    wgmma_ok = (DECODE_MMA == "wgmma" and mma is None and loader == "tma" and head_dim <= 128 and not kv_heads
+                and tma_capable(head_dim, arch))
+    if warp_split is None:
+        # 17-32 rows: the wgmma rows mode on contiguous caches only (measured: see DECODE_MMA)
+        wg_small = wgmma_ok and not paged and 16 < rows_total <= ROWS_MODE_ABOVE
+        warp_split = "rows" if rows_total > ROWS_MODE_ABOVE or mma == "wgmma" or wg_small else DECODE_WARP_SPLIT
     if warp_split not in WARP_SPLITS:
         raise ConfigError.bad_value(FAMILY, "warp_split", warp_split, "'keys' or 'rows'")
     if warp_split == "rows":
         if mma is None:
-            mma = "wgmma" if (DECODE_MMA == "wgmma" and loader == "tma" and head_dim <= 128 and not kv_heads
-                              and rows_total > 16 and tma_capable(head_dim, arch)) else "sync"
+            mma = "wgmma" if (wgmma_ok and rows_total > 16) else "sync"
         return _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv_heads, block_n,
                             num_stages, l2_prefetch, loader, num_warps, mma)
     if mma == "wgmma":
