@@ -214,8 +214,16 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     (H200, 2026-11-26, bf16, FA4 and cuDNN in the same run, TFLOP/s at S 2k / 4k / 16k, old "qk" s1
     or causal "kt" -> these rings): d192 non-causal 357 / 385 / 446 -> 417 / 465 / 484 (FA4 418 /
     441 / 507), causal 290 / 359 / 426 -> 328 / 396 / 473 (FA4 302 / 389 / 488); the same rings
-    with red dQ and two dS buffers 0.85-0.98x of FA4, 64 keys 0.67-0.82x.  The text below is the
-    history of the choice before them.
+    with red dQ and two dS buffers 0.85-0.98x of FA4, 64 keys 0.67-0.82x.  Causal calls also take
+    lpt_grid (a 1-D grid, heaviest key tiles first in L2-sized sections): d192 S 2k / 4k 324 / 351
+    -> 334 / 419 TFLOP/s (H200, same day, --alt lpt_grid=true).
+
+    Causal head dims 200-256: "kt" with the dQ halves reduced from the step's own Q / dO stage
+    (dq_mode "ring": two stages and a bulk reduction fit together) and lpt_grid.  Measured (H200,
+    2026-11-26, cuDNN in the same run, d256 S 2k / 4k / 16k): red 266 / 309 / 359 -> ring + lpt
+    286 / 331 / 381 (cuDNN 279 / 314 / 388); ring alone 265 / 305 / 353, lpt alone 275 / 320 /
+    361.  Non-causal d256 keeps red: ring 0.84-0.93x of it (the stage is released a step later).
+    The text below is the history of the choice before them.
 
     Non-causal, head_dim <= 192 (session 9): layout "qk", 96 keys per CTA,
     dQ by bulk reduction, one ring stage (two and the f32 staging tile exceed shared memory).
@@ -243,7 +251,10 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     if deterministic or any(mask_flags.values()):
         return cfg
     if head_dim <= QK_MAX_HEAD_DIM:
-        return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=2, do_stages=1, ds_buffers=1)
+        return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=2, do_stages=1, ds_buffers=1,
+                           lpt_grid=causal)
+    if causal:
+        return cfg.replace(dq_mode="ring", lpt_grid=True)
     try:
         return cfg.replace(dq_mode="bulk")
     except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
