@@ -492,6 +492,24 @@ def persistent_ab(head_dims, seqlens, dtype: str, torch, tiles=None, causals=(Fa
 SHORT_TILES = "128x128ov,128x128ovpst,128x64ov,128x64ovpst,128x64s3ovpst,64x128ov,64x128ovpst,192x64ov,192x64ovpst"
 
 
+
+def _build_sm90(configs) -> dict:
+    """config -> (kernel or None, note): each candidate compiled for sm_90a in parallel; a build that
+    fails or spills is kept with its note (the A/B tables show why a cell is empty)."""
+    def build(c):
+        try:
+            k = rtk.get_kernel(c, arch="sm_90a")
+        except Exception as exc:   # noqa: BLE001
+            return c, None, str(exc).splitlines()[0][:80]
+        r = k.resources
+        spilled = r.spill_stores or r.spill_loads or r.stack_frame
+        return c, (None if spilled else k), (f"{r.spill_stores} B spilled" if spilled else "")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        built = {c: (k, note) for c, k, note in ex.map(build, configs)}
+    print(f"built {len(configs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    return built
+
 def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), rounds: int = 3,
              tiles: str = SHORT_TILES, changed_only: bool = False) -> list[dict]:
     """Per (head_dim, causal, seqlen) on FlashAttention's grid: the per-head-dim config (old), the
@@ -537,19 +555,7 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
     if not configs:
         print("no cell to time (changed_only: the per-call choice is the per-head-dim config everywhere)")
         return []
-
-    def build(c):
-        try:
-            k = rtk.get_kernel(c, arch="sm_90a")
-        except Exception as exc:   # noqa: BLE001
-            return c, None, str(exc).splitlines()[0][:80]
-        r = k.resources
-        spilled = r.spill_stores or r.spill_loads or r.stack_frame
-        return c, (None if spilled else k), (f"{r.spill_stores} B spilled" if spilled else "")
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(16) as ex:
-        built = {c: (k, note) for c, k, note in ex.map(build, configs)}
-    print(f"built {len(configs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    built = _build_sm90(configs)
     as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
         lambda t: t)
     rows = []
@@ -678,19 +684,7 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
                         cands.append((_short90(c), c))
                 cells[(d, causal, s)] = cands
     configs = list(dict.fromkeys(c for v in cells.values() for _, c in v))
-
-    def build(c):
-        try:
-            k = rtk.get_kernel(c, arch="sm_90a")
-        except Exception as exc:   # noqa: BLE001
-            return c, None, str(exc).splitlines()[0][:80]
-        r = k.resources
-        spilled = r.spill_stores or r.spill_loads or r.stack_frame
-        return c, (None if spilled else k), (f"{r.spill_stores} B spilled" if spilled else "")
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(16) as ex:
-        built = {c: (k, note) for c, k, note in ex.map(build, configs)}
-    print(f"built {len(configs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+    built = _build_sm90(configs)
     as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
         lambda t: t)
     as_f32 = ((lambda x: (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)) if dtype == "bfloat16"
