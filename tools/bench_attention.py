@@ -492,10 +492,12 @@ def persistent_ab(head_dims, seqlens, dtype: str, torch, tiles=None, causals=(Fa
 SHORT_TILES = "128x128ov,128x128ovpst,128x64ov,128x64ovpst,128x64s3ovpst,64x128ov,64x128ovpst,192x64ov,192x64ovpst"
 
 
-
 def _build_sm90(configs) -> dict:
     """config -> (kernel or None, note): each candidate compiled for sm_90a in parallel; a build that
     fails or spills is kept with its note (the A/B tables show why a cell is empty)."""
+    from concurrent.futures import ThreadPoolExecutor
+    import rtkernels as rtk
+
     def build(c):
         try:
             k = rtk.get_kernel(c, arch="sm_90a")
@@ -519,8 +521,6 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
     cells where new differs from old, timing old, new, old again (the run's noise) and cuDNN."""
     import statistics
     import cupy as cp
-    from concurrent.futures import ThreadPoolExecutor
-    import rtkernels as rtk
     from rtkernels.ops import attention_sm90 as H
     from rtkernels.errors import ConfigError
     extra = parse_tiles(tiles)
@@ -664,8 +664,6 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
     candidate; spilling builds get a note instead of a time."""
     import statistics
     import cupy as cp
-    from concurrent.futures import ThreadPoolExecutor
-    import rtkernels as rtk
     from rtkernels.ops import attention_sm90 as H
     cells = {}
     for d in head_dims:
