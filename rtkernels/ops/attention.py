@@ -18,50 +18,16 @@ from typing import Any, ClassVar, NamedTuple
 from .. import arch as _arch
 from .. import autotune as _autotune
 from .._env import getenv_raw
-from ..config import KernelConfig, register_family
+from ..config import register_family
 from ..errors import ConfigError
 from . import views as _views
 from ._arrays import LaunchPlans, OutputPlan, address, default_stream, empty_as, same_memory
 from .rowwise import _ClassOrInstance
 from .attention_mask import Varlen, check_varlen, first_without_spills, mask_spec, schedule, schedule_slots
+from .attention_shape import AttentionShape
+from . import attention_sm90 as _sm90
 
 FAMILY = "attention"
-
-
-@dataclass(frozen=True)
-class AttentionShape(KernelConfig):
-    """What every attention kernel config shares: dtype, head_dim and the compile-time part of the
-    mask (:class:`rtkernels.ops.attention_mask.AttentionMask`: causal, has_window, has_softcap,
-    is_varlen; fields first, so subclasses add their tile fields after them) and the derived
-    values the templates re-check.  With the three options off a kernel compiles exactly as it
-    did before they existed."""
-
-    dtype: str = "float16"
-    head_dim: int = 64
-    causal: bool = False
-    has_window: bool = False
-    has_softcap: bool = False
-    is_varlen: bool = False
-
-    MASK_FIELDS: ClassVar[tuple[str, ...]] = ("causal", "has_window", "has_softcap", "is_varlen")
-
-    def _check_shape(self) -> None:
-        self._check_dtype("dtype", ("float16", "bfloat16"))
-        self._check_int("head_dim", 8, 256, multiple_of=8)
-        for f in self.MASK_FIELDS:
-            self._check_choice(f, (False, True))
-
-    def mask_flags(self) -> dict[str, bool]:
-        return {f: getattr(self, f) for f in self.MASK_FIELDS if f != "causal"}
-
-    @property
-    def threads_per_block(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def head_dim_padded(self) -> int:
-        """Q/K width in shared memory: QK^T steps k by 16."""
-        return -(-self.head_dim // 16) * 16
 
 
 @register_family
@@ -871,7 +837,3 @@ def _reference_dense(qf, kf, vf, spec, scale: float, rnd, ft):
             o[b, :, h] = cupy.where(seen, rnd(rnd(p / safe_l) @ vf[b, :, h // group]), 0)
             lse[b, h] = cupy.where(seen[:, 0], m[:, 0] + cupy.log(safe_l[:, 0]), -cupy.inf)
     return o, lse
-
-
-# Last: the Hopper module subclasses AttentionShape, defined above.
-from . import attention_sm90 as _sm90  # noqa: E402

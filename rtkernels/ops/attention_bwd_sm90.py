@@ -19,7 +19,7 @@ from ..config import register_family
 from ..kernel import DevicePtr
 from ..tma import tensor_map
 from ._arrays import address, empty_as, torch_stream_ptr
-from .attention import AttentionShape
+from .attention_shape import AttentionShape
 from .attention_sm90 import SMEM_LIMIT_SM90, _map_strides, is_sm90, tma_strides
 from .workspace import carve, stream_handle, stream_workspace
 

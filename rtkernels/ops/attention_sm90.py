@@ -17,7 +17,7 @@ from .. import arch as _arch
 from ..config import register_family
 from ..errors import ConfigError
 from ._arrays import Launch
-from .attention import AttentionShape
+from .attention_shape import AttentionShape
 
 FAMILY = "attention_sm90"
 SMEM_LIMIT_SM90 = _arch.limits("sm_90").max_smem_per_block_optin   # 227 KiB on H100/H200
