@@ -515,7 +515,8 @@ def _persistent_config(dtype, d, causal):
     if d > 120 and not causal and d <= 128:
         return AttentionSm90Config(dtype=dtype, head_dim=d, causal=causal, block_m=128, block_n=128,
                                    intra_overlap=True, pingpong=False, persistent=True)
-    return cfg.replace(pingpong=False, persistent=True, lpt_grid=False)   # the heuristic's tile, without pingpong (the walk has its own order)
+    # the heuristic's tile, without pingpong and lpt_grid (the walk has its own order)
+    return cfg.replace(pingpong=False, persistent=True, lpt_grid=False)
 
 
 @pytest.fixture(scope="module")

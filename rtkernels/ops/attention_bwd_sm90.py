@@ -134,6 +134,11 @@ class AttentionBwdSm90Config(AttentionShape):
         consumers 224 (128 x 48 + 256 x 224 = 63488)."""
         return (48, 224) if (self.is_varlen or self.has_window) else (40, 232)
 
+    def launch_grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
+                    kv_group: int) -> tuple[tuple, tuple]:
+        """(grid, trailing kernel arguments) of a dense launch: a CTA per (key tile, kv head, batch)."""
+        return (-(-seqlen_k // self.block_n), nheads_kv, batch), ()
+
 
 # ---- heuristics ---------------------------------------------------------------------------
 # Query rows per step the op picks where a 128-row config exists (head_dim <= 64, no window or
@@ -278,10 +283,7 @@ def launch(cfg: AttentionBwdSm90Config, arch: str, q_, k_, v_, o_, do_, lse_, ls
     for buf in (dq_accum, count):
         if buf is not None:
             cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, sptr)
-    grid, tail = (-(-seqlen_k // cfg.block_n), nheads_kv, batch), ()
-    if getattr(cfg, "lpt_grid", False):   # attention_bwd_sm90_big's heaviest-first causal grid
-        from .attention_bwd_sm90_big import main_grid
-        grid, tail = main_grid(cfg, batch, seqlen_q, seqlen_k, nheads_kv, nheads // nheads_kv)
+    grid, tail = cfg.launch_grid(batch, seqlen_q, seqlen_k, nheads_kv, nheads // nheads_kv)
     kern.launch(grid, (cfg.threads_per_block,), *maps,
                 lse2, delta, dq_accum, count, dk_, dv_, seqlen_q, seqlen_k, nheads // nheads_kv, nheads,
                 *s_dk[:3], *s_dv[:3], float(softmax_scale), None, None, None, batch, *mask_args, *tail,

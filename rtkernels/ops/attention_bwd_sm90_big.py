@@ -202,6 +202,11 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         24 / 240 no config spills, masked ones included (all three options at d256: clean)."""
         return (24, 240)
 
+    def launch_grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
+                    kv_group: int) -> tuple[tuple, tuple]:
+        """As the base's, or lpt_grid's 1-D grid and section size (:func:`main_grid`)."""
+        return main_grid(self, batch, seqlen_q, seqlen_k, nheads_kv, kv_group)
+
 
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90BigConfig:
     """The config the op runs (it cannot depend on the sequence length: one per dtype, head dim,
@@ -300,15 +305,13 @@ def lpt_group(cfg: AttentionBwdSm90BigConfig, batch: int, seqlen_q: int, seqlen_
     a key tile costs its query tiles + 1.5 for its K / V load and dK / dV store, reasoned) finds
     most even; ties: the larger.  From the shapes only (a CUDA graph replays it); memoized (a few
     ms of host time per new shape)."""
-    from .attention_sm90 import dispatch_cost
+    from .attention_sm90 import dispatch_cost, section_size
     pairs = nheads_kv * batch
     per_pair = max(1, kv_group * seqlen_q * cfg.head_dim * (2 + 2 + 4))
-    most = max(1, min(pairs, LPT_SECTION_BYTES // per_pair))
-    steps = key_tile_steps(cfg, seqlen_q, seqlen_k)
     # dispatch_cost walks its list from the last entry (its heaviest first): the key tiles reversed
-    work = [kv_group * w for w in reversed(steps)]
-    sizes = range(most, max(1, most // 2) - 1, -max(1, most // 8))
-    return min(sizes, key=lambda g: (round(dispatch_cost(len(work), pairs, sm_count, g, work), 3), -g))
+    work = [kv_group * w for w in reversed(key_tile_steps(cfg, seqlen_q, seqlen_k))]
+    return section_size(pairs, per_pair, LPT_SECTION_BYTES,
+                        lambda g: dispatch_cost(len(work), pairs, sm_count, g, work), steps=8)
 
 
 def main_grid(cfg: AttentionBwdSm90BigConfig, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,

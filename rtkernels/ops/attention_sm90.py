@@ -355,13 +355,13 @@ HEURISTICS: list[tuple[int, int, bool | None, Tile]] = [
         "3-D grid ran each (batch, head)'s heaviest tiles one pair after another, so the last pairs' "
         "heaviest tiles started in the last wave (greedy dispatch model: 3.5-6.5% over an even "
         "split, lpt sections 0.2%)"))),
-    (72, 96, True, Tile(192, 112, 2, True, False, lpt_grid=True, why=
-                       "causal d80, session 11 (as d64's row): 192x112 490 / 568 -> with lpt_grid 500 / 581 "
-                       "at 4k / 16k.  Session 4, when this row also held d64: causal d64: 418 vs 411 at "
-                       "192x144 without overlap, 404 with turns, 365 for 128x128 pingpong; d96: 468 vs 459 with turns, 456 at 192x144, 448 for 128x128 pingpong; "
-                       "with each warpgroup stopping at its own rows' last tile (no turns): d64 at 2k 380 vs "
-                       "353 for 128x128 overlap, d96 531 (d128's 128x128 pingpong: 575); O + S + P = 48 + "
-                       "56 + 28 at d96 fit 160 registers (192x128 spills)")),
+    (72, 96, True, Tile(192, 112, 2, True, False, lpt_grid=True, why=(
+        "causal d80, session 11 (as d64's row): 192x112 490 / 568 -> with lpt_grid 500 / 581 at 4k / "
+        "16k.  Session 4, when this row also held d64: causal d64: 418 vs 411 at 192x144 without "
+        "overlap, 404 with turns, 365 for 128x128 pingpong; d96: 468 vs 459 with turns, 456 at "
+        "192x144, 448 for 128x128 pingpong; with each warpgroup stopping at its own rows' last tile "
+        "(no turns): d64 at 2k 380 vs 353 for 128x128 overlap, d96 531 (d128's 128x128 pingpong: "
+        "575); O + S + P = 48 + 56 + 28 at d96 fit 160 registers (192x128 spills)"))),
     (72, 88, False, Tile(192, 112, 2, True, False, why=(
         "non-causal d80, session 11 (H200 2026-11-26, --fwd-ab): 192x128 without overlap 555 / 556 "
         "-> 192x112 with overlap 566 / 585 TFLOP/s at 4k / 16k (16k had fallen below 4k: 2150 CTAs "
@@ -452,11 +452,12 @@ def choose_config(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None 
 # spilled the d64 192x128 tile (dense d64 fell from 509 to 394).
 _EXP2_POLY_SOFTCAP = {False: 2, True: 0}   # by causal
 _EXP2_POLY_DENSE = 0
-# With fixed_max (no running max): 0 until measured.  Reasoned: the SASS of the d64 192x128 main
-# loop falls from 745-821 to 533 instructions per 64 scores (plain: 527) - the max tree, shuffles,
-# correction and O rescale go - and 2 of 8 emulated exponentials spill 4 B in that tile (NVRTC 13.5;
-# the fallback is the 128x128 pingpong tile), so the share is left to tools/bench_attention_masks.py
-# --softcap --exp2-poly.
+# With fixed_max (no running max): 0.  The SASS of the d64 192x128 main loop falls from 745-821 to
+# 533 instructions per 64 scores (plain: 527) - the max tree, shuffles, correction and O rescale go
+# - and 2 of 8 emulated exponentials spill 4 B in that tile (NVRTC 13.5; the fallback is the 128x128
+# pingpong tile).  Measured (H200, 2026-11-26, --softcap --variants, softcap / plain at S=4k, cap
+# 50, poly 0 / 2 / 4): d64 0.658 / 0.585 / 0.552, d64 causal 0.694 / 0.692 / 0.621, d128 causal
+# 0.764 / 0.767 / 0.738.
 _EXP2_POLY_FIXED_MAX = 0
 
 
@@ -498,6 +499,7 @@ def softcap_fixed_max(dtype: str, softcap: float, head_dim: int = 64, causal: bo
         raise ConfigError.bad_value(FAMILY, "RTKERNELS_SM90_SOFTCAP_FIXED_MAX", env, "0 or 1")
     where = env == "1" or head_dim <= 64 or causal
     return env != "0" and where and dtype == "bfloat16" and 0 < softcap <= SOFTCAP_FIXED_MAX_LIMIT
+
 
 # Short dense calls: per call, a SHORT_SCHEDULE row may replace the per-head-dim config (HEURISTICS,
 # tuned at S=4k) by another tile and the persistent tile walk.  RTKERNELS_SM90_PERSISTENT: unset, the
@@ -713,17 +715,14 @@ def recorded_launch(kern, cfg: AttentionSm90Config, q_, k_, softmax_scale: float
     # o, its strides, cu_seqlens and the schedule are varlen's (attention.VarlenForwardPlan.run)
     tail = (seqlen_q, seqlen_k, nheads // nheads_kv, float(softmax_scale), None, 0, 0, None, None, None, nheads,
             *mask_args)
+    if sm_count is None and (cfg.persistent or cfg.lpt_grid):
+        from .. import device
+        sm_count = device.sm_count()
     if cfg.persistent:
-        if sm_count is None:
-            from .. import device
-            sm_count = device.sm_count()
         grid = persistent_grid(cfg, batch, seqlen_q, nheads, sm_count)
         extra = (walk_group(cfg, batch, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, grid),) if cfg.l2_walk else ()
         return Launch(kern, (grid,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (*tail, batch, *extra))
     if cfg.lpt_grid:
-        if sm_count is None:
-            from .. import device
-            sm_count = device.sm_count()
         group = lpt_group(cfg, batch, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, sm_count)
         return Launch(kern, (-(-seqlen_q // cfg.block_m) * nheads * batch,), (cfg.threads_per_block,),
                       cfg.shared_mem_bytes, (*tail, batch, group))
@@ -804,6 +803,23 @@ def walk_cost(m_tiles: int, pairs: int, grid: int, group: int, key_tiles) -> flo
     return float(per_cta.max() / per_cta.mean())
 
 
+def causal_key_tiles(cfg: AttentionSm90Config, seqlen_q: int, seqlen_k: int) -> list[int]:
+    """Key tiles each query tile visits under the bottom-right causal mask (query row i sees keys
+    <= i + seqlen_k - seqlen_q), at least one: the work the walk and lpt_grid's models weigh."""
+    diag = seqlen_k - seqlen_q
+    return [max(1, -(-max(0, min(seqlen_k, min((m + 1) * cfg.block_m, seqlen_q) + diag)) // cfg.block_n))
+            for m in range(-(-seqlen_q // cfg.block_m))]
+
+
+def section_size(pairs: int, per_pair: int, budget: int, cost, steps: int) -> int:
+    """(batch, head) pairs per section: at most what keeps a section's ``per_pair`` bytes each
+    within ``budget``, and of up to ``steps`` + 1 sizes from half that up, the one ``cost(size)``
+    rates most even (3 decimals); ties: the larger.  The walk's and both lpt_grid orders' rule."""
+    most = max(1, min(pairs, budget // per_pair))
+    sizes = range(most, max(1, most // 2) - 1, -max(1, most // steps))
+    return min(sizes, key=lambda g: (round(cost(g), 3), -g))
+
+
 def walk_group(cfg: AttentionSm90Config, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, kv_group: int,
                grid: int) -> int:
     """l2_walk's (batch, head) pairs per section: at most what keeps a section's K/V within
@@ -811,18 +827,12 @@ def walk_group(cfg: AttentionSm90Config, batch: int, seqlen_q: int, seqlen_k: in
     the one whose static walk is the most even (sections whose tile count nears a multiple of the
     grid hand the same CTAs the heavy tiles of every section: 1.2-1.4x the mean in the model);
     ties: the larger.  From the shapes only (a CUDA graph replays it)."""
-    import numpy as np
     pairs = nheads * batch
-    itemsize = 2
-    per_pair = max(1, 2 * seqlen_k * cfg.head_dim * itemsize // kv_group)
-    most = max(1, min(pairs, L2_SECTION_BYTES // per_pair))
-    m_tiles = -(-seqlen_q // cfg.block_m)
-    diag = seqlen_k - seqlen_q   # bottom-right causal: query row i sees keys <= i + diag
-    rows_end = np.minimum(np.arange(1, m_tiles + 1) * cfg.block_m, seqlen_q)
-    keys = np.clip(rows_end + diag, 0, seqlen_k)
-    key_tiles = np.maximum(-(-keys // cfg.block_n), 1)
-    sizes = range(most, max(1, most // 2) - 1, -max(1, most // 32))
-    return min(sizes, key=lambda g: (round(walk_cost(m_tiles, pairs, grid, g, key_tiles), 3), -g))
+    per_pair = max(1, 2 * seqlen_k * cfg.head_dim * 2 // kv_group)   # K and V, 16-bit
+    key_tiles = causal_key_tiles(cfg, seqlen_q, seqlen_k)
+    m_tiles = len(key_tiles)
+    return section_size(pairs, per_pair, L2_SECTION_BYTES,
+                        lambda g: walk_cost(m_tiles, pairs, grid, g, key_tiles), steps=32)
 
 
 # lpt_grid's sections: the dispatcher keeps one CTA per tile in flight on every SM, from one or two
@@ -861,12 +871,8 @@ def lpt_group(cfg: AttentionSm90Config, batch: int, seqlen_q: int, seqlen_k: int
     split in the model); ties: the larger.  From the shapes only (a CUDA graph replays it); a few
     ms of host time per shape (the plan memo keeps the launch)."""
     pairs = nheads * batch
-    per_pair = max(1, 2 * seqlen_k * cfg.head_dim * 2 // kv_group)
-    most = max(1, min(pairs, LPT_SECTION_BYTES // per_pair))
-    m_tiles = -(-seqlen_q // cfg.block_m)
-    diag = seqlen_k - seqlen_q   # bottom-right causal: query row i sees keys <= i + diag
-    key_tiles = [max(1, -(-max(0, min(seqlen_k, min((m + 1) * cfg.block_m, seqlen_q) + diag)) // cfg.block_n))
-                 for m in range(m_tiles)]
+    per_pair = max(1, 2 * seqlen_k * cfg.head_dim * 2 // kv_group)   # K and V, 16-bit
+    key_tiles = causal_key_tiles(cfg, seqlen_q, seqlen_k)
     slots = sm_count * cfg.ctas_per_sm
-    sizes = range(most, max(1, most // 2) - 1, -max(1, most // 8))
-    return min(sizes, key=lambda g: (round(dispatch_cost(m_tiles, pairs, slots, g, key_tiles), 3), -g))
+    return section_size(pairs, per_pair, LPT_SECTION_BYTES,
+                        lambda g: dispatch_cost(len(key_tiles), pairs, slots, g, key_tiles), steps=8)
