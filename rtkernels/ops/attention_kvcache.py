@@ -26,7 +26,6 @@ the stream it was captured on.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import struct
@@ -478,18 +477,13 @@ WGMMA_BLOCK_N = 32
 
 def _wgmma_rows_config(dtype, head_dim, rows_total, paged, causal, arch, block_n, num_stages, l2_prefetch, loader,
                        num_warps) -> AttentionDecodeConfig:
-    if head_dim > 128:
-        raise ConfigError.bad_value(FAMILY, "mma", "wgmma", f"'sync' at head_dim={head_dim} ('wgmma' keeps Q in "
-                                    "registers: head_dim <= 128)")
-    if loader != "tma":
-        raise ConfigError.bad_value(FAMILY, "mma", "wgmma", f"'sync' with loader={loader!r} ('wgmma' reads the TMA "
-                                    "stages)")
+    # (the config's own checks refuse head_dim > 128 and loader "cp.async" for mma "wgmma")
     warps = num_warps or (4 if rows_total <= 64 else 8)
     limit = _smem_limit(arch)
     for stages in ((num_stages,) if num_stages else ROWS_TMA_STAGES):
         cfg = AttentionDecodeConfig(dtype=dtype, head_dim=head_dim, causal=causal, rows=16 * warps,
                                     block_n=block_n or WGMMA_BLOCK_N, num_warps=warps, num_stages=stages, paged=paged,
-                                    q_in_regs=True, warp_split="rows", kv_heads=1, loader="tma",
+                                    q_in_regs=True, warp_split="rows", kv_heads=1, loader=loader,
                                     l2_prefetch=l2_prefetch, mma="wgmma")
         if cfg.shared_mem_bytes <= limit:
             return cfg
@@ -509,7 +503,7 @@ def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causa
     """The config the heuristics pick (:func:`_choose_tile`; ``tile``: its keyword overrides), with
     ``lazy_rescale`` (a tuning variant: no rescale of O in a tile where no row's maximum moved)."""
     cfg = _choose_tile(dtype, head_dim, rows_total, paged, causal, arch, **tile)
-    return dataclasses.replace(cfg, lazy_rescale=True) if lazy_rescale else cfg
+    return cfg.replace(lazy_rescale=True) if lazy_rescale else cfg
 
 
 def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
