@@ -83,8 +83,7 @@ def _ours(q, k, v, causal, dtype, torch, hopper=True):
         o, _ = A.attention(q, k, v, causal=causal, **extra)     # compiles, checks, allocates once
     finally:
         H.ENABLED = enabled
-    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
-        lambda t: t)
+    as_cp = _as_cupy(torch)
     qc, kc, vc, oc = (as_cp(t) for t in (q, k, v, o))
     b, s, h, d = qc.shape
     arch = A._device_arch(cp.cuda.runtime.getDevice())
@@ -370,8 +369,7 @@ def tune_sm90(head_dims, dtype: str, torch, seqlen: int = 4096, save=None, tiles
     for d in head_dims:
         h, b = HIDDEN // d, max(1, TOKENS // seqlen)
         q, k, v = _inputs(b, seqlen, h, d, dtype, torch)
-        as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
-            lambda t: t)
+        as_cp = _as_cupy(torch)
         qc, kc, vc = (as_cp(t) for t in (q, k, v))
         oc = cp.empty_like(qc)
         lse = cp.empty((b, h, seqlen), cp.float32)
@@ -440,8 +438,7 @@ def persistent_ab(head_dims, seqlens, dtype: str, torch, tiles=None, causals=(Fa
         built = list(ex.map(lambda pc: (build(pc[0]), build(pc[1])), pairs))
     print(f"built {2 * len(pairs)} sm90 candidates in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
-        lambda t: t)
+    as_cp = _as_cupy(torch)
     for d in head_dims:
         for s in seqlens:
             h, b = HIDDEN // d, max(1, TOKENS // s)
@@ -492,6 +489,33 @@ def persistent_ab(head_dims, seqlens, dtype: str, torch, tiles=None, causals=(Fa
 SHORT_TILES = "128x128ov,128x128ovpst,128x64ov,128x64ovpst,128x64s3ovpst,64x128ov,64x128ovpst,192x64ov,192x64ovpst"
 
 
+def _as_cupy(torch):
+    """torch tensor -> CuPy array (bfloat16 as int16, CuPy having no bfloat16); identity without torch."""
+    import cupy as cp
+    if torch is None:
+        return lambda t: t
+    return lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+
+
+def _as_f32(x, dtype: str):
+    """A float16 array, or bfloat16 bits held as 16-bit integers, as float32 (for max-diff checks)."""
+    import cupy as cp
+    if dtype == "bfloat16":
+        return (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+    return x.astype(cp.float32)
+
+
+def _time_interleaved(runs, rounds: int) -> list[float]:
+    """Each run's median ms over ``rounds`` passes that time every run in turn (clocks and
+    neighbours drift alike for all candidates)."""
+    import statistics
+    ms = [[] for _ in runs]
+    for _ in range(rounds):
+        for i, r in enumerate(runs):
+            ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
+    return [statistics.median(m) for m in ms]
+
+
 def _build_sm90(configs) -> dict:
     """config -> (kernel or None, note): each candidate compiled for sm_90a in parallel; a build that
     fails or spills is kept with its note (the A/B tables show why a cell is empty)."""
@@ -519,7 +543,6 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
     persistent, ``tiles`` plain and persistent, and SDPA cuDNN - interleaved over ``rounds`` (median),
     every output compared with the old config's.  A row per candidate.  ``changed_only``: only the
     cells where new differs from old, timing old, new, old again (the run's noise) and cuDNN."""
-    import statistics
     import cupy as cp
     from rtkernels.ops import attention_sm90 as H
     from rtkernels.errors import ConfigError
@@ -556,8 +579,7 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
         print("no cell to time (changed_only: the per-call choice is the per-head-dim config everywhere)")
         return []
     built = _build_sm90(configs)
-    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
-        lambda t: t)
+    as_cp = _as_cupy(torch)
     rows = []
     for d in head_dims:
         for s in seqlens:
@@ -588,9 +610,7 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
                     if ref is None:
                         ref = oc
                     else:
-                        a, bb = ((x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32) if dtype == "bfloat16"
-                                 else x.astype(cp.float32) for x in (ref, oc))
-                        row["max_diff_vs_old"] = float(cp.abs(a - bb).max())
+                        row["max_diff_vs_old"] = float(cp.abs(_as_f32(ref, dtype) - _as_f32(oc, dtype)).max())
                     runs.append(r)
                     names.append(row)
                     crow.append(row)
@@ -600,12 +620,8 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
                         runs.append(run)
                         names.append({"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "cand": "cudnn",
                                       "tile": "SDPA cuDNN"})
-                ms = [[] for _ in runs]
-                for _ in range(rounds):   # interleaved: clocks and neighbours drift alike for all
-                    for i, r in enumerate(runs):
-                        ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
-                for row, m in zip(names, ms):
-                    row["tflops"] = flops / (statistics.median(m) * 1e-3) / 1e12
+                for row, ms in zip(names, _time_interleaved(runs, rounds)):
+                    row["tflops"] = flops / (ms * 1e-3) / 1e12
                 old_t = names[0]["tflops"]
                 cud = next((r["tflops"] for r in names if r["cand"] == "cudnn"), None)
                 for row in names:
@@ -662,7 +678,6 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
     causal one-CTA-per-tile one also with lpt_grid, FA4 and SDPA cuDNN - interleaved over ``rounds``
     (median), every rtk output (NaN-poisoned first) compared with cur's and FA4's.  A row per
     candidate; spilling builds get a note instead of a time."""
-    import statistics
     import cupy as cp
     from rtkernels.ops import attention_sm90 as H
     cells = {}
@@ -683,10 +698,8 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
                 cells[(d, causal, s)] = cands
     configs = list(dict.fromkeys(c for v in cells.values() for _, c in v))
     built = _build_sm90(configs)
-    as_cp = (lambda t: cp.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)) if torch else (
-        lambda t: t)
-    as_f32 = ((lambda x: (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)) if dtype == "bfloat16"
-              else (lambda x: x.astype(cp.float32)))
+    as_cp = _as_cupy(torch)
+    as_f32 = lambda x: _as_f32(x, dtype)   # noqa: E731
     rows = []
     for d in head_dims:
         for s in seqlens:
@@ -732,12 +745,8 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
                 for name, label, run, _ in peer_runs:
                     runs.append(run)
                     named.append(dict(head, cand=name, tile=label))
-                ms = [[] for _ in runs]
-                for _ in range(rounds):   # interleaved: clocks and neighbours drift alike for all
-                    for i, r in enumerate(runs):
-                        ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
-                for row, m in zip(named, ms):
-                    row["tflops"] = flops / (statistics.median(m) * 1e-3) / 1e12
+                for row, ms in zip(named, _time_interleaved(runs, rounds)):
+                    row["tflops"] = flops / (ms * 1e-3) / 1e12
                 get = lambda n: next((r["tflops"] for r in named if r["cand"] == n), None)   # noqa: E731
                 cur_t, fa4_t, cud_t = get("cur"), get("fa4"), get("cudnn")
                 for row in named:
