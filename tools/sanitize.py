@@ -1022,6 +1022,12 @@ KVCACHE_VARIANTS = (
     ("bf16 paged32 splits=3 d128", 2, 2, 2, 2, 128, "bfloat16", 32, (290, 5), 0, 300, True, 3, False),
     ("f16 contiguous splits=2 append 2 non-causal d96", 2, 4, 6, 3, 96, "float16", None, (7, 60), 2, 70, False, 2,
      False),
+    # the wgmma rows mode (sm_90, head_dim <= 128): 17-32 rows per kv head on a contiguous cache,
+    # and more than 32 on a paged one, with query rows that see no key (Sq > cache + new, causal)
+    ("bf16 wgmma rows contiguous Sq8 GQA4 d128", 2, 8, 8, 2, 128, "bfloat16", None, (37, 150), 0, 160, True, None,
+     True),
+    ("f16 wgmma rows paged16 Sq16 GQA4 append 2 splits=2 d64", 2, 16, 4, 1, 64, "float16", 16, (70, 3), 2, 90, True,
+     2, True),
 )
 
 
