@@ -30,7 +30,8 @@ fa2 column, the best of the Triton tiles):
         --no-sdpa --no-fa2 --no-compile-time
 
 Kernels are timed back to back (median over batches of launches, :func:`benchutil.time_batched`), so host
-launch costs - Triton's Python launcher's most of all - hide behind the GPU work.
+launch costs - Triton's Python launcher's most of all - hide behind the GPU work; every candidate of a cell
+is timed in turn over rounds (:func:`benchutil.time_interleaved`, ``--rounds``), so clock drift hits all alike.
 
 Every (seqlen, head_dim) set holds 16k x 2048 elements per tensor (64 MiB in 16 bits), more
 than L2 holds, so inputs are not rotated.  Each kernel is checked against the others' output
@@ -505,17 +506,6 @@ def _as_f32(x, dtype: str):
     return x.astype(cp.float32)
 
 
-def _time_interleaved(runs, rounds: int) -> list[float]:
-    """Each run's median ms over ``rounds`` passes that time every run in turn (clocks and
-    neighbours drift alike for all candidates)."""
-    import statistics
-    ms = [[] for _ in runs]
-    for _ in range(rounds):
-        for i, r in enumerate(runs):
-            ms[i].append(bu.time_batched(r, warmup=1, repeat=3))
-    return [statistics.median(m) for m in ms]
-
-
 def _build_sm90(configs) -> dict:
     """config -> (kernel or None, note): each candidate compiled for sm_90a in parallel; a build that
     fails or spills is kept with its note (the A/B tables show why a cell is empty)."""
@@ -620,7 +610,7 @@ def short_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True)
                         runs.append(run)
                         names.append({"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "cand": "cudnn",
                                       "tile": "SDPA cuDNN"})
-                for row, ms in zip(names, _time_interleaved(runs, rounds)):
+                for row, ms in zip(names, bu.time_interleaved(runs, rounds)):
                     row["tflops"] = flops / (ms * 1e-3) / 1e12
                 old_t = names[0]["tflops"]
                 cud = next((r["tflops"] for r in names if r["cand"] == "cudnn"), None)
@@ -745,7 +735,7 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
                 for name, label, run, _ in peer_runs:
                     runs.append(run)
                     named.append(dict(head, cand=name, tile=label))
-                for row, ms in zip(named, _time_interleaved(runs, rounds)):
+                for row, ms in zip(named, bu.time_interleaved(runs, rounds)):
                     row["tflops"] = flops / (ms * 1e-3) / 1e12
                 get = lambda n: next((r["tflops"] for r in named if r["cand"] == n), None)   # noqa: E731
                 cur_t, fa4_t, cud_t = get("cur"), get("fa4"), get("cudnn")
@@ -869,7 +859,7 @@ def main():
                         "FA4-inspired candidates (FWD_AB_TILES, or --tiles), causal ones also with lpt_grid, FA4 "
                         "and SDPA cuDNN, interleaved --rounds (default 5); a summary per cell last")
     p.add_argument("--rounds", type=int, default=None,
-                   help="--short-ab / --fwd-ab: interleaved rounds (median; default 3 / 5)")
+                   help="interleaved rounds (median): --short-ab / --fwd-ab default 3 / 5, the peer table 3")
     p.add_argument("--tune", action="store_true", help="autotune each head dim (seqlen 4096) and report "
                                                        "heuristic vs best tiles instead of the peer comparison")
     p.add_argument("--grid", choices=["fa"], default=None,
@@ -893,7 +883,8 @@ def main():
     if args.quick:   # the head dims asked for (default 64, 128, 256) at seqlen 4096: well under 90 s
         head_dims = head_dims if "--head-dims" in sys.argv else [64, 128, 256]
         seqlens = seqlens if "--seqlens" in sys.argv else [4096]
-    warmup, repeat = (2, 5) if args.quick else (3, 10)
+    # the peer table: rounds of every candidate in turn, batches of calls per round (time_interleaved)
+    rounds, repeat = (2, 2) if args.quick else (args.rounds or 3, 3)
 
     import cupy as cp
     cp.cuda.Device().synchronize()   # create the CUDA context first: it is not part of a warm start
@@ -969,18 +960,17 @@ def main():
                 b = max(1, TOKENS // s)
                 q, k, v = _inputs(b, s, h, d, args.dtype, torch)
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
+                # every candidate built and checked first, then timed interleaved over rounds
+                runs = {}   # "<name>_tflops" -> launcher
                 run, o_ours, tag = _ours(q, k, v, causal, args.dtype, torch)
                 row["config"] = tag
-                ms = bu.time_batched(run, warmup=warmup, repeat=repeat)
+                runs["rtk_tflops"] = run
                 flops = _flops(b, s, s, h, d, causal)
-                row["rtk_ms"] = ms
-                row["rtk_tflops"] = flops / (ms * 1e-3) / 1e12
                 if "sm90" in tag and not args.no_fa2:
                     frun, o_fa2, ftag = _ours(q, k, v, causal, args.dtype, torch, hopper=False)
                     row["fa2_config"] = ftag
                     row["fa2_maxdiff"] = _max_diff(o_ours, o_fa2, torch)
-                    row["fa2_tflops"] = flops / (bu.time_batched(frun, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                    row["ratio_vs_fa2"] = row["rtk_tflops"] / row["fa2_tflops"]
+                    runs["fa2_tflops"] = frun
                     del o_fa2
                 if not args.no_triton:
                     trun, tout = _triton(q, k, v, causal, torch, args.quick, args.triton_tiles)
@@ -989,9 +979,7 @@ def main():
                     else:
                         row["triton_config"] = tout[1]
                         row["triton_maxdiff"] = _max_diff(o_ours, tout[0], torch)
-                        ms_t = bu.time_batched(trun, warmup=warmup, repeat=repeat)
-                        row["triton_tflops"] = flops / (ms_t * 1e-3) / 1e12
-                        row["ratio_vs_triton"] = row["rtk_tflops"] / row["triton_tflops"]
+                        runs["triton_tflops"] = trun
                 for name, backend in peers.items():
                     prun, out = _sdpa(q, k, v, causal, backend, torch)
                     if prun is None:
@@ -999,20 +987,24 @@ def main():
                         row[f"{name}_note"] = out
                         continue
                     row[f"{name}_maxdiff"] = _max_diff(o_ours, out, torch)
-                    pms = bu.time_batched(prun, warmup=warmup, repeat=repeat)
-                    row[f"{name}_tflops"] = flops / (pms * 1e-3) / 1e12
-                    row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
+                    runs[f"{name}_tflops"] = prun
                 if torch is not None and not args.no_sdpa:   # FA4 beside SDPA; "—" where absent
                     frun, fout = _fa4(q, k, v, causal, torch)
                     if frun is None:
                         row["fa4_tflops"], row["fa4_note"] = None, fout
                     else:
                         row["fa4_maxdiff"] = _max_diff(o_ours, fout, torch)
-                        fms = bu.time_batched(frun, warmup=warmup, repeat=repeat)
-                        row["fa4_tflops"] = flops / (fms * 1e-3) / 1e12
-                        row["ratio_vs_fa4"] = row["rtk_tflops"] / row["fa4_tflops"]
+                        runs["fa4_tflops"] = frun
                         del fout
+                for key, ms in zip(runs, bu.time_interleaved(list(runs.values()), rounds, repeat)):
+                    row[key] = flops / (ms * 1e-3) / 1e12
+                    if key == "rtk_tflops":
+                        row["rtk_ms"] = ms
+                    else:
+                        row[f"ratio_vs_{key[:-7]}"] = row["rtk_tflops"] / row[key]
+                if torch is not None and not args.no_sdpa:
                     bu.ratio_vs_best(row)
+                del runs
                 rows.append(row)
                 print(row, flush=True)
                 del q, k, v, o_ours

@@ -8,7 +8,10 @@ FlashAttention's grid: 16k tokens per batch (batch = 16384 / seqlen), hidden 204
 Backward FLOPs = 2.5 x forward FLOPs (5 matmuls vs 2): 10 * b * s * s * h * d, halved for causal.
 Columns: rtk backward (default = f32 RED for dQ, and deterministic), each peer's backward alone
 (autograd graph kept, ``out.backward(do, retain_graph=True)``), and forward+backward
-(FLOPs 3.5 x forward) for rtk and peers.  Run on the GPU host:
+(FLOPs 3.5 x forward) for rtk and peers.  Every candidate and peer of a cell is built first, then timed
+in turn over ``--rounds`` rounds of batched calls (:func:`benchutil.time_interleaved`, the median): one call
+between two events, one candidate after another, timed host time and clock drift (2026-11-26, H100).
+Run on the GPU host:
 
     PYTHONPATH=. python tools/bench_attention_bwd.py --out results/ [--quick] [--dtype bfloat16]
     PYTHONPATH=. python tools/bench_attention_bwd.py --grid fa --out results/   # issue 24's grid, compact table
@@ -304,6 +307,9 @@ def main():
                    help="fa: FlashAttention's grid of issue 24 (head dims 64,128,192,256 x seqlens 2k,4k,16k), "
                         "compact table (rtk, FA4, cuDNN, rtk / best) last")
     p.add_argument("--tag", default="", help="suffix of the JSON/PNG names")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds per cell (every candidate and peer timed in turn; median; "
+                        "default 3, 2 with --quick)")
     args = p.parse_args()
     if args.grid:
         args.head_dims = FA_GRID["backward"]["head_dims"] if "--head-dims" not in sys.argv else args.head_dims
@@ -330,7 +336,7 @@ def main():
     seqlens = [int(x) for x in args.seqlens.split(",")]
     if args.quick:
         head_dims, seqlens = [d for d in head_dims if d in (64, 128)] or head_dims[:2], [2048, 4096]
-    warmup, repeat = (2, 5) if args.quick else (3, 10)
+    rounds = args.rounds or (2 if args.quick else 3)
     import cupy as cp
     cp.cuda.Device().synchronize()
 
@@ -343,13 +349,13 @@ def main():
                 q, k, v, do = _inputs(b, s, h, d, args.dtype, torch, count=4)
                 fl = _fwd_flops(b, s, h, d, causal)
                 row = {"head_dim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
+                # every candidate built first, then timed interleaved over rounds (benchutil.time_interleaved)
+                runs = {}   # row key -> (fn, FLOP factor)
                 bwd, fwd_bwd, grads, cfg = _ours(q, k, v, do, causal, args.dtype, False, torch)
                 row["config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(cfg)
-                row["rtk_tflops"] = 2.5 * fl / (bu.time_cuda(bwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                row["rtk_fwdbwd_tflops"] = 3.5 * fl / (bu.time_cuda(fwd_bwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
+                runs["rtk_tflops"], runs["rtk_fwdbwd_tflops"] = (bwd, 2.5), (fwd_bwd, 3.5)
                 dbwd, _, _, _ = _ours(q, k, v, do, causal, args.dtype, True, torch)
-                row["rtk_det_tflops"] = 2.5 * fl / (bu.time_cuda(dbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                row["det_ratio"] = row["rtk_det_tflops"] / row["rtk_tflops"]
+                runs["rtk_det_tflops"] = (dbwd, 2.5)
                 for i, spec in enumerate(args.alt or ()):
                     alt = _alt_config(cfg, spec)
                     n = "" if i == 0 else str(i + 1)   # columns alt_*, alt2_*, ...
@@ -358,20 +364,17 @@ def main():
                         abwd, _, agrads, _ = _ours(q, k, v, do, causal, args.dtype, adet, torch, config=alt)
                         row[f"alt{n}_config"] = importlib.import_module("rtkernels.ops.attention_bwd").describe(alt)
                         row[f"alt{n}_maxdiff"] = _max_diff(grads, agrads, torch)
-                        row[f"rtk_alt{n}_tflops"] = 2.5 * fl / (
-                            bu.time_cuda(abwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                        row[f"alt{n}_ratio"] = row[f"rtk_alt{n}_tflops"] / row["rtk_tflops"]
-                        del abwd, agrads
+                        runs[f"rtk_alt{n}_tflops"] = (abwd, 2.5)
+                        del agrads
                 if args.with_mma:
                     H = importlib.import_module("rtkernels.ops.attention_bwd_sm90")
                     H.ENABLED = False
-                    try:
-                        mbwd, _, _, mcfg = _ours(q, k, v, do, causal, args.dtype, False, torch)
-                        row["rtk_mma_tflops"] = 2.5 * fl / (bu.time_cuda(mbwd, warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                        row["speedup_vs_mma"] = row["rtk_tflops"] / row["rtk_mma_tflops"]
+                    try:   # the mma.sync config the op picks with the Hopper kernels off ...
+                        mcfg = _ours(q, k, v, do, causal, args.dtype, False, torch)[3]
                     finally:
                         H.ENABLED = True
-                    del mbwd
+                    # ... given explicitly, so the timed calls run it with the switch back on
+                    runs["rtk_mma_tflops"] = (_ours(q, k, v, do, causal, args.dtype, False, torch, config=mcfg)[0], 2.5)
                 for name, backend in peers.items():
                     fns, pgrads, note = _sdpa(q, k, v, do, causal, backend, torch)
                     if fns is None:
@@ -379,24 +382,29 @@ def main():
                         row[f"{name}_note"] = note
                         continue
                     row[f"{name}_maxdiff"] = _max_diff(grads, pgrads, torch)
-                    row[f"{name}_tflops"] = 2.5 * fl / (bu.time_cuda(fns[0], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                    row[f"{name}_fwdbwd_tflops"] = 3.5 * fl / (
-                        bu.time_cuda(fns[1], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                    row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
-                    del fns, pgrads
+                    runs[f"{name}_tflops"], runs[f"{name}_fwdbwd_tflops"] = (fns[0], 2.5), (fns[1], 3.5)
+                    del pgrads
                 if torch is not None:   # FA4 beside SDPA, same timing; "—" where absent
                     fns, pgrads, note = _fa4(q, k, v, do, causal, torch)
                     if fns is None:
                         row["fa4_tflops"], row["fa4_note"] = None, note
                     else:
                         row["fa4_maxdiff"] = _max_diff(grads, pgrads, torch)
-                        row["fa4_tflops"] = 2.5 * fl / (
-                            bu.time_cuda(fns[0], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                        row["fa4_fwdbwd_tflops"] = 3.5 * fl / (
-                            bu.time_cuda(fns[1], warmup=warmup, repeat=repeat) * 1e-3) / 1e12
-                        row["ratio_vs_fa4"] = row["rtk_tflops"] / row["fa4_tflops"]
-                        del fns, pgrads
+                        runs["fa4_tflops"], runs["fa4_fwdbwd_tflops"] = (fns[0], 2.5), (fns[1], 3.5)
+                        del pgrads
+                for key, ms in zip(runs, bu.time_interleaved([f for f, _ in runs.values()], rounds)):
+                    row[key] = runs[key][1] * fl / (ms * 1e-3) / 1e12
+                row["det_ratio"] = row["rtk_det_tflops"] / row["rtk_tflops"]
+                for key in [k_ for k_ in row if k_.startswith("rtk_alt") and k_.endswith("_tflops")]:
+                    row[key.replace("rtk_", "").replace("_tflops", "_ratio")] = row[key] / row["rtk_tflops"]
+                if "rtk_mma_tflops" in row:
+                    row["speedup_vs_mma"] = row["rtk_tflops"] / row["rtk_mma_tflops"]
+                for name in [*peers, "fa4"]:
+                    if row.get(f"{name}_tflops"):
+                        row[f"ratio_vs_{name}"] = row["rtk_tflops"] / row[f"{name}_tflops"]
+                if torch is not None:
                     bu.ratio_vs_best(row)
+                del runs
                 rows.append(row)
                 print(row, flush=True)
                 del q, k, v, do, grads, bwd, fwd_bwd, dbwd

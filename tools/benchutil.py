@@ -75,6 +75,19 @@ def time_batched(fn, warmup: int = 3, repeat: int = 10) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(runs, rounds: int = 3, repeat: int = 3) -> list[float]:
+    """Each run's median ms per call (:func:`time_batched`) over ``rounds`` passes that time every run
+    in turn, so clocks and neighbours drift alike for all candidates: on an H100 a short kernel reads
+    20-40% faster after idle than after heavy work, and one-after-another timing (one call between
+    events) read rtk's d128 causal 2k backward at 249 TFLOP/s while its fwd+bwd timing implied about
+    380 for the same backward (2026-11-26)."""
+    ms = [[] for _ in runs]
+    for _ in range(rounds):
+        for i, r in enumerate(runs):
+            ms[i].append(time_batched(r, warmup=1, repeat=repeat))
+    return [statistics.median(m) for m in ms]
+
+
 _SPIN = None
 
 
