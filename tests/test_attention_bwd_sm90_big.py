@@ -28,7 +28,8 @@ CHECKED_DIMS = [136, 144, 176, 192, 200, 248, 256]   # compiled on the CPU, caus
 
 
 @pytest.mark.parametrize("bad", [dict(head_dim=128), dict(head_dim=264), dict(head_dim=140), dict(dtype="float32"),
-                                 dict(num_stages=3), dict(deterministic="yes"), dict(dq_mode="atomic"),
+                                 dict(num_stages=4), dict(num_stages=3, head_dim=256), dict(deterministic="yes"),
+                                 dict(dq_mode="atomic"),
                                  dict(dq_mode="bulk", deterministic=True), dict(head_dim=256, dq_mode="bulk"),
                                  dict(layout="kq"), dict(key_block=96), dict(key_block=128, layout="qk"),
                                  dict(key_block=96, layout="qk", head_dim=200),

@@ -12,7 +12,8 @@ the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with the head d
 reads the other warpgroup's dS; :func:`choose_config` runs it up to head dim 192 (neither
 deterministic nor masked).  Opt-in options of both layouts (A/B: tools/ab_bwd_d256.sh): a separate
 dO ring (``do_stages``), the bulk dQ reduction staged in the Q/dO ring stage (``dq_mode="ring"``: two
-stages with it at d256) and a heaviest-first causal grid (``lpt_grid``, :func:`lpt_group`).
+stages with it at d256), a heaviest-first causal grid (``lpt_grid``, :func:`lpt_group`) and a
+non-causal walk that starts each CTA at its diagonal query tile (``stagger``; A/B: tools/ab_bwd_s12.sh).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         in [136, 256].
     deterministic : add each query tile's dQ partials in key-tile order (bit-identical runs).
     num_stages : depth of the Q/lse ring, and of dO/delta's unless ``do_stages`` (1 or 2; 2 fits every
-        head dim up to 256).
+        head dim up to 256; 3 where it fits, e.g. three Q stages beside one dO stage at d256 "kt").
     dq_mode : "red" - each thread adds its dQ fragments with 16-byte reductions (red.global.add.v4);
         "bulk" - each consumer warpgroup stages its half of the f32 dQ tile in shared memory and one
         thread adds it with a TMA bulk reduction (cp.reduce.async.bulk; +64 x head_dim x 4 B of
@@ -86,6 +87,14 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         pair before the short ones.  The 3-D grid runs pair after pair: the last pairs' heaviest
         tiles start in the last wave and finish alone (the greedy model, FlashAttention's grid at
         d256: 1.065 / 1.056 of the even split at S 2k / 4k, 1.003 in sections).
+    stagger : non-causal, not deterministic: each head's walk over the query tiles starts at the
+        CTA's diagonal tile (its first key / 64, modulo the walk) and wraps.  The grid starts the key
+        tiles of a (batch, kv head) pair side by side and, their work being equal, they step
+        together: without it every CTA of the pair on an SM (32 - 132 of them on FlashAttention's
+        grid) loads the same Q / dO tile and reduces into the same dQ tile at the same moment; with
+        it they spread over the pair's tiles as the causal walk's diagonal start spreads them
+        (reasoned; the pair's Q / dO / f32 dQ rows in flight, <= 132 tiles of 64 rows, stay within
+        L2: 17 MB at d256).
     """
 
     family: ClassVar[str] = FAMILY
@@ -101,6 +110,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     do_stages: int = 0
     ds_buffers: int = 2
     lpt_grid: bool = False
+    stagger: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -108,7 +118,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
             self._fail("head_dim", f"a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (smaller head dims use "
                                    "attention_bwd_sm90)")
         self._check_choice("deterministic", (False, True))
-        self._check_choice("num_stages", (1, 2))
+        self._check_choice("num_stages", (1, 2, 3))
         self._check_choice("dq_mode", ("red", "bulk", "ring"))
         self._check_choice("layout", ("kt", "qk"))
         self._check_choice("key_block", _KEY_BLOCKS)
@@ -132,6 +142,10 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
             self._fail("lpt_grid", "False unless causal=True, deterministic=False and without cu_seqlens (it orders "
                                    "the key tiles of a dense causal grid heaviest first; the deterministic order "
                                    "and varlen's schedule have their own)")
+        self._check_choice("stagger", (False, True))
+        if self.stagger and (self.causal or self.deterministic):
+            self._fail("stagger", "False with causal=True (the causal walk already starts at the diagonal) or "
+                                  "deterministic=True (the ordered dQ flush walks in key-tile turns)")
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# A/B of attention_bwd_sm90_big's stagger (non-causal: each CTA's query-tile walk starts at its
+# diagonal tile) and three Q stages beside one dO stage (d256 "kt"), GPU tests first.  Everything
+# lands in ONE tarball, $OUT/ab_bwd_s12.tar.gz (default OUT ./ab_out):
+#   prebuild.txt        the bench's configs compiled in parallel first (disk cache)
+#   tests_stagger.txt   pytest -m gpu tests/test_attention_bwd_sm90_big_stagger.py
+#   d256/  tools/bench_attention_bwd.py --grid fa --head-dims 256 (S 2k / 4k / 16k) with four --alt columns:
+#          stagger=true | dq_mode=ring,stagger=true | dq_mode=red,num_stages=3,do_stages=1 | the same + stagger
+#   d192/  the same grid at d192 with --alt stagger=true
+# The last thing printed is one short table per head dim: TFLOP/s, rtk / best peer (faster of FA4 and
+# SDPA cuDNN), each alt over the default (same run) and over the best peer; "-" where an alt does not
+# apply (stagger is non-causal only).  FA4 is optional: put it on PYTHONPATH first.  About 4 minutes.
+set -u
+OUT=${OUT:-./ab_out}
+W=$(mktemp -d)
+mkdir -p "$OUT" "$W/d256" "$W/d192"
+export PYTHONPATH=".:tools${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python}
+ALTS256=(--alt stagger=true --alt dq_mode=ring,stagger=true --alt dq_mode=red,num_stages=3,do_stages=1
+         --alt dq_mode=red,num_stages=3,do_stages=1,stagger=true)
+ALTS192=(--alt stagger=true)
+
+# the bench's configs (default, deterministic, each alt) and the tests' compiled in parallel into the disk cache
+timeout 60 $PY - "${ALTS256[@]}" >"$W/prebuild.txt" 2>&1 <<'PYEOF'
+import dataclasses, sys, time
+sys.path.insert(0, "tests")
+from bench_attention_bwd import _alt_config
+from rtkernels import inspect as rinspect
+from rtkernels.ops import attention_bwd_sm90_big as BIG
+import test_attention_bwd_sm90_big_stagger as T
+t0 = time.perf_counter()
+specs = sys.argv[2::2]
+cfgs = {T._config(c[5], c[6], c[7], c[8]) for c in T.CASES} | set(T._op_configs())
+for d in (192, 256):
+    for causal in (False, True):
+        base = BIG.choose_config("bfloat16", d, causal, False)
+        cfgs |= {base, BIG.choose_config("bfloat16", d, causal, True)}
+        alts = specs if d == 256 else ["stagger=true"]
+        cfgs |= {c for c in (_alt_config(base, s) for s in alts) if c is not None}
+reps = rinspect.sweep(BIG.FAMILY, [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in cfgs],
+                      arch="sm_90a", jobs=16)
+for r in reps:
+    print(r.get("status"), r.get("resources", r.get("error")), r.get("config"))
+print(f"prebuilt {len(cfgs)} configs in {time.perf_counter() - t0:.1f} s")
+PYEOF
+echo "prebuild rc $?: $(tail -1 "$W/prebuild.txt")"
+timeout 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd_sm90_big_stagger.py \
+    >"$W/tests_stagger.txt" 2>&1
+echo "stagger / s3do1 tests (rc $?): $(tail -1 "$W/tests_stagger.txt")"
+timeout 120 $PY tools/bench_attention_bwd.py --grid fa --head-dims 256 --seqlens 2048,4096,16384 "${ALTS256[@]}" \
+    --out "$W/d256" >"$W/d256/log.txt" 2>&1
+echo "d256 bench rc $?"
+timeout 60 $PY tools/bench_attention_bwd.py --grid fa --head-dims 192 --seqlens 2048,4096,16384 "${ALTS192[@]}" \
+    --out "$W/d192" >"$W/d192/log.txt" 2>&1
+echo "d192 bench rc $?"
+tar -czf "$OUT/ab_bwd_s12.tar.gz" -C "$W" .
+W="$W" $PY - <<'PYEOF'
+import glob, json, os
+w = os.environ["W"]
+
+
+def rows(sub):
+    for path in glob.glob(os.path.join(w, sub, "bench_attention_bwd*.json")):
+        try:
+            return json.load(open(path))["rows"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return []
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.0f}" if x > 5 else f"{x:.3f}"
+
+
+def best(r):
+    peers = [p for p in (r.get("fa4_tflops"), r.get("sdpa_cudnn_tflops")) if p]
+    return max(peers) if peers else None
+
+
+names = {"d256": ["stg", "ring+stg", "s3do1", "s3do1+stg"], "d192": ["stg"]}
+print("\nbackward TFLOP/s bf16, FlashAttention's grid; /rtk = alt over the default, /best = over max(FA4, cuDNN)")
+for sub, alts in names.items():
+    print(f"\n{sub}: default = {', '.join(sorted({r['config'] for r in rows(sub)}))}")
+    print("| causal | S | rtk | fa4 | cudnn | rtk/best | " + " | ".join(f"{a} | /rtk | /best" for a in alts) + " |")
+    print("|---" * (6 + 3 * len(alts)) + "|")
+    for r in rows(sub):
+        b = best(r)
+        cells = [r["rtk_tflops"], r.get("fa4_tflops"), r.get("sdpa_cudnn_tflops"), b and r["rtk_tflops"] / b]
+        for i in range(len(alts)):
+            a = r.get(f"rtk_alt{'' if i == 0 else i + 1}_tflops")
+            cells += [a, a and a / r["rtk_tflops"], a and b and a / b]
+        print(f"| {'yes' if r['causal'] else 'no'} | {r['seqlen']} | " + " | ".join(fmt(c) for c in cells) + " |")
+PYEOF
+rm -rf "$W"
