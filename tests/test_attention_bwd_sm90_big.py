@@ -62,22 +62,24 @@ def test_config_derived_values():
 
 def test_choose_config_rule():
     """Head dims <= 192, causal or not, neither deterministic nor masked: "qk", 96 keys, bulk dQ,
-    FA4's rings (two Q stages, one dO stage, one dS buffer); causal d200-256 "kt" with the ring dQ;
-    everything else "kt" with 64 keys and two stages (red dQ).  Causal, non-deterministic: lpt_grid."""
+    FA4's rings (two Q stages, one dO stage, one dS buffer); d200-256 "kt" with the ring dQ;
+    everything else "kt" with 64 keys and two stages (red dQ).  Non-deterministic: lpt_grid when
+    causal, stagger when not."""
     for d in HEAD_DIMS:
         for causal in (False, True):
             for det in (False, True):
                 cfg = BIG.choose_config("bfloat16", d, causal, det)
                 assert cfg.lpt_grid == (causal and not det), cfg
+                assert cfg.stagger == (not causal and not det), cfg
                 if not det and d <= 192:
                     assert (cfg.layout, cfg.key_block, cfg.dq_mode, cfg.num_stages, cfg.do_stages, cfg.ds_buffers) \
                         == ("qk", 96, "bulk", 2, 1, 1), cfg
                 else:
                     assert (cfg.layout, cfg.key_block, cfg.num_stages) == ("kt", 64, 2), cfg
-                    assert cfg.dq_mode == ("ring" if causal and not det else "red"), cfg
+                    assert cfg.dq_mode == ("red" if det else "ring"), cfg
     for flag in ("has_window", "has_softcap", "is_varlen"):
         cfg = BIG.choose_config("float16", 176, False, False, **{flag: True})
-        assert (cfg.layout, cfg.key_block, cfg.dq_mode) == ("kt", 64, "red"), (flag, cfg)
+        assert (cfg.layout, cfg.key_block, cfg.dq_mode, cfg.stagger) == ("kt", 64, "red", False), (flag, cfg)
     assert B90.choose_config("bfloat16", 192, False, False) == BIG.choose_config("bfloat16", 192, False, False)
 
 

@@ -619,9 +619,9 @@ ATTN_BWD_SM90_BIG_VARIANTS = (
     (1, 130, 200, 2, 1, 256, True, "bfloat16", False, True),
     (1, 130, 200, 2, 1, 192, True, "bfloat16", True, True),
     (1, 70, 33, 2, 2, 136, True, "float16", True, True),         # Sq > Sk: rows with no key
-    (2, 113, 203, 4, 2, 200, False, "float16", False, False),
+    (2, 113, 203, 4, 2, 200, False, "float16", False, True),    # ring dQ + stagger (non-causal d200-256)
     (1, 77, 77, 2, 2, 248, False, "bfloat16", True, False),
-    (1, 150, 190, 2, 1, 176, False, "bfloat16", False, True),    # layout qk, 96 keys, bulk dQ (non-causal <= 192)
+    (1, 150, 190, 2, 1, 176, False, "bfloat16", False, True),    # layout qk, 96 keys, bulk dQ, stagger (non-causal <= 192)
 )
 # The mma.sync backward through its heuristic configs at every head dim (dQ modes red / staged /
 # pass; above 128 the op dispatches to attention_bwd_sm90_big on sm_90).

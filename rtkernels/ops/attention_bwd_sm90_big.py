@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import register_family
-from ..errors import ConfigError
 from .attention_bwd_sm90 import AttentionBwdSm90Config, SMEM_LIMIT_SM90, _ALIGN_SLACK, _BLOCK_M, _CONSUMERS
 
 FAMILY = "attention_bwd_sm90_big"
@@ -226,6 +225,16 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     """The config the op runs (it cannot depend on the sequence length: one per dtype, head dim,
     causal, deterministic and mask options).
 
+    Non-causal (neither deterministic nor masked) calls also take ``stagger``: each CTA walks its query
+    tiles from its own diagonal tile, so a pair's key tiles - started together by the 3-D grid and
+    equal in work - stop loading the same Q / dO tile and reducing into the same dQ tile at once;
+    with it the ring dQ, which lost 0.84-0.93x alone (the stage is released a step later), wins at
+    d200-256.  Measured (H100, 2026-11-26, bf16, FA4 and cuDNN in the same run, interleaved rounds,
+    TFLOP/s at S 2k / 4k / 16k; tools/ab_bwd_s12.sh): d256 red 318 / 350 / 366 -> ring + stagger
+    334 / 361 / 391 (stagger alone 322 / 351 / 382; cuDNN 346 / 386 / 349, FA4 291 / 304 / 314);
+    d192 427 / 478 / 512 -> 427 / 483 / 547 (FA4 458 / 494 / 550).  Three Q stages beside one dO
+    stage at d256 (red): 0.94-1.02x; not taken.
+
     head_dim <= 192, neither deterministic nor masked, causal or not: layout "qk", 96 keys per CTA,
     dQ by bulk reduction, FlashAttention-4's rings: two Q stages, one dO stage (its own barriers,
     released as soon as dV^T has read it) and one dS buffer (one shared ring of Q+dO with two
@@ -241,7 +250,7 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     (dq_mode "ring": two stages and a bulk reduction fit together) and lpt_grid.  Measured (H200,
     2026-11-26, cuDNN in the same run, d256 S 2k / 4k / 16k): red 266 / 309 / 359 -> ring + lpt
     286 / 331 / 381 (cuDNN 279 / 314 / 388); ring alone 265 / 305 / 353, lpt alone 275 / 320 /
-    361.  Non-causal d256 keeps red: ring 0.84-0.93x of it (the stage is released a step later).
+    361.  (Non-causal d256: ring 0.84-0.93x of red without stagger; with it, see above.)
     The text below is the history of the choice before them.
 
     Non-causal, head_dim <= 192 (session 9): layout "qk", 96 keys per CTA,
@@ -271,13 +280,10 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
         return cfg
     if head_dim <= QK_MAX_HEAD_DIM:
         return cfg.replace(layout="qk", key_block=96, dq_mode="bulk", num_stages=2, do_stages=1, ds_buffers=1,
-                           lpt_grid=causal)
+                           lpt_grid=causal, stagger=not causal)
     if causal:
         return cfg.replace(dq_mode="ring", lpt_grid=True)
-    try:
-        return cfg.replace(dq_mode="bulk")
-    except ConfigError:   # two stages and the dQ staging tile exceed shared memory (head_dim > 192)
-        return cfg
+    return cfg.replace(dq_mode="ring", stagger=True)
 
 
 # lpt_grid's sections: the CTAs resident at once (one per SM) walk the query tiles of one or two
