@@ -161,8 +161,17 @@ def main() -> None:
     p.add_argument("--ab-shapes", type=lambda s: [tuple(int(x) for x in t.split("x")) for t in s.split(",")],
                    default=None, help="--streamk-ab: comma-separated MxNxK shapes instead of AB_SHAPES")
     p.add_argument("--ab-only", default="",
-                   help="--streamk-ab: comma-separated candidate labels (cuBLAS and rtk.matmul always run)")
+                   help="--streamk-ab / --lastcells-ab: comma-separated candidate labels (cuBLAS and rtk.matmul "
+                        "always run)")
+    p.add_argument("--lastcells-ab", action="store_true",
+                   help="only issue 20's last cells (LASTCELL_SHAPES or --ab-shapes): cluster-K, split-K and whole "
+                        "tiles against rtk.matmul's pick and cuBLAS, with each candidate's tiles / waves / k-blocks")
+    p.add_argument("--plan-only", action="store_true",
+                   help="--lastcells-ab: print the candidates' plan arithmetic and stop (no GPU needed)")
     args = p.parse_args()
+    if args.lastcells_ab:
+        lastcells_ab(args)
+        return
     if args.grid == "llm":
         grid_llm(args)
         return
@@ -676,6 +685,150 @@ def streamk_ab(args) -> None:
                                  "note"]))
     print(benchutil.table(summary, ["shape", "cublas_us", "rtk_pick", "rtk_vs_cublas", "dp_best_vs_cublas",
                                     "sk_old_vs_cublas", "sk_new_vs_cublas", "best", "best_vs_cublas"]))
+
+
+# --lastcells-ab: issue 20's cells below 0.95x cuBLAS (H200, 2026-11-26) and strong cells as a
+# regression check (W (N, K), a linear layer's weight).
+LASTCELL_SHAPES = [(128, 6144, 4096), (128, 8192, 8192), (3000, 5000, 2000), (128, 4096, 14336), (128, 4096, 4096),
+                   (128, 14336, 4096), (128, 28672, 4096), (512, 8192, 8192)]
+# (label, block_m, block_n, stages (None: cluster_stages), split_k, stream_k, cluster_k).  "c2" =
+# cluster-K: two CTAs per tile, each over half of K, the partials summed through distributed shared
+# memory (MatmulSm90Config.cluster_k); "s2" = split-K 2 through the global workspace (rule 2b's).
+LASTCELL_M128 = [("dp 128x64", 128, 64, 8, 1, False, 1), ("s2 128x64", 128, 64, 8, 2, False, 1),
+                 ("c2 128x64", 128, 64, None, 1, False, 2),
+                 ("dp 128x128", 128, 128, 6, 1, False, 1), ("s2 128x128", 128, 128, 6, 2, False, 1),
+                 ("c2 128x128", 128, 128, None, 1, False, 2),
+                 ("dp 128x192", 128, 192, 5, 1, False, 1), ("c2 128x192", 128, 192, None, 1, False, 2)]
+LASTCELL_BIG = [("dp 128x256", 128, 256, 4, 1, False, 1), ("dp 128x192", 128, 192, 5, 1, False, 1),
+                ("dp 256x128", 256, 128, 4, 1, False, 1), ("dp 128x128", 128, 128, 6, 1, False, 1),
+                ("sk 128x256", 128, 256, 4, 1, True, 1), ("c2 128x192", 128, 192, None, 1, False, 2),
+                ("c2 128x128", 128, 128, None, 1, False, 2)]
+
+
+def plan_math(m90, cfg, m: int, n: int, k: int, sms: int) -> dict:
+    """The arithmetic that ranks a schedule before any timing: output tiles, work units (tile x
+    split, x 2 for cluster-K), the grid, rounds of units over it and the SM slots they fill, k-blocks
+    per unit, and the bytes each CTA moves per k-block (A + B tiles; at M = 128 every CTA reads the
+    same A tile from L2, B from DRAM)."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    kb = m90.k_blocks(k)
+    grid = m90.grid_size(m, n, 1, cfg, sms, k)
+    if cfg.stream_k:   # every CTA the same share of all k-blocks: one "round" of that many k-blocks
+        share = tiles * kb / grid
+        units, per, rounds, fill = grid, f"{share:.1f} (stream)", 1, share / -(-tiles * kb // grid)
+    else:
+        s = cfg.cluster_k if cfg.cluster_k > 1 else min(cfg.split_k, kb)
+        units, per = tiles * s, f"{-(-kb // s)}"
+        rounds = -(-units // grid)
+        fill = units / (rounds * grid)
+    return {"tiles": tiles, "units": units, "grid": grid, "rounds": rounds, "fill": fill,
+            "kb_per_unit": per, "kib_per_kb": cfg.stage_bytes // 1024,
+            "b_share": cfg.block_n / (cfg.block_m + cfg.block_n)}
+
+
+def _lastcell_specs(m90, dtype, m, n, k, sms):
+    """(label, config) of the --lastcells-ab candidates of one shape: the heuristic's pick as cluster-K
+    too, and the M = 128 or large-M table."""
+    import dataclasses
+    heur = m90.heuristic_config(dtype, m, n, k, sm_count=sms, stream_k=True, b_kmajor=True)
+    specs = [("pick", heur)]
+    if not heur.stream_k and heur.block_m * heur.block_n <= 128 * 192:
+        specs.append(("pick c2", m90.with_cluster_k(dataclasses.replace(heur, split_k=1), 2)))
+    for label, bm, bn, st, s, sk, ck in (LASTCELL_M128 if m <= 128 else LASTCELL_BIG):
+        st = st or m90.cluster_stages(bm, bn, ck)
+        specs.append((label, m90.MatmulSm90Config(dtype=dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
+                                                  split_k=s, stream_k=sk, cluster_k=ck)))
+    return specs
+
+
+def lastcells_ab(args) -> None:
+    """Issue 20's last cells: cluster-K (two CTAs per tile reducing through distributed shared memory),
+    split-K through the workspace, whole tiles and stream-K against rtk.matmul's pick and cuBLAS,
+    interleaved in each pass; every kernel launched directly (config and grid shown) and checked
+    against cuBLAS.  Each candidate's plan arithmetic (plan_math) is printed first; --plan-only stops
+    there (runs without a GPU, 132 SMs assumed)."""
+    from rtkernels.ops import matmul_sm90 as m90
+
+    shapes = args.ab_shapes or LASTCELL_SHAPES
+    only = set(filter(None, args.ab_only.split(",")))
+    if args.plan_only:
+        rows = []
+        for m, n, k in shapes:
+            for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, 132):
+                if not only or label in only:
+                    rows.append({"shape": f"{m}x{n}x{k}", "config": label,
+                                 "tile": f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}",
+                                 **plan_math(m90, cfg, m, n, k, 132)})
+        print(benchutil.table(rows, ["shape", "config", "tile", "tiles", "units", "grid", "rounds", "fill",
+                                     "kb_per_unit", "kib_per_kb", "b_share"]))
+        return
+    import torch
+    import rtkernels as rtk
+    from rtkernels import device
+    from rtkernels.ops import matmul as mm
+
+    tdt = getattr(torch, args.dtype)
+    sms = device.sm_count()
+    dev = torch.cuda.current_device()
+    repeat = 10 if args.quick else 20
+    passes = 3 if args.quick else max(3, args.passes)
+    rows, summary = [], []
+    for m, n, k in shapes:
+        count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
+        sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
+                for _ in range(count)]
+        out = torch.empty(m, n, device="cuda", dtype=tdt)
+        ref = torch.matmul(sets[0][0], sets[0][1].T).float()
+        cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T),
+                 "rtk.matmul": lambda a, w: rtk.matmul(a, w, trans_b=True, out=out)}
+        info, seen = {}, set()
+        for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, sms):
+            if (only and label not in only) or cfg.split_k > m90.k_blocks(k) or cfg in seen:
+                continue
+            seen.add(cfg)
+            kern = rtk.get_kernel(cfg)
+            grid = m90.grid_size(m, n, 1, cfg, sms, k)
+            sizes = (m90.workspace_bytes(cfg, m, n, k, 1, grid), m90.counter_bytes(cfg, m, n, 1, grid))
+            reduces = cfg.split_k > 1 or cfg.stream_k
+            extra = m90.tail_args(cfg, m, sms)
+            cands[label] = _direct_runner(m90, cfg, kern, grid, sizes if reduces else None, extra, m, n, k, out, dev)
+            info[label] = (cfg, plan_math(m90, cfg, m, n, k, sms))
+        med = _median_interleaved(cands, sets, passes, repeat)
+        flops = 2.0 * m * n * k
+        picked = mm._plans90[next(key for key in reversed(list(mm._plans90)) if key[1:5] == (m, n, k, 1))][1]
+        pick = f"{_schedule_label(picked.block_m, picked.block_n, picked.split_k, picked.stream_k)}/{picked.num_stages}"
+        best = min((c for c in med if c not in ("cuBLAS", "rtk.matmul")), key=med.get, default="rtk.matmul")
+        for c, ms in med.items():
+            out.fill_(float("nan"))   # poisoned: a candidate that skips a tile shows as NaN error
+            cands[c](*sets[0])
+            got = (out if c != "cuBLAS" else torch.matmul(sets[0][0], sets[0][1].T)).float()
+            err = float(((got - ref).abs().max() / ref.abs().max()).item())
+            cfg, pm = info.get(c, (None, {}))
+            rows.append({"shape": f"{m}x{n}x{k}", "config": c,
+                         "tile": f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}" if cfg else pick if c == "rtk.matmul"
+                         else "", **{f: pm.get(f) for f in ("tiles", "grid", "rounds", "fill", "kb_per_unit")},
+                         "us": ms * 1e3, "tflops": flops / ms / 1e9, "vs_cublas": med["cuBLAS"] / ms, "err": err,
+                         "best": c == best})
+        c2 = [c for c in med if c.startswith("c2") or c == "pick c2"]
+        c2_best = min(c2, key=med.get, default=None)
+        summary.append({"shape": f"{m}x{n}x{k}", "cublas_us": med["cuBLAS"] * 1e3, "rtk_pick": pick,
+                        "rtk_vs_cublas": med["cuBLAS"] / med["rtk.matmul"], "best": best,
+                        "best_vs_cublas": med["cuBLAS"] / med[best], "best_c2": c2_best,
+                        "best_c2_vs_cublas": med["cuBLAS"] / med[c2_best] if c2_best else float("nan")})
+        print(f"  {m}x{n}x{k}: cuBLAS {med['cuBLAS'] * 1e3:.1f} us, rtk.matmul ({pick}) "
+              f"{med['rtk.matmul'] * 1e3:.1f} us, best {best} {med[best] * 1e3:.1f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    env = benchutil.environment()
+    env["torch"] = torch.__version__
+    benchutil.save(args.out, "matmul_lastcells_ab", {"environment": env, "dtype": args.dtype, "passes": passes,
+                                                     "repeat": repeat, "rows": rows, "summary": summary})
+    print(f"{env['gpu']}  {args.dtype}  ({sms} SMs)  last-cells A/B (W (N, K); kernels launched directly; "
+          "c2 = cluster-K, s2 = split-K 2, sk = stream-K; rounds x grid units, fill = units / slots)")
+    print(benchutil.table(rows, ["shape", "config", "tile", "tiles", "grid", "rounds", "fill", "kb_per_unit", "us",
+                                 "tflops", "vs_cublas", "err", "best"]))
+    print(benchutil.table(summary, ["shape", "cublas_us", "rtk_pick", "rtk_vs_cublas", "best", "best_vs_cublas",
+                                    "best_c2", "best_c2_vs_cublas"]))
 
 
 def argparse_suppress():

@@ -61,6 +61,12 @@ SPLIT_K_ENV = "RTKERNELS_MATMUL_SPLIT_K"
 # templates/matmul_sm90.cu.j2, "Lanes").  Read like RTKERNELS_MATMUL_SPLIT_K; the two cannot both
 # force a schedule.
 STREAM_K_ENV = "RTKERNELS_MATMUL_STREAM_K"
+# RTKERNELS_MATMUL_CLUSTER_K=2: the Hopper kernel (wgmma consumers) runs its heuristic's tile as
+# cluster-K (matmul_sm90.MatmulSm90Config.cluster_k: two CTAs per tile, each over half of K, the
+# partials summed through distributed shared memory; the ring cut to fit the receive buffer); 1 or
+# unset: the heuristic's schedule.  A measurement and test knob (no default picks it yet), read like
+# RTKERNELS_MATMUL_SPLIT_K; it cannot be combined with that or RTKERNELS_MATMUL_STREAM_K=1.
+CLUSTER_K_ENV = "RTKERNELS_MATMUL_CLUSTER_K"
 # float16 / bfloat16 with at most 16 rows of C (the batch folded in) run the GEMV kernel
 # (ops/gemv.py, :func:`_plan_gemv`); False (or RTKERNELS_MATMUL_GEMV=0 at import) leaves them to
 # the tile kernels, to benchmark and test one against the other.
@@ -826,11 +832,16 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
     dev = device.current_device()
     forced = _forced_split_k()
     stream_k = _forced_stream_k()
+    cluster_k = _forced_cluster_k()
     if forced is not None and stream_k:
         raise ConfigError(f"matmul: {SPLIT_K_ENV}={forced} with {STREAM_K_ENV}=1; set at most one of them",
                           field=STREAM_K_ENV, value="1", allowed=f"0 or unset while {SPLIT_K_ENV} is set")
+    if cluster_k is not None and cluster_k > 1 and (forced is not None or stream_k):
+        raise ConfigError(f"matmul: {CLUSTER_K_ENV}={cluster_k} with {SPLIT_K_ENV} or {STREAM_K_ENV}=1; set at "
+                          "most one of them", field=CLUSTER_K_ENV, value=str(cluster_k),
+                          allowed=f"1 or unset while {SPLIT_K_ENV} or {STREAM_K_ENV}=1 is set")
     key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, SM90_MMA, dev,
-           autotune.enabled(), forced, stream_k)
+           autotune.enabled(), forced, stream_k, cluster_k)
     plan = _plans90.get(key)
     if plan is None:
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
@@ -843,6 +854,8 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
             cfg = dataclasses.replace(cfg, split_k=min(forced, m90.k_blocks(k)), stream_k=False)
         if stream_k and SM90_MMA == "wgmma":
             cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
+        if cluster_k is not None and cluster_k > 1 and SM90_MMA == "wgmma":
+            cfg = m90.with_cluster_k(cfg, cluster_k)
         if autotune.enabled():
             cfg = _tuned_sm90(cfg, dtype, m, n, k, batch, layout, av, bv, biv, cv, a_map, b_map, c_map, ldc,
                               batch_c, stream)
@@ -879,6 +892,18 @@ def _forced_split_k() -> int | None:
         raise ConfigError(f"matmul: {SPLIT_K_ENV}={v!r}; expected an integer in [1, {m90.MAX_SPLIT_K}]",
                           field=SPLIT_K_ENV, value=v, allowed=f"1..{m90.MAX_SPLIT_K}")
     return s
+
+
+def _forced_cluster_k() -> int | None:
+    """RTKERNELS_MATMUL_CLUSTER_K as an int (None when unset)."""
+    v = getenv(CLUSTER_K_ENV)
+    if v is None or v == "":
+        return None
+    if v not in tuple(map(str, m90.CLUSTER_KS)):
+        allowed = " or ".join(map(str, m90.CLUSTER_KS))
+        raise ConfigError(f"matmul: {CLUSTER_K_ENV}={v!r}; expected {allowed}", field=CLUSTER_K_ENV, value=v,
+                          allowed=allowed)
+    return int(v)
 
 
 def _forced_stream_k() -> bool | None:

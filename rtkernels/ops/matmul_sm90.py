@@ -9,6 +9,7 @@ same TMA producer (a measurement of the sm_80 instruction on Hopper; see docs/RE
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,6 +25,9 @@ MMA_KINDS = ("wgmma", "sync")
 _SMEM_LIMIT = arch_mod.limits("sm_90").max_smem_per_block_optin   # 227 KiB opt-in per block
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232   # 40 + 2 * 232 = 3 * 168, the (384, 1) launch's allotment
 MAX_SPLIT_K = 16   # the workspace is split_k tiles of float32 per output tile: more is memory, not speed
+# cluster_k: the partials move through one receive buffer per CTA, a consumer warpgroup's rows; the
+# hand-over pairs warpgroup w of one CTA with rank w of the other, so two CTAs per cluster
+CLUSTER_KS = (1, 2)
 
 
 class HopperMatmulTile:
@@ -48,7 +52,11 @@ class HopperMatmulTile:
 
     def _smem(self, epi_n: int) -> int:
         c = self.block_m * epi_n * 2 if self.tma_store else 0
-        return 1024 + self.num_stages * self.stage_bytes + c + 16 * self.num_stages
+        return 1024 + self.num_stages * self.stage_bytes + c + 16 * self.num_stages + self._exchange_smem()
+
+    def _exchange_smem(self) -> int:
+        """Shared memory beyond the ring and the C staging (the bf16/fp16 kernel's cluster-K exchange)."""
+        return 0
 
     @property
     def epi_n(self) -> int:
@@ -92,6 +100,14 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     tile boundaries (the tiles before them run whole); partials are reduced like split-K's, in k
     order (:func:`stream_k_partition` models it; the grid is the host's choice, see
     :func:`grid_size`).  Its workspace: two float32 tiles per CTA.
+    ``cluster_k``: 1, or 2: split-K inside a cluster of two CTAs (with split_k = 1, no stream-K,
+    wgmma consumers).  Both CTAs of a cluster run the same tile, each over one half of its
+    k-blocks; consumer warpgroup w of rank 1 - w hands its float32 partial to rank w through
+    distributed shared memory, and rank w's warpgroup w adds it (k order, bit-reproducible) and
+    stores its rows -- no global workspace, no counters, no re-read through L2.  The receive
+    buffer (block_m / 2 x block_n float32) takes shared memory from the ring: 128 x 128 fits 5
+    stages, 128 x 64 8, 128 x 256 3 (:func:`cluster_stages`).  Grid: whole clusters, at most
+    one CTA per SM (:func:`grid_size`).
     """
 
     family: ClassVar[str] = "matmul_sm90"
@@ -115,6 +131,7 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     mma: str = "wgmma"
     split_k: int = 1
     stream_k: bool = False
+    cluster_k: int = 1
 
     def __post_init__(self):
         if self.activation is None:
@@ -137,6 +154,12 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
             self._fail("stream_k", f"False with split_k={self.split_k} (one schedule: split-K or stream-K)")
         if self.stream_k and self.mma != "wgmma":
             self._fail("stream_k", "False with mma='sync' (the partials are stored from wgmma accumulators)")
+        self._check_int("cluster_k", min(CLUSTER_KS), max(CLUSTER_KS))
+        if self.cluster_k > 1 and (self.split_k > 1 or self.stream_k):
+            self._fail("cluster_k", f"1 with split_k={self.split_k}, stream_k={self.stream_k} "
+                                    "(one schedule: split-K, stream-K or cluster-K)")
+        if self.cluster_k > 1 and self.mma != "wgmma":
+            self._fail("cluster_k", "1 with mma='sync' (the partials are handed over from wgmma accumulators)")
         if (self.block_m // 2) * self.block_n // 128 > 128:
             self._fail("block_n", f"at most {128 * 128 // (self.block_m // 2)} for block_m={self.block_m} "
                                   "(128 accumulators per consumer thread; more would spill)")
@@ -147,6 +170,10 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
     @property
     def stage_bytes(self) -> int:
         return (self.block_m + self.block_n) * self.block_k * 2
+
+    def _exchange_smem(self) -> int:
+        """cluster_k = 2: the receive buffer (one consumer warpgroup's float32 rows) and its two mbarriers."""
+        return (self.block_m // 2) * self.block_n * 4 + 16 if self.cluster_k > 1 else 0
 
     def template_params(self):
         p = super().template_params()
@@ -439,6 +466,28 @@ def _config(tile: _Tile, dtype: str, split_k: int = 1, stream_k: bool = False, *
                             split_k=split_k, stream_k=stream_k, **layout)
 
 
+def cluster_stages(block_m: int, block_n: int, cluster_k: int = 2, tma_store: bool = True) -> int:
+    """The deepest ring (at most the TILES entry's depth, else 8) that fits shared memory beside
+    the cluster-K receive buffer: 128 x 64 8 stages, 128 x 128 5, 128 x 192 4, 128 x 256 3."""
+    most = next((t.num_stages for t in TILES if (t.block_m, t.block_n) == (block_m, block_n)), 8)
+    for st in range(most, 1, -1):
+        try:
+            MatmulSm90Config(block_m=block_m, block_n=block_n, num_stages=st, cluster_k=cluster_k, tma_store=tma_store)
+            return st
+        except ConfigError:
+            continue
+    raise ConfigError.bad_value("matmul_sm90", "cluster_k", cluster_k,
+                                f"1 for a {block_m} x {block_n} tile (its receive buffer leaves no room for a ring)")
+
+
+def with_cluster_k(cfg: MatmulSm90Config, cluster_k: int) -> MatmulSm90Config:
+    """``cfg`` as a cluster-K schedule (split_k 1, no stream-K, the ring cut to fit; 1: ``cfg`` unsplit)."""
+    if cluster_k == 1:
+        return dataclasses.replace(cfg, cluster_k=1)
+    st = min(cfg.num_stages, cluster_stages(cfg.block_m, cfg.block_n, cluster_k, cfg.tma_store))
+    return dataclasses.replace(cfg, split_k=1, stream_k=False, cluster_k=cluster_k, num_stages=st)
+
+
 def whole_tile_fill(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> float:
     """The share of its rounds' SM slots that whole tiles of ``tile`` keep busy: tiles / (rounds x SMs)."""
     tiles = arch_mod.matmul_tiles(m, n, tile.block_m, tile.block_n, batch=batch)
@@ -564,8 +613,13 @@ def grid_size(m: int, n: int, batch: int, cfg: MatmulSm90Config, sm_count: int, 
     """CTAs of the persistent grid: one per work unit (tile x split; ``k`` for the clamp of
     split_k to the k-blocks), at most one per SM; stream-K: one per SM (at most one per k-block:
     the kernel gives every sharing CTA one k-block at least), a multiple of its lanes (R divides
-    the SM count and the tiles, so that is the same number)."""
+    the SM count and the tiles, so that is the same number); cluster-K: cluster_k CTAs per tile, at
+    most one CTA per SM, whole clusters."""
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
+    if cfg.cluster_k > 1:
+        # whole clusters, one CTA per SM: SMs pair up within a TPC, so sm_count / 2 two-CTA clusters
+        # are co-resident (reasoned; a grid past that would only queue, no CTA waits on another cluster)
+        return max(1, min(tiles, sm_count // cfg.cluster_k)) * cfg.cluster_k
     units = tiles * (k_blocks(k) if cfg.stream_k else min(cfg.split_k, k_blocks(k)))
     grid = max(1, min(units, sm_count))
     if cfg.stream_k:
