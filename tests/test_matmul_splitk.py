@@ -76,11 +76,12 @@ def test_split_k_1_keeps_the_unsplit_signature():
 GRID_PICKS = {
     # M = 128: fewer tiles than SMs; the weight's read from DRAM bounds every schedule
     (128, 6144, 4096): "128x64 s1",     # ab: 96 tiles 20.5 us 0.92x; 128x128 s2 23.6, s3 34.5
-    (128, 4096, 4096): "128x64 s2",     # rule 2b (reasoned): 64 tiles of 128 x 64 on 128 SMs; ab: whole
+    (128, 4096, 4096): "128x64 c2",     # rule 2b (reasoned): 64 tiles of 128 x 64 on 128 SMs; ab: whole
     #                                     17.6 us 0.94x, 128x128 s2-s4 19.6-19.8 (64-192 KiB of partials)
     (128, 14336, 4096): "128x128 s1",   # grid: 112 tiles 0.97x
     (128, 28672, 4096): "128x256 s1",   # grid: 112 tiles 1.07x
-    (128, 4096, 14336): "128x64 s2",    # rule 2b: 0.978x / 0.994x (sessions 10, 11) vs 128x128 s3 0.953x / 0.970x
+    (128, 4096, 14336): "128x64 c2",    # rule 2b: s2 0.978x / 0.994x (sessions 10, 11) vs 128x128 s3 0.953x / 0.970x;
+    #                                     as cluster-K 1.15x vs s2 1.09x (H100, session 12)
     (128, 10240, 8192): "128x128 s1",   # grid: 80 tiles 0.97x (more than half the SMs: no split)
     (128, 8192, 8192): "128x64 s1",     # ab: 43.1 us 0.92x; 128x128 s2 44.9, whole 45.5
     (128, 28672, 8192): "128x256 s1",   # grid: 1.08x
@@ -114,7 +115,7 @@ BIG_M_PICK = "128x256 s1"
 
 
 def _pick(cfg):
-    return f"{cfg.block_m}x{cfg.block_n} {'sk' if cfg.stream_k else f's{cfg.split_k}'}"
+    return f"{cfg.block_m}x{cfg.block_n} {'sk' if cfg.stream_k else 'c2' if cfg.cluster_k == 2 else f's{cfg.split_k}'}"
 
 
 def _bench_grid():
@@ -163,13 +164,13 @@ def test_heuristic_rules():
     assert _pick(h(64, 2048, 8192)) == "128x64 s4"  # 2b first: 32 thin tiles, 128 k-blocks: 32 per split
     assert h(300, 4100, 129).split_k == 1           # 3 k-blocks
     # 2b: thin tiles split in place where rule 2 splits nothing, units in one round, 32 k-blocks each
-    assert _pick(h(128, 4096, 4096)) == "128x64 s2"     # 64 tiles, 64 k-blocks
-    assert _pick(h(127, 4100, 4100)) == "128x64 s2"     # 65 tiles, 65 k-blocks: ragged in M, N, K
-    assert _pick(h(128, 2048, 4096)) == "128x64 s2"     # 32 tiles: s4 would leave 16 k-blocks per split
+    assert _pick(h(128, 4096, 4096)) == "128x64 c2"     # 64 tiles, 64 k-blocks
+    assert _pick(h(127, 4100, 4100)) == "128x64 c2"     # 65 tiles, 65 k-blocks: ragged in M, N, K
+    assert _pick(h(128, 2048, 4096)) == "128x64 c2"     # 32 tiles: s4 would leave 16 k-blocks per split
     assert _pick(h(128, 4096, 2048)) == "128x64 s1"     # 32 k-blocks: nothing to split
     assert _pick(h(128, 4096, 256)) == "128x64 s1"
     assert _pick(h(128, 6144, 4096)) == "128x64 s1"     # 96 tiles: more than half the SMs
-    assert _pick(h(128, 4096, 8192)) == "128x64 s2"     # 2b before rule 2 (its 128 x 128 s2)
+    assert _pick(h(128, 4096, 8192)) == "128x64 c2"     # 2b before rule 2 (its 128 x 128 s2)
     assert _pick(h(128, 4096, 4096, mma="sync", tma_store=False)) == "128x64 s1"
     # stream-K needs a full wave of 128 x 256 tiles: never at M = 128
     for n, k in ((10240, 8192), (4096, 14336), (6144, 65536)):

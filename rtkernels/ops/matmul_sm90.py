@@ -300,6 +300,10 @@ def estimated_cost(tile: _Tile, m: int, n: int, batch: int, sm_count: int) -> fl
 #    before 2: at 128x4096x14336 (rule 2's own example) 128 x 64 s2 ran 0.978x / 0.994x cuBLAS
 #    against rule 2's 128 x 128 s3 0.953x / 0.970x in two H200 runs (2026-11-26, sessions 10 and
 #    11, `--lastcells-ab`): the thin split's partials are a quarter of the wide one's.
+#    Two splits run as cluster-K (a 2-CTA cluster per tile, rank 1's f32 half-sum stored into rank
+#    0's shared memory; no workspace, no second pass over global memory): H100 2026-11-26,
+#    `--lastcells-ab`, cuBLAS in the same rounds: 128x4096x14336 s2 51.5 us -> c2 48.7 (1.09x ->
+#    1.15x cuBLAS), 128x4096x4096 20.8 -> 19.5 (0.86x -> 0.92x; whole tiles 19.4).
 # 3. stream-K of 128 x 256 tiles only where (a) there is at least one full wave of them (below it,
 #    at M = 128, every stream-K schedule lost to whole tiles or split-K: 0.49-0.89x cuBLAS against
 #    0.92-0.96x), (b) every wave shape of WAVE_TILES leaves the SMs idle for more than
@@ -549,6 +553,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
         return _config(dp, dtype, **layout)
     # 2b before 2: where the whole-tile pick is the thin tile, its own split wins (see 2b)
     split_k = thin_split_k(dp, m, n, k, batch, sm_count)
+    if split_k == 2:   # the same two halves of K, summed on chip (2b's cluster-K note)
+        return with_cluster_k(_config(dp, dtype, **layout), 2)
     if split_k > 1:
         return _config(dp, dtype, split_k, **layout)
     split_k = heuristic_split_k(dp, m, n, k, batch, sm_count)
