@@ -93,14 +93,15 @@ def _require_sm90():
         pytest.skip("the Hopper backward needs an sm_90 device")
 
 
-CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, options (over the dispatched config)
+CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, options (over the dispatched config, whose
+    # non-causal d200-256 default is ring dQ + stagger: "red" given where a case means it)
     # stagger, "kt" (64 keys: CTA n starts at query tile n mod the walk)
-    (2, 255, 300, 4, 2, 256, False, "bfloat16", dict(stagger=True)),                   # GQA, odd lengths
+    (2, 255, 300, 4, 2, 256, False, "bfloat16", dict(stagger=True, dq_mode="red")),   # GQA, odd lengths
     (1, 2048, 2048, 2, 1, 256, False, "float16", dict(stagger=True, dq_mode="ring")),  # 32-tile walks
-    (2, 1000, 77, 8, 1, 200, False, "bfloat16", dict(stagger=True)),                   # MQA, 2 key tiles, 16-tile walks
+    (2, 1000, 77, 8, 1, 200, False, "bfloat16", dict(stagger=True, dq_mode="red")),   # MQA, 2 key tiles, 16-tile walks
     (3, 77, 1000, 4, 4, 248, False, "float16", dict(stagger=True, dq_mode="ring")),    # 2-tile walks, 16 key tiles
     (1, 64, 64, 2, 1, 216, False, "bfloat16", dict(stagger=True, dq_mode="ring")),     # one step per CTA
-    (2, 300, 301, 4, 2, 256, False, "bfloat16", dict(stagger=True, num_stages=3, do_stages=1)),
+    (2, 300, 301, 4, 2, 256, False, "bfloat16", dict(stagger=True, dq_mode="red", num_stages=3, do_stages=1)),
     # stagger, "qk" (96 keys: CTA n starts at tile 3n / 2 mod the walk)
     (2, 77, 1000, 6, 2, 192, False, "bfloat16", dict(stagger=True)),
     (1, 1000, 1000, 4, 4, 176, False, "float16", dict(stagger=True)),
@@ -109,7 +110,7 @@ CASES = [   # batch, sq, sk, h, hkv, d, causal, dtype, options (over the dispatc
     # three Q stages, one dO stage ("kt", red dQ)
     (1, 1000, 1000, 4, 2, 256, True, "bfloat16", dict(dq_mode="red", num_stages=3, do_stages=1)),   # + lpt_grid
     (2, 17, 4097, 4, 1, 248, True, "float16", dict(dq_mode="red", num_stages=3, do_stages=1, lpt_grid=False)),
-    (2, 113, 1000, 8, 1, 200, False, "float16", dict(num_stages=3, do_stages=1)),       # MQA
+    (2, 113, 1000, 8, 1, 200, False, "float16", dict(dq_mode="red", num_stages=3, do_stages=1)),   # MQA
     (1, 4097, 1000, 2, 1, 256, True, "bfloat16", dict(num_stages=3, do_stages=1, deterministic=True)),
 ]
 

@@ -850,6 +850,8 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=stream_k is not False, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
             return None
+        if (forced is not None or stream_k) and SM90_MMA == "wgmma":
+            cfg = m90.with_cluster_k(cfg, 1)   # a forced schedule replaces the heuristic's cluster-K
         if forced is not None and SM90_MMA == "wgmma":
             cfg = dataclasses.replace(cfg, split_k=min(forced, m90.k_blocks(k)), stream_k=False)
         if stream_k and SM90_MMA == "wgmma":

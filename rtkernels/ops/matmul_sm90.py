@@ -485,9 +485,14 @@ def cluster_stages(block_m: int, block_n: int, cluster_k: int = 2, tma_store: bo
 
 
 def with_cluster_k(cfg: MatmulSm90Config, cluster_k: int) -> MatmulSm90Config:
-    """``cfg`` as a cluster-K schedule (split_k 1, no stream-K, the ring cut to fit; 1: ``cfg`` unsplit)."""
+    """``cfg`` as a cluster-K schedule (split_k 1, no stream-K, the ring cut to fit; 1: ``cfg`` without
+    cluster-K, its ring back at the tile's own depth)."""
     if cluster_k == 1:
-        return dataclasses.replace(cfg, cluster_k=1)
+        if cfg.cluster_k == 1:
+            return cfg
+        depth = next((t.num_stages for t in TILES if (t.block_m, t.block_n) == (cfg.block_m, cfg.block_n)),
+                     cfg.num_stages)
+        return dataclasses.replace(cfg, cluster_k=1, num_stages=depth)
     st = min(cfg.num_stages, cluster_stages(cfg.block_m, cfg.block_n, cluster_k, cfg.tma_store))
     return dataclasses.replace(cfg, split_k=1, stream_k=False, cluster_k=cluster_k, num_stages=st)
 
