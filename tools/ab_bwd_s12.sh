@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of attention_bwd_sm90_big's stagger (non-causal: each CTA's query-tile walk starts at its
+# A/B (session 12, before ring + stagger became the non-causal default; docs/RESULTS.md) of attention_bwd_sm90_big's stagger (non-causal: each CTA's query-tile walk starts at its
 # diagonal tile) and three Q stages beside one dO stage (d256 "kt"), GPU tests first.  Everything
 # lands in ONE tarball, $OUT/ab_bwd_s12.tar.gz (default OUT ./ab_out):
 #   prebuild.txt        the bench's configs compiled in parallel first (disk cache)
@@ -54,41 +54,7 @@ timeout 60 $PY tools/bench_attention_bwd.py --grid fa --head-dims 192 --seqlens 
     --out "$W/d192" >"$W/d192/log.txt" 2>&1
 echo "d192 bench rc $?"
 tar -czf "$OUT/ab_bwd_s12.tar.gz" -C "$W" .
-W="$W" $PY - <<'PYEOF'
-import glob, json, os
-w = os.environ["W"]
-
-
-def rows(sub):
-    for path in glob.glob(os.path.join(w, sub, "bench_attention_bwd*.json")):
-        try:
-            return json.load(open(path))["rows"]
-        except (OSError, ValueError, KeyError):
-            pass
-    return []
-
-
-def fmt(x):
-    return "-" if x is None else f"{x:.0f}" if x > 5 else f"{x:.3f}"
-
-
-def best(r):
-    peers = [p for p in (r.get("fa4_tflops"), r.get("sdpa_cudnn_tflops")) if p]
-    return max(peers) if peers else None
-
-
-names = {"d256": ["stg", "ring+stg", "s3do1", "s3do1+stg"], "d192": ["stg"]}
-print("\nbackward TFLOP/s bf16, FlashAttention's grid; /rtk = alt over the default, /best = over max(FA4, cuDNN)")
-for sub, alts in names.items():
-    print(f"\n{sub}: default = {', '.join(sorted({r['config'] for r in rows(sub)}))}")
-    print("| causal | S | rtk | fa4 | cudnn | rtk/best | " + " | ".join(f"{a} | /rtk | /best" for a in alts) + " |")
-    print("|---" * (6 + 3 * len(alts)) + "|")
-    for r in rows(sub):
-        b = best(r)
-        cells = [r["rtk_tflops"], r.get("fa4_tflops"), r.get("sdpa_cudnn_tflops"), b and r["rtk_tflops"] / b]
-        for i in range(len(alts)):
-            a = r.get(f"rtk_alt{'' if i == 0 else i + 1}_tflops")
-            cells += [a, a and a / r["rtk_tflops"], a and b and a / b]
-        print(f"| {'yes' if r['causal'] else 'no'} | {r['seqlen']} | " + " | ".join(fmt(c) for c in cells) + " |")
-PYEOF
+for sub in d256 d192; do   # the bench's compact table: each alt's TFLOP/s, over the default, over the best peer
+    echo; echo "== $sub"; sed -n '/^backward TFLOP\/s; ratio_vs_best/,$p' "$W/$sub/log.txt"
+done
 rm -rf "$W"

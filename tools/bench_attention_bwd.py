@@ -450,10 +450,10 @@ def main():
             for r in rows:
                 if r.get(f"rtk_alt{n}_tflops") and r.get("best_peer"):
                     r[f"alt{n}_vs_best"] = r[f"rtk_alt{n}_tflops"] / r[f"{r['best_peer']}_tflops"]
-        print("\nbackward TFLOP/s; ratio_vs_best = rtk / max(FA4, SDPA cuDNN) (target >= 1.0)"
+        print("\nbackward TFLOP/s; ratio_vs_best = rtk / max(FA4, SDPA cuDNN) (target >= 1.0); altN_ratio = altN / rtk"
               + "".join(f"; alt{n} = {spec}" for n, spec in alts))
-        print(bu.table(rows, COMPACT[:4] + [c for n, _ in alts for c in (f"rtk_alt{n}_tflops", f"alt{n}_vs_best")]
-                       + COMPACT[4:]))
+        print(bu.table(rows, COMPACT[:4] + [c for n, _ in alts for c in (f"rtk_alt{n}_tflops", f"alt{n}_ratio",
+                                                                         f"alt{n}_vs_best")] + COMPACT[4:]))
 
 
 if __name__ == "__main__":
