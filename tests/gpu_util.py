@@ -66,3 +66,15 @@ def view_at_allocation_end(rng, shape, strides, dtype):
     view = cp.lib.stride_tricks.as_strided(dev, shape, tuple(s * item for s in strides))
     host = np.lib.stride_tricks.as_strided(flat64, shape, tuple(s * 8 for s in strides))
     return view, host
+
+
+def prebuild_sm90(family: str, configs) -> None:
+    """Compile ``configs`` (of ``family``) for sm_90a in parallel worker processes into the disk
+    cache, so a module's GPU cases load instead of compiling one by one; nothing without an sm_90 GPU."""
+    import dataclasses
+    from rtkernels import device
+    from rtkernels import inspect as rinspect
+    if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
+        return
+    params = [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in configs]
+    rinspect.sweep(family, params, arch="sm_90a", jobs=16)

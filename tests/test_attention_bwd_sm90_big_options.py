@@ -178,16 +178,11 @@ def prebuilt():
     """Every config the GPU tests below build, compiled once in parallel worker processes into the
     disk cache (about 40 configs: one at a time they would take most of the run); nothing without
     an sm_90 device."""
-    import dataclasses
-    from rtkernels import device
-    from rtkernels import inspect as rinspect
-    if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
-        return
+    from gpu_util import prebuild_sm90
     cfgs = {_kt_config(c[5], c[6], c[7], c[8]) for c in KT_CASES} | set(_host_configs())
     cfgs.add(Cfg(dtype="bfloat16", head_dim=256, causal=True, lpt_grid=True, dq_mode="ring"))
     cfgs.add(Cfg(dtype="bfloat16", head_dim=256, causal=True, deterministic=True, do_stages=1))
-    params = [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in cfgs]
-    rinspect.sweep(BIG.FAMILY, params, arch="sm_90a", jobs=16)
+    prebuild_sm90(BIG.FAMILY, cfgs)
 
 
 @pytest.mark.gpu

@@ -133,14 +133,8 @@ def _op_configs():
 @pytest.fixture(scope="module")
 def prebuilt():
     """The GPU cases' configs compiled once in parallel worker processes into the disk cache."""
-    import dataclasses
-    from rtkernels import device
-    from rtkernels import inspect as rinspect
-    if not device.has_gpu() or not device.device_arch().startswith("sm_90"):
-        return
-    cfgs = {_config(c[5], c[6], c[7], c[8]) for c in CASES} | set(_op_configs())
-    params = [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in cfgs]
-    rinspect.sweep(BIG.FAMILY, params, arch="sm_90a", jobs=16)
+    from gpu_util import prebuild_sm90
+    prebuild_sm90(BIG.FAMILY, {_config(c[5], c[6], c[7], c[8]) for c in CASES} | set(_op_configs()))
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A/B (session 12, before ring + stagger became the non-causal default; docs/RESULTS.md) of attention_bwd_sm90_big's stagger (non-causal: each CTA's query-tile walk starts at its
-# diagonal tile) and three Q stages beside one dO stage (d256 "kt"), GPU tests first.  Everything
+# A/B of attention_bwd_sm90_big's stagger (non-causal: each CTA's query-tile walk starts at its
+# diagonal tile; session 12, before ring + stagger became the non-causal default, docs/RESULTS.md) and three Q stages beside one dO stage (d256 "kt"), GPU tests first.  Everything
 # lands in ONE tarball, $OUT/ab_bwd_s12.tar.gz (default OUT ./ab_out):
 #   prebuild.txt        the bench's configs compiled in parallel first (disk cache)
 #   tests_stagger.txt   pytest -m gpu tests/test_attention_bwd_sm90_big_stagger.py
