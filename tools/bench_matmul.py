@@ -608,6 +608,20 @@ AB_SPLITS_M128 = [("s2 128x128", 128, 128, 6, 2, False, None), ("s3 128x128", 12
 AB_EXTRA = [("dp 256x128", 256, 128, 4, 1, False, None), ("dp 128x256/3", 128, 256, 3, 1, False, None)]
 
 
+def _ab_inputs(torch, rtk, tdt, m, n, k):
+    """The A/B modes' inputs for x (m, k) @ W.T (W (n, k), a linear layer's): input sets rotated
+    through >= 100 MiB (at most 4) so W is not read from L2, the output, cuBLAS's float32 result
+    for the first set, and the two reference candidates (cuBLAS, rtk.matmul's own pick)."""
+    count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
+    sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
+            for _ in range(count)]
+    out = torch.empty(m, n, device="cuda", dtype=tdt)
+    ref = torch.matmul(sets[0][0], sets[0][1].T).float()
+    cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T),
+             "rtk.matmul": lambda a, w: rtk.matmul(a, w, trans_b=True, out=out)}
+    return sets, out, ref, cands
+
+
 def streamk_ab(args) -> None:
     """Stream-K with lanes against stream-K without them (lanes = 1: the schedule before 2026-11-26),
     whole tiles, split-K, rtk.matmul's own pick and cuBLAS, interleaved in each pass; every kernel
@@ -626,13 +640,7 @@ def streamk_ab(args) -> None:
     rows, summary = [], []
     only = set(filter(None, args.ab_only.split(",")))
     for m, n, k in args.ab_shapes or AB_SHAPES:
-        count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
-        sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
-                for _ in range(count)]
-        out = torch.empty(m, n, device="cuda", dtype=tdt)
-        ref = torch.matmul(sets[0][0], sets[0][1].T).float()
-        cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T),
-                 "rtk.matmul": lambda a, w: rtk.matmul(a, w, trans_b=True, out=out)}
+        sets, out, ref, cands = _ab_inputs(torch, rtk, tdt, m, n, k)
         info = {}
         for label, bm, bn, st, s, sk, lanes in AB_CANDS + AB_EXTRA + (AB_SPLITS_M128 if m <= 128 else []):
             if only and label not in only:
@@ -774,13 +782,7 @@ def lastcells_ab(args) -> None:
     passes = 3 if args.quick else max(3, args.passes)
     rows, summary = [], []
     for m, n, k in shapes:
-        count = max(1, min(4, -(-100 * 2 ** 20 // (2 * (m * k + n * k + m * n)))))
-        sets = [(torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt) / k ** 0.5)
-                for _ in range(count)]
-        out = torch.empty(m, n, device="cuda", dtype=tdt)
-        ref = torch.matmul(sets[0][0], sets[0][1].T).float()
-        cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T),
-                 "rtk.matmul": lambda a, w: rtk.matmul(a, w, trans_b=True, out=out)}
+        sets, out, ref, cands = _ab_inputs(torch, rtk, tdt, m, n, k)
         info, seen = {}, set()
         for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, sms):
             if (only and label not in only) or cfg.split_k > m90.k_blocks(k) or cfg in seen:
