@@ -51,7 +51,7 @@ def test_kt_options_shared_memory():
 
 def test_lpt_order_covers_every_tile_heaviest_first():
     for n_tiles, pairs, group in ((32, 64, 8), (7, 5, 2), (5, 3, 3), (4, 6, 4), (1, 3, 2)):
-        order = BIG.lpt_order(n_tiles, pairs, group)
+        order = B90.lpt_order(n_tiles, pairs, group)
         assert sorted(order) == [(n, p) for n in range(n_tiles) for p in range(pairs)], (n_tiles, pairs, group)
         for s0 in range(0, pairs, group):
             sec = order[s0 * n_tiles:(s0 + min(group, pairs - s0)) * n_tiles]
@@ -69,7 +69,7 @@ def test_key_tile_steps_match_brute_force(sq, sk):
         first_key = n * 64
         want.append(sum(1 for m in range(-(-sq // 64))
                         if any(first_key <= i + diag for i in range(64 * m, min(sq, 64 * m + 64)))))
-    got = BIG.key_tile_steps(cfg, sq, sk)
+    got = B90.key_tile_steps(cfg, sq, sk)
     assert got == want, (sq, sk)
     assert got[0] == max(got)
 
@@ -82,9 +82,9 @@ def test_lpt_group_on_the_fa_grid(d, seqlen, group):
     from rtkernels.ops.attention_sm90 import dispatch_cost
     cfg = Cfg(head_dim=d, causal=True, lpt_grid=True)
     batch, heads = 16384 // seqlen, 2048 // d
-    g = BIG.lpt_group(cfg, batch, seqlen, seqlen, heads, 1, 132)
+    g = B90.lpt_group(cfg, batch, seqlen, seqlen, heads, 1, 132)
     assert g == group
-    work = list(reversed(BIG.key_tile_steps(cfg, seqlen, seqlen)))
+    work = list(reversed(B90.key_tile_steps(cfg, seqlen, seqlen)))
     lpt, grid3d = (dispatch_cost(len(work), heads * batch, 132, x, work) for x in (g, 1))
     assert lpt <= 1.01 and (seqlen > 4096 or grid3d >= 1.04), (lpt, grid3d)
 
@@ -93,10 +93,10 @@ def test_main_grid(monkeypatch):
     from rtkernels import device
     monkeypatch.setattr(device, "sm_count", lambda device=None: 132)
     cfg = Cfg(head_dim=256, causal=True)
-    assert BIG.main_grid(cfg, 8, 2048, 2048, 8, 1) == ((32, 8, 8), ())
-    assert BIG.main_grid(cfg.replace(lpt_grid=True), 8, 2048, 2048, 8, 1) == ((32 * 8 * 8,), (8,))
+    assert B90.main_grid(cfg, 8, 2048, 2048, 8, 1) == ((32, 8, 8), ())
+    assert B90.main_grid(cfg.replace(lpt_grid=True), 8, 2048, 2048, 8, 1) == ((32 * 8 * 8,), (8,))
     # GQA: a CTA walks its kv head's 4 query heads: a pair's rows are 4x, the sections 4x shorter
-    assert BIG.main_grid(cfg.replace(lpt_grid=True), 8, 2048, 2048, 2, 4) == ((32 * 2 * 8,), (2,))
+    assert B90.main_grid(cfg.replace(lpt_grid=True), 8, 2048, 2048, 2, 4) == ((32 * 2 * 8,), (2,))
 
 
 KT_BUILDS = {   # name: config fields (bf16 / fp16 alternate), checked HGMMA / reductions below
@@ -204,17 +204,17 @@ def test_gpu_lpt_sections(monkeypatch, section_bytes, prebuilt):
     runs once (bf16 d256, causal, GQA 2:1, batch 5, sq 300 < sk 333; 30 CTAs: every section size
     ties on the model, the largest wins)."""
     _require_sm90()
-    monkeypatch.setattr(BIG, "LPT_SECTION_BYTES", section_bytes)
-    BIG.lpt_group.cache_clear()
+    monkeypatch.setattr(B90, "LPT_SECTION_BYTES", section_bytes)
+    B90.lpt_group.cache_clear()
     cfg = Cfg(dtype="bfloat16", head_dim=256, causal=True, lpt_grid=True, dq_mode="ring")
     try:
         from rtkernels import device
-        g = BIG.lpt_group(cfg, 5, 300, 333, 1, 2, device.sm_count())
+        g = B90.lpt_group(cfg, 5, 300, 333, 1, 2, device.sm_count())
         print(f"lpt sections of {g} pairs")
         assert g == (1 if section_bytes == 1 else 3), g
         bwd_tests._gpu_case(5, 300, 333, 2, 1, 256, True, "bfloat16", hopper=cfg)
     finally:
-        BIG.lpt_group.cache_clear()
+        B90.lpt_group.cache_clear()
 
 
 @pytest.mark.gpu

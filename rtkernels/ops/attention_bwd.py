@@ -348,10 +348,10 @@ def describe(cfg) -> str:
     if isinstance(cfg, _sm90.AttentionBwdSm90Config):
         split = (f" cols {cfg.split}/{cfg.head_dim - cfg.split} {cfg.layout} {cfg.dq_mode}"   # the big kernel
                  + (f" do{cfg.do_stages}" if cfg.do_stages else "") + (" ds1" if cfg.ds_buffers == 1 else "")
-                 + (" lpt" if cfg.lpt_grid else "")
-                 + (" stg" if cfg.stagger else "")
                  if hasattr(cfg, "split") else "")
-        return f"sm90 {cfg.block_m}x{cfg.block_n} s{cfg.num_stages}{split}" + (" det" if cfg.deterministic else "")
+        order = (" lpt" if cfg.lpt_grid else "") + (" stg" if cfg.stagger else "")
+        det = " det" if cfg.deterministic else ""
+        return f"sm90 {cfg.block_m}x{cfg.block_n} s{cfg.num_stages}{split}{order}{det}"
     return (f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} {cfg.dq_mode}" + (" kv" if cfg.kv_regs else "")
             + (" ds2" if cfg.ds_stages == 2 else "") + (" pair" if cfg.layout == "pair" else "")
             + (f" dq{cfg.dq_block_n}w{cfg.dq_num_warps}" if cfg.dq_mode == "pass" else ""))

@@ -7,10 +7,13 @@ each and compute S^T, dP^T, dV, dK and (alternating) dQ with wgmma.  The pre-pas
 lse*log2e) and the dQ conversion are this module's own entry points (rtk/attn_bwd_sm90.cuh).
 Head dims up to 128: beyond that, dK and dV alone would need 256 accumulator registers per
 thread; head dims 136..256 run attention_bwd_sm90_big (the head dim split between the consumer
-warpgroups) through this module's :func:`picks`, :func:`choose_config` and :func:`launch`.
+warpgroups) through this module's :func:`picks`, :func:`choose_config` and :func:`launch`.  Both
+families share two grid / walk options (config fields, defined here): ``lpt_grid`` (:func:`main_grid`,
+:func:`lpt_group`) and ``stagger``.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,7 +23,7 @@ from ..kernel import DevicePtr
 from ..tma import tensor_map
 from ._arrays import address, empty_as, torch_stream_ptr
 from .attention_shape import AttentionShape
-from .attention_sm90 import SMEM_LIMIT_SM90, _map_strides, is_sm90, tma_strides
+from .attention_sm90 import SMEM_LIMIT_SM90, _map_strides, dispatch_cost, is_sm90, section_size, tma_strides
 from .workspace import carve, stream_handle, stream_workspace
 
 FAMILY = "attention_bwd_sm90"
@@ -52,6 +55,20 @@ class AttentionBwdSm90Config(AttentionShape):
         dQ = dS K for them; 128 halves the steps a key tile walks - the per-step hand-overs (ring
         stage, dS^T barrier, dQ slot) and the pipeline fill at each sequence's start - for 64 more
         registers per consumer thread (FlashAttention-3/4's sm90 choice at head dim 64).
+    lpt_grid : causal, not deterministic, without cu_seqlens: a 1-D grid whose index runs the key
+        tiles heaviest first (key tile 0 sees every query tile) within sections of (batch, kv
+        head) pairs sized to L2 (:func:`lpt_group`), so the dispatcher starts the long CTAs of every
+        pair before the short ones.  The 3-D grid runs pair after pair: the last pairs' heaviest
+        tiles start in the last wave and finish alone (the greedy model, FlashAttention's grid at
+        d256: 1.065 / 1.056 of the even split at S 2k / 4k, 1.003 in sections).
+    stagger : non-causal, not deterministic: each head's walk over the query tiles starts at the
+        CTA's diagonal tile (its first key / block_m, modulo the walk) and wraps.  The grid starts the
+        key tiles of a (batch, kv head) pair side by side and, their work being equal, they step
+        together: without it every CTA of the pair on an SM (its seqlen_k / block_n key tiles, up to
+        one per SM) loads the same Q / dO tile and reduces into the same dQ tile at the same moment;
+        with it they spread over the pair's tiles as the causal walk's diagonal start spreads them
+        (reasoned; the pair's Q / dO / f32 dQ rows in flight, <= 132 tiles of 64 or 128 rows, stay
+        within L2: 17 MB at d256).  A/B at head dims <= 128: tools/ab_bwd_lpt128.sh.
     """
 
     family: ClassVar[str] = FAMILY
@@ -66,6 +83,8 @@ class AttentionBwdSm90Config(AttentionShape):
     deterministic: bool = False
     num_stages: int = 2
     block_m: int = _BLOCK_M
+    lpt_grid: bool = False
+    stagger: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -84,9 +103,22 @@ class AttentionBwdSm90Config(AttentionShape):
             # 80 B (non-causal), softcap's tanh 64 B (causal), all three options 176 B
             self._fail("block_m", "64 with a window or softcap (their per-score work beside 128-row S^T and dP^T "
                                   "spills registers at 128)")
+        self._check_grid_order()
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
+
+    def _check_grid_order(self) -> None:
+        """lpt_grid and stagger (this family's and attention_bwd_sm90_big's rule)."""
+        self._check_choice("lpt_grid", (False, True))
+        if self.lpt_grid and not (self.causal and not self.deterministic and not self.is_varlen):
+            self._fail("lpt_grid", "False unless causal=True, deterministic=False and without cu_seqlens (it orders "
+                                   "the key tiles of a dense causal grid heaviest first; the deterministic order "
+                                   "and varlen's schedule have their own)")
+        self._check_choice("stagger", (False, True))
+        if self.stagger and (self.causal or self.deterministic):
+            self._fail("stagger", "False with causal=True (the causal walk already starts at the diagonal) or "
+                                  "deterministic=True (the ordered dQ flush walks in key-tile turns)")
 
     @property
     def num_warps(self) -> int:
@@ -136,8 +168,69 @@ class AttentionBwdSm90Config(AttentionShape):
 
     def launch_grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
                     kv_group: int) -> tuple[tuple, tuple]:
-        """(grid, trailing kernel arguments) of a dense launch: a CTA per (key tile, kv head, batch)."""
-        return (-(-seqlen_k // self.block_n), nheads_kv, batch), ()
+        """(grid, trailing kernel arguments) of a dense launch: a CTA per (key tile, kv head, batch),
+        or lpt_grid's 1-D grid and section size (:func:`main_grid`)."""
+        return main_grid(self, batch, seqlen_q, seqlen_k, nheads_kv, kv_group)
+
+
+# ---- lpt_grid: heaviest key tiles first (this family's and attention_bwd_sm90_big's) ----------------
+# lpt_grid's sections: the CTAs resident at once (one per SM) walk the query tiles of one or two
+# sections' (batch, kv head) pairs, whose Q, dO (16-bit) and f32 dQ accumulator rows they all
+# read / add into; a section's share of those stays within this many bytes so L2 keeps them between
+# the CTAs of a pair.  Reasoned as the forward's LPT_SECTION_BYTES (50 MB of L2 on H100 / H200,
+# the rest for the K / V tiles and the next section's first loads); FlashAttention's grid at d256:
+# 8 pairs per section at S 2k, 4 at 4k, 1 at 16k (the 3-D grid's own order).
+LPT_SECTION_BYTES = 32 << 20
+
+
+def key_tile_steps(cfg: AttentionBwdSm90Config, seqlen_q: int, seqlen_k: int) -> list[int]:
+    """Query steps (block_m rows) each key tile (block_n keys) walks per query head (bottom-right
+    causal, no window): the mirror of ``Mask::query_range`` (rtk/attn_mask.cuh) - key tile n from
+    the step of row n * block_n - (seqlen_k - seqlen_q) on."""
+    m_tiles = -(-seqlen_q // cfg.block_m)
+    diag = seqlen_k - seqlen_q
+    return [m_tiles - (max(0, n * cfg.block_n - diag) // cfg.block_m) for n in range(-(-seqlen_k // cfg.block_n))]
+
+
+def lpt_order(n_tiles: int, pairs: int, group: int) -> list[tuple[int, int]]:
+    """(key tile, pair) of each lpt_grid block index, in index order: the templates' mapping
+    (rtk::attn::key_tile_lpt) - sections of ``group`` pairs, key tile 0 of each pair first, pairs
+    fastest.  The CPU tests check it covers every tile once."""
+    out = []
+    for t in range(n_tiles * pairs):
+        s, loc = divmod(t, group * n_tiles)
+        rank, r = divmod(loc, min(group, pairs - s * group))
+        out.append((rank, s * group + r))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def lpt_group(cfg: AttentionBwdSm90Config, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
+              kv_group: int, sm_count: int) -> int:
+    """lpt_grid's (batch, kv head) pairs per section: at most what keeps a section's Q, dO and f32
+    dQ rows within :data:`LPT_SECTION_BYTES`, and of up to 9 sizes from half that up, the one the
+    forward's greedy dispatcher model (rtkernels.ops.attention_sm90.dispatch_cost: one CTA per SM,
+    a key tile costs its query steps + 1.5 for its K / V load and dK / dV store, reasoned) finds
+    most even; ties: the larger.  From the shapes only (a CUDA graph replays it); memoized (a few
+    ms of host time per new shape)."""
+    pairs = nheads_kv * batch
+    per_pair = max(1, kv_group * seqlen_q * cfg.head_dim * (2 + 2 + 4))
+    # dispatch_cost walks its list from the last entry (its heaviest first): the key tiles reversed
+    work = [kv_group * w for w in reversed(key_tile_steps(cfg, seqlen_q, seqlen_k))]
+    return section_size(pairs, per_pair, LPT_SECTION_BYTES,
+                        lambda g: dispatch_cost(len(work), pairs, sm_count, g, work), steps=8)
+
+
+def main_grid(cfg: AttentionBwdSm90Config, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
+              kv_group: int) -> tuple[tuple, tuple]:
+    """(grid, trailing kernel arguments) of a dense launch: (key tiles, kv heads, batch) and none,
+    or with lpt_grid one block per key tile of every pair and :func:`lpt_group`'s section size."""
+    n_tiles = -(-seqlen_k // cfg.block_n)
+    if not cfg.lpt_grid:
+        return (n_tiles, nheads_kv, batch), ()
+    from .. import device
+    group = lpt_group(cfg, batch, seqlen_q, seqlen_k, nheads_kv, kv_group, device.sm_count())
+    return (n_tiles * nheads_kv * batch,), (group,)
 
 
 # ---- heuristics ---------------------------------------------------------------------------

@@ -12,12 +12,12 @@ the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with the head d
 reads the other warpgroup's dS; :func:`choose_config` runs it up to head dim 192 (neither
 deterministic nor masked).  Opt-in options of both layouts (A/B: tools/ab_bwd_d256.sh): a separate
 dO ring (``do_stages``), the bulk dQ reduction staged in the Q/dO ring stage (``dq_mode="ring"``: two
-stages with it at d256), a heaviest-first causal grid (``lpt_grid``, :func:`lpt_group`) and a
-non-causal walk that starts each CTA at its diagonal query tile (``stagger``; A/B: tools/ab_bwd_s12.sh).
+stages with it at d256), and the options shared with attention_bwd_sm90 (defined there): a
+heaviest-first causal grid (``lpt_grid``, attention_bwd_sm90.lpt_group) and a non-causal walk that
+starts each CTA at its diagonal query tile (``stagger``; A/B: tools/ab_bwd_s12.sh).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -80,20 +80,9 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         lets two Q stages, one dO stage and the f32 dQ staging tile fit together), at the cost of
         a one-way wait per step (a warpgroup rewrites its dS slice only after the other one's dQ
         GEMM of the previous step has read it).
-    lpt_grid : causal, not deterministic, without cu_seqlens: a 1-D grid whose index runs the key
-        tiles heaviest first (key tile 0 sees every query tile) within sections of (batch, kv
-        head) pairs sized to L2 (:func:`lpt_group`), so the dispatcher starts the long CTAs of every
-        pair before the short ones.  The 3-D grid runs pair after pair: the last pairs' heaviest
-        tiles start in the last wave and finish alone (the greedy model, FlashAttention's grid at
-        d256: 1.065 / 1.056 of the even split at S 2k / 4k, 1.003 in sections).
-    stagger : non-causal, not deterministic: each head's walk over the query tiles starts at the
-        CTA's diagonal tile (its first key / 64, modulo the walk) and wraps.  The grid starts the key
-        tiles of a (batch, kv head) pair side by side and, their work being equal, they step
-        together: without it every CTA of the pair on an SM (32 - 132 of them on FlashAttention's
-        grid) loads the same Q / dO tile and reduces into the same dQ tile at the same moment; with
-        it they spread over the pair's tiles as the causal walk's diagonal start spreads them
-        (reasoned; the pair's Q / dO / f32 dQ rows in flight, <= 132 tiles of 64 rows, stay within
-        L2: 17 MB at d256).
+    lpt_grid, stagger : as :class:`rtkernels.ops.attention_bwd_sm90.AttentionBwdSm90Config` (the
+        heaviest-first causal grid, the non-causal walk from the diagonal; opt-in there, taken by
+        :func:`choose_config` here).
     """
 
     family: ClassVar[str] = FAMILY
@@ -108,8 +97,6 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
     key_block: int = 64
     do_stages: int = 0
     ds_buffers: int = 2
-    lpt_grid: bool = False
-    stagger: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -136,15 +123,7 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         self._check_choice("ds_buffers", (1, 2))
         if self.ds_buffers != 2 and self.layout != "qk":
             self._fail("ds_buffers", '2 unless layout="qk" ("kt" alternates its P^T and dS^T buffers together)')
-        self._check_choice("lpt_grid", (False, True))
-        if self.lpt_grid and not (self.causal and not self.deterministic and not self.is_varlen):
-            self._fail("lpt_grid", "False unless causal=True, deterministic=False and without cu_seqlens (it orders "
-                                   "the key tiles of a dense causal grid heaviest first; the deterministic order "
-                                   "and varlen's schedule have their own)")
-        self._check_choice("stagger", (False, True))
-        if self.stagger and (self.causal or self.deterministic):
-            self._fail("stagger", "False with causal=True (the causal walk already starts at the diagonal) or "
-                                  "deterministic=True (the ordered dQ flush walks in key-tile turns)")
+        self._check_grid_order()
         if self.shared_mem_bytes > SMEM_LIMIT_SM90:
             self._fail("num_stages", f"a ring that fits sm_90's {SMEM_LIMIT_SM90} B of shared memory: "
                                      f"{self.shared_mem_bytes} B at head_dim={self.head_dim}")
@@ -215,11 +194,6 @@ class AttentionBwdSm90BigConfig(AttentionBwdSm90Config):
         24 / 240 no config spills, masked ones included (all three options at d256: clean)."""
         return (24, 240)
 
-    def launch_grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
-                    kv_group: int) -> tuple[tuple, tuple]:
-        """As the base's, or lpt_grid's 1-D grid and section size (:func:`main_grid`)."""
-        return main_grid(self, batch, seqlen_q, seqlen_k, nheads_kv, kv_group)
-
 
 def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, **mask_flags) -> AttentionBwdSm90BigConfig:
     """The config the op runs (it cannot depend on the sequence length: one per dtype, head dim,
@@ -284,66 +258,6 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     if causal:
         return cfg.replace(dq_mode="ring", lpt_grid=True)
     return cfg.replace(dq_mode="ring", stagger=True)
-
-
-# lpt_grid's sections: the CTAs resident at once (one per SM) walk the query tiles of one or two
-# sections' (batch, kv head) pairs, whose Q, dO (16-bit) and f32 dQ accumulator rows they all
-# read / add into; a section's share of those stays within this many bytes so L2 keeps them between
-# the CTAs of a pair.  Reasoned as the forward's LPT_SECTION_BYTES (50 MB of L2 on H100 / H200,
-# the rest for the K / V tiles and the next section's first loads); FlashAttention's grid at d256:
-# 8 pairs per section at S 2k, 4 at 4k, 1 at 16k (the 3-D grid's own order).
-LPT_SECTION_BYTES = 32 << 20
-
-
-def key_tile_steps(cfg: AttentionBwdSm90BigConfig, seqlen_q: int, seqlen_k: int) -> list[int]:
-    """Query tiles each key tile walks per query head (bottom-right causal, no window): the mirror
-    of ``Mask::query_range`` (rtk/attn_mask.cuh) - key tile n from the tile of row n * block_n -
-    (seqlen_k - seqlen_q) on."""
-    m_tiles = -(-seqlen_q // _BLOCK_M)
-    diag = seqlen_k - seqlen_q
-    return [m_tiles - (max(0, n * cfg.block_n - diag) // _BLOCK_M) for n in range(-(-seqlen_k // cfg.block_n))]
-
-
-def lpt_order(n_tiles: int, pairs: int, group: int) -> list[tuple[int, int]]:
-    """(key tile, pair) of each lpt_grid block index, in index order: the template's mapping
-    (rtk::attn::linear_tile_grouped, its tile flipped) - sections of ``group`` pairs, key tile 0
-    of each pair first, pairs fastest.  The CPU tests check it covers every tile once."""
-    out = []
-    for t in range(n_tiles * pairs):
-        s, loc = divmod(t, group * n_tiles)
-        rank, r = divmod(loc, min(group, pairs - s * group))
-        out.append((rank, s * group + r))
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def lpt_group(cfg: AttentionBwdSm90BigConfig, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
-              kv_group: int, sm_count: int) -> int:
-    """lpt_grid's (batch, kv head) pairs per section: at most what keeps a section's Q, dO and f32
-    dQ rows within :data:`LPT_SECTION_BYTES`, and of up to 9 sizes from half that up, the one the
-    forward's greedy dispatcher model (rtkernels.ops.attention_sm90.dispatch_cost: one CTA per SM,
-    a key tile costs its query tiles + 1.5 for its K / V load and dK / dV store, reasoned) finds
-    most even; ties: the larger.  From the shapes only (a CUDA graph replays it); memoized (a few
-    ms of host time per new shape)."""
-    from .attention_sm90 import dispatch_cost, section_size
-    pairs = nheads_kv * batch
-    per_pair = max(1, kv_group * seqlen_q * cfg.head_dim * (2 + 2 + 4))
-    # dispatch_cost walks its list from the last entry (its heaviest first): the key tiles reversed
-    work = [kv_group * w for w in reversed(key_tile_steps(cfg, seqlen_q, seqlen_k))]
-    return section_size(pairs, per_pair, LPT_SECTION_BYTES,
-                        lambda g: dispatch_cost(len(work), pairs, sm_count, g, work), steps=8)
-
-
-def main_grid(cfg: AttentionBwdSm90BigConfig, batch: int, seqlen_q: int, seqlen_k: int, nheads_kv: int,
-              kv_group: int) -> tuple[tuple, tuple]:
-    """(grid, trailing kernel arguments) of a dense launch: (key tiles, kv heads, batch) and none,
-    or with lpt_grid one block per key tile of every pair and :func:`lpt_group`'s section size."""
-    n_tiles = -(-seqlen_k // cfg.block_n)
-    if not cfg.lpt_grid:
-        return (n_tiles, nheads_kv, batch), ()
-    from .. import device
-    group = lpt_group(cfg, batch, seqlen_q, seqlen_k, nheads_kv, kv_group, device.sm_count())
-    return (n_tiles * nheads_kv * batch,), (group,)
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90BigConfig]:

@@ -139,6 +139,17 @@ __device__ __forceinline__ TileCoord linear_tile_grouped(int t, int m_tiles, int
     return c;
 }
 
+// The backward's lpt_grid (dense, causal): block index t of a 1-D grid -> (key tile, kv head,
+// batch), heaviest first in sections of `group` (batch, kv head) pairs - linear_tile_grouped's
+// order with its tile flipped: its heaviest (first) rank is its last tile, the backward's is key
+// tile 0 (bottom-right causal: key tile n is seen by the query rows from n * BLOCK_N -
+// (seqlen_k - seqlen_q) on).  rtkernels.ops.attention_bwd_sm90.lpt_order mirrors it.
+__device__ __forceinline__ TileCoord key_tile_lpt(int t, int n_tiles, int heads, int batch, int group) {
+    TileCoord c = linear_tile_grouped(t, n_tiles, heads, batch, group);
+    c.tile = n_tiles - 1 - c.tile;
+    return c;
+}
+
 // ---- (b) tile ranges and (c) the element mask ----------------------------------------------------
 // Key tiles [n_min, n_max) a query tile visits; a visited tile n needs the element mask iff
 // n < n_mask_lo (left window edge) or n >= n_mask_hi (keys past seqlen_k, the diagonal or the
@@ -152,6 +163,23 @@ struct KeyRange {
 struct QueryRange {
     int m_min, m_max, m_mask_lo, m_mask_hi;
 };
+
+// The backward's walk over a key tile's query tiles [r.m_min, r.m_max) (one per step, producer and
+// consumers alike): step i visits tile i, or with STAGGER tile i + start wrapped into the range,
+// where walk_start is the key tile's diagonal tile (n0 / BLOCK_M) modulo the walk's length - the
+// key tiles of one (batch, kv head), started together and equal in work (non-causal), then load
+// Q / dO and add dQ on different query tiles at any moment instead of all on the same one.
+template <bool STAGGER, int BLOCK_M>
+__device__ __forceinline__ int walk_start(const QueryRange& r, int n0) {
+    return STAGGER && r.m_max > r.m_min ? (n0 / BLOCK_M) % (r.m_max - r.m_min) : 0;
+}
+
+template <bool STAGGER>
+__device__ __forceinline__ int walk_tile(int i, const QueryRange& r, int start) {
+    if constexpr (!STAGGER) return i;
+    const int j = i + start;
+    return j < r.m_max ? j : j - (r.m_max - r.m_min);
+}
 
 template <bool CAUSAL, bool WINDOW>
 struct Mask {
