@@ -37,12 +37,17 @@ def _cfg(dtype, d, causal, **opts):
 
 
 # ---- CPU: rules ------------------------------------------------------------------------------
-def test_defaults_unchanged():
-    """The op picks neither option at d <= 128 (the lead flips them after the A/B)."""
+def test_default_rule():
+    """At d <= 128 the op takes lpt_grid for dense causal, non-deterministic calls from
+    LPT_MIN_HEAD_DIM up (measured at d64 / d96 / d128), and stagger nowhere."""
     for c in B90.heuristic_configs():
         if c.head_dim <= B90.MAX_HEAD_DIM:
-            assert not (c.lpt_grid or c.stagger), c
-    assert not B90.choose_config("bfloat16", 64, True, False, is_varlen=True).lpt_grid
+            want = c.causal and not c.deterministic and c.head_dim >= B90.LPT_MIN_HEAD_DIM
+            assert c.lpt_grid == want and not c.stagger, c
+    assert B90.choose_config("bfloat16", 128, True, False).lpt_grid
+    assert not B90.choose_config("bfloat16", 96, True, False).lpt_grid
+    for flags in (dict(is_varlen=True), dict(has_window=True), dict(has_softcap=True)):
+        assert not B90.choose_config("bfloat16", 128, True, False, **flags).lpt_grid, flags
 
 
 @pytest.mark.parametrize("bad", [dict(lpt_grid=True), dict(lpt_grid=True, causal=True, deterministic=True),

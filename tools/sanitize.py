@@ -606,7 +606,8 @@ def _attention_fwd_mma(ctx: Ctx):
 # ---- cases: attention backward -----------------------------------------------------------------
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dtype, deterministic, quick)
 ATTN_BWD_SM90_VARIANTS = (
-    (1, 130, 200, 2, 1, 128, True, "bfloat16", False, True),     # issue 22's racecheck repro
+    (1, 130, 200, 2, 1, 128, True, "bfloat16", False, True),     # issue 22's racecheck repro (lpt_grid now)
+    (2, 150, 260, 4, 2, 120, True, "float16", False, True),      # lpt_grid over two pairs, GQA
     (1, 130, 200, 2, 1, 128, True, "bfloat16", True, True),
     (2, 113, 203, 4, 2, 64, False, "float16", False, False),
     (1, 70, 33, 2, 2, 40, True, "bfloat16", True, True),         # Sq > Sk: rows with no key

@@ -261,8 +261,19 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     if head_dim > MAX_HEAD_DIM:
         from . import attention_bwd_sm90_big as big
         return big.choose_config(dtype, head_dim, causal, deterministic, **mask_flags)
+    lpt = causal and not deterministic and not any(mask_flags.values()) and head_dim >= LPT_MIN_HEAD_DIM
     return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
-                                  block_m=query_step(head_dim, **mask_flags), **mask_flags)
+                                  block_m=query_step(head_dim, **mask_flags), lpt_grid=lpt, **mask_flags)
+
+
+# Causal calls (dense, not deterministic) from this head dim up take lpt_grid: the key tiles
+# heaviest first in L2-sized sections instead of the 3-D grid's pair-after-pair order.  Measured
+# (H100, 2026-11-26, bf16, FA4 and cuDNN in the same interleaved rounds, tools/ab_bwd_lpt128.sh;
+# TFLOP/s at S 2k / 4k / 16k, 3-D grid -> lpt): d128 395 / 485 / 554 -> 403 / 503 / 587 (1.02 /
+# 1.04 / 1.06); d96 378 / 462 / 545 -> 373 / 467 / 510 (0.99 / 1.01 / 0.94); d64 (128-row steps)
+# 0.98 / 1.01 / 0.96.  d120 goes with d128 (unmeasured), d104-112 with d96.  stagger (non-causal)
+# ran 0.97-1.01x at d64-128: not taken.
+LPT_MIN_HEAD_DIM = 120
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:
