@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A/B (session 12; lpt_grid is now the causal default from d120) of the d <= 128 Hopper backward's grid / walk options (attention_bwd_sm90: lpt_grid - causal key
+# A/B (session 12; lpt_grid is now the causal default from d120) of the d <= 128 Hopper backward's
+# grid / walk options (attention_bwd_sm90: lpt_grid - causal key
 # tiles heaviest first in L2-sized sections of (batch, kv head) pairs; stagger - each CTA's non-causal
 # walk starts at its diagonal query tile), GPU tests first.  Everything lands in ONE tarball,
 # $OUT/ab_bwd_lpt128.tar.gz (default OUT ./ab_out):
