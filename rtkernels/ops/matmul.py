@@ -64,8 +64,9 @@ STREAM_K_ENV = "RTKERNELS_MATMUL_STREAM_K"
 # RTKERNELS_MATMUL_CLUSTER_K=2: the Hopper kernel (wgmma consumers) runs its heuristic's tile as
 # cluster-K (matmul_sm90.MatmulSm90Config.cluster_k: two CTAs per tile, each over half of K, the
 # partials summed through distributed shared memory; the ring cut to fit the receive buffer); 1 or
-# unset: the heuristic's schedule.  A measurement and test knob (no default picks it yet), read like
-# RTKERNELS_MATMUL_SPLIT_K; it cannot be combined with that or RTKERNELS_MATMUL_STREAM_K=1.
+# unset: the heuristic's schedule (rule 2b's two-way thin splits run as cluster-K).  A measurement and
+# test knob read like RTKERNELS_MATMUL_SPLIT_K; it cannot be combined with that or
+# RTKERNELS_MATMUL_STREAM_K=1, and either of those replaces the heuristic's cluster-K.
 CLUSTER_K_ENV = "RTKERNELS_MATMUL_CLUSTER_K"
 # float16 / bfloat16 with at most 16 rows of C (the batch folded in) run the GEMV kernel
 # (ops/gemv.py, :func:`_plan_gemv`); False (or RTKERNELS_MATMUL_GEMV=0 at import) leaves them to
