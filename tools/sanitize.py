@@ -428,6 +428,25 @@ def _matmul_sm90_sync(ctx: Ctx):
         _matmul_variant(ctx, v)
 
 
+# Cluster-K forced on the heuristic's tiles: small walks, a ragged K split (3 k-blocks: 1 + 2), and more
+# tiles than the grid's clusters (1100 x 1100: 81 tiles of 128 x 128 over at most 66 clusters), so the
+# exchange's buffer is handed back (xempty) and reused.
+MATMUL_CLUSTER_K = (
+    ("bf16 1100x1100x130 bias gelu: tiles > clusters", "bfloat16", 1100, 1100, 130, 0, 0, False, False, True, "gelu",
+     0, 0, True),
+    ("f16 batch 2x300x200x1000 trans_b odd C", "float16", 300, 200, 1000, 2, 2, False, True, False, None, 0, 3, True),
+)
+
+
+@case("matmul_cluster_k", families=("matmul_sm90",), ops=("matmul",),
+      env={"RTKERNELS_MATMUL_CLUSTER_K": "2"},
+      note="cluster-K (2-CTA clusters summing halves of K through distributed shared memory) on every shape")
+def _matmul_cluster_k(ctx: Ctx):
+    ctx.require_sm90()
+    for v in MATMUL_VARIANTS[:4] + MATMUL_CLUSTER_K:
+        _matmul_variant(ctx, v)
+
+
 @case("matmul_mma_sync", families=("matmul",), ops=("matmul",),
       env={"RTKERNELS_MATMUL_SM90": "0", "RTKERNELS_MATMUL_GEMV": "0"},
       note="the mma.sync / SIMT kernels for every shape (the Hopper kernel and the GEMV route off at import)")
