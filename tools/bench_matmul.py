@@ -515,8 +515,8 @@ def _direct_runner(m90, cfg, kern, grid, sizes, extra, m, n, k, out, dev):
     return run
 
 
-def _schedule_label(bm, bn, s, sk):
-    return f"{bm}x{bn} {'sk' if sk else f's{s}'}"
+def _schedule_label(bm, bn, s, sk, ck=1):
+    return f"{bm}x{bn} {'sk' if sk else f'c{ck}' if ck > 1 else f's{s}'}"
 
 
 def splitk_sweep(args) -> None:
@@ -798,7 +798,8 @@ def lastcells_ab(args) -> None:
         med = _median_interleaved(cands, sets, passes, repeat)
         flops = 2.0 * m * n * k
         picked = mm._plans90[next(key for key in reversed(list(mm._plans90)) if key[1:5] == (m, n, k, 1))][1]
-        pick = f"{_schedule_label(picked.block_m, picked.block_n, picked.split_k, picked.stream_k)}/{picked.num_stages}"
+        pick = (f"{_schedule_label(picked.block_m, picked.block_n, picked.split_k, picked.stream_k, picked.cluster_k)}"
+                f"/{picked.num_stages}")
         best = min((c for c in med if c not in ("cuBLAS", "rtk.matmul")), key=med.get, default="rtk.matmul")
         for c, ms in med.items():
             out.fill_(float("nan"))   # poisoned: a candidate that skips a tile shows as NaN error
