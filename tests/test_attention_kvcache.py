@@ -718,6 +718,27 @@ def variant():
     kv_mod.set_variant(None)
 
 
+def _plan_of(x, splits=None, lse=True):
+    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
+    plan, _ = kv_mod._plan(arrays, True, None, lse, splits, "bfloat16" if x.dtype == "bfloat16" else None)
+    return plan
+
+
+def _bad_page_gives_nan_for_that_sequence_only(seqlen_q):
+    """Under the variant set by the caller: a page id past the pool in sequence 1's table turns that
+    sequence's output and lse into NaN and leaves the others finite."""
+    import cupy as cp
+    from gpu_util import to_f64
+    x = _make(_seed(), 3, seqlen_q, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
+    x.table_h[1, 100] = 1 << 30
+    x.table.set(x.table_h)
+    o, lse = _call(x, return_lse=True)
+    cp.cuda.Device().synchronize()
+    got = to_f64(o, "bfloat16")
+    assert np.isnan(got[1]).all() and np.isnan(lse.get()[1]).all(), "sequence 1 must be NaN"
+    assert not np.isnan(got[[0, 2]]).any() and not np.isnan(lse.get()[[0, 2]]).any(), "others must be finite"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
 @pytest.mark.parametrize("batch,sq,h,hkv,d,dtype,page,new,cap,splits", VARIANT_CASES)
@@ -835,17 +856,8 @@ def test_gpu_streamk_graph_replay_with_new_lengths(variant):
 
 @pytest.mark.gpu
 def test_gpu_streamk_bad_page_gives_nan_for_that_sequence_only(variant):
-    import cupy as cp
-    from gpu_util import to_f64
     variant(dict(schedule="streamk"))
-    x = _make(_seed(), 3, 1, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
-    x.table_h[1, 100] = 1 << 30
-    x.table.set(x.table_h)
-    o, lse = _call(x, return_lse=True)
-    cp.cuda.Device().synchronize()
-    got = to_f64(o, "bfloat16")
-    assert np.isnan(got[1]).all() and np.isnan(lse.get()[1]).all(), "sequence 1 must be NaN"
-    assert not np.isnan(got[[0, 2]]).any() and not np.isnan(lse.get()[[0, 2]]).any(), "others must be finite"
+    _bad_page_gives_nan_for_that_sequence_only(1)
 
 
 @pytest.mark.gpu

@@ -356,16 +356,9 @@ def test_l2_prefetch_qualifier_reaches_the_ptx():
 
 
 # ==== GPU =======================================================================================
-@pytest.fixture
-def variant():
-    yield kv_mod.set_variant
-    kv_mod.set_variant(None)
+from test_attention_kvcache import _plan_of, variant  # noqa: E402
 
-
-def _plan_of(x, splits=None, lse=True):
-    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
-    plan, _ = kv_mod._plan(arrays, True, None, lse, splits, "bfloat16" if x.dtype == "bfloat16" else None)
-    return plan
+FIXTURES = (variant,)   # pytest fixtures shared with test_attention_kvcache (used by argument name)
 
 
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, num_splits)

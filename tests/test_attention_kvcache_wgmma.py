@@ -20,7 +20,10 @@ import rtkernels as rtk
 from rtkernels.errors import ConfigError
 from rtkernels.ops.attention_kvcache import AttentionDecodeConfig, choose_config
 
-from test_attention_kvcache import _call, _check, _make, _run, _seed
+from test_attention_kvcache import (_bad_page_gives_nan_for_that_sequence_only, _call, _check, _make,
+                                    _plan_of, _run, _seed, variant)
+
+FIXTURES = (variant,)   # pytest fixtures shared with test_attention_kvcache (used by argument name)
 
 kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
 WG = dict(warp_split="rows", loader="tma", kv_heads=1, num_warps=4, rows=64, block_n=32, num_stages=4,
@@ -144,16 +147,6 @@ def test_wgmma_configs_compile_clean(dtype, d, rows_total, paged, causal, kw, pe
 
 
 # ==== GPU =======================================================================================
-@pytest.fixture
-def variant():
-    yield kv_mod.set_variant
-    kv_mod.set_variant(None)
-
-
-def _plan_of(x, splits=None, lse=True):
-    arrays = (x.q, x.kc, x.vc, x.lens, x.table, x.kn, x.vn, None)
-    plan, _ = kv_mod._plan(arrays, True, None, lse, splits, "bfloat16" if x.dtype == "bfloat16" else None)
-    return plan
 
 
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, page_size, seqlen_new, capacity, num_splits, causal, fields)
@@ -217,17 +210,8 @@ def test_gpu_wgmma_nan_past_the_sequences_is_never_used(variant, page):
 
 @pytest.mark.gpu
 def test_gpu_wgmma_bad_page_gives_nan_for_that_sequence_only(variant):
-    import cupy as cp
-    from gpu_util import to_f64
     variant(dict(mma="wgmma"))
-    x = _make(_seed(), 3, 16, 16, 4, 128, "bfloat16", 16, 4000, lens=[3990, 3990, 3990])
-    x.table_h[1, 100] = 1 << 30
-    x.table.set(x.table_h)
-    o, lse = _call(x, return_lse=True)
-    cp.cuda.Device().synchronize()
-    got = to_f64(o, "bfloat16")
-    assert np.isnan(got[1]).all() and np.isnan(lse.get()[1]).all(), "sequence 1 must be NaN"
-    assert not np.isnan(got[[0, 2]]).any() and not np.isnan(lse.get()[[0, 2]]).any(), "others must be finite"
+    _bad_page_gives_nan_for_that_sequence_only(16)
 
 
 @pytest.mark.gpu

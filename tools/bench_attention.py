@@ -753,16 +753,21 @@ def fwd_ab(head_dims, seqlens, dtype: str, torch, peers, causals=(False, True), 
     return rows
 
 
+def _ab_cells(rows, peers):
+    """Per (head_dim, causal, seqlen) cell of an A/B run with an rtk candidate timed: (key, the cell's
+    timed rows, a candidate -> TFLOP/s lookup, the fastest rtk row); ``peers``: the peer candidates."""
+    for key in dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in rows):
+        cell = [r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == key and "tflops" in r]
+        rtk_rows = [r for r in cell if r["cand"] not in peers]
+        if rtk_rows:
+            yield (key, cell, lambda n, cell=cell: next((r["tflops"] for r in cell if r["cand"] == n), None),
+                   max(rtk_rows, key=lambda r: r["tflops"]))
+
+
 def fwd_ab_summary(rows) -> list[dict]:
     """One line per cell: cur, cur again (the noise), the best rtk candidate, FA4, cuDNN, ratios."""
     out = []
-    for key in dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in rows):
-        cell = [r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == key and "tflops" in r]
-        get = lambda n: next((r["tflops"] for r in cell if r["cand"] == n), None)   # noqa: E731
-        rtk_rows = [r for r in cell if r["cand"] not in ("fa4", "cudnn")]
-        if not rtk_rows:
-            continue
-        best = max(rtk_rows, key=lambda r: r["tflops"])
+    for key, cell, get, best in _ab_cells(rows, ("fa4", "cudnn")):
         cur, fa4, cud = get("cur"), get("fa4"), get("cudnn")
         peer = max((x for x in (fa4, cud) if x), default=None)
         out.append({"head_dim": key[0], "causal": key[1], "seqlen": key[2],
@@ -778,13 +783,7 @@ def fwd_ab_summary(rows) -> list[dict]:
 def short_summary(rows) -> list[dict]:
     """One line per cell: old, new, the best rtk candidate, cuDNN, and the ratios the issue asks."""
     out = []
-    for key in dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in rows):
-        cell = [r for r in rows if (r["head_dim"], r["causal"], r["seqlen"]) == key and "tflops" in r]
-        get = lambda n: next((r["tflops"] for r in cell if r["cand"] == n), None)   # noqa: E731
-        rtk_rows = [r for r in cell if r["cand"] != "cudnn"]
-        if not rtk_rows:
-            continue
-        best = max(rtk_rows, key=lambda r: r["tflops"])
+    for key, cell, get, best in _ab_cells(rows, ("cudnn",)):
         old, new, cud = get("old"), get("new"), get("cudnn")
         out.append({"head_dim": key[0], "causal": key[1], "seqlen": key[2], "old": old, "new": new,
                     "old_again": get("old again"),

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import device
 from ..config import register_family
 from ..kernel import DevicePtr
 from ..tma import tensor_map
@@ -228,7 +229,6 @@ def main_grid(cfg: AttentionBwdSm90Config, batch: int, seqlen_q: int, seqlen_k: 
     n_tiles = -(-seqlen_k // cfg.block_n)
     if not cfg.lpt_grid:
         return (n_tiles, nheads_kv, batch), ()
-    from .. import device
     group = lpt_group(cfg, batch, seqlen_q, seqlen_k, nheads_kv, kv_group, device.sm_count())
     return (n_tiles * nheads_kv * batch,), (group,)
 
@@ -243,6 +243,16 @@ def main_grid(cfg: AttentionBwdSm90Config, batch: int, seqlen_q: int, seqlen_k: 
 # half the steps' fixed work (barriers, the dQ slot hand-off, per-step TMA issue) per key tile,
 # as FA4's sm90 backward at d64 does.  False restores 64 everywhere (A/B).
 BLOCK_M_128 = True
+
+
+# Causal calls (dense, not deterministic) from this head dim up take lpt_grid: the key tiles
+# heaviest first in L2-sized sections instead of the 3-D grid's pair-after-pair order.  Measured
+# (H100, 2026-11-26, bf16, FA4 and cuDNN in the same interleaved rounds, tools/ab_bwd_lpt128.sh;
+# TFLOP/s at S 2k / 4k / 16k, 3-D grid -> lpt): d128 395 / 485 / 554 -> 403 / 503 / 587 (1.02 /
+# 1.04 / 1.06); d96 378 / 462 / 545 -> 373 / 467 / 510 (0.99 / 1.01 / 0.94); d64 (128-row steps)
+# 0.98 / 1.01 / 0.96.  d120 goes with d128 (unmeasured), d104-112 with d96.  stagger (non-causal)
+# ran 0.97-1.01x at d64-128: not taken.
+LPT_MIN_HEAD_DIM = 120
 
 
 def query_step(head_dim: int, **mask_flags) -> int:
@@ -265,15 +275,6 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
     return AttentionBwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, deterministic=deterministic,
                                   block_m=query_step(head_dim, **mask_flags), lpt_grid=lpt, **mask_flags)
 
-
-# Causal calls (dense, not deterministic) from this head dim up take lpt_grid: the key tiles
-# heaviest first in L2-sized sections instead of the 3-D grid's pair-after-pair order.  Measured
-# (H100, 2026-11-26, bf16, FA4 and cuDNN in the same interleaved rounds, tools/ab_bwd_lpt128.sh;
-# TFLOP/s at S 2k / 4k / 16k, 3-D grid -> lpt): d128 395 / 485 / 554 -> 403 / 503 / 587 (1.02 /
-# 1.04 / 1.06); d96 378 / 462 / 545 -> 373 / 467 / 510 (0.99 / 1.01 / 0.94); d64 (128-row steps)
-# 0.98 / 1.01 / 0.96.  d120 goes with d128 (unmeasured), d104-112 with d96.  stagger (non-causal)
-# ran 0.97-1.01x at d64-128: not taken.
-LPT_MIN_HEAD_DIM = 120
 
 
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:

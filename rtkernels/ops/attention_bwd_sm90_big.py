@@ -10,7 +10,7 @@ header comment has the register and shared-memory counts that chose this layout.
 is FlashAttention-3/4's sm90 orientation: queries as wgmma M, each consumer warpgroup owns half
 the CTA's keys (96 keys per CTA up to head dim 192), dK^T / dV^T with the head dim as M, only dQ
 reads the other warpgroup's dS; :func:`choose_config` runs it up to head dim 192 (neither
-deterministic nor masked).  Opt-in options of both layouts (A/B: tools/ab_bwd_d256.sh): a separate
+deterministic nor masked).  Opt-in options of both layouts (A/B: session 11, docs/RESULTS.md): a separate
 dO ring (``do_stages``), the bulk dQ reduction staged in the Q/dO ring stage (``dq_mode="ring"``: two
 stages with it at d256), and the options shared with attention_bwd_sm90 (defined there): a
 heaviest-first causal grid (``lpt_grid``, attention_bwd_sm90.lpt_group) and a non-causal walk that
