@@ -233,7 +233,7 @@ def bench_rows(args, cp, rtk, torch, copy_gbs, widths):
     rows_out = []
     F = torch.nn.functional if torch else None
     for n in widths:
-        rows = max(1, ROW_BYTES // (n * 2))
+        rows = max(1, (args.x_mib << 20 if args.x_mib else ROW_BYTES) // (n * 2))
         copy_same = benchutil.copy_bandwidth(3 * rows * n)   # the traffic of dy + x read, dx written
         for op in args.ops.split(","):
             if op not in ("rmsnorm", "layernorm", "softmax"):
@@ -481,6 +481,9 @@ def main():
     p.add_argument("--widths", default="",
                    help="row widths of the norm / softmax cases, comma-separated (default: NORM_WIDTHS, "
                         "with --quick QUICK_NORM_WIDTHS)")
+    p.add_argument("--x-mib", type=int, default=0,
+                   help="MiB of x per norm / softmax case (default ROW_BYTES, 64; 342 makes dy + x + dx the 1 GiB "
+                        "of the copy they are measured against, so no ramp or tail of a shorter run is in the gap)")
     args = p.parse_args()
     import cupy as cp
     import rtkernels as rtk
