@@ -198,7 +198,7 @@ def rtk_cpu_kernels():
     from rtkernels.ops import cross_entropy as ce
     from rtkernels.ops import rowwise as rw
     from rtkernels.ops import rowwise_bwd as rb
-    from rtkernels.torch._library import _defaults, _filled
+    from rtkernels.torch._library import _filled
 
     def n64(t):
         return None if t is None else t.detach().double().numpy()
@@ -228,7 +228,7 @@ def rtk_cpu_kernels():
     }
     lib = torch.library.Library("rtk", "IMPL")   # noqa: TOR901 - CPU kernels for this module's tests
     for name, fn in kernels.items():
-        lib.impl(name, _filled(fn, _defaults(getattr(torch.ops.rtk, name).default)), "CPU")
+        lib.impl(name, _filled(fn, getattr(torch.ops.rtk, name).default), "CPU")
     yield
     lib._destroy()
 
