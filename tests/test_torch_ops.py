@@ -425,6 +425,20 @@ def test_helper_eager_paths():
         ys[1].sum().backward()
 
 
+def test_helper_sees_a_gradient_through_any_tensor_argument():
+    """The generated autograd kernel tests each tensor argument (plain, optional, in a list) for
+    requires_grad: a gradient wanted through only an optional or a listed tensor is recorded."""
+    x, b = torch.randn(4), torch.randn(4, requires_grad=True)
+    y = SCALE(x, 3.0, b)   # only the optional bias requires grad
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert torch.equal(b.grad, torch.ones(4))
+    assert SCALE(x, 3.0, None).grad_fn is None and SCALE(x).grad_fn is None
+    ys = NOBACK([x, b], 2.0)   # a list with one tensor that requires grad
+    assert ys[0].grad_fn is not None
+    assert NOBACK([x, x], 2.0)[0].grad_fn is None
+
+
 def test_helper_passes_opcheck():
     for opov, args in ((SCALE, (torch.randn(3, requires_grad=True), 1.5, torch.randn(3, requires_grad=True))),
                        (NOBACK, ([torch.randn(3), torch.randn(2)], 2.0))):

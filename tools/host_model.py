@@ -22,13 +22,16 @@ What is stubbed (say so when quoting numbers):
   replays reuse the maps per address set, so this only runs when addresses change;
 * torch's current stream: the raw getter returns 0 (on a GPU host it is one C call, timed by
   tools/bench_host.py as ``torch: current stream (raw getter)``);
+* the device queries the full paths make while recording plans (``device.sm_count``: an H100's
+  132; ``device.current_device``: 0);
 * torch tensors are CPU tensors, and in this process ``torch.Tensor.is_cuda`` is patched to True
   and ``get_device`` to a Python function returning 0 (a C method on CUDA tensors); outputs come
   from torch's CPU allocator;
 * the attention plan is recorded by the full path's own recording helper
   (``attention._remember_forward``) over CuPy stand-ins of the views, because the full path
   itself needs a device (views of torch tensors, tensor-map encoding); the softmax plans come
-  from the real full path on CuPy arrays (the torch one re-keyed for the torch tensor);
+  from the real full path on CuPy arrays (the torch one re-keyed for the torch tensor), and so
+  does matmul's (64 x 64 x 64 float16, the Hopper kernel's plan);
 * ``torch.ops.rtk.*``: the same schemas and :func:`rtkernels.torch.op` registration, defined in
   a model namespace for the CPU dispatch key (CUDA tensors cannot exist here).
 

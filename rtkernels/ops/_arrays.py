@@ -461,14 +461,23 @@ class OutputPlan:
                     stream = _torch_stream_arg(dev)
             elif type(stream) is not _STREAM_TYPE[0]:
                 stream = _STREAM_ARG[0](stream)
-            # the addresses in a plain loop: a comprehension builds a function object per run in
-            # Python 3.11 (and a closure cell for what it reads): ~1.2k instructions a replay
-            addrs = []
-            for a in arrays:
-                addrs.append(None if a is None else a.data_ptr())
-            addrs = tuple(addrs)
-            hit = self.recent.get(addrs)
-            head = hit[0] if hit is not None else self._converted(addrs, arrays, args, bound)
+            # plain loops: a comprehension builds a function object per run in Python 3.11 (and a
+            # closure cell for what it reads): ~1.2k instructions a replay
+            if args is None:
+                # each address in a new pointer holder (holders kept per address set would miss for
+                # a model's many activations of one signature)
+                holder = _HOLDER[0]
+                head = []
+                for a in arrays:
+                    head.append(None if a is None else holder(a.data_ptr()))
+                head = tuple(head)
+            else:
+                addrs = []
+                for a in arrays:
+                    addrs.append(None if a is None else a.data_ptr())
+                addrs = tuple(addrs)
+                hit = self.recent.get(addrs)
+                head = hit[0] if hit is not None else self._converted(addrs, arrays, args, bound)
         else:
             if stream is not None and type(stream) is not _STREAM_TYPE[0]:
                 stream = _STREAM_ARG[0](stream)
@@ -490,16 +499,9 @@ class OutputPlan:
             bound.kernel._launch_failed(exc, grid, block, smem)
 
     def _converted(self, addrs, arrays, args, bound):
-        """The launch's leading arguments for the address set ``addrs``, converted and kept: the
-        tensor maps of ``args``, or (``args`` None: torch tensors) the addresses in CuPy's pointer
-        holders (one holder a tensor per call before: ~0.6k instructions each)."""
         hit = self.recent.get(addrs)
         if hit is None:
-            if args is None:
-                holder = _HOLDER[0]
-                hit = (tuple([None if p is None else holder(p) for p in addrs]), ())
-            else:
-                hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
+            hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
             if len(self.recent) >= _RECENT_PER_PLAN:
                 self.recent.clear()
             self.recent[addrs] = hit

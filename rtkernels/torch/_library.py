@@ -20,10 +20,12 @@ what :func:`op` adds is a lean autograd kernel, for host cost:
   (``keyset`` after ADInplaceOrView is plain CUDA: no FakeTensor, functionalization, Python mode or
   subclass in between; decided once per keyset); otherwise it redispatches exactly as torch's own
   helpers do.  What remains is the dispatcher's own floor, which any op with one Python kernel
-  pays (:func:`floor_op` measures it): 2.9 us for attention's schema (5 arguments, 2 outputs) on
-  the development CPU, and by the same ratio (the H100 host's +15.5 us for the whole custom-op
-  layer against 5.8 us here, 2026-11-25) about 8 us there; plus ~1.5 us here of this kernel's own
-  checks.  With a
+  pays (:func:`floor_op` measures it; 2.2 us for attention's schema on the H100 host, 3.2 us
+  returning new tensors, 2026-11-26), plus this kernel: generated per schema (see
+  :func:`_parameters`), it costs ~5.5k instructions a call over the floor for attention's schema
+  (tools/host_model.py under callgrind, 2026-11-27; 8.5k for the ``*args`` kernel before it):
+  the keyset object the dispatcher builds for it (~1.9k), its memo lookup (~1.6k), three
+  ``requires_grad`` reads (~1.2k).  With a
   gradient to record, it runs a ``torch.autograd.Function`` whose forward redispatches below
   autograd and whose backward is the op's ``backward`` (which calls other ``torch.ops.rtk`` ops,
   so AOTAutograd traces it into the backward graph under torch.compile).
