@@ -73,7 +73,29 @@ def test_one_dimensional_launches_go_through_linear_launch(kernel, fn):
     assert kinds == [("linear", 512), ("linear", 512), ("call", (4, 2))]
     assert fn.calls[0][2] == 128     # block_max_size = the block, so the grid is exactly 4
     args = fn.calls[0][3]
-    assert args[3] == 5 and isinstance(args[4], np.float32) and args[4] == np.float32(1.5)
+    assert isinstance(args[4], np.float32) and args[4] == np.float32(1.5)
+    assert _kernel_params(args)[3] == np.int32(5).tobytes()
+
+
+def test_int_arguments_pass_in_shared_holders(kernel, fn):
+    """An int parameter's value goes to CuPy in a pointer holder kept per value (CuPy would build a
+    scalar holder per launch), with the bytes the driver copies for the parameter; wrong types
+    and values out of range still fail in the launcher's words."""
+    from cupy.cuda.function import CPointer
+    m = _map()
+    for n in (5, -7, 2 ** 31 - 1, -2 ** 31, 5):
+        kernel.launch((1,), (32,), None, None, None, n, 1.5, m)
+        arg = fn.calls[-1][3][3]
+        assert isinstance(arg, CPointer) and _kernel_params(fn.calls[-1][3])[3] == np.int32(n).tobytes(), n
+    assert fn.calls[-1][3][3] is fn.calls[0][3][3]   # the same value: the same holder
+    kernel.launch((1,), (32,), None, None, None, np.int32(9), 1.5, m)   # NumPy ints: converted as before
+    assert _kernel_params(fn.calls[-1][3])[3] == np.int32(9).tobytes()
+    with pytest.raises(TypeError, match="must be an integer"):
+        kernel.launch((1,), (32,), None, None, None, True, 1.5, m)
+    with pytest.raises(TypeError, match="must be an integer"):
+        kernel.launch((1,), (32,), None, None, None, 5.0, 1.5, m)
+    with pytest.raises(OverflowError):
+        kernel.launch((1,), (32,), None, None, None, 2 ** 31, 1.5, m)
 
 
 def test_torch_tensors_pass_by_address(kernel, fn):

@@ -198,7 +198,7 @@ def rtk_cpu_kernels():
     from rtkernels.ops import cross_entropy as ce
     from rtkernels.ops import rowwise as rw
     from rtkernels.ops import rowwise_bwd as rb
-    from rtkernels.torch._library import _defaults, _filled
+    from rtkernels.torch._library import _filled
 
     def n64(t):
         return None if t is None else t.detach().double().numpy()
@@ -228,7 +228,7 @@ def rtk_cpu_kernels():
     }
     lib = torch.library.Library("rtk", "IMPL")   # noqa: TOR901 - CPU kernels for this module's tests
     for name, fn in kernels.items():
-        lib.impl(name, _filled(fn, _defaults(getattr(torch.ops.rtk, name).default)), "CPU")
+        lib.impl(name, _filled(fn, getattr(torch.ops.rtk, name).default), "CPU")
     yield
     lib._destroy()
 
@@ -423,6 +423,20 @@ def test_helper_eager_paths():
     assert isinstance(ys, list) and len(ys) == 2
     with pytest.raises(NotImplementedError, match="rtk.noback has no backward"):
         ys[1].sum().backward()
+
+
+def test_helper_sees_a_gradient_through_any_tensor_argument():
+    """The generated autograd kernel tests each tensor argument (plain, optional, in a list) for
+    requires_grad: a gradient wanted through only an optional or a listed tensor is recorded."""
+    x, b = torch.randn(4), torch.randn(4, requires_grad=True)
+    y = SCALE(x, 3.0, b)   # only the optional bias requires grad
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert torch.equal(b.grad, torch.ones(4))
+    assert SCALE(x, 3.0, None).grad_fn is None and SCALE(x).grad_fn is None
+    ys = NOBACK([x, b], 2.0)   # a list with one tensor that requires grad
+    assert ys[0].grad_fn is not None
+    assert NOBACK([x, x], 2.0)[0].grad_fn is None
 
 
 def test_helper_passes_opcheck():

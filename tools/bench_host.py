@@ -160,7 +160,8 @@ def torch_ops(rows: Rows):
     # against that kernel called directly (what any Python-registered op costs)
     from rtkernels.torch._library import floor_op
     add_floor_rows(rows, floor_op, str(torch.ops.rtk.attention.default._schema).split("::", 1)[1],
-                   str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], (o, lse), x, q, x)
+                   str(torch.ops.rtk.softmax.default._schema).split("::", 1)[1], (o, lse), x, q, x,
+                   mm=(str(torch.ops.rtk.matmul.default._schema).split("::", 1)[1], torch.empty_like(a), a))
 
     from rtkernels.ops._arrays import torch_stream_ptr
     rows.add("torch: current stream (raw getter)", lambda: torch_stream_ptr(torch, 0))
@@ -337,25 +338,24 @@ TARGETS = [
 
 
 
-def add_floor_rows(rows, floor_op, att_schema: str, sm_schema: str, att_outs, sm_out, q, x, **kw) -> None:
-    """torch's dispatcher floor rows (also tools/host_model.py's): the attention and softmax schemas
-    with one Python kernel that returns at once, as an op and called directly; also the floor of ops
-    returning new tensors, as rtk's do, where ``floor_op`` has ``fresh`` (an older --tree lacks it)."""
-    att_floor, att_fn = floor_op(att_schema, att_outs, **kw)
-    sm_floor, sm_fn = floor_op(sm_schema, sm_out, **kw)
-    try:
-        att_ffloor, att_ffn = floor_op(att_schema, att_outs, fresh=True, **kw)
-        sm_ffloor, sm_ffn = floor_op(sm_schema, sm_out, fresh=True, **kw)
-        rows.add("torch: floor op (new outputs), attention schema", lambda: att_ffloor(q, q, q, True))
-        rows.add("torch: floor fn (new outputs), attention schema", lambda: att_ffn(q, q, q, True))
-        rows.add("torch: floor op (new outputs), softmax schema", lambda: sm_ffloor(x))
-        rows.add("torch: floor fn (new outputs), softmax schema", lambda: sm_ffn(x))
-    except TypeError:
-        pass
-    rows.add("torch: floor op, attention schema", lambda: att_floor(q, q, q, True))
-    rows.add("torch: floor fn, attention schema", lambda: att_fn(q, q, q, True))
-    rows.add("torch: floor op, softmax schema", lambda: sm_floor(x))
-    rows.add("torch: floor fn, softmax schema", lambda: sm_fn(x))
+def add_floor_rows(rows, floor_op, att_schema: str, sm_schema: str, att_outs, sm_out, q, x, mm=None, **kw) -> None:
+    """torch's dispatcher floor rows (also tools/host_model.py's): the attention, softmax and
+    (``mm``: (schema, output, a)) matmul schemas with one Python kernel that returns at once, as an
+    op and called directly; also the floor of ops returning new tensors, as rtk's do, where
+    ``floor_op`` has ``fresh`` (an older --tree lacks it)."""
+    cases = [("attention", att_schema, att_outs, (q, q, q, True)), ("softmax", sm_schema, sm_out, (x,))]
+    if mm is not None:
+        cases.append(("matmul", mm[0], mm[1], (mm[2], mm[2])))
+    for name, schema, outs, args in cases:
+        floor, fn = floor_op(schema, outs, **kw)
+        try:
+            ffloor, ffn = floor_op(schema, outs, fresh=True, **kw)
+            rows.add(f"torch: floor op (new outputs), {name} schema", lambda f=ffloor, a=args: f(*a))
+            rows.add(f"torch: floor fn (new outputs), {name} schema", lambda f=ffn, a=args: f(*a))
+        except TypeError:
+            pass
+        rows.add(f"torch: floor op, {name} schema", lambda f=floor, a=args: f(*a))
+        rows.add(f"torch: floor fn, {name} schema", lambda f=fn, a=args: f(*a))
 
 def main() -> None:
     p = bu.parser(__doc__.splitlines()[0])
@@ -436,7 +436,7 @@ def main() -> None:
         if all(p_ in results for p_ in parts):   # what any call that allocates its output and launches costs
             line += f" (cupy.empty + linear_launch alone: {sum(results[p_]['median_us'] for p_ in parts):.2f})"
         print(line)
-    floors = {"attention": "attention schema", "softmax": "softmax schema"}
+    floors = {"attention": "attention schema", "softmax": "softmax schema", "matmul": "matmul schema"}
     for op_row, direct in checks:
         if op_row in results and direct in results:
             name = op_row.split(".")[-1]

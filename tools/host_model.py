@@ -22,13 +22,16 @@ What is stubbed (say so when quoting numbers):
   replays reuse the maps per address set, so this only runs when addresses change;
 * torch's current stream: the raw getter returns 0 (on a GPU host it is one C call, timed by
   tools/bench_host.py as ``torch: current stream (raw getter)``);
+* the device queries the full paths make while recording plans (``device.sm_count``: an H100's
+  132; ``device.current_device``: 0);
 * torch tensors are CPU tensors, and in this process ``torch.Tensor.is_cuda`` is patched to True
   and ``get_device`` to a Python function returning 0 (a C method on CUDA tensors); outputs come
   from torch's CPU allocator;
 * the attention plan is recorded by the full path's own recording helper
   (``attention._remember_forward``) over CuPy stand-ins of the views, because the full path
   itself needs a device (views of torch tensors, tensor-map encoding); the softmax plans come
-  from the real full path on CuPy arrays (the torch one re-keyed for the torch tensor);
+  from the real full path on CuPy arrays (the torch one re-keyed for the torch tensor), and so
+  does matmul's (64 x 64 x 64 float16, the Hopper kernel's plan);
 * ``torch.ops.rtk.*``: the same schemas and :func:`rtkernels.torch.op` registration, defined in
   a model namespace for the CPU dispatch key (CUDA tensors cannot exist here).
 
@@ -117,7 +120,7 @@ def fake_empty(shape, dtype=float):
 
 def install_stubs() -> None:
     import cupy  # noqa: F401
-    from rtkernels import kernel as kmod, tma
+    from rtkernels import device, kernel as kmod, tma
     from rtkernels.ops import _arrays, rowwise
     kmod.Kernel.function = lambda self, device_id=None: FAKE_FN
     kmod.Kernel._raise_smem_limit = lambda self, fn, dev, nbytes: self._smem_set.__setitem__(dev, nbytes)
@@ -128,6 +131,8 @@ def install_stubs() -> None:
     rowwise.new_like = lambda x, shape, dtype=None: fake_empty(tuple(shape), np.uint16 if dtype == "bfloat16"
                                                              else np.dtype(dtype or x.dtype))
     tma._encode = lambda *a: np.zeros((), tma.TENSOR_MAP_DTYPE)[()]
+    device.sm_count = lambda device=None: 132   # an H100's, for persistent / LPT grids
+    device.current_device = lambda: 0            # (the full paths that record the plans ask)
 
 
 def torch_fakes():
@@ -221,8 +226,20 @@ def setup(rows: Rows) -> None:
     assert att._FORWARD_PLANS.get(key) is not None
     rows.add("torch: rtk.attention(q, k, v)", lambda: rtk.attention(q, q, q, True))
 
+    # ---- torch matmul: the CuPy full path's plan (Hopper kernel, 64 x 64 x 64), keyed for torch
+    from rtkernels.ops import matmul as mm
+    am, cm = fake_array((64, 64), np.float16), fake_array((64, 64), np.float16)
+    rtk.matmul(am, am, out=cm)
+    cplan = mm._LAUNCHES.get(mm._plan_key(am, am, None, cm, None, False, False, None))
+    ta = make(64, 64, dtype=torch.float16)
+    tkey = mm._plan_key(ta, ta, None, None, None, False, False, None)
+    mm._LAUNCHES.put(tkey, _arrays.OutputPlan.of(cplan.launch, torch.empty(64, 64, dtype=torch.float16), cplan.extra,
+                                                 like=ta))
+    rows.add("torch: rtk.matmul(a, b)", lambda: rtk.matmul(ta, ta))
+
     # ---- torch.ops: the same registration, for the CPU dispatch key
     from rtkernels.torch import _library, _ops
+    mm_schema = str(torch.ops.rtk.matmul.default._schema).split("::", 1)[1]
     lib = _MODEL_LIB.get("lib")
     if lib is None:
         lib = _MODEL_LIB["lib"] = torch.library.Library("rtk_cpu_model", "DEF")   # noqa: TOR901
@@ -238,16 +255,24 @@ def setup(rows: Rows) -> None:
                     device="CPU")
         _library.op("softmax_noop(Tensor x, bool log_softmax=False) -> Tensor", lambda *a: _MODEL_LIB["sm_out"],
                     fake=_ops._softmax_fake, lib=lib, device="CPU")
-    _MODEL_LIB["att_out"], _MODEL_LIB["sm_out"] = (o, lse), o
-    att_op, sm_op = torch.ops.rtk_cpu_model.attention.default, torch.ops.rtk_cpu_model.softmax.default
-    att_noop, sm_noop = torch.ops.rtk_cpu_model.attention_noop.default, torch.ops.rtk_cpu_model.softmax_noop.default
+        # matmul's CUDA kernel as rtkernels.torch registers it (an older --tree: its wrapper of rtk.matmul)
+        mm_impl = getattr(_ops, "_matmul_impl", None) or mm.matmul_positional
+        _library.op(mm_schema, mm_impl, fake=_ops._matmul_fake, lib=lib, device="CPU")
+        _library.op("matmul_noop" + mm_schema[len("matmul"):], lambda *a: _MODEL_LIB["mm_out"],
+                    fake=_ops._matmul_fake, lib=lib, device="CPU")
+    _MODEL_LIB["att_out"], _MODEL_LIB["sm_out"], _MODEL_LIB["mm_out"] = (o, lse), o, torch.empty_like(ta)
+    model = torch.ops.rtk_cpu_model
+    att_op, sm_op, mm_op = model.attention.default, model.softmax.default, model.matmul.default
+    att_noop, sm_noop, mm_noop = model.attention_noop.default, model.softmax_noop.default, model.matmul_noop.default
     rows.add("torch: op() layer, attention schema, no-op kernel", lambda: att_noop(q, q, q, True))
     rows.add("torch: op() layer, softmax schema, no-op kernel", lambda: sm_noop(tx))
+    rows.add("torch: op() layer, matmul schema, no-op kernel", lambda: mm_noop(ta, ta))
     rows.add("torch: torch.ops.rtk.attention", lambda: att_op(q, q, q, True))
     rows.add("torch: torch.ops.rtk.softmax", lambda: sm_op(tx))
+    rows.add("torch: torch.ops.rtk.matmul", lambda: mm_op(ta, ta))
     from bench_host import add_floor_rows
     add_floor_rows(rows, _library.floor_op, str(att_op._schema).split("::", 1)[1], str(sm_op._schema).split("::", 1)[1],
-                   (o, lse), o, q, tx, device="CPU")
+                   (o, lse), o, q, tx, mm=(mm_schema, _MODEL_LIB["mm_out"], ta), device="CPU")
     rows.add("torch: empty_like(q) + new_empty(lse)",
              lambda: (torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)))
 
@@ -390,7 +415,8 @@ def main(argv=None) -> dict:
     print(f"  Kernel.launch:              {d('launch: rtk Kernel.launch', 'floor: fake linear_launch'):6.2f}")
     if "torch: torch.ops.rtk.attention" in res:
         for name, direct, schema in (("attention", "torch: rtk.attention(q, k, v)", "attention schema"),
-                                     ("softmax", "torch: rtk.softmax(x)", "softmax schema")):
+                                     ("softmax", "torch: rtk.softmax(x)", "softmax schema"),
+                                     ("matmul", "torch: rtk.matmul(a, b)", "matmul schema")):
             extra = d(f"torch: torch.ops.rtk.{name}", direct)
             floor = d(f"torch: floor op, {schema}", f"torch: floor fn, {schema}")
             ffloor = d(f"torch: floor op (new outputs), {schema}", f"torch: floor fn (new outputs), {schema}")

@@ -114,9 +114,15 @@ def torch_stream_ptr(torch, dev: int) -> int:
     time, and the ops asked up to ten times per call: 13-20% of rtk.attention's host time on an
     H200 host, 2026-11-21).  Falls back to the public call where the private one is missing."""
     if not _RAW_STREAM:
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _RAW_STREAM.append(raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream))
+        _RAW_STREAM.append(_raw_stream_getter(torch))
     return _RAW_STREAM[0](dev)
+
+
+def _raw_stream_getter(torch):
+    # (apart from torch_stream_ptr: a lambda there would close over ``torch``, and a function with a
+    # closed-over variable builds a cell for it at every call)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
 
 
 def _torch_stream_arg(dev: int):
@@ -455,20 +461,35 @@ class OutputPlan:
                     stream = _torch_stream_arg(dev)
             elif type(stream) is not _STREAM_TYPE[0]:
                 stream = _STREAM_ARG[0](stream)
+            # plain loops: a comprehension builds a function object per run in Python 3.11 (and a
+            # closure cell for what it reads): ~1.2k instructions a replay
             if args is None:
+                # each address in a new pointer holder (holders kept per address set would miss for
+                # a model's many activations of one signature)
                 holder = _HOLDER[0]
-                head = tuple([None if a is None else holder(a.data_ptr()) for a in arrays])
+                head = []
+                for a in arrays:
+                    head.append(None if a is None else holder(a.data_ptr()))
+                head = tuple(head)
             else:
-                head = self._converted(tuple([None if a is None else a.data_ptr() for a in arrays]), arrays, args,
-                                       bound)
+                addrs = []
+                for a in arrays:
+                    addrs.append(None if a is None else a.data_ptr())
+                addrs = tuple(addrs)
+                hit = self.recent.get(addrs)
+                head = hit[0] if hit is not None else self._converted(addrs, arrays, args, bound)
         else:
             if stream is not None and type(stream) is not _STREAM_TYPE[0]:
                 stream = _STREAM_ARG[0](stream)
             if args is None:   # CuPy takes its arrays as they are
                 head = tuple(arrays)
             else:
-                head = self._converted(tuple([None if a is None else a.data.ptr for a in arrays]), arrays, args,
-                                       bound)
+                addrs = []
+                for a in arrays:
+                    addrs.append(None if a is None else a.data.ptr)
+                addrs = tuple(addrs)
+                hit = self.recent.get(addrs)
+                head = hit[0] if hit is not None else self._converted(addrs, arrays, args, bound)
         try:   # BoundLaunch.run's launch, inlined (one Python frame less per call)
             if linear:
                 fn.linear_launch(linear, head + tail, smem, block0, stream)

@@ -502,7 +502,18 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         plan = _FORWARD_PLANS.get(plan_key)
         if plan is not None:
             return _replay_forward(plan, q, k, v, out, return_lse, stream, plan_key[1])
-    from ._arrays import as_device_array, new_like   # (below the replay: an import costs ~0.5 us a call)
+    # the full path is a function of its own: its nested ``run`` closes over 18 of its variables,
+    # and a function with closed-over variables makes a cell for each at every call - plan hits
+    # included (~6k instructions, ~1 us a call on the development CPU, 2026-11-27)
+    return _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, window, softcap, dtype, stream, varlen, plan_key)
+
+
+def _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, window, softcap, dtype, stream, varlen, plan_key):
+    """:func:`attention` without a launch plan: check, choose, launch, and record the plan
+    (``plan_key``: the call's LaunchPlans key, or None)."""
+    from ._arrays import as_device_array, new_like   # (off the replay path: an import costs ~0.5 us a call)
     import cupy
     spec = mask_spec(causal, window, softcap, varlen, family=FAMILY)
     p = check_inputs({"q": q, "k": k, "v": v}, dtype, softmax_scale, FAMILY, varlen=varlen)

@@ -20,10 +20,12 @@ what :func:`op` adds is a lean autograd kernel, for host cost:
   (``keyset`` after ADInplaceOrView is plain CUDA: no FakeTensor, functionalization, Python mode or
   subclass in between; decided once per keyset); otherwise it redispatches exactly as torch's own
   helpers do.  What remains is the dispatcher's own floor, which any op with one Python kernel
-  pays (:func:`floor_op` measures it): 2.9 us for attention's schema (5 arguments, 2 outputs) on
-  the development CPU, and by the same ratio (the H100 host's +15.5 us for the whole custom-op
-  layer against 5.8 us here, 2026-11-25) about 8 us there; plus ~1.5 us here of this kernel's own
-  checks.  With a
+  pays (:func:`floor_op` measures it; 2.2 us for attention's schema on the H100 host, 3.2 us
+  returning new tensors, 2026-11-26), plus this kernel: generated per schema (see
+  :func:`_parameters`), it costs ~5.5k instructions a call over the floor for attention's schema
+  (tools/host_model.py under callgrind, 2026-11-27; 8.5k for the ``*args`` kernel before it):
+  the keyset object the dispatcher builds for it (~1.9k), its memo lookup (~1.6k), three
+  ``requires_grad`` reads (~1.2k).  With a
   gradient to record, it runs a ``torch.autograd.Function`` whose forward redispatches below
   autograd and whose backward is the op's ``backward`` (which calls other ``torch.ops.rtk`` ops,
   so AOTAutograd traces it into the backward graph under torch.compile).
@@ -90,34 +92,70 @@ def op(schema: str, impl: Callable, *, fake: Callable, backward: Callable | str 
         raise ValueError(f"{name}: mutating schemas go through torch.library.custom_op (version counters)")
     lib.define(schema, tags=TAGS)
     opov = getattr(getattr(torch.ops, lib.ns), name).default
-    pad = _defaults(opov)
-    lib.impl(name, _filled(impl, pad), device)
-    torch.library.register_fake(f"{lib.ns}::{name}", _filled(fake, pad), lib=lib)
-    lib.impl(name, _autograd_kernel(opov, name, impl, pad, getattr(torch._C.DispatchKey, device), backward,
+    lib.impl(name, _filled(impl, opov), device)
+    torch.library.register_fake(f"{lib.ns}::{name}", _filled(fake, opov), lib=lib)
+    lib.impl(name, _autograd_kernel(opov, name, impl, getattr(torch._C.DispatchKey, device), backward,
                                     setup_context), "Autograd", with_keyset=True)
     REGISTERED[name] = opov
     return opov
 
 
-def _defaults(opov) -> tuple:
-    """Each argument's default (None where it has none): the dispatcher drops trailing arguments
-    equal to their defaults before calling a Python kernel, so kernels put them back."""
-    return tuple(a.default_value if a.has_default_value() else None for a in opov._schema.arguments)
+# ---- kernels generated per schema ----------------------------------------------------------------
+# The dispatcher calls a Python kernel with the schema's arguments positionally, minus trailing ones
+# equal to their defaults.  A kernel written for the schema (a0, a1, ..., defaults as Python
+# defaults) takes them as they come: no ``*args`` tuple, no padding (``args + pad[len(args):]``),
+# no ``len`` test, and the requires-grad test reads each tensor argument's flag directly instead of
+# passing every argument through ``torch._C._any_requires_grad`` (0.5 us for attention's five
+# arguments, 0.8 us for matmul's six, against 0.1 us per tensor read inline; development CPU,
+# 2026-11-27).  Generated code is built from the schema only (argument count, types, defaults).
+def _parameters(opov) -> tuple[list[str], str, dict]:
+    """The schema's arguments as Python parameters: names ``a0, a1, ...``, the parameter list with
+    the trailing defaults (``"a0, a1, a2=_d2"``) and the namespace holding those defaults."""
+    args = opov._schema.arguments
+    first_default = len(args)
+    while first_default and args[first_default - 1].has_default_value():
+        first_default -= 1
+    names = [f"a{i}" for i in range(len(args))]
+    env = {f"_d{i}": args[i].default_value for i in range(first_default, len(args))}
+    params = ", ".join(n if i < first_default else f"{n}=_d{i}" for i, n in enumerate(names))
+    return names, params, env
 
 
-def _filled(fn: Callable, pad: tuple) -> Callable:
-    n = len(pad)
+def _requires_grad_test(opov, names: list[str]) -> str:
+    """A Python expression over ``names``: whether a tensor argument requires grad (what
+    ``torch._C._any_requires_grad(*args)`` answers: tensors, and tensors in a list); "False" for a
+    schema without tensor arguments."""
+    terms = []
+    for n, a in zip(names, opov._schema.arguments):
+        t = a.type
+        if isinstance(t, torch._C.TensorType):
+            terms.append(f"{n}.requires_grad")
+        elif isinstance(t, torch._C.OptionalType) and isinstance(t.getElementType(), torch._C.TensorType):
+            terms.append(f"({n} is not None and {n}.requires_grad)")
+        elif "Tensor" in str(t):   # Tensor[] / Tensor?[]: the list's tensors
+            terms.append(f"_any_requires_grad({n})")
+    return " or ".join(terms) or "False"
 
-    def call(*args):
-        return fn(*args, *pad[len(args):]) if len(args) != n else fn(*args)
-    call.__name__ = getattr(fn, "__name__", "kernel")
-    return call
+
+def _generated(source: str, env: dict, name: str) -> Callable:
+    exec(source, env)   # noqa: S102 - built from the schema only (see _parameters)
+    fn = env["kernel"]
+    fn.__name__ = fn.__qualname__ = name
+    return fn
 
 
-def _autograd_kernel(opov, name: str, impl: Callable, pad: tuple, dense_key, backward, setup_context):
+def _filled(fn: Callable, opov) -> Callable:
+    """``fn`` as a kernel of ``opov``: called with every schema argument, the trailing defaults the
+    dispatcher dropped put back (one frame, no padding per call)."""
+    names, params, env = _parameters(opov)
+    env["_fn"] = fn
+    return _generated(f"def kernel({params}):\n    return _fn({', '.join(names)})\n", env,
+                      getattr(fn, "__name__", "kernel"))
+
+
+def _autograd_kernel(opov, name: str, impl: Callable, dense_key, backward, setup_context):
     fn = _function_class(opov, name, backward, setup_context)
     returns_list = str(opov._schema.returns[0].type) == "List[Tensor]" if opov._schema.returns else False
-    n = len(pad)
 
     def with_grad(keyset, args):
         flat, spec = _flatten(args)
@@ -126,27 +164,35 @@ def _autograd_kernel(opov, name: str, impl: Callable, pad: tuple, dense_key, bac
 
     straight: dict = {}   # keyset (raw bits) -> whether the next kernel below autograd is impl itself
 
-    def kernel(keyset, *args):
-        if len(args) != n:
-            args = args + pad[len(args):]
-        if _grad_enabled() and _any_requires_grad(*args):
-            return with_grad(keyset, args)
+    def decide(keyset) -> bool:
+        # three pybind calls (~1.4 us on the development CPU, 2026-11-25): once per keyset
+        direct = (keyset & _AFTER_INPLACE_OR_VIEW).highestPriorityTypeId() == dense_key
         raw = _raw_repr(keyset)
-        direct = straight.get(raw)
-        if direct is None:
-            # three pybind calls (~1.4 us on the development CPU, 2026-11-25): once per keyset
-            direct = (keyset & _AFTER_INPLACE_OR_VIEW).highestPriorityTypeId() == dense_key
-            if raw is not None:
-                if len(straight) > 64:
-                    straight.clear()
-                straight[raw] = direct
-        if direct:
-            return impl(*args)   # what the redispatch below would reach, one Python layer sooner
-        with _below_autograd():
-            return opov.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        if raw is not None:
+            if len(straight) > 64:
+                straight.clear()
+            straight[raw] = direct
+        return direct
 
-    kernel.__name__ = f"rtk_{name}_autograd"
-    return kernel
+    names, params, env = _parameters(opov)
+    args = ", ".join(names)
+    packed = f"({args},)" if names else "()"
+    env.update(_grad_enabled=_grad_enabled, _any_requires_grad=_any_requires_grad, _with_grad=with_grad,
+               _straight=straight, _raw_repr=_raw_repr, _decide=decide, _impl=impl, _below_autograd=_below_autograd,
+               _redispatch=opov.redispatch, _AFTER_AUTOGRAD=_AFTER_AUTOGRAD)
+    # Without a gradient to record: the CUDA kernel itself when the dispatcher's next stop below
+    # autograd would be it (decided once per keyset), else the redispatch torch's own helpers do.
+    source = (f"def kernel(keyset, {params}):\n"
+              f"    if _grad_enabled() and ({_requires_grad_test(opov, names)}):\n"
+              f"        return _with_grad(keyset, {packed})\n"
+              f"    direct = _straight.get(_raw_repr(keyset))\n"
+              f"    if direct is None:\n"
+              f"        direct = _decide(keyset)\n"
+              f"    if direct:\n"
+              f"        return _impl({args})   # what the redispatch below would reach, one Python layer sooner\n"
+              f"    with _below_autograd():\n"
+              f"        return _redispatch(keyset & _AFTER_AUTOGRAD, {args})\n")
+    return _generated(source, env, f"rtk_{name}_autograd")
 
 
 def _flatten(args) -> tuple[list, tuple]:

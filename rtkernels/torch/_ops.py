@@ -16,6 +16,7 @@ import torch
 
 import rtkernels as _rtk
 from ..errors import ConfigError
+from ..ops.matmul import matmul_positional
 from ._library import empty_like_contiguous as _like
 from ._library import op
 
@@ -151,10 +152,6 @@ def _matmul_fake(a, b, bias, activation, trans_a, trans_b):
     return _like(a, _matmul_shape(a, b, trans_a, trans_b))
 
 
-def _matmul_impl(a, b, bias, activation, trans_a, trans_b):
-    return _rtk.matmul(a, b, bias=bias, activation=activation, trans_a=trans_a, trans_b=trans_b)
-
-
 def _matmul_save(ctx, args, out):
     a, b, bias, activation, trans_a, trans_b = args
     # relu' comes from the output (c > 0 exactly where z > 0); gelu' and silu' need the
@@ -233,7 +230,7 @@ def _matmul_backward(ctx, dc):
 
 matmul_op = op("matmul(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, bool trans_a=False, "
                "bool trans_b=False) -> Tensor",
-               _matmul_impl, fake=_matmul_fake, backward=_matmul_backward, setup_context=_matmul_save)
+               matmul_positional, fake=_matmul_fake, backward=_matmul_backward, setup_context=_matmul_save)
 
 
 # ---- row ops: softmax, rmsnorm, layernorm, reduce ---------------------------------------------
