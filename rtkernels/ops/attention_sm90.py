@@ -525,8 +525,10 @@ def softcap_fixed_max(dtype: str, softcap: float, head_dim: int = 64, causal: bo
 # per-head-dim config by more than 2% (the rest keep it: no extra compile).  The same config timed
 # twice in that run differed by up to 3.5% (d128 non-causal S=1k: 545 / 526).  Head dims between
 # the measured ones take the nearest measured head dim's tile family (d8-56 d64's, d72-96 d80's,
-# d104-120 d128's, d136-248 d256's - not timed apart; d136-192's per-head-dim tile is 128x112
-# pingpong, not d256's 128x80: `--short-ab --changed-only` times d192 too).  Every row's tile builds
+# d104-120 d128's, d136-248 d256's; d136-192's per-head-dim tile is 128x112 pingpong, not d256's
+# 128x80: d160 / d192 were timed apart on 2026-11-26 (H100, `--short-ab --head-dims 160,192`): d256's
+# S=512 rows gain there too (causal 261 -> 273 / 284 -> 294, non-causal 417 -> 444 / 457 -> 490), its
+# causal S=1k walk does not (d192 426 -> 376), so that row starts at d200).  Every row's tile builds
 # without spills or local memory over its whole range (NVRTC 13.5, sm_90a; bf16, ptxas at
 # d8/32/56/64, 72/88/96, 104/112/120/128, 136/152/176/192/200/224/248/256).
 SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
@@ -556,7 +558,9 @@ SHORT_SCHEDULE: list[tuple[int, int, bool, int, Tile]] = [
     (136, 256, True, 8, Tile(128, 64, 2, True, False, why=(
         "d256 causal S=512: 320 -> 329 (334), one CTA per tile (walking: 266 - the walk lost at every "
         "causal d256 cell, 0.81-0.85x; in L2-sized sections 339 vs 342, H200 2026-11-26)"))),
-    (136, 256, True, 16, Tile(128, 64, 2, True, False, persistent=True, l2_walk=True, why=(
+    (200, 256, True, 16, Tile(128, 64, 2, True, False, persistent=True, l2_walk=True, why=(
+        "not d136-192: there the per-head-dim 128x112 pingpong tile beat this row's walk at causal S=1k "
+        "(H100 2026-11-26, --short-ab --head-dims 160,192: d192 426 vs 376 (cuDNN 453), d160 396 vs 396).  "
         "d256 causal S=1k, the walk in L2-sized sections (H200 2026-11-26): 452 -> 477 (469); at 2k "
         "562 vs 562: kept off"))),
 ]
