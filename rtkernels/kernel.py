@@ -928,7 +928,7 @@ _INT_HOLDER: list = []
 def _int_arg(v: int):
     """A CuPy pointer holder (``CIntptr``) of ``v``'s int64 bytes, kept per value.  CuPy passes a
     pointer holder as it is, while a Python int becomes a new scalar holder in each launch (~1.9k
-    instructions per int against ~0.3k for this lookup, development CPU, 2026-11-27); a launch
+    instructions per int against ~0.3k for this lookup, development CPU, 2026-11-26); a launch
     loop passes the same sizes call after call.  Holders are read-only, so one serves every
     launch and thread."""
     if len(_INT_ARGS) >= 4096:

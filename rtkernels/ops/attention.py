@@ -504,7 +504,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             return _replay_forward(plan, q, k, v, out, return_lse, stream, plan_key[1])
     # the full path is a function of its own: its nested ``run`` closes over 18 of its variables,
     # and a function with closed-over variables makes a cell for each at every call - plan hits
-    # included (~6k instructions, ~1 us a call on the development CPU, 2026-11-27)
+    # included (~6k instructions, ~1 us a call on the development CPU, 2026-11-26)
     return _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, window, softcap, dtype, stream, varlen, plan_key)
 

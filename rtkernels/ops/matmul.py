@@ -695,7 +695,7 @@ def matmul_positional(a, b, bias, activation, trans_a, trans_b):
     """:func:`matmul` with its options positional and no ``out``, ``dtype`` or stream: the CUDA
     kernel of ``torch.ops.rtk.matmul`` (whose schema has exactly these arguments).  A plan hit
     replays here, without the keyword call into :func:`matmul` and its fp8 test (~0.3 us of the
-    custom op's 1.2 us of Python over the direct call, development CPU, 2026-11-27); anything else
+    custom op's 1.2 us of Python over the direct call, development CPU, 2026-11-26); anything else
     is :func:`matmul` itself."""
     plan_key = _plan_key(a, b, bias, None, activation, trans_a, trans_b, None)
     plan = _LAUNCHES.get(plan_key)

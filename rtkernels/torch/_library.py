@@ -23,7 +23,7 @@ what :func:`op` adds is a lean autograd kernel, for host cost:
   pays (:func:`floor_op` measures it; 2.2 us for attention's schema on the H100 host, 3.2 us
   returning new tensors, 2026-11-26), plus this kernel: generated per schema (see
   :func:`_parameters`), it costs ~5.5k instructions a call over the floor for attention's schema
-  (tools/host_model.py under callgrind, 2026-11-27; 8.5k for the ``*args`` kernel before it):
+  (tools/host_model.py under callgrind, 2026-11-26; 8.5k for the ``*args`` kernel before it):
   the keyset object the dispatcher builds for it (~1.9k), its memo lookup (~1.6k), three
   ``requires_grad`` reads (~1.2k).  With a
   gradient to record, it runs a ``torch.autograd.Function`` whose forward redispatches below
@@ -107,7 +107,7 @@ def op(schema: str, impl: Callable, *, fake: Callable, backward: Callable | str 
 # no ``len`` test, and the requires-grad test reads each tensor argument's flag directly instead of
 # passing every argument through ``torch._C._any_requires_grad`` (0.5 us for attention's five
 # arguments, 0.8 us for matmul's six, against 0.1 us per tensor read inline; development CPU,
-# 2026-11-27).  Generated code is built from the schema only (argument count, types, defaults).
+# 2026-11-26).  Generated code is built from the schema only (argument count, types, defaults).
 def _parameters(opov) -> tuple[list[str], str, dict]:
     """The schema's arguments as Python parameters: names ``a0, a1, ...``, the parameter list with
     the trailing defaults (``"a0, a1, a2=_d2"``) and the namespace holding those defaults."""
