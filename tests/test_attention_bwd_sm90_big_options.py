@@ -22,6 +22,7 @@ from rtkernels.ops.attention_bwd_sm90_big import AttentionBwdSm90BigConfig as Cf
 from rtkernels.ops.attention_bwd import describe as BIG_DESCRIBE
 
 import test_attention_bwd as bwd_tests   # the backward's GPU case runner (tests/ is on sys.path)
+from test_attention_bwd_sm90_lpt import lpt_sections_case   # the options' shared GPU cases
 
 
 def test_kt_options_shared_memory():
@@ -204,17 +205,8 @@ def test_gpu_lpt_sections(monkeypatch, section_bytes, prebuilt):
     runs once (bf16 d256, causal, GQA 2:1, batch 5, sq 300 < sk 333; 30 CTAs: every section size
     ties on the model, the largest wins)."""
     _require_sm90()
-    monkeypatch.setattr(B90, "LPT_SECTION_BYTES", section_bytes)
-    B90.lpt_group.cache_clear()
     cfg = Cfg(dtype="bfloat16", head_dim=256, causal=True, lpt_grid=True, dq_mode="ring")
-    try:
-        from rtkernels import device
-        g = B90.lpt_group(cfg, 5, 300, 333, 1, 2, device.sm_count())
-        print(f"lpt sections of {g} pairs")
-        assert g == (1 if section_bytes == 1 else 3), g
-        bwd_tests._gpu_case(5, 300, 333, 2, 1, 256, True, "bfloat16", hopper=cfg)
-    finally:
-        B90.lpt_group.cache_clear()
+    lpt_sections_case(monkeypatch, cfg, section_bytes, 1 if section_bytes == 1 else 3)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,6 @@ through the op's own dispatch for varlen and a window (tests/test_attention_varl
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from rtkernels.errors import ConfigError
@@ -20,6 +19,7 @@ from rtkernels.ops import attention_bwd_sm90_big as BIG
 from rtkernels.ops.attention_bwd_sm90_big import AttentionBwdSm90BigConfig as Cfg
 
 import test_attention_bwd as bwd_tests   # the backward's GPU case runner (tests/ is on sys.path)
+from test_attention_bwd_sm90_lpt import fresh_backward_plans, varlen_backward_rounds   # shared GPU cases
 
 
 def test_stagger_rules():
@@ -130,11 +130,16 @@ def _op_configs():
             for flags in (dict(is_varlen=True), dict(is_varlen=True, has_window=True), {})]
 
 
+def gpu_configs() -> set:
+    """Every config the GPU tests below build (tools/prebuild_bwd_ab.py prebuilds them too)."""
+    return {_config(c[5], c[6], c[7], c[8]) for c in CASES} | set(_op_configs())
+
+
 @pytest.fixture(scope="module")
 def prebuilt():
     """The GPU cases' configs compiled once in parallel worker processes into the disk cache."""
     from gpu_util import prebuild_sm90
-    prebuild_sm90(BIG.FAMILY, {_config(c[5], c[6], c[7], c[8]) for c in CASES} | set(_op_configs()))
+    prebuild_sm90(BIG.FAMILY, gpu_configs())
 
 
 @pytest.mark.gpu
@@ -168,22 +173,14 @@ def test_gpu_stagger_through_the_op_varlen_and_window(monkeypatch, d, dtype, pre
     differ per sequence), the varlen plan replayed with new data, and a dense call with seqlen_q !=
     seqlen_k; every plan recorded ran a staggered config."""
     _require_sm90()
-    import importlib
-    from rtkernels.ops._arrays import LaunchPlans
-    A = importlib.import_module("rtkernels.ops.attention_bwd")
-    V = importlib.import_module("test_attention_varlen")
     plain = BIG.choose_config
 
     def staggered(dtype, head_dim, causal, deterministic, **mask_flags):
         cfg = plain(dtype, head_dim, causal, deterministic, **mask_flags)
         return cfg if causal or deterministic else cfg.replace(stagger=True)
 
-    monkeypatch.setattr(BIG, "choose_config", staggered)
-    monkeypatch.setattr(B90, "_MASKED_CLEAN", {})
-    monkeypatch.setattr(A, "_BACKWARD_PLANS", LaunchPlans())
-    monkeypatch.setattr(A, "_VARLEN_BACKWARD_PLANS", LaunchPlans())
-    for seed, window in ((1, None), (2, None), (3, (100, 30))):   # seed 2 replays seed 1's plan
-        V._varlen_backward(np.random.default_rng(seed), V.SHORT_Q, V.SHORT_K, 6, 2, d, dtype, False, window)
+    A = fresh_backward_plans(monkeypatch, BIG, staggered)
+    varlen_backward_rounds(d, dtype)
     plans = [p.cfg for p in A._VARLEN_BACKWARD_PLANS._plans.values()]
     assert plans and all(c.stagger for c in plans), plans
     bwd_tests._gpu_case(2, 300, 517, 4, 2, d, False, dtype)

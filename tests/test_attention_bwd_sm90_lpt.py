@@ -36,6 +36,43 @@ def _cfg(dtype, d, causal, **opts):
     return B90.choose_config(dtype, d, causal, False).replace(**opts)
 
 
+# ---- GPU helpers, shared with the big kernel's option tests (test_attention_bwd_sm90_big_*) ----------
+def lpt_sections_case(monkeypatch, cfg, section_bytes: int, want: int) -> None:
+    """``cfg`` (lpt_grid, causal, bf16) with LPT_SECTION_BYTES = ``section_bytes`` on batch 5, GQA
+    2:1 (one kv head), sq 300 < sk 333: the model picks sections of ``want`` pairs and every key tile
+    of every pair still runs once (the float64 check)."""
+    from rtkernels import device
+    monkeypatch.setattr(B90, "LPT_SECTION_BYTES", section_bytes)
+    B90.lpt_group.cache_clear()
+    try:
+        g = B90.lpt_group(cfg, 5, 300, 333, 1, 2, device.sm_count())
+        print(f"lpt sections of {g} pairs")
+        assert g == want, g
+        bwd_tests._gpu_case(5, 300, 333, 2, 1, cfg.head_dim, True, cfg.dtype, hopper=cfg)
+    finally:
+        B90.lpt_group.cache_clear()
+
+
+def fresh_backward_plans(monkeypatch, module, choose):
+    """``module.choose_config`` replaced by ``choose``, the masked-build memo and both backward plan
+    caches emptied; returns rtkernels.ops.attention_bwd, whose plans then hold what ``choose`` picked."""
+    from rtkernels.ops._arrays import LaunchPlans
+    A = importlib.import_module("rtkernels.ops.attention_bwd")
+    monkeypatch.setattr(module, "choose_config", choose)
+    monkeypatch.setattr(B90, "_MASKED_CLEAN", {})
+    monkeypatch.setattr(A, "_BACKWARD_PLANS", LaunchPlans())
+    monkeypatch.setattr(A, "_VARLEN_BACKWARD_PLANS", LaunchPlans())
+    return A
+
+
+def varlen_backward_rounds(d: int, dtype: str) -> None:
+    """Packed sequences (test_attention_varlen's short mix, non-causal) with and without a sliding
+    window; seed 2 replays seed 1's plan with new data."""
+    V = importlib.import_module("test_attention_varlen")
+    for seed, window in ((1, None), (2, None), (3, (100, 30))):
+        V._varlen_backward(np.random.default_rng(seed), V.SHORT_Q, V.SHORT_K, 6, 2, d, dtype, False, window)
+
+
 # ---- CPU: rules ------------------------------------------------------------------------------
 def test_default_rule():
     """At d <= 128 the op takes lpt_grid for dense causal, non-deterministic calls from
@@ -269,7 +306,7 @@ def _case_config(d, causal, dtype, opts):
 
 
 def gpu_configs() -> set:
-    """Every config the GPU tests below build (tools/ab_bwd_lpt128.sh prebuilds them too)."""
+    """Every config the GPU tests below build (tools/prebuild_bwd_ab.py prebuilds them too)."""
     cfgs = {_case_config(c[5], c[6], c[7], c[8]) for c in CASES} | set(_varlen_configs()) | set(_op_configs())
     pairs = (("float16", 128), ("bfloat16", 64))   # the strided and bitwise tests' (dtype, head dim)
     cfgs |= {_cfg(dt, d, True) for dt, d in pairs}
@@ -317,17 +354,7 @@ def test_gpu_lpt_sections(monkeypatch, section_bytes, want, prebuilt):
     runs once (bf16 d128, causal, GQA 2:1, batch 5, sq 300 < sk 333; 15 CTAs: every section size
     ties on the model, the largest wins)."""
     _require_sm90()
-    from rtkernels import device
-    monkeypatch.setattr(B90, "LPT_SECTION_BYTES", section_bytes)
-    B90.lpt_group.cache_clear()
-    cfg = _cfg("bfloat16", 128, True, lpt_grid=True)
-    try:
-        g = B90.lpt_group(cfg, 5, 300, 333, 1, 2, device.sm_count())
-        print(f"lpt sections of {g} pairs")
-        assert g == want, g
-        bwd_tests._gpu_case(5, 300, 333, 2, 1, 128, True, "bfloat16", hopper=cfg)
-    finally:
-        B90.lpt_group.cache_clear()
+    lpt_sections_case(monkeypatch, _cfg("bfloat16", 128, True, lpt_grid=True), section_bytes, want)
 
 
 @pytest.mark.gpu
@@ -402,9 +429,6 @@ def test_gpu_options_through_the_op(monkeypatch, d, dtype, prebuilt):
     recomputes the 1-D grid and section size), then packed sequences with and without a sliding
     window (varlen plans, seed 2 replaying seed 1's); every plan recorded ran an option."""
     _require_sm90()
-    from rtkernels.ops._arrays import LaunchPlans
-    A = importlib.import_module("rtkernels.ops.attention_bwd")
-    V = importlib.import_module("test_attention_varlen")
     plain = B90.choose_config
 
     def ordered(dtype, head_dim, causal, deterministic, **mask_flags):
@@ -415,16 +439,12 @@ def test_gpu_options_through_the_op(monkeypatch, d, dtype, prebuilt):
             return cfg if mask_flags.get("is_varlen") else cfg.replace(lpt_grid=True)
         return cfg.replace(stagger=True)
 
-    monkeypatch.setattr(B90, "choose_config", ordered)
-    monkeypatch.setattr(B90, "_MASKED_CLEAN", {})
-    monkeypatch.setattr(A, "_BACKWARD_PLANS", LaunchPlans())
-    monkeypatch.setattr(A, "_VARLEN_BACKWARD_PLANS", LaunchPlans())
+    A = fresh_backward_plans(monkeypatch, B90, ordered)
     for seed in (1, 2):
         bwd_tests._gpu_case(2, 300, 517, 4, 2, d, True, dtype, seed=seed)
         bwd_tests._gpu_case(2, 517, 300, 4, 2, d, False, dtype, seed=seed)
     plans = [p.cfg for p in A._BACKWARD_PLANS._plans.values()]
     assert len(plans) == 2 and all(c.lpt_grid != c.stagger for c in plans), plans
-    for seed, window in ((1, None), (2, None), (3, (100, 30))):
-        V._varlen_backward(np.random.default_rng(seed), V.SHORT_Q, V.SHORT_K, 6, 2, d, dtype, False, window)
+    varlen_backward_rounds(d, dtype)
     plans = [p.cfg for p in A._VARLEN_BACKWARD_PLANS._plans.values()]
     assert plans and all(c.stagger for c in plans), plans

@@ -22,27 +22,8 @@ ALTS=(--alt lpt_grid=true --alt stagger=true)
 HEAD_DIMS=64,96,128
 
 # the bench's configs (default, deterministic, each alt) and the tests' compiled in parallel into the disk cache
-timeout 90 $PY - "$HEAD_DIMS" "${ALTS[@]}" >"$W/prebuild.txt" 2>&1 <<'PYEOF'
-import dataclasses, sys, time
-sys.path.insert(0, "tests")
-from bench_attention_bwd import _alt_config
-from rtkernels import inspect as rinspect
-from rtkernels.ops import attention_bwd_sm90 as B90
-import test_attention_bwd_sm90_lpt as T
-t0 = time.perf_counter()
-specs = sys.argv[3::2]
-cfgs = T.gpu_configs()
-for d in map(int, sys.argv[1].split(",")):
-    for causal in (False, True):
-        base = B90.choose_config("bfloat16", d, causal, False)
-        cfgs |= {base, B90.choose_config("bfloat16", d, causal, True)}
-        cfgs |= {c for c in (_alt_config(base, s) for s in specs) if c is not None}
-reps = rinspect.sweep(B90.FAMILY, [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in cfgs],
-                      arch="sm_90a", jobs=16)
-for r in reps:
-    print(r.get("status"), r.get("resources", r.get("error")), r.get("config"))
-print(f"prebuilt {len(cfgs)} configs in {time.perf_counter() - t0:.1f} s")
-PYEOF
+timeout 90 $PY tools/prebuild_bwd_ab.py --tests test_attention_bwd_sm90_lpt --head-dims "$HEAD_DIMS" "${ALTS[@]}" \
+    >"$W/prebuild.txt" 2>&1
 echo "prebuild rc $?: $(tail -1 "$W/prebuild.txt")"
 timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd_sm90_lpt.py >"$W/tests_lpt.txt" 2>&1
 echo "lpt / stagger GPU tests (rc $?): $(tail -1 "$W/tests_lpt.txt")"

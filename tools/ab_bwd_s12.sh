@@ -21,28 +21,8 @@ ALTS256=(--alt stagger=true --alt dq_mode=ring,stagger=true --alt dq_mode=red,nu
 ALTS192=(--alt stagger=true)
 
 # the bench's configs (default, deterministic, each alt) and the tests' compiled in parallel into the disk cache
-timeout 60 $PY - "${ALTS256[@]}" >"$W/prebuild.txt" 2>&1 <<'PYEOF'
-import dataclasses, sys, time
-sys.path.insert(0, "tests")
-from bench_attention_bwd import _alt_config
-from rtkernels import inspect as rinspect
-from rtkernels.ops import attention_bwd_sm90_big as BIG
-import test_attention_bwd_sm90_big_stagger as T
-t0 = time.perf_counter()
-specs = sys.argv[2::2]
-cfgs = {T._config(c[5], c[6], c[7], c[8]) for c in T.CASES} | set(T._op_configs())
-for d in (192, 256):
-    for causal in (False, True):
-        base = BIG.choose_config("bfloat16", d, causal, False)
-        cfgs |= {base, BIG.choose_config("bfloat16", d, causal, True)}
-        alts = specs if d == 256 else ["stagger=true"]
-        cfgs |= {c for c in (_alt_config(base, s) for s in alts) if c is not None}
-reps = rinspect.sweep(BIG.FAMILY, [{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in cfgs],
-                      arch="sm_90a", jobs=16)
-for r in reps:
-    print(r.get("status"), r.get("resources", r.get("error")), r.get("config"))
-print(f"prebuilt {len(cfgs)} configs in {time.perf_counter() - t0:.1f} s")
-PYEOF
+{ timeout 60 $PY tools/prebuild_bwd_ab.py --tests test_attention_bwd_sm90_big_stagger --head-dims 256 "${ALTS256[@]}"
+  timeout 30 $PY tools/prebuild_bwd_ab.py --head-dims 192 "${ALTS192[@]}"; } >"$W/prebuild.txt" 2>&1
 echo "prebuild rc $?: $(tail -1 "$W/prebuild.txt")"
 timeout 100 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bwd_sm90_big_stagger.py \
     >"$W/tests_stagger.txt" 2>&1
