@@ -477,7 +477,7 @@ class OutputPlan:
                     addrs.append(None if a is None else a.data_ptr())
                 addrs = tuple(addrs)
                 hit = self.recent.get(addrs)
-                head = hit[0] if hit is not None else self._converted(addrs, arrays, args, bound)
+                head = hit[0] if hit is not None else self._convert(addrs, arrays, args, bound)
         else:
             if stream is not None and type(stream) is not _STREAM_TYPE[0]:
                 stream = _STREAM_ARG[0](stream)
@@ -489,7 +489,7 @@ class OutputPlan:
                     addrs.append(None if a is None else a.data.ptr)
                 addrs = tuple(addrs)
                 hit = self.recent.get(addrs)
-                head = hit[0] if hit is not None else self._converted(addrs, arrays, args, bound)
+                head = hit[0] if hit is not None else self._convert(addrs, arrays, args, bound)
         try:   # BoundLaunch.run's launch, inlined (one Python frame less per call)
             if linear:
                 fn.linear_launch(linear, head + tail, smem, block0, stream)
@@ -500,11 +500,14 @@ class OutputPlan:
 
     def _converted(self, addrs, arrays, args, bound):
         hit = self.recent.get(addrs)
-        if hit is None:
-            hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
-            if len(self.recent) >= _RECENT_PER_PLAN:
-                self.recent.clear()
-            self.recent[addrs] = hit
+        return hit[0] if hit is not None else self._convert(addrs, arrays, args, bound)
+
+    def _convert(self, addrs, arrays, args, bound):
+        """The converted arguments of an address set not in ``recent`` (the replay looked), kept there."""
+        hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
+        if len(self.recent) >= _RECENT_PER_PLAN:
+            self.recent.clear()
+        self.recent[addrs] = hit
         return hit[0]
 
     def _first_replay(self, arrays, stream, args, dev) -> None:

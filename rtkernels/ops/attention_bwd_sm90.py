@@ -276,7 +276,6 @@ def choose_config(dtype: str, head_dim: int, causal: bool, deterministic: bool, 
                                   block_m=query_step(head_dim, **mask_flags), lpt_grid=lpt, **mask_flags)
 
 
-
 def heuristic_configs(dtypes=("float16", "bfloat16")) -> list[AttentionBwdSm90Config]:
     """Every config the op can dispatch to."""
     return [choose_config(dt, d, c, det) for dt in dtypes for d in range(8, MAX_HEAD_DIM + 1, 8)

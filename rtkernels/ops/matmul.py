@@ -690,7 +690,6 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     return out
 
 
-
 def matmul_positional(a, b, bias, activation, trans_a, trans_b):
     """:func:`matmul` with its options positional and no ``out``, ``dtype`` or stream: the CUDA
     kernel of ``torch.ops.rtk.matmul`` (whose schema has exactly these arguments).  A plan hit
@@ -702,6 +701,7 @@ def matmul_positional(a, b, bias, activation, trans_a, trans_b):
     if plan is not None:
         return _replay(plan, a, b, bias, None, None, plan_key[1])
     return matmul(a, b, bias=bias, activation=activation, trans_a=trans_a, trans_b=trans_b)
+
 
 # ---- M <= 16: the GEMV route ---------------------------------------------------------------------
 @dataclass(frozen=True)

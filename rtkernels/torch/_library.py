@@ -164,10 +164,9 @@ def _autograd_kernel(opov, name: str, impl: Callable, dense_key, backward, setup
 
     straight: dict = {}   # keyset (raw bits) -> whether the next kernel below autograd is impl itself
 
-    def decide(keyset) -> bool:
+    def decide(keyset, raw) -> bool:
         # three pybind calls (~1.4 us on the development CPU, 2026-11-25): once per keyset
         direct = (keyset & _AFTER_INPLACE_OR_VIEW).highestPriorityTypeId() == dense_key
-        raw = _raw_repr(keyset)
         if raw is not None:
             if len(straight) > 64:
                 straight.clear()
@@ -185,9 +184,10 @@ def _autograd_kernel(opov, name: str, impl: Callable, dense_key, backward, setup
     source = (f"def kernel(keyset, {params}):\n"
               f"    if _grad_enabled() and ({_requires_grad_test(opov, names)}):\n"
               f"        return _with_grad(keyset, {packed})\n"
-              f"    direct = _straight.get(_raw_repr(keyset))\n"
+              f"    raw = _raw_repr(keyset)\n"
+              f"    direct = _straight.get(raw)\n"
               f"    if direct is None:\n"
-              f"        direct = _decide(keyset)\n"
+              f"        direct = _decide(keyset, raw)\n"
               f"    if direct:\n"
               f"        return _impl({args})   # what the redispatch below would reach, one Python layer sooner\n"
               f"    with _below_autograd():\n"

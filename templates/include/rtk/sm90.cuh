@@ -265,6 +265,12 @@ __device__ __forceinline__ void cluster_arrive() {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
 
+// The same arrive without .aligned: for a thread whose warp's lanes may reach it apart (matmul_sm90's
+// producer warp, whose thread 0 may still be issuing loads).
+__device__ __forceinline__ void cluster_arrive_unaligned() {
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+
 __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
