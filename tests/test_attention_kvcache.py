@@ -636,17 +636,18 @@ def test_gpu_head_dims_decode(variant, loader, d, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,hkv,d,dtype,page,new", [(40, 8, 128, "bfloat16", None, 1), (20, 16, 64, "float16", None, 0),
-                                                       (70, 4, 96, "bfloat16", None, 2), (40, 8, 128, "bfloat16", 16, 1)])
+                                                       (70, 4, 96, "bfloat16", None, 2), (40, 8, 128, "bfloat16", 16, 1),
+                                                       (17, 16, 96, "float16", None, 1), (9, 16, 64, "bfloat16", 64, 0)])
 def test_gpu_two_warp_ctas_for_large_unsplit_grids(batch, hkv, d, dtype, page, new):
-    """More than one wave of two-CTA slots on a contiguous cache runs two warps per CTA (four CTAs per
-    SM; attention_kvcache._two_warp_ctas); a paged cache of the same shape keeps four warps.  Ragged
+    """More than one CTA per SM on a contiguous cache runs two warps per CTA (four CTAs per SM;
+    attention_kvcache._two_warp_ctas); a paged cache of the same shape keeps four warps.  Ragged
     lengths, an append, poisoned outputs, the float64 reference."""
     from rtkernels.device import sm_count
     from rtkernels.ops.attention import _device_arch
     if not kv_mod.tma_capable(d, _device_arch(0)) or kv_mod.DECODE_LOADER != "tma":
         pytest.skip("the rule applies to the TMA loader (sm_90+)")
-    if batch * hkv <= 2 * sm_count():
-        pytest.skip(f"{batch * hkv} CTAs fit one wave of two-CTA slots on this GPU")
+    if batch * hkv <= sm_count():
+        pytest.skip(f"{batch * hkv} CTAs fit one CTA per SM on this GPU")
     x = _run(_seed(), batch, 1, hkv * 2, hkv, d, dtype, page, True, new, 300)
     plan = _plan_for(x)
     assert plan.config.num_warps == (4 if page else 2), plan.config

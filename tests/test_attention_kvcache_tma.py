@@ -146,10 +146,11 @@ def test_tma_plan_maps_the_caches_as_they_are():
         kv_mod.set_variant(None)
 
 
-def test_split_rule_contig_splits_paged_caches_as_contiguous_ones():
-    """bench variant split_rule=contig: a paged cache gets the contiguous cache's split count
-    (B1 S32k 32/8: 16 fused, not PAGED_FILL's 33 with the combine launch)."""
-    def plan(paged, variant):
+def test_tma_paged_caches_split_as_contiguous_ones():
+    """Pages the TMA loader reads split as a contiguous cache does (B1 S32k 32/8: 16 splits merged in
+    the launch); PAGED_FILL's 33 (with the combine launch) stays for cp.async pages (sm_80, and the
+    variant loader=cp.async) and for the bench's split_rule=paged baseline."""
+    def plan(paged, variant, arch="sm_90"):
         kv_mod.set_variant(variant)
         try:
             if paged:
@@ -160,13 +161,18 @@ def test_split_rule_contig_splits_paged_caches_as_contiguous_ones():
                 views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((1, 32768, 8, 128)),
                                v_cache=Fake((1, 32768, 8, 128)), cache_seqlens=Fake((1,), "int32"))
             return kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
-                                    torch=False, out_dtype="float16", f32="float32", arch="sm_90", sms=132,
+                                    torch=False, out_dtype="float16", f32="float32", arch=arch, sms=132,
                                     variant=kv_mod._VARIANT)
         finally:
             kv_mod.set_variant(None)
-    contig, paged = plan(False, None).num_splits, plan(True, None).num_splits
-    assert paged > contig, (paged, contig)
-    assert plan(True, dict(split_rule="contig")).num_splits == contig
+    contig = plan(False, None)
+    tma = plan(True, None)
+    assert tma.config.loader == "tma" and (tma.num_splits, tma.fused) == (contig.num_splits, contig.fused) == (16, True)
+    assert plan(True, dict(split_rule="contig")).num_splits == contig.num_splits
+    old = plan(True, dict(split_rule="paged"))
+    assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
+    for cp_pages in (plan(True, dict(loader="cp.async")), plan(True, None, arch="sm_80")):
+        assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > contig.num_splits, cp_pages.num_splits
 
 
 def _tma_plan(**views):

@@ -566,12 +566,15 @@ def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal
 
 
 # Two warps per CTA (four CTAs per SM instead of two) for unsplit contiguous grids of more than one
-# wave of two-CTA slots.  Measured (H200, 2026-11-26, `tools/bench_decode.py --variants w2=num_warps:2`,
-# % of copy, the default timed twice within 0.4): B64 S2k 32/8 d128 (512 CTAs) 101 -> 104, B128 S1k 64/8
+# CTA per SM.  Measured (H200, 2026-11-26, `tools/bench_decode.py --variants w2=num_warps:2`, % of
+# copy, the default timed twice within 0.4): B64 S2k 32/8 d128 (512 CTAs) 101 -> 104, B128 S1k 64/8
 # (1024 CTAs) 97.0 -> 98.9 - the last partial wave of 264 slots shrinks; B16 S4k d64 (256 CTAs, one
-# wave) 99.0 -> 99.1: not taken.  Paged caches lost (B128 paged16 97.4 -> 95.6, B16 94.5 -> 90.7) and a
-# split grid (B8 S8k) fell 93.9 -> 70.5: both keep four warps.  Head dims <= 128 (d256's rings keep two
-# CTAs per SM at two warps: nothing to gain).
+# wave) 99.0 -> 99.1.  The rule then started above two CTAs per SM; on an H100 (2026-11-26, same
+# bench, two runs) grids of one to two CTAs per SM gain too: B16 S4k 16/16 d96 (256 CTAs) 76.8 -> 86.2,
+# d64 94.1 -> 95.4 and 94.5 -> 96.0, B24 S4k 32/8 d128 (192) 93.5 -> 95.3; B32 S4k 32/8 d128 (256)
+# 99.1 / 99.7 -> 98.9 / 99.3 (level).  Paged caches lost (H200: B128 paged16 97.4 -> 95.6, B16 94.5
+# -> 90.7) and a split grid (B8 S8k) fell 93.9 -> 70.5: both keep four warps.  Head dims <= 128
+# (d256's rings keep two CTAs per SM at two warps: nothing to gain).
 TWO_WARP_HEAD_DIM_MAX = 128
 
 
@@ -582,7 +585,7 @@ def _two_warp_tile(cfg: AttentionDecodeConfig) -> bool:
 
 
 def _two_warp_ctas(cfg, fields: dict, ctas: int, sms: int, splits) -> bool:
-    return "num_warps" not in fields and not splits and _two_warp_tile(cfg) and ctas > 2 * sms
+    return "num_warps" not in fields and not splits and _two_warp_tile(cfg) and ctas > sms
 
 
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
@@ -598,7 +601,17 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       against filling both resident slots of the d128 tiles (H200, 2026-11-26, % of copy, fill 1 /
       fill 2): B8 S8k 86.1 / 84.0, B1 S32k 74.3 / 69.1 (33 splits need the separate combine
       launch), B1 S128k 91.0 / 89.9; unsplit B8 S8k ran 51.3 (half the SMs idle).
-    - paged caches (each page waits on a block-table read): split until PAGED_FILL CTAs per SM.
+    - ``paged``: caches read through cp.async pages (each page waits on a block-table read): split
+      until PAGED_FILL CTAs per SM.  The op passes False for paged caches its TMA loader reads: those
+      split as contiguous ones (H100, 2026-11-26, `tools/bench_decode.py --variants pc=split_rule:contig`,
+      % of copy paged16 / paged64, PAGED_FILL -> contiguous rule): B1 S32k 75.4 / 75.9 -> 79.0 / 80.4
+      (and 76.0 / 76.9 -> 79.7 / 80.1 in a second run), B1 S128k 92.6 / 94.7 -> 94.6 / 95.5, B2 S32k
+      88.3 / 88.7 -> 89.9 / 90.6, B4 S16k 87.6 / 89.5 -> 88.7 / 90.6, B8 S8k 86.1 / 89.3 -> 90.1 / 90.4
+      (88.4 / 88.9 -> 88.2 / 90.2 in the first run), B16 S8k seqlen_q 2 92.8 / 94.9 -> 96.2 / 97.4, B8
+      S8k 16/16 d64 87.3 / 88.6 -> 86.9 / 94.7, seqlen_q 4 B8 S8k 86.0 / 86.9 -> 86.4 / 89.3 and B1 S32k
+      73.3 / 74.6 -> 76.4 / 77.5: fewer CTAs, and B1's 16 splits merge in the launch (33 needed the
+      combine launch).  The block-table wait that PAGED_FILL hid is off the critical path once one
+      lane issues whole-tile tensor copies a tile ahead.
     - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
       of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
     No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
@@ -864,7 +877,8 @@ DEFAULT_ORDER = "heads"
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
 # per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
 # paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
-# forced splits the two were 71.9 / 75.5) overriding the
+# forced splits the two were 71.9 / 75.5 - the default for TMA-read pages since; "paged": PAGED_FILL for
+# TMA-read pages too, the rule before) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
@@ -924,7 +938,10 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
             per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
-            num_splits = choose_num_splits(ctas, p.capacity, sms, p.paged and rule != "contig", split_rows, per_sm)
+            # PAGED_FILL for the cp.async pages only (choose_num_splits); "paged": also for TMA (the
+            # rule before 2026-11-26), "contig": for neither (bench A/Bs)
+            paged_rule = p.paged and rule != "contig" and (cfg.loader != "tma" or rule == "paged")
+            num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm)
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
