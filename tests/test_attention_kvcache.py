@@ -175,16 +175,23 @@ def test_num_splits_heuristic():
     # the old rule (the A/B baseline): no split from 0.45 CTA per SM
     assert kv_mod._old_num_splits(64, 8192, sms, False, 1) == 1
     assert kv_mod._old_num_splits(8, 32768, sms, False, 1) == 16
-    # compute-heavy CTAs (>= HEAVY_ROWS query rows per kv head): two per SM, >= 16 x rows keys per split
+    # compute-heavy CTAs (>= HEAVY_ROWS query rows per kv head): heavy_fill per SM (the op: one above
+    # d64, two at d <= 64 - compute_fill), >= 16 x rows keys per split
     heavy = kv_mod.HEAVY_ROWS
-    assert choose_num_splits(64, 8192, sms, rows=64) == 4          # B8 S8k 32/8, seqlen_q 16: 256 CTAs
+    assert (kv_mod.compute_fill(128), kv_mod.compute_fill(96), kv_mod.compute_fill(64)) == (1, 1, 2)
+    assert kv_mod.compute_fill(128, paged=True) == 2
+    assert choose_num_splits(64, 8192, sms, rows=64) == 2          # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
+    assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=2) == 4   # d64: 256 CTAs
+    assert choose_num_splits(128, 8192, sms, rows=64) == 1         # B16 S4k: one CTA per SM already
+    assert choose_num_splits(8, 32768, sms, rows=64) == 16         # B1 S32k
     assert choose_num_splits(150, 8192, sms, rows=heavy - 1) == 1  # below: the decode rule (>= 1 CTA per SM)
     assert choose_num_splits(150, 8192, sms, rows=64) == 1
-    assert choose_num_splits(264, 8192, sms, rows=64) == 1
+    assert choose_num_splits(264, 8192, sms, rows=64, heavy_fill=2) == 1
     assert choose_num_splits(8, 2048, sms, rows=128) == 2048 // (kv_mod.HEAVY_KEYS_PER_ROW * 128)
-    for ctas in range(1, 300):
-        s = choose_num_splits(ctas, 1 << 20, sms, rows=64)
-        assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= kv_mod.COMPUTE_FILL * sms)
+    for fill in (1, 2):
+        for ctas in range(1, 300):
+            s = choose_num_splits(ctas, 1 << 20, sms, rows=64, heavy_fill=fill)
+            assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= fill * sms), (fill, ctas, s)
 
 
 # ---- references -----------------------------------------------------------------------------------

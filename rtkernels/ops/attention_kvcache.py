@@ -301,7 +301,7 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
 # 255 registers, causal).  ncu of the keys mode there (H200, 2026-11-26): one warp per scheduler
 # issuing every 2.6 cycles (latency-bound, ALU the busiest pipe), L2 hit rate 62% (the second row
 # tile re-reads K/V), DRAM at 39% of peak.  The rows mode reads K/V once for up to 128 rows,
-# rescales O once per 32 keys instead of 16 and, split to two CTAs per SM (COMPUTE_FILL), runs two
+# rescales O once per 32 keys instead of 16 and, split to two CTAs per SM (COMPUTE_FILL then), runs two
 # warps per scheduler.  Reasoned from that profile; tools/bench_decode.py --variants times both.
 ROWS_MODE_ABOVE = 32
 # Decoding (<= 16 rows): "keys" until the rows mode's several-kv-heads-per-CTA variant (each CTA
@@ -356,18 +356,44 @@ MIN_KEYS_PER_SPLIT = 256
 # loop, ~0.33 us per split, since replaced), which those many-split figures include.
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
-# compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows), so one 4-warp CTA per SM is
-# latency-bound (see ROWS_MODE_ABOVE); their grids split until every SM holds COMPUTE_FILL CTAs.
-# Their partials are heavier too (rows x head_dim float32 per split against keys x head_dim x 4
-# bytes of K/V): at least HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V
-# bytes.  Reasoned (ncu, B8 S8k seqlen_q 16: 128 CTAs of one warp per scheduler).
+# compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
+# SM holds compute_fill(head_dim) CTAs: COMPUTE_FILL (one) above d64, COMPUTE_FILL_SMALL_HEAD (two)
+# at d <= 64, whose CTAs do the same softmax work per key for half the bytes.  Their partials are
+# heavier too (rows x head_dim float32 per split against keys x head_dim x 4 bytes of K/V): at least
+# HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V bytes.
+# Measured (H100, 2026-11-26, `tools/bench_decode.py --splits 1,2,4,8,16 --variants
+# "cf=combine:fused;ck=combine:kernel"`, wgmma rows mode, 32/8 heads, % of copy by forced splits):
+# d128 seqlen_q 16: B16 S4k (128 CTAs) 92.5 at 1 split against 75.4 at the old rule's 2; B8 S8k (64)
+# 85.6 at 2 (fused) against 81.0 at 4; B4 S8k seqlen_q 8 (32) 77.3 at 4 against 77.0 at 8; B2 S16k
+# (16) 75.6 at 8 against 72.7 at 16; B1 S32k (8) 73.5 at 16 against 72.5 at 32, seqlen_q 8 78.5
+# against 75.8 at 33; B32 S2k (256) unsplit either way (90.2).  One CTA per SM keeps the partials
+# (32 KB per split of 64 rows at d128: 6% of B8 S8k's K/V bytes at 4 splits) and their merge small.
+# d64 seqlen_q 16 B8 S8k (64 CTAs): 57.9 at 2 splits, 67.8 at 4 (71.6 fused): two CTAs per SM.
+# Paged caches keep two CTAs per SM at every head dim: one CTA's producer thread waits on each
+# page's block-table read, and at one CTA per SM paged16 fell to 58.9 / 63.2 / 53.7% at seqlen_q 16
+# B8 S8k / B16 S4k / B4 S8k (79.5 at B8 with two).
 HEAVY_ROWS = 32
-COMPUTE_FILL = 2
+COMPUTE_FILL = 1
+COMPUTE_FILL_SMALL_HEAD = 2
 HEAVY_KEYS_PER_ROW = 16
+
+
+def compute_fill(head_dim: int, paged: bool = False) -> int:
+    """CTAs per SM a compute-heavy decode grid is split to (see COMPUTE_FILL)."""
+    return COMPUTE_FILL_SMALL_HEAD if head_dim <= 64 or paged else COMPUTE_FILL
+
+
 # The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
-# launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.
-# Reasoned: a CTA keeps ~32 KB of loads in flight, ~1 us each round trip.
+# launch of its own (one CTA per output row, all SMs) is faster than one CTA reading them.  Keys
+# mode: 32 KB, reasoned (a CTA keeps ~32 KB of loads in flight, ~1 us each round trip); at 64 KB
+# it measured level (H100, 2026-11-26, fused / combine launch, % of copy: B1 S32k 64/8 79.6 / 80.1,
+# seqlen_q 2 79.5 / 79.6, d256 88.1 / 88.8, B2 S16k seqlen_q 2 80.8 / 80.3).  Rows mode: 64 KB,
+# measured (the sweep above): 64 KB of partials (2 splits x 64 rows x d128) fused wins - seqlen_q 16
+# B8 S8k 85.6 / 82.5, B16 S4k 82.3 / 75.4, seqlen_q 12 B8 S8k 85.3 / 82.8, d64 seqlen_q 16 B8 S8k at
+# 4 splits 71.6 / 67.8; 128 KB is level (82.9 / 82.9, 76.4 / 76.9); 256 KB and more lose (B4 S8k
+# seqlen_q 8 at 8 splits 70.4 / 76.8, B1 S32k 42-54 / 72-78).
 FUSED_COMBINE_MAX_BYTES = 32 * 1024
+FUSED_COMBINE_MAX_BYTES_ROWS = 64 * 1024
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
@@ -409,7 +435,7 @@ MAX_LOAD_ITERS = 8
 # rows mode with TMA: ring depths to try, deepest first.  The producer refills the stage of tile
 # n - 2 while the warps compute tile n (one stage of slack, so no warp waits for the slowest one),
 # so 4 stages keep the cp.async ring's 2 tiles in flight: d128, 32-key tiles of one kv head = 2 x
-# 16 KB per CTA, 65 KB of shared memory (two CTAs per sm_90 SM, as COMPUTE_FILL asks).  Reasoned;
+# 16 KB per CTA, 65 KB of shared memory (two CTAs per sm_90 SM, as COMPUTE_FILL_SMALL_HEAD asks).  Reasoned;
 # tools/bench_decode.py --variants times num_stages 3 and 5 against it.
 ROWS_TMA_STAGES = (4, 3)
 
@@ -442,7 +468,7 @@ def _rows_config(dtype, head_dim, rows_total, paged, causal, arch, nheads_kv, kv
             rw = max(need_rw, -(-ROWS_MODE_MIN_WARPS // kv))
             threads = 32 * kv * rw
             # TMA: the ring's stages are cheap to deepen, so first look for a tile two CTAs fit on
-            # one SM (COMPUTE_FILL) before taking the whole shared memory (reasoned)
+            # one SM (COMPUTE_FILL_SMALL_HEAD) before taking the whole shared memory (reasoned)
             for budget in ((limit // 2 - 1024, limit) if tma else (limit,)):
                 if kv * rw > 8:
                     break
@@ -589,7 +615,7 @@ def _two_warp_ctas(cfg, fields: dict, ctas: int, sms: int, splits) -> bool:
 
 
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
-                      ctas_per_sm: int = 1) -> int:
+                      ctas_per_sm: int = 1, heavy_fill: int = COMPUTE_FILL) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
     x row tiles) over a cache of ``capacity`` keys per sequence, on ``sms`` SMs holding
     ``ctas_per_sm`` CTAs of this kernel each (its occupancy).
@@ -612,19 +638,20 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       73.3 / 74.6 -> 76.4 / 77.5: fewer CTAs, and B1's 16 splits merge in the launch (33 needed the
       combine launch).  The block-table wait that PAGED_FILL hid is off the critical path once one
       lane issues whole-tile tensor copies a tile ahead.
-    - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds COMPUTE_FILL
-      of them (HEAVY_KEYS_PER_ROW x rows keys per split at least).
+    - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds
+      ``heavy_fill`` of them (the op passes :func:`compute_fill` of the head dim;
+      HEAVY_KEYS_PER_ROW x rows keys per split at least).
     No split shorter than MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS.  Shapes only (never the
     actual lengths): the plan must not read device data.
     """
     if ctas <= 0:
         return 1
     if rows >= HEAVY_ROWS:
-        # compute-heavy CTAs (``rows`` query rows per kv head): fill every SM COMPUTE_FILL times
-        if ctas >= COMPUTE_FILL * sms:
+        # compute-heavy CTAs (``rows`` query rows per kv head): fill every SM heavy_fill times
+        if ctas >= heavy_fill * sms:
             return 1
         min_keys = max(MIN_KEYS_PER_SPLIT, HEAVY_KEYS_PER_ROW * rows)
-        return max(1, min(COMPUTE_FILL * sms // ctas, capacity // min_keys, MAX_SPLITS))
+        return max(1, min(heavy_fill * sms // ctas, capacity // min_keys, MAX_SPLITS))
     slots = max(1, ctas_per_sm) * sms
     if paged and ctas < PAGED_FILL * sms:
         # A paged CTA waits on a block-table read before each page's copies, so one CTA per SM
@@ -941,7 +968,8 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             # PAGED_FILL for the cp.async pages only (choose_num_splits); "paged": also for TMA (the
             # rule before 2026-11-26), "contig": for neither (bench A/Bs)
             paged_rule = p.paged and rule != "contig" and (cfg.loader != "tma" or rule == "paged")
-            num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm)
+            num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
+                                           compute_fill(p.head_dim, p.paged))
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
@@ -952,8 +980,9 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         # the merge's weights (rounded to 16 bytes) and its split groups' float4 sums (<= one per thread)
         fits = 16 + 16 * -(-cta_rows * num_splits // 4) + 16 * cfg.threads_per_block <= cfg.shared_mem_bytes
         want = v.get("combine")
+        fused_max = FUSED_COMBINE_MAX_BYTES_ROWS if cfg.warp_split == "rows" else FUSED_COMBINE_MAX_BYTES
         fused = fits and (want == "fused" or (want is None and
-                                              num_splits * cta_rows * p.head_dim * 4 <= FUSED_COMBINE_MAX_BYTES))
+                                              num_splits * cta_rows * p.head_dim * 4 <= fused_max))
     order = ORDER[v.get("order", DEFAULT_ORDER)]
     # a.fused: 0 none / the combine launch, 1 the merge, 2 the first (serial) merge (variant merge:serial)
     args = _args(p, cfg, num_splits, row_tiles, order, (2 if v.get("merge") == "serial" else 1) if fused else 0)
