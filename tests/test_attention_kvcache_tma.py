@@ -339,8 +339,10 @@ OCCUPANCY_VARIANTS = [
     (128, dict(num_warps=2), 4),                   # 2 warps x 3 stages x 8 KB: 54 KB
     (128, dict(num_stages=2), 3),                  # 71 KB; 167 registers x 128 threads x 3 fits 64K
     (128, dict(num_warps=2, num_stages=4), 3),     # 71 KB, 3 tiles in flight per warp
-    (64, dict(block_n=16), 4),                     # d64 16-key tiles (4 KB of K+V): 53 KB, 115 registers
-    (64, dict(num_warps=2), 4),                    # d64 32-key tiles, 2 warps: 53 KB
+    (64, dict(), 4),                               # d64 16-key tiles (4 KB of K+V, the contiguous default): 53 KB
+    (64, dict(block_n=32), 2),                     # d64 32-key tiles (the paged default): 104 KB
+    (64, dict(block_n=32, num_warps=2), 4),        # d64 32-key tiles, 2 warps: 53 KB
+    (64, dict(num_warps=2), 8),                    # d64 16-key tiles, 2 warps (the two-warp rule): 27 KB
 ]
 
 

@@ -294,6 +294,17 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
     )),
 ]
 
+# keys mode, contiguous caches read by TMA at head dims <= 64: 16-key tiles (a warp tile of K+V is 4 KB
+# at d64; the table's 32-key tile stays for paged caches and cp.async).  Measured (H100, 2026-11-26,
+# `tools/bench_decode.py --variants n16=block_n:16`, % of copy, 32-key -> 16-key tiles): B16 S4k 16/16
+# d64 95.5 -> 98.0 (95.4 -> 97.7 and, two-warp, 97.9 in a second run; cuDNN 97.9), B8 S8k 16/16 96.7 ->
+# 99.1, B32 S4k 16/16 98.0 -> 99.3, B16 S4k 32/8 89.5 -> 90.3, B4 S16k 84.2 -> 84.7, B1 S128k 92.4 ->
+# 93.5, seqlen_q 4 B8 S8k 82.6 -> 83.4, d48 B16 S4k 16/16 74.7 -> 88.4, d32 76.6 -> 76.8; lost: B64 S2k
+# 16/16 97.2 -> 95.3, B1 S32k 68.4 -> 67.9.  Twice the CTAs fit an SM (the smaller ring), which the
+# many-CTA grids use.  Paged caches keep 32 keys (paged16 mixed: B16 90.4 -> 91.9, B8 S8k 87.8 -> 84.6).
+TMA_CONTIG_SMALL_HEAD_DIM = 64
+TMA_CONTIG_SMALL_HEAD_TILE = Tile(16, 4, 3, "contiguous TMA caches at d <= 64: 16-key tiles (see above)")
+
 # Which warp split serves which row count (rows = seqlen_q x GQA group per kv head).
 # Keys mode up to 32 rows, rows mode above.  Measured (H100, 2026-11-25, seqlen_q 16 x group 4 = 64
 # rows, B8 S8k 32/8 d128): keys mode with two 32-row tiles 67% of copy, the rows mode 51% - but that
@@ -571,6 +582,8 @@ def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal
     rows = rows_for(rows_total, head_dim)
     limit = _smem_limit(arch)
     tiles = candidates(head_dim)
+    if loader == "tma" and not paged and head_dim <= TMA_CONTIG_SMALL_HEAD_DIM:
+        tiles = (TMA_CONTIG_SMALL_HEAD_TILE,) + tiles
     if block_n or num_stages or num_warps:
         base = tiles[0]
         tiles = (Tile(block_n or base.block_n, num_warps or base.num_warps, num_stages or base.num_stages,
