@@ -59,6 +59,22 @@ def max_shared_per_block_optin(device: int | None = None) -> int:
 
 
 @lru_cache(maxsize=None)
+def dram_gbs(device: int) -> float | None:
+    """Peak DRAM bandwidth in GB/s from the driver's memory clock and bus width (double data
+    rate: an H100 SXM 3352, an H200 about 4900); None where the driver does not report them."""
+    try:
+        import cupy
+        rt = cupy.cuda.runtime
+        khz = int(rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, device))
+        bits = int(rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, device))
+    except Exception:
+        return None
+    if khz <= 0 or bits <= 0:
+        return None
+    return 2 * khz * 1e3 * bits / 8 / 1e9
+
+
+@lru_cache(maxsize=None)
 def driver_version() -> int:
     """CUDA version the driver supports, e.g. 13000 for 13.0."""
     import cupy

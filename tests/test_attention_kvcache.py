@@ -179,7 +179,7 @@ def test_num_splits_heuristic():
     # d64, two at d <= 64 - compute_fill), >= 16 x rows keys per split
     heavy = kv_mod.HEAVY_ROWS
     assert (kv_mod.compute_fill(128), kv_mod.compute_fill(96), kv_mod.compute_fill(64)) == (1, 1, 2)
-    assert kv_mod.compute_fill(128, paged=True) == 2
+    assert kv_mod.compute_fill(128, paged=True) == 2 and kv_mod.compute_fill(128, lean=False) == 2
     assert choose_num_splits(64, 8192, sms, rows=64) == 2          # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
     assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=2) == 4   # d64: 256 CTAs
     assert choose_num_splits(128, 8192, sms, rows=64) == 1         # B16 S4k: one CTA per SM already
@@ -394,7 +394,7 @@ def test_uint16_without_dtype_is_rejected():
 # ---- compile: a handful of heuristic configs (the sweep is the slow test below) ----------------
 COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal, choose_config keywords)
     ("sm_90", "bfloat16", 128, 4, False, False, {}),                               # decode: keys
-    ("sm_90", "float16", 64, 8, False, True, {}),                                  # keys, d <= 64: 16-key TMA tiles
+    ("sm_90", "float16", 64, 8, False, True, dict(lean_memory=True)),              # keys, d <= 64: 16-key TMA tiles
     ("sm_90", "float16", 128, 64, True, True, dict(mma="sync")),                   # rows: 4 warps, 64-key tiles
     ("sm_90", "bfloat16", 64, 16, True, False, dict(warp_split="rows", nheads_kv=8)),  # decode: 8 kv heads per CTA
     ("sm_90", "bfloat16", 80, 4, False, True, dict(warp_split="rows", nheads_kv=4)),   # padded head dim

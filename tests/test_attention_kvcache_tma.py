@@ -146,33 +146,44 @@ def test_tma_plan_maps_the_caches_as_they_are():
         kv_mod.set_variant(None)
 
 
-def test_tma_paged_caches_split_as_contiguous_ones():
-    """Pages the TMA loader reads split as a contiguous cache does (B1 S32k 32/8: 16 splits merged in
-    the launch); PAGED_FILL's 33 (with the combine launch) stays for cp.async pages (sm_80, and the
-    variant loader=cp.async) and for the bench's split_rule=paged baseline."""
-    def plan(paged, variant, arch="sm_90"):
+def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
+    """On lean memory (an H100's 25 GB/s per SM), or with pages of LONG_PAGE keys and more, pages the
+    TMA loader reads split as a contiguous cache does (B1 S32k 32/8: 16 splits merged in the
+    launch); 16-key pages elsewhere (an H200's 37, or unknown) and cp.async pages (sm_80, the
+    variant loader=cp.async) take PAGED_FILL's 33 with the combine launch; the bench variants
+    split_rule=paged / contig and memory=lean / deep force either."""
+    def plan(paged, variant, arch="sm_90", gbs_per_sm=25.4, page=16):
         kv_mod.set_variant(variant)
         try:
             if paged:
-                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((2048, 16, 8, 128)),
-                               v_cache=Fake((2048, 16, 8, 128)), block_table=Fake((1, 2048), "int32"),
+                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((32768 // page, page, 8, 128)),
+                               v_cache=Fake((32768 // page, page, 8, 128)), block_table=Fake((1, 32768 // page), "int32"),
                                cache_seqlens=Fake((1,), "int32"))
             else:
                 views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((1, 32768, 8, 128)),
                                v_cache=Fake((1, 32768, 8, 128)), cache_seqlens=Fake((1,), "int32"))
             return kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
                                     torch=False, out_dtype="float16", f32="float32", arch=arch, sms=132,
-                                    variant=kv_mod._VARIANT)
+                                    variant=kv_mod._VARIANT, gbs_per_sm=gbs_per_sm)
         finally:
             kv_mod.set_variant(None)
     contig = plan(False, None)
     tma = plan(True, None)
     assert tma.config.loader == "tma" and (tma.num_splits, tma.fused) == (contig.num_splits, contig.fused) == (16, True)
-    assert plan(True, dict(split_rule="contig")).num_splits == contig.num_splits
-    old = plan(True, dict(split_rule="paged"))
-    assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
+    assert plan(True, dict(split_rule="contig"), gbs_per_sm=None).num_splits == contig.num_splits
+    assert plan(True, dict(memory="lean"), gbs_per_sm=None).num_splits == contig.num_splits
+    for old in (plan(True, dict(split_rule="paged")), plan(True, None, gbs_per_sm=37.2), plan(True, None, gbs_per_sm=None),
+                plan(True, dict(memory="deep"))):
+        assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
+    # pages of LONG_PAGE keys and more split as contiguous caches on any memory
+    assert plan(True, None, gbs_per_sm=37.2, page=64).num_splits == plan(True, None, gbs_per_sm=None, page=128).num_splits == 16
     for cp_pages in (plan(True, dict(loader="cp.async")), plan(True, None, arch="sm_80")):
         assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > contig.num_splits, cp_pages.num_splits
+
+
+def test_lean_memory_threshold():
+    assert kv_mod.lean_memory(3352 / 132) and not kv_mod.lean_memory(4900 / 132)
+    assert not kv_mod.lean_memory(None) and not kv_mod.lean_memory(0.0)
 
 
 def _tma_plan(**views):
@@ -339,10 +350,10 @@ OCCUPANCY_VARIANTS = [
     (128, dict(num_warps=2), 4),                   # 2 warps x 3 stages x 8 KB: 54 KB
     (128, dict(num_stages=2), 3),                  # 71 KB; 167 registers x 128 threads x 3 fits 64K
     (128, dict(num_warps=2, num_stages=4), 3),     # 71 KB, 3 tiles in flight per warp
-    (64, dict(), 4),                               # d64 16-key tiles (4 KB of K+V, the contiguous default): 53 KB
-    (64, dict(block_n=32), 2),                     # d64 32-key tiles (the paged default): 104 KB
-    (64, dict(block_n=32, num_warps=2), 4),        # d64 32-key tiles, 2 warps: 53 KB
-    (64, dict(num_warps=2), 8),                    # d64 16-key tiles, 2 warps (the two-warp rule): 27 KB
+    (64, dict(lean_memory=True), 4),               # d64 16-key tiles (4 KB of K+V, lean memory's): 53 KB
+    (64, dict(), 2),                               # d64 32-key tiles (the default elsewhere): 104 KB
+    (64, dict(num_warps=2), 4),                    # d64 32-key tiles, 2 warps: 53 KB
+    (64, dict(num_warps=2, lean_memory=True), 8),  # d64 16-key tiles, 2 warps (lean memory, two-warp rule): 27 KB
 ]
 
 

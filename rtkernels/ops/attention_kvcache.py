@@ -294,9 +294,34 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
     )),
 ]
 
-# keys mode, contiguous caches read by TMA at head dims <= 64: 16-key tiles (a warp tile of K+V is 4 KB
-# at d64; the table's 32-key tile stays for paged caches and cp.async).  Measured (H100, 2026-11-26,
-# `tools/bench_decode.py --variants n16=block_n:16`, % of copy, 32-key -> 16-key tiles): B16 S4k 16/16
+# "Lean" memory: a device whose DRAM streams under LEAN_MEMORY_GBS_PER_SM per SM (device.dram_gbs /
+# SMs: an H100 SXM 25.4, an H200 36.5).  Three rules below were fitted on an H100 (2026-11-26) and lost
+# on an H200 the same day (`decode_h200_rules_check_*`, `decode_h200_lean_vs_deep_*`, % of copy, the
+# H100 rule -> the other): paged16 caches split as contiguous ones (H200 B8 S8k 83.3 -> 86.5, B1
+# S128k 88.8 -> 93.4 with PAGED_FILL), compute-heavy rows at one CTA per SM (H200 seqlen_q 16 B8 S8k
+# 62.9 -> 76.7, B16 S4k 67.8 -> 79.2, seqlen_q 8 65.2 -> 85.0 at two), 16-key d64 tiles (H200 B16 S4k
+# 16/16 92.9 -> 96.0 with 32 keys); on the H100 each rule set wins its own cells back the other way
+# (`decode_h100_lean_vs_deep_*`: seqlen_q 16 B16 S4k 93.1 against 82.5, d64 97.2 against 95.9).  Each SM must
+# keep about its bandwidth x latency in flight (Little's law), so the faster memory wants more CTAs and
+# bigger tiles per SM; those rules apply where the memory is lean, the others elsewhere and where the
+# driver does not report its memory (None).  Reasoned from those two devices.
+LEAN_MEMORY_GBS_PER_SM = 30.0
+# Pages of at least this many keys split as contiguous caches on any memory (TMA loader): one
+# block-table read per 64 keys.  Measured (H200, 2026-11-26, `decode_h200_lean_vs_deep_*`, paged64,
+# PAGED_FILL -> contiguous rule): B1 S32k 72.5 -> 76.4, B8 S8k 87.1 -> 89.6, B1 S128k 95.3 -> 96.9,
+# seqlen_q 4 B8 S8k 84.9 -> 88.3; paged16 there kept PAGED_FILL (86.5 / 93.4 against 83.3 / 88.8).
+LONG_PAGE = 64
+
+
+def lean_memory(gbs_per_sm: float | None) -> bool:
+    """Whether the decode plan takes the lean-memory rules (see LEAN_MEMORY_GBS_PER_SM)."""
+    return gbs_per_sm is not None and 0 < gbs_per_sm < LEAN_MEMORY_GBS_PER_SM
+
+
+# keys mode, contiguous caches read by TMA at head dims <= 64 on lean memory: 16-key tiles (a warp tile
+# of K+V is 4 KB at d64; the table's 32-key tile elsewhere, and for paged caches and cp.async).
+# Measured (H100, 2026-11-26, `tools/bench_decode.py --variants n16=block_n:16`, % of copy, 32-key ->
+# 16-key tiles): B16 S4k 16/16
 # d64 95.5 -> 98.0 (95.4 -> 97.7 and, two-warp, 97.9 in a second run; cuDNN 97.9), B8 S8k 16/16 96.7 ->
 # 99.1, B32 S4k 16/16 98.0 -> 99.3, B16 S4k 32/8 89.5 -> 90.3, B4 S16k 84.2 -> 84.7, B1 S128k 92.4 ->
 # 93.5, seqlen_q 4 B8 S8k 82.6 -> 83.4, d48 B16 S4k 16/16 74.7 -> 88.4, d32 76.6 -> 76.8; lost: B64 S2k
@@ -368,8 +393,8 @@ MIN_KEYS_PER_SPLIT = 256
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
-# SM holds compute_fill(head_dim) CTAs: COMPUTE_FILL (one) above d64, COMPUTE_FILL_SMALL_HEAD (two)
-# at d <= 64, whose CTAs do the same softmax work per key for half the bytes.  Their partials are
+# SM holds compute_fill(head_dim) CTAs: on lean memory COMPUTE_FILL (one) above d64, else
+# COMPUTE_FILL_SMALL_HEAD (two; d <= 64's CTAs do the same softmax work per key for half the bytes).  Their partials are
 # heavier too (rows x head_dim float32 per split against keys x head_dim x 4 bytes of K/V): at least
 # HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V bytes.
 # Measured (H100, 2026-11-26, `tools/bench_decode.py --splits 1,2,4,8,16 --variants
@@ -389,9 +414,10 @@ COMPUTE_FILL_SMALL_HEAD = 2
 HEAVY_KEYS_PER_ROW = 16
 
 
-def compute_fill(head_dim: int, paged: bool = False) -> int:
-    """CTAs per SM a compute-heavy decode grid is split to (see COMPUTE_FILL)."""
-    return COMPUTE_FILL_SMALL_HEAD if head_dim <= 64 or paged else COMPUTE_FILL
+def compute_fill(head_dim: int, paged: bool = False, lean: bool = True) -> int:
+    """CTAs per SM a compute-heavy decode grid is split to (see COMPUTE_FILL; one CTA per SM only on
+    lean memory, see LEAN_MEMORY_GBS_PER_SM)."""
+    return COMPUTE_FILL if lean and head_dim > 64 and not paged else COMPUTE_FILL_SMALL_HEAD
 
 
 # The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
@@ -536,10 +562,11 @@ def tma_capable(head_dim: int, arch: str) -> bool:
 
 
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
-                  lazy_rescale: bool = False, **tile) -> AttentionDecodeConfig:
+                  lazy_rescale: bool = False, lean_memory: bool = False, **tile) -> AttentionDecodeConfig:
     """The config the heuristics pick (:func:`_choose_tile`; ``tile``: its keyword overrides), with
-    ``lazy_rescale`` (a tuning variant: no rescale of O in a tile where no row's maximum moved)."""
-    cfg = _choose_tile(dtype, head_dim, rows_total, paged, causal, arch, **tile)
+    ``lazy_rescale`` (a tuning variant: no rescale of O in a tile where no row's maximum moved);
+    ``lean_memory``: the device's DRAM is lean per SM (:func:`lean_memory`)."""
+    cfg = _choose_tile(dtype, head_dim, rows_total, paged, causal, arch, lean_memory=lean_memory, **tile)
     return cfg.replace(lazy_rescale=True) if lazy_rescale else cfg
 
 
@@ -547,7 +574,7 @@ def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal
                  nheads_kv: int = 1, warp_split: str | None = None, kv_heads: int | None = None,
                  block_n: int | None = None, num_stages: int | None = None,
                  num_warps: int | None = None, schedule: str = "split", loader: str | None = None,
-                 l2_prefetch: int = 0, mma: str | None = None) -> AttentionDecodeConfig:
+                 l2_prefetch: int = 0, mma: str | None = None, lean_memory: bool = False) -> AttentionDecodeConfig:
     """The config the heuristics pick for ``rows_total`` = seqlen_q x (nheads / nheads_kv) query
     rows per kv head, ``nheads_kv`` kv heads; the keyword tile fields override the heuristics
     (tuning: tools/bench_decode.py --variants).  ``loader`` None: DECODE_LOADER where the config
@@ -582,7 +609,7 @@ def _choose_tile(dtype: str, head_dim: int, rows_total: int, paged: bool, causal
     rows = rows_for(rows_total, head_dim)
     limit = _smem_limit(arch)
     tiles = candidates(head_dim)
-    if loader == "tma" and not paged and head_dim <= TMA_CONTIG_SMALL_HEAD_DIM:
+    if lean_memory and loader == "tma" and not paged and head_dim <= TMA_CONTIG_SMALL_HEAD_DIM:
         tiles = (TMA_CONTIG_SMALL_HEAD_TILE,) + tiles
     if block_n or num_stages or num_warps:
         base = tiles[0]
@@ -640,17 +667,19 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       against filling both resident slots of the d128 tiles (H200, 2026-11-26, % of copy, fill 1 /
       fill 2): B8 S8k 86.1 / 84.0, B1 S32k 74.3 / 69.1 (33 splits need the separate combine
       launch), B1 S128k 91.0 / 89.9; unsplit B8 S8k ran 51.3 (half the SMs idle).
-    - ``paged``: caches read through cp.async pages (each page waits on a block-table read): split
-      until PAGED_FILL CTAs per SM.  The op passes False for paged caches its TMA loader reads: those
-      split as contiguous ones (H100, 2026-11-26, `tools/bench_decode.py --variants pc=split_rule:contig`,
-      % of copy paged16 / paged64, PAGED_FILL -> contiguous rule): B1 S32k 75.4 / 75.9 -> 79.0 / 80.4
+    - ``paged``: paged caches (each page waits on a block-table read): split until PAGED_FILL CTAs
+      per SM.  On lean memory (:func:`lean_memory`) the op passes False for paged caches its TMA
+      loader reads: those split as contiguous ones there (H100, 2026-11-26, `tools/bench_decode.py
+      --variants pc=split_rule:contig`, % of copy paged16 / paged64, PAGED_FILL -> contiguous rule): B1 S32k
+      75.4 / 75.9 -> 79.0 / 80.4
       (and 76.0 / 76.9 -> 79.7 / 80.1 in a second run), B1 S128k 92.6 / 94.7 -> 94.6 / 95.5, B2 S32k
       88.3 / 88.7 -> 89.9 / 90.6, B4 S16k 87.6 / 89.5 -> 88.7 / 90.6, B8 S8k 86.1 / 89.3 -> 90.1 / 90.4
       (88.4 / 88.9 -> 88.2 / 90.2 in the first run), B16 S8k seqlen_q 2 92.8 / 94.9 -> 96.2 / 97.4, B8
       S8k 16/16 d64 87.3 / 88.6 -> 86.9 / 94.7, seqlen_q 4 B8 S8k 86.0 / 86.9 -> 86.4 / 89.3 and B1 S32k
       73.3 / 74.6 -> 76.4 / 77.5: fewer CTAs, and B1's 16 splits merge in the launch (33 needed the
       combine launch).  The block-table wait that PAGED_FILL hid is off the critical path once one
-      lane issues whole-tile tensor copies a tile ahead.
+      lane issues whole-tile tensor copies a tile ahead - on lean memory: on an H200 PAGED_FILL
+      still won (see LEAN_MEMORY_GBS_PER_SM).
     - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds
       ``heavy_fill`` of them (the op passes :func:`compute_fill` of the head dim;
       HEAVY_KEYS_PER_ROW x rows keys per split at least).
@@ -700,11 +729,13 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
             for paged in (False, True):
                 for causal in (False, True):
                     for rows_total in (1, 16):
-                        keys = choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys")
-                        out.append(keys)
-                        if _two_warp_tile(keys):   # large unsplit grids (_two_warp_ctas)
-                            out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
-                                                     num_warps=2))
+                        for lean in (False, True):   # lean memory: d <= 64's 16-key tiles
+                            keys = choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
+                                                 lean_memory=lean)
+                            out.append(keys)
+                            if _two_warp_tile(keys):   # large unsplit grids (_two_warp_ctas)
+                                out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
+                                                         num_warps=2, lean_memory=lean))
                         for nkv in (1, 2, 4, 8):
                             out.append(choose_config(dt, d, rows_total, paged, causal, arch, nheads_kv=nkv,
                                                      warp_split="rows"))
@@ -933,10 +964,13 @@ def set_variant(variant: dict | None) -> None:
 
 
 def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: bool, out_dtype, f32,
-              arch: str, sms: int, variant: dict | None = None) -> Plan:
-    """Config, kernels, splits, grid and arguments for a checked problem."""
+              arch: str, sms: int, variant: dict | None = None, gbs_per_sm: float | None = None) -> Plan:
+    """Config, kernels, splits, grid and arguments for a checked problem; ``gbs_per_sm``: the
+    device's DRAM bandwidth per SM (None: unknown; see LEAN_MEMORY_GBS_PER_SM)."""
     from ..kernel import get_kernel
     v = variant or {}
+    memory = v.get("memory")   # bench variant: "lean" / "deep" force either rule set
+    lean = memory == "lean" or (memory != "deep" and lean_memory(gbs_per_sm))
     group = p.nheads // p.nheads_kv
     causal = bool(causal) and p.seqlen_q > 1   # one query row sees every key either way
     out_shape = (p.batch, p.seqlen_q, p.nheads, p.head_dim)
@@ -955,17 +989,17 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         fields["loader"] = "cp.async"
         fields["mma"] = "sync"   # wgmma reads the TMA stages
     cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
-                        **fields)
+                        lean_memory=lean, **fields)
     if cfg.schedule == "streamk" and rows_total > cfg.rows:   # stream-K takes one row tile per item
         fields["schedule"] = "split"
         cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
-                            **fields)
+                            lean_memory=lean, **fields)
     head_groups = p.nheads_kv // cfg.kv_heads
     row_tiles = max(1, -(-rows_total // cfg.rows))
     ctas = row_tiles * p.batch * head_groups
     if _two_warp_ctas(cfg, fields, ctas, sms, num_splits or v.get("num_splits")):
         cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
-                            **fields, num_warps=2)
+                            lean_memory=lean, **fields, num_warps=2)
     head_rows = min(cfg.rows, max(rows_total, 1))   # query rows per kv head of a CTA: its FLOPs per K/V byte
     cta_rows = cfg.kv_heads * head_rows
     if cfg.schedule == "streamk":
@@ -978,11 +1012,13 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
             per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
-            # PAGED_FILL for the cp.async pages only (choose_num_splits); "paged": also for TMA (the
-            # rule before 2026-11-26), "contig": for neither (bench A/Bs)
-            paged_rule = p.paged and rule != "contig" and (cfg.loader != "tma" or rule == "paged")
+            # PAGED_FILL for paged caches, except TMA-read ones on lean memory or with pages of at
+            # least LONG_PAGE keys (choose_num_splits); "paged": for every paged cache, "contig": for
+            # none (bench A/Bs)
+            paged_rule = p.paged and rule != "contig" and (
+                cfg.loader != "tma" or not (lean or p.page_size >= LONG_PAGE) or rule == "paged")
             num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
-                                           compute_fill(p.head_dim, p.paged))
+                                           compute_fill(p.head_dim, p.paged, lean))
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
@@ -1170,6 +1206,13 @@ def _sm_count(dev: int) -> int:
     return n
 
 
+def _gbs_per_sm(dev: int) -> float | None:
+    """The device's peak DRAM bandwidth per SM (GB/s), None where the driver does not report it."""
+    from .. import device
+    gbs = device.dram_gbs(dev)
+    return gbs / _sm_count(dev) if gbs else None
+
+
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
                       causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
                       num_splits: int | None = None, out=None, dtype: str | None = None, validate: bool = False,
@@ -1269,7 +1312,8 @@ def _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype):
     with cupy.cuda.Device(p.device):
         arch = _device_arch(p.device)
         plan = make_plan(p, causal=causal, return_lse=return_lse, num_splits=num_splits, torch=torch,
-                         out_dtype=out_dtype, f32=f32, arch=arch, sms=_sm_count(p.device), variant=_VARIANT)
+                         out_dtype=out_dtype, f32=f32, arch=arch, sms=_sm_count(p.device), variant=_VARIANT,
+                         gbs_per_sm=_gbs_per_sm(p.device))
     return plan, views
 
 
