@@ -178,15 +178,16 @@ def test_num_splits_heuristic():
     # compute-heavy CTAs (>= HEAVY_ROWS query rows per kv head): heavy_fill per SM (the op: one above
     # d64, two at d <= 64 - compute_fill), >= 16 x rows keys per split
     heavy = kv_mod.HEAVY_ROWS
-    assert (kv_mod.compute_fill(128), kv_mod.compute_fill(96), kv_mod.compute_fill(64)) == (1, 1, 2)
-    assert kv_mod.compute_fill(128, paged=True) == 2 and kv_mod.compute_fill(128, lean=False) == 2
-    assert choose_num_splits(64, 8192, sms, rows=64) == 2          # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
-    assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=2) == 4   # d64: 256 CTAs
-    assert choose_num_splits(128, 8192, sms, rows=64) == 1         # B16 S4k: one CTA per SM already
-    assert choose_num_splits(8, 32768, sms, rows=64) == 16         # B1 S32k
+    lean = dict(lean=True)
+    assert (kv_mod.compute_fill(128, **lean), kv_mod.compute_fill(96, **lean), kv_mod.compute_fill(64, **lean)) == (1, 1, 2)
+    assert kv_mod.compute_fill(128, paged=True, **lean) == 2 and kv_mod.compute_fill(128) == 2   # paged, unknown memory
+    assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=1) == 2   # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
+    assert choose_num_splits(64, 8192, sms, rows=64) == 4          # two per SM (the default): 256 CTAs
+    assert choose_num_splits(128, 8192, sms, rows=64, heavy_fill=1) == 1  # B16 S4k: one CTA per SM already
+    assert choose_num_splits(8, 32768, sms, rows=64, heavy_fill=1) == 16  # B1 S32k
     assert choose_num_splits(150, 8192, sms, rows=heavy - 1) == 1  # below: the decode rule (>= 1 CTA per SM)
-    assert choose_num_splits(150, 8192, sms, rows=64) == 1
-    assert choose_num_splits(264, 8192, sms, rows=64, heavy_fill=2) == 1
+    assert choose_num_splits(150, 8192, sms, rows=64, heavy_fill=1) == 1
+    assert choose_num_splits(264, 8192, sms, rows=64) == 1
     assert choose_num_splits(8, 2048, sms, rows=128) == 2048 // (kv_mod.HEAVY_KEYS_PER_ROW * 128)
     for fill in (1, 2):
         for ctas in range(1, 300):

@@ -414,7 +414,7 @@ COMPUTE_FILL_SMALL_HEAD = 2
 HEAVY_KEYS_PER_ROW = 16
 
 
-def compute_fill(head_dim: int, paged: bool = False, lean: bool = True) -> int:
+def compute_fill(head_dim: int, paged: bool = False, lean: bool = False) -> int:
     """CTAs per SM a compute-heavy decode grid is split to (see COMPUTE_FILL; one CTA per SM only on
     lean memory, see LEAN_MEMORY_GBS_PER_SM)."""
     return COMPUTE_FILL if lean and head_dim > 64 and not paged else COMPUTE_FILL_SMALL_HEAD
@@ -655,7 +655,7 @@ def _two_warp_ctas(cfg, fields: dict, ctas: int, sms: int, splits) -> bool:
 
 
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
-                      ctas_per_sm: int = 1, heavy_fill: int = COMPUTE_FILL) -> int:
+                      ctas_per_sm: int = 1, heavy_fill: int = COMPUTE_FILL_SMALL_HEAD) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
     x row tiles) over a cache of ``capacity`` keys per sequence, on ``sms`` SMs holding
     ``ctas_per_sm`` CTAs of this kernel each (its occupancy).
