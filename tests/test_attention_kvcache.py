@@ -179,7 +179,7 @@ def test_num_splits_heuristic():
     # d64, two at d <= 64 - compute_fill), >= 16 x rows keys per split
     heavy = kv_mod.HEAVY_ROWS
     lean = dict(lean=True)
-    assert (kv_mod.compute_fill(128, **lean), kv_mod.compute_fill(96, **lean), kv_mod.compute_fill(64, **lean)) == (1, 1, 2)
+    assert [kv_mod.compute_fill(d, **lean) for d in (128, 96, 64)] == [1, 1, 2]
     assert kv_mod.compute_fill(128, paged=True, **lean) == 2 and kv_mod.compute_fill(128) == 2   # paged, unknown memory
     assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=1) == 2   # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
     assert choose_num_splits(64, 8192, sms, rows=64) == 4          # two per SM (the default): 256 CTAs

@@ -39,8 +39,9 @@ the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;.
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
 order splits|heads, combine fused|kernel, merge serial (the session-10 fused merge), split_rule
 decode|old|fill2|contig|paged (contig: paged caches split as contiguous ones, cp.async pages too;
-paged: PAGED_FILL for TMA-read pages too, the rule before 2026-11-26), memory lean|deep (the lean-memory
-rules of attention_kvcache.LEAN_MEMORY_GBS_PER_SM, or the others, whatever the device), schedule streamk, loader tma|cp.async (tma: the default in both modes on
+paged: PAGED_FILL for TMA-read pages too, the rule before 2026-11-26), memory lean|deep (the
+lean-memory rules of attention_kvcache.LEAN_MEMORY_GBS_PER_SM, or the others, whatever the device),
+schedule streamk, loader tma|cp.async (tma: the default in both modes on
 sm_90), l2_prefetch 64|128|256, mma wgmma (the rows mode's warpgroup MMAs; implies warp_split rows);
 cfg tags: K keys mode with cp.async, KT keys mode with TMA, R<n>h rows mode with n kv heads per CTA
 (R<n>hT: its TMA producer ring, R1hTW: with wgmma), pN prefetch) on the

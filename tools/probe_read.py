@@ -4,12 +4,10 @@ device copy.  Run on a GPU host from the repository root:
 
     PYTHONPATH=. python tools/probe_read.py --out $OUT [--sizes-mb 134,537]
 
-Patterns, each a trivial kernel that loads 16 bytes per thread per step (8 steps unrolled) and
-folds them into one register:
-
-* ``gs <ctas>x<threads>``: one grid-stride sweep over the whole buffer;
-* ``<ctas>x<threads> s<streams>``: the CTAs in ``streams`` groups, each sweeping its own contiguous
-  part grid-stride (a decode split reads its own range of keys: 16 streams at B1 S32k);
+One trivial kernel that loads 16 bytes per thread per step (8 steps unrolled) and folds them into
+one register, as ``<ctas>x<threads> s<streams>``: the CTAs in ``streams`` groups, each sweeping its
+own contiguous part grid-stride (s1: one grid-stride sweep over the whole buffer; a decode split
+reads its own range of keys: 16 streams at B1 S32k).
 
 GB/s = bytes read / time (the copy: read + written), timed with benchutil.time_queued (calls
 back to back between events, buffers rotated past L2), best of 3.  JSON to $OUT/probe_read.json;

@@ -301,10 +301,10 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
 # S128k 88.8 -> 93.4 with PAGED_FILL), compute-heavy rows at one CTA per SM (H200 seqlen_q 16 B8 S8k
 # 62.9 -> 76.7, B16 S4k 67.8 -> 79.2, seqlen_q 8 65.2 -> 85.0 at two), 16-key d64 tiles (H200 B16 S4k
 # 16/16 92.9 -> 96.0 with 32 keys); on the H100 each rule set wins its own cells back the other way
-# (`decode_h100_lean_vs_deep_*`: seqlen_q 16 B16 S4k 93.1 against 82.5, d64 97.2 against 95.9).  Each SM must
-# keep about its bandwidth x latency in flight (Little's law), so the faster memory wants more CTAs and
-# bigger tiles per SM; those rules apply where the memory is lean, the others elsewhere and where the
-# driver does not report its memory (None).  Reasoned from those two devices.
+# (`decode_h100_lean_vs_deep_*`: seqlen_q 16 B16 S4k 93.1 against 82.5, d64 97.2 against 95.9).
+# Each SM must keep about its bandwidth x latency in flight (Little's law), so the faster memory
+# wants more CTAs and bigger tiles per SM; those rules apply where the memory is lean, the others
+# elsewhere and where the driver does not report its memory (None).  Reasoned from those two devices.
 LEAN_MEMORY_GBS_PER_SM = 30.0
 # Pages of at least this many keys split as contiguous caches on any memory (TMA loader): one
 # block-table read per 64 keys.  Measured (H200, 2026-11-26, `decode_h200_lean_vs_deep_*`, paged64,
@@ -321,12 +321,12 @@ def lean_memory(gbs_per_sm: float | None) -> bool:
 # keys mode, contiguous caches read by TMA at head dims <= 64 on lean memory: 16-key tiles (a warp tile
 # of K+V is 4 KB at d64; the table's 32-key tile elsewhere, and for paged caches and cp.async).
 # Measured (H100, 2026-11-26, `tools/bench_decode.py --variants n16=block_n:16`, % of copy, 32-key ->
-# 16-key tiles): B16 S4k 16/16
-# d64 95.5 -> 98.0 (95.4 -> 97.7 and, two-warp, 97.9 in a second run; cuDNN 97.9), B8 S8k 16/16 96.7 ->
-# 99.1, B32 S4k 16/16 98.0 -> 99.3, B16 S4k 32/8 89.5 -> 90.3, B4 S16k 84.2 -> 84.7, B1 S128k 92.4 ->
-# 93.5, seqlen_q 4 B8 S8k 82.6 -> 83.4, d48 B16 S4k 16/16 74.7 -> 88.4, d32 76.6 -> 76.8; lost: B64 S2k
-# 16/16 97.2 -> 95.3, B1 S32k 68.4 -> 67.9.  Twice the CTAs fit an SM (the smaller ring), which the
-# many-CTA grids use.  Paged caches keep 32 keys (paged16 mixed: B16 90.4 -> 91.9, B8 S8k 87.8 -> 84.6).
+# 16-key tiles): B16 S4k 16/16 d64 95.5 -> 98.0 (95.4 -> 97.7 and, two-warp, 97.9 in a second run;
+# cuDNN 97.9), B8 S8k 16/16 96.7 -> 99.1, B32 S4k 16/16 98.0 -> 99.3, B16 S4k 32/8 89.5 -> 90.3, B4 S16k
+# 84.2 -> 84.7, B1 S128k 92.4 -> 93.5, seqlen_q 4 B8 S8k 82.6 -> 83.4, d48 B16 S4k 16/16 74.7 -> 88.4,
+# d32 76.6 -> 76.8; lost: B64 S2k 16/16 97.2 -> 95.3, B1 S32k 68.4 -> 67.9.  Twice the CTAs fit an SM
+# (the smaller ring), which the many-CTA grids use.  Paged caches keep 32 keys (paged16 mixed: B16 90.4
+# -> 91.9, B8 S8k 87.8 -> 84.6).
 TMA_CONTIG_SMALL_HEAD_DIM = 64
 TMA_CONTIG_SMALL_HEAD_TILE = Tile(16, 4, 3, "contiguous TMA caches at d <= 64: 16-key tiles (see above)")
 
@@ -394,9 +394,9 @@ PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills 
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
 # SM holds compute_fill(head_dim) CTAs: on lean memory COMPUTE_FILL (one) above d64, else
-# COMPUTE_FILL_SMALL_HEAD (two; d <= 64's CTAs do the same softmax work per key for half the bytes).  Their partials are
-# heavier too (rows x head_dim float32 per split against keys x head_dim x 4 bytes of K/V): at least
-# HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V bytes.
+# COMPUTE_FILL_SMALL_HEAD (two; d <= 64's CTAs do the same softmax work per key for half the bytes).
+# Their partials are heavier too (rows x head_dim float32 per split against keys x head_dim x 4
+# bytes of K/V): at least HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V bytes.
 # Measured (H100, 2026-11-26, `tools/bench_decode.py --splits 1,2,4,8,16 --variants
 # "cf=combine:fused;ck=combine:kernel"`, wgmma rows mode, 32/8 heads, % of copy by forced splits):
 # d128 seqlen_q 16: B16 S4k (128 CTAs) 92.5 at 1 split against 75.4 at the old rule's 2; B8 S8k (64)
@@ -472,8 +472,8 @@ MAX_LOAD_ITERS = 8
 # rows mode with TMA: ring depths to try, deepest first.  The producer refills the stage of tile
 # n - 2 while the warps compute tile n (one stage of slack, so no warp waits for the slowest one),
 # so 4 stages keep the cp.async ring's 2 tiles in flight: d128, 32-key tiles of one kv head = 2 x
-# 16 KB per CTA, 65 KB of shared memory (two CTAs per sm_90 SM, as COMPUTE_FILL_SMALL_HEAD asks).  Reasoned;
-# tools/bench_decode.py --variants times num_stages 3 and 5 against it.
+# 16 KB per CTA, 65 KB of shared memory (two CTAs per sm_90 SM, as COMPUTE_FILL_SMALL_HEAD asks).
+# Reasoned; tools/bench_decode.py --variants times num_stages 3 and 5 against it.
 ROWS_TMA_STAGES = (4, 3)
 
 
@@ -669,9 +669,9 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       launch), B1 S128k 91.0 / 89.9; unsplit B8 S8k ran 51.3 (half the SMs idle).
     - ``paged``: paged caches (each page waits on a block-table read): split until PAGED_FILL CTAs
       per SM.  On lean memory (:func:`lean_memory`) the op passes False for paged caches its TMA
-      loader reads: those split as contiguous ones there (H100, 2026-11-26, `tools/bench_decode.py
-      --variants pc=split_rule:contig`, % of copy paged16 / paged64, PAGED_FILL -> contiguous rule): B1 S32k
-      75.4 / 75.9 -> 79.0 / 80.4
+      loader reads, and for its pages of LONG_PAGE keys or more on any memory: those split as
+      contiguous ones (H100, 2026-11-26, `tools/bench_decode.py --variants pc=split_rule:contig`, %
+      of copy paged16 / paged64, PAGED_FILL -> contiguous rule): B1 S32k 75.4 / 75.9 -> 79.0 / 80.4
       (and 76.0 / 76.9 -> 79.7 / 80.1 in a second run), B1 S128k 92.6 / 94.7 -> 94.6 / 95.5, B2 S32k
       88.3 / 88.7 -> 89.9 / 90.6, B4 S16k 87.6 / 89.5 -> 88.7 / 90.6, B8 S8k 86.1 / 89.3 -> 90.1 / 90.4
       (88.4 / 88.9 -> 88.2 / 90.2 in the first run), B16 S8k seqlen_q 2 92.8 / 94.9 -> 96.2 / 97.4, B8
@@ -948,8 +948,9 @@ DEFAULT_ORDER = "heads"
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
 # per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
 # paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
-# forced splits the two were 71.9 / 75.5 - the default for TMA-read pages since; "paged": PAGED_FILL for
-# TMA-read pages too, the rule before) overriding the
+# forced splits the two were 71.9 / 75.5 - the default for TMA-read pages on lean memory or of LONG_PAGE
+# keys since; "paged": PAGED_FILL for every paged cache, the rule before), memory ("lean" / "deep": the
+# rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 _VARIANT_KEY: tuple | None = None
@@ -1012,11 +1013,11 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
             per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
-            # PAGED_FILL for paged caches, except TMA-read ones on lean memory or with pages of at
-            # least LONG_PAGE keys (choose_num_splits); "paged": for every paged cache, "contig": for
-            # none (bench A/Bs)
-            paged_rule = p.paged and rule != "contig" and (
-                cfg.loader != "tma" or not (lean or p.page_size >= LONG_PAGE) or rule == "paged")
+            # PAGED_FILL for paged caches (choose_num_splits), except TMA-read ones on lean memory or
+            # with pages of at least LONG_PAGE keys; the bench's "paged": for every paged cache,
+            # "contig": for none
+            pages_as_contig = cfg.loader == "tma" and (lean or p.page_size >= LONG_PAGE) and rule != "paged"
+            paged_rule = p.paged and rule != "contig" and not pages_as_contig
             num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
                                            compute_fill(p.head_dim, p.paged, lean))
     num_splits = int(num_splits or v.get("num_splits"))
