@@ -763,9 +763,12 @@ def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d
         assert plan.combine is not None and not plan.fused
 
 
-# The fused merge's three ways through the partials (templates/attention_decode.cu.j2, after the
-# counter): few (row, column chunk) units - split groups summed in shared memory; >= 8 splits - a
-# unit at a time, splits in batches of 8; fewer splits - 4 units at a time (the last batch partial).
+# The fused merge's ways through the partials (templates/attention_decode.cu.j2, after the
+# counter): the rows mode's <= REG_MERGE_MAX_SPLITS splits from the last CTA's registers
+# (register_merge: one chunk of loads, or several from 3 splits on at d128); else by units - few
+# (row, column chunk) units: split groups summed in shared memory; >= 8 splits: a unit at a time,
+# splits in batches of 8; fewer splits: 4 units at a time (the last batch partial).  merge="units"
+# sends the rows mode's few splits through the units too.
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, warp_split, num_splits, lens)
 MERGE_CASES = [
     (3, 1, 8, 8, 64, "keys", 9, [700, 0, 1]),        # 1 row x 16 chunks: 4 split groups of 9 splits
@@ -775,11 +778,14 @@ MERGE_CASES = [
     (2, 3, 16, 4, 128, "keys", 3, [700, 2]),         # 12 rows x 32 chunks: 3 units a thread, causal
     (2, 16, 16, 4, 128, "rows", 5, [800, 300]),      # rows mode, 64 rows x 32 chunks: 16 units a thread
     (2, 4, 24, 4, 96, "keys", 2, [500, 0]),          # 24 rows, d96 (24 chunks)
+    (2, 16, 16, 4, 128, "rows", 2, [800, 300]),      # rows mode, 2 splits: registers, one chunk
+    (3, 12, 32, 8, 128, "rows", 4, [900, 0, 5]),     # 48 of 64 rows, 4 splits (some without keys): 6 chunks
+    (2, 16, 24, 8, 64, "rows", 3, [700, 40]),        # d64, group 3 (48 rows), 3 splits: 2 chunks
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [None, "serial"], ids=["merge", "serial"])
+@pytest.mark.parametrize("merge", [None, "serial", "units"], ids=["merge", "serial", "units"])
 @pytest.mark.parametrize("batch,sq,h,hkv,d,split,splits,lens", MERGE_CASES)
 def test_gpu_fused_merge_paths(variant, merge, batch, sq, h, hkv, d, split, splits, lens):
     """The fused merge (the last CTA of a group merges the splits' partials) against the float64

@@ -119,6 +119,26 @@ def _fake_problem():
                           {"q": q, "k_cache": k, "v_cache": k, "out": q, "cache_seqlens": (1,)}, (b, cap, hkv, d))
 
 
+@pytest.mark.parametrize("splits,merge,fused,code", [
+    (2, None, True, 1),        # 64 KB: the register merge
+    (4, None, True, 1),        # 128 KB: still the register merge (the unit merge's limit is 64 KB)
+    (5, None, False, 0),       # past REG_MERGE_MAX_SPLITS and 64 KB: the combine launch
+    (2, "units", True, 3),     # the bench's unit-merge variant: fused by the 64 KB rule
+    (4, "units", False, 0),
+    (2, "serial", True, 2),
+])
+def test_rows_mode_merges_few_splits_from_registers(splits, merge, fused, code):
+    """The rows mode's fused merge of <= REG_MERGE_MAX_SPLITS splits runs from registers whatever
+    the partials' bytes (DecodeArgs.fused 1); the variants keep the unit / serial merges for A/Bs."""
+    assert kv_mod.REG_MERGE_MAX_SPLITS == 4
+    plan = kv_mod.make_plan(_fake_problem(), causal=True, return_lse=False, num_splits=splits, torch=False,
+                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132,
+                            variant={"merge": merge} if merge else None)
+    assert plan.config.warp_split == "rows" and plan.num_splits == splits
+    assert plan.fused == fused and (plan.combine is None) == fused, plan
+    assert int(plan.split.tail[0]["fused"]) == code
+
+
 # ---- compile (a few: CI has two cores) --------------------------------------------------------
 def _opcodes(sass):
     return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)

@@ -37,7 +37,8 @@ preferred contiguous (batch, nheads_kv, seqlen, head_dim) copy (``sdpa_cudnn``) 
 ``--sdpa-nhd``, on the transposed view of rtk's own layout (``sdpa_cudnn_nhd``: the same bytes in
 the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;...`` times kernel
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
-order splits|heads, combine fused|kernel, merge serial (the session-10 fused merge), split_rule
+order splits|heads, combine fused|kernel, merge serial|units (the session-10 fused merge; the unit merge
+where the rows mode merges from registers), split_rule
 decode|old|fill2|contig|paged (contig: paged caches split as contiguous ones, cp.async pages too;
 paged: PAGED_FILL for TMA-read pages too, the rule before 2026-11-26), memory lean|deep (the
 lean-memory rules of attention_kvcache.LEAN_MEMORY_GBS_PER_SM, or the others, whatever the device),

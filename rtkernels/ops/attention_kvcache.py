@@ -218,7 +218,8 @@ class AttentionDecodeConfig(AttentionShape):
     def template_params(self) -> dict[str, Any]:
         p = super().template_params()
         p.update(smem_bytes=self.shared_mem_bytes, ptrs_bytes=PTRS_DTYPE.itemsize, args_bytes=ARGS_DTYPE.itemsize,
-                 combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS)
+                 combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS,
+                 reg_merge_max_splits=REG_MERGE_MAX_SPLITS)
         return p
 
     @classmethod
@@ -431,6 +432,20 @@ def compute_fill(head_dim: int, paged: bool = False, lean: bool = False) -> int:
 # seqlen_q 8 at 8 splits 70.4 / 76.8, B1 S32k 42-54 / 72-78).
 FUSED_COMBINE_MAX_BYTES = 32 * 1024
 FUSED_COMBINE_MAX_BYTES_ROWS = 64 * 1024
+# The rows mode merges up to REG_MERGE_MAX_SPLITS splits from the last CTA's registers (the
+# template's register_merge: each thread loads the other splits' partials at its own accumulator
+# positions - the first chunk with their lse, one L2 round trip per <= 64 registers of loads (32
+# from 3 splits on), no shared memory), whatever their bytes: 2 splits x 64 rows x d128 is one
+# round trip where the unit merge above takes five.  Measured (H100, 2026-11-26, two runs,
+# `tools/bench_decode.py --variants "ru=merge:units;ck=combine:kernel"`, 32/8 heads, contiguous, %
+# of copy, run 1 / run 2), registers against the unit merge (ru) at the same splits: seqlen_q 16 B8
+# S8k (2 splits) 88.7 / 89.9 against 85.5 / 86.4 (paged16 81.9 / 83.1 against 79.2 / 80.0);
+# seqlen_q 8 B8 S8k 90.9 / 92.5 against 88.9 / 90.1; d96 seqlen_q 16 B8 (2) 73.2 / 73.8 against
+# 70.7 / 71.2 (paged16 +5.4 / +5.8); d64 seqlen_q 16 B8 (4 splits) 76.4 / 74.7 against 73.8 / 72.4;
+# and at 4 splits of d128 (128 KB, which went to the combine launch) seqlen_q 16 B4 S8k 73.8 /
+# 73.9 against 72.6 / 72.2 (the combine launch forced: 72.1), seqlen_q 12 74.9 against 74.3.
+# d128 keeps 167 registers; d64 goes from 119 to 124 (still 4 CTAs per SM).
+REG_MERGE_MAX_SPLITS = 4
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
@@ -943,7 +958,8 @@ DEFAULT_ORDER = "heads"
 
 # Tuning hook for tools/bench_decode.py --variants: config fields (warp_split, kv_heads, block_n,
 # num_stages, num_warps, schedule, loader, l2_prefetch), order ("splits"/"heads"), combine ("fused"/"kernel"), merge
-# ("serial": the fused merge of session 10, a few dependent L2 round trips per row, as a baseline), num_splits
+# ("serial": the fused merge of session 10, a few dependent L2 round trips per row, as a baseline; "units": the
+# unit merge where the rows mode would merge from registers), num_splits
 # and split_rule ("decode": choose_num_splits without its HEAVY_ROWS rule; "old": the rule before
 # 2026-11-26, no split from 0.45 CTA per SM; "fill2": small grids split to the kernel's occupancy, not one CTA
 # per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
@@ -953,6 +969,8 @@ DEFAULT_ORDER = "heads"
 # rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
+# DecodeArgs.fused of a fused merge by the variant's "merge" (None: 1, the default merge)
+MERGE_CODES = {None: 1, "serial": 2, "units": 3}
 _VARIANT_KEY: tuple | None = None
 
 
@@ -1026,16 +1044,20 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
                                    f"exceeds a grid's {_GRID_X_MAX}")
     rows_all = p.batch * p.seqlen_q * p.nheads
     fused = False
+    merge = v.get("merge")
     if num_splits > 1:
-        # the merge's weights (rounded to 16 bytes) and its split groups' float4 sums (<= one per thread)
-        fits = 16 + 16 * -(-cta_rows * num_splits // 4) + 16 * cfg.threads_per_block <= cfg.shared_mem_bytes
+        # the register merge (rows mode, few splits) needs no shared memory; the unit merge its
+        # weights (rounded to 16 bytes) and its split groups' float4 sums (<= one per thread)
+        in_regs = cfg.warp_split == "rows" and num_splits <= REG_MERGE_MAX_SPLITS and merge is None
+        fits = in_regs or 16 + 16 * -(-cta_rows * num_splits // 4) + 16 * cfg.threads_per_block <= cfg.shared_mem_bytes
         want = v.get("combine")
         fused_max = FUSED_COMBINE_MAX_BYTES_ROWS if cfg.warp_split == "rows" else FUSED_COMBINE_MAX_BYTES
-        fused = fits and (want == "fused" or (want is None and
-                                              num_splits * cta_rows * p.head_dim * 4 <= fused_max))
+        fused = fits and (want == "fused" or (want is None and (
+            in_regs or num_splits * cta_rows * p.head_dim * 4 <= fused_max)))
     order = ORDER[v.get("order", DEFAULT_ORDER)]
-    # a.fused: 0 none / the combine launch, 1 the merge, 2 the first (serial) merge (variant merge:serial)
-    args = _args(p, cfg, num_splits, row_tiles, order, (2 if v.get("merge") == "serial" else 1) if fused else 0)
+    # a.fused: 0 none / the combine launch, 1 the merge (from registers in the rows mode's few-split
+    # case), 2 the first (serial) merge (variant merge:serial), 3 the unit merge (variant merge:units)
+    args = _args(p, cfg, num_splits, row_tiles, order, MERGE_CODES.get(merge, 1) if fused else 0)
     split = combine = None
     append = _append_launch(p, cfg, args, arch)
     part_bytes = lse_off = counter_bytes = 0
