@@ -26,12 +26,16 @@ from rtkernels.ops.matmul_sm90 import MatmulSm90Config
     (dict(block_m=256, block_n=256), "block_n"),      # 256 accumulators per thread
     (dict(num_stages=5), "num_stages"),               # 5 x 48 KiB ring + staging > 227 KiB
     (dict(epilogue_n=96), "epilogue_n"),
-    (dict(block_n=192, epilogue_n=128), "epilogue_n"),
+    (dict(block_n=192, num_stages=3, epilogue_n=256), "epilogue_n"),
     (dict(activation="tanh"), "activation"),
     (dict(tma_store=1), "tma_store"),
     (dict(group_m=0), "group_m"),
     (dict(mma="hmma", tma_store=False), "mma"),
     (dict(mma="sync"), "tma_store"),                  # mma.sync warps store C directly
+    (dict(block_n=232), "block_n"),                   # off the 64-column grid: B must be K-major
+    (dict(block_n=100, b_kmajor=True), "block_n"),    # wgmma N is a multiple of 8
+    (dict(block_n=232, b_kmajor=True, mma="sync", tma_store=False), "block_n"),
+    (dict(block_n=232, b_kmajor=True, num_stages=4, epilogue_n=256), "epilogue_n"),   # TMA stores 192 columns
 ])
 def test_config_errors(bad, field):
     with pytest.raises(ConfigError) as e:
@@ -48,6 +52,13 @@ def test_config_derived():
     assert MatmulSm90Config(tma_store=False).shared_mem_bytes == 1024 + 4 * 48 * 1024 + 64
     for t in m90.TILES + m90.TUNE_ONLY:
         assert m90._config(t, "bfloat16").shared_mem_bytes <= 227 * 1024
+    # a width off the 64-column grid: TMA stores its whole 64-column boxes, direct stores the rest
+    flex = MatmulSm90Config(block_n=232, b_kmajor=True, num_stages=4)
+    assert flex.tma_n == 192 and flex.epi_n == 128            # passes of 128 + 64 (ragged_epilogue)
+    assert MatmulSm90Config(block_n=232, b_kmajor=True, num_stages=3).epi_n == 192
+    assert MatmulSm90Config(block_n=232, b_kmajor=True, tma_store=False).tma_n == 0
+    for bn in m90.FLEX_NS:   # every width's deepest ring fits
+        assert 4 <= m90.flex_stages(bn) <= 6 and m90.flex_tile(4096, bn * 10, 1, 132).block_n in m90.FLEX_NS
 
 
 # ---- compile, ptxas and SASS ------------------------------------------------------------
@@ -60,6 +71,9 @@ def _configs():
         out.append(m90._config(t, "bfloat16", has_bias=True, activation="silu", tma_store=False))
     for t in m90.TUNE_ONLY:
         out.append(m90._config(t, "bfloat16", has_bias=True, activation="relu"))
+    out.append(MatmulSm90Config(block_n=232, num_stages=4, b_kmajor=True, has_bias=True, activation="silu"))
+    out.append(MatmulSm90Config(dtype="float16", block_n=152, num_stages=5, b_kmajor=True, a_kmajor=False,
+                                tma_store=False))
     return out
 
 
@@ -84,6 +98,19 @@ def test_compiles_clean_for_sm90a(cfg):
         assert s["utmastg"] > 0 and "STSM" in k.sass
     else:
         assert s["utmastg"] == 0
+
+
+def test_flexible_widths_compile_without_spills():
+    """Every width rule 4 may pick, with the heaviest epilogue it may get (bias + GELU up to
+    FLEX_MAX_N_GELU, bias + SiLU beyond), compiles without spills."""
+    import rtkernels as rtk
+    for bn in m90.FLEX_NS:
+        act = "gelu" if bn <= m90.FLEX_MAX_N_GELU else "silu"
+        cfg = MatmulSm90Config(block_n=bn, num_stages=m90.flex_stages(bn), b_kmajor=True, has_bias=True,
+                               activation=act)
+        r = rtk.get_kernel(cfg, arch="sm_90").resources
+        assert r.spill_stores == 0 and r.spill_loads == 0, (bn, act, r)
+    assert m90.flex_tile(3000, 5000, 1, 132, "gelu").block_n <= m90.FLEX_MAX_N_GELU
 
 
 def _main_loop(sass, mnemonic):
@@ -394,6 +421,16 @@ def test_numpy_model_of_epilogue():
 def test_heuristic_choice():
     big = m90.heuristic_config("bfloat16", 4096, 4096, 4096, sm_count=132)
     assert (big.block_m, big.block_n) == (128, 256)
+    # rule 4: widths off the 64-column grid that fill the last round (K-major B only), and not where
+    # the model puts them level with 128 x 256 (FLEX_NS's measurements)
+    pick = lambda m, n, k, **kw: m90.heuristic_config("bfloat16", m, n, k, sm_count=132, stream_k=True, **kw)  # noqa: E731
+    assert (pick(3000, 5000, 2000, b_kmajor=True).block_n, pick(3000, 5000, 2000).block_n) == (232, 256)
+    c = pick(512, 10240, 8192, b_kmajor=True)
+    assert (c.block_n, c.num_stages, c.stream_k) == (160, 5, False)
+    assert pick(512, 10240, 8192).stream_k                     # B N-major: stream-K as before
+    for shape in ((8192, 8192, 8192), (2048, 14336, 4096), (4096, 4096, 4096)):
+        assert pick(*shape, b_kmajor=True).block_n == 256, shape
+    assert pick(128, 4096, 4096, b_kmajor=True).cluster_k == 2   # the thin split comes first
     assert m90.heuristic_config("bfloat16", 65536, 64, 64, sm_count=132).block_n == 64
     for n in (1024, 1793, 3000, 8192):
         c = m90.heuristic_config("float16", n, n, n, sm_count=132)
@@ -481,6 +518,56 @@ def test_gpu_single_tile(dtype, b_kmajor):
     bad = np.argwhere(~np.isclose(got, ref, atol=0.05, rtol=0.02))
     assert bad.size == 0, f"{len(bad)} wrong, first at {bad[:8].tolist()}: got {got[tuple(bad[0])]}, " \
                           f"want {ref[tuple(bad[0])]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn, stages, layout, shape", [
+    (232, 4, dict(has_bias=True, activation="gelu"), (300, 1000, 200)),
+    (160, 5, dict(), (129, 488, 72)),
+    (152, 5, dict(tma_store=False, has_bias=True, activation="relu"), (257, 463, 136)),
+    (136, 6, dict(a_kmajor=False), (520, 1096, 64)),
+])
+def test_gpu_flexible_block_n(bn, stages, layout, shape):
+    """Tiles off the 64-column grid (K-major B): TMA-stored 64-column boxes plus direct stores of the
+    rest (or all direct), ragged M / N / K, bias and activation; poisoned output."""
+    import cupy as cp
+    from gpu_util import poison, random_array, to_f64
+    _sm90_gpu()
+    dtype = "bfloat16"
+    M, N, K = shape
+    cfg = MatmulSm90Config(dtype=dtype, block_n=bn, num_stages=stages, b_kmajor=True, **layout)
+    rng = np.random.default_rng(bn + M)
+    a, ah = random_array(rng, (K, M) if not cfg.a_kmajor else (M, K), dtype)
+    b, bh = random_array(rng, (N, K), dtype)
+    bias, biash = random_array(rng, (N,), dtype) if cfg.has_bias else (None, None)
+    out = poison(_empty((M, N), dtype))
+    maps = m90.tensor_maps(cfg, (a.data.ptr, (1,) + a.shape, (a.size,) + (a.shape[1], 1)),
+                           (b.data.ptr, (1, N, K), (N * K, K, 1)), (out.data.ptr, (1, M, N), (M * N, N, 1)))
+    import rtkernels as rtk
+    rtk.get_kernel(cfg).launch((m90.grid_size(M, N, 1, cfg, 132), 1, 1), (384, 1, 1), *maps, bias, out, M, N, K, 1,
+                               0, 0, N, 0, int(N % 2 == 0), shared_mem=cfg.shared_mem_bytes)
+    cp.cuda.get_current_stream().synchronize()
+    act = cfg.activation if cfg.activation != "none" else None
+    ref = mm.matmul_reference(ah, bh, bias=biash, activation=act, trans_a=not cfg.a_kmajor, trans_b=True)
+    peer = mm._act_np(_cublas(a, b, dtype, not cfg.a_kmajor, True) + (biash if biash is not None else 0), act)
+    _check(to_f64(out, dtype), ref, peer, f"128x{bn} {layout} {shape}")
+
+
+@pytest.mark.gpu
+def test_gpu_flexible_block_n_through_matmul():
+    """rtk.matmul takes a flexible width where it fills the last round (512 x 5000: 128 x 152)."""
+    from gpu_util import poison, random_array, to_f64
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, N, K = 512, 5000, 64
+    rng = np.random.default_rng(5)
+    a, ah = random_array(rng, (M, K), "bfloat16")
+    b, bh = random_array(rng, (N, K), "bfloat16")
+    out = poison(_empty((M, N), "bfloat16"))
+    rtk.matmul(a, b, out=out, trans_b=True, dtype="bfloat16")
+    picked = [plan[1] for key, plan in mm._plans90.items() if key[1:5] == (M, N, K, 1)]
+    assert picked and picked[-1].block_n == 152, picked
+    _check(to_f64(out, "bfloat16"), ah @ bh.T, _cublas(a, b, "bfloat16", False, True), "512x5000x64")
 
 
 SHAPES = [(1, 1, 1), (17, 33, 9), (127, 129, 65), (1000, 1000, 1000), (4096, 4096, 4096), (65536, 64, 64),

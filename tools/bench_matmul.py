@@ -746,6 +746,12 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
         st = st or m90.cluster_stages(bm, bn, ck)
         specs.append((label, m90.MatmulSm90Config(dtype=dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
                                                   split_k=s, stream_k=sk, cluster_k=ck)))
+    # whole tiles off the 64-column grid (matmul_sm90.flex_tile): the model's best three widths
+    flex = sorted((m90._Tile(128, bn, m90.flex_stages(bn), m90.flex_efficiency(bn), "") for bn in m90.FLEX_NS),
+                  key=lambda t: (m90.estimated_cost(t, m, n, 1, sms), -t.block_n))
+    for t in flex[:3]:
+        specs.append((f"flex 128x{t.block_n}", m90.MatmulSm90Config(dtype=dtype, block_m=128, block_n=t.block_n,
+                                                                    num_stages=t.num_stages, b_kmajor=True)))
     return specs
 
 
@@ -763,7 +769,7 @@ def lastcells_ab(args) -> None:
         rows = []
         for m, n, k in shapes:
             for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, 132):
-                if not only or label in only:
+                if not only or label in only or (label.startswith("flex") and "flex" in only):
                     rows.append({"shape": f"{m}x{n}x{k}", "config": label,
                                  "tile": f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}",
                                  **plan_math(m90, cfg, m, n, k, 132)})
@@ -785,7 +791,8 @@ def lastcells_ab(args) -> None:
         sets, out, ref, cands = _ab_inputs(torch, rtk, tdt, m, n, k)
         info, seen = {}, set()
         for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, sms):
-            if (only and label not in only) or cfg.split_k > m90.k_blocks(k) or cfg in seen:
+            if (only and label not in only and not (label.startswith("flex") and "flex" in only)) \
+                    or cfg.split_k > m90.k_blocks(k) or cfg in seen:
                 continue
             seen.add(cfg)
             kern = rtk.get_kernel(cfg)

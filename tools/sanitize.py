@@ -368,6 +368,9 @@ MATMUL_VARIANTS = (
     ("bf16 1x1x1 bias", "bfloat16", 1, 1, 1, 0, 0, False, False, True, None, 0, 0, False),
     ("bf16 33x50x37 a offset 1", "bfloat16", 33, 50, 37, 0, 0, False, False, True, "gelu", 1, 0, False),
     ("f32 37x45x29 silu odd C", "float32", 37, 45, 29, 0, 0, False, False, True, "silu", 0, 1, False),
+    # rule 4's width off the 64-column grid (128 x 152: TMA-stored boxes + direct stores of the rest)
+    ("bf16 512x5000x64 trans_b bias silu: 128x152 tile", "bfloat16", 512, 5000, 64, 0, 0, False, True, True, "silu",
+     0, 0, True),
 )
 # Staged operands (pad_rows copies, then the Hopper kernel), the size thresholds lowered for the
 # case: an offset view and K = 37 (rows TMA cannot address), and K = 72 / N = 40 (144- and 80-byte

@@ -36,12 +36,13 @@ class HopperMatmulTile:
     num_stages, tma_store, epilogue_n and the property stage_bytes."""
 
     def _check_epilogue_and_smem(self) -> None:
-        """epilogue_n divides the tile in 64-column steps, and the ring with the smallest epilogue
+        """epilogue_n steps over the TMA-stored columns in 64-column boxes (dividing them, unless the
+        kernel takes a shorter last pass: ragged_epilogue), and the ring with the smallest epilogue
         staging fits shared memory."""
         if self.epilogue_n:
-            self._check_int("epilogue_n", 64, self.block_n, multiple_of=64)
-            if self.block_n % self.epilogue_n:
-                self._fail("epilogue_n", f"0 or a divisor of block_n={self.block_n} that is a multiple of 64")
+            self._check_int("epilogue_n", 64, max(64, self.tma_n), multiple_of=64)
+            if self.tma_n % self.epilogue_n and not self.ragged_epilogue:
+                self._fail("epilogue_n", f"0 or a divisor of {self.tma_n} that is a multiple of 64")
         if self.shared_mem_bytes > _SMEM_LIMIT:
             self._fail("num_stages", f"small enough for {_SMEM_LIMIT} bytes of shared memory (needs "
                                      f"{self.shared_mem_bytes} with the smallest epilogue staging)")
@@ -59,13 +60,23 @@ class HopperMatmulTile:
         return 0
 
     @property
+    def tma_n(self) -> int:
+        """Columns of the tile the TMA epilogue stores: block_n in whole 64-column boxes (the kernel
+        writes the rest of a block_n off that grid, K-major B only, with direct stores); 0 without
+        tma_store."""
+        return self.block_n // 64 * 64 if self.tma_store else 0
+
+    # The kernel's last epilogue pass may be narrower than the others (the bf16/fp16 kernel's).
+    ragged_epilogue: ClassVar[bool] = False
+
+    @property
     def epi_n(self) -> int:
-        """Columns per epilogue pass: ``epilogue_n``, or the widest divisor of block_n (>= 64)
-        whose staging buffer fits beside the ring."""
+        """Columns per epilogue pass: ``epilogue_n``, or the widest multiple of 64 (a divisor of
+        tma_n unless ragged_epilogue) whose staging buffer fits beside the ring."""
         if self.epilogue_n or not self.tma_store:
             return self.epilogue_n or self.block_n
-        n = self.block_n
-        while n > 64 and (self.block_n % n or self._smem(n) > _SMEM_LIMIT):
+        n = self.tma_n
+        while n > 64 and ((self.tma_n % n and not self.ragged_epilogue) or self._smem(n) > _SMEM_LIMIT):
             n -= 64
         return n
 
@@ -112,6 +123,9 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
 
     family: ClassVar[str] = "matmul_sm90"
     template: ClassVar[str] = "matmul_sm90.cu.j2"
+    # 128 x 232: 192 TMA columns in passes of 128 + 64 - with three passes of 64 (128 staged
+    # columns do not divide 192) the bias + GELU epilogue spilled 8 bytes
+    ragged_epilogue: ClassVar[bool] = True
     kernels: ClassVar[tuple[str, ...]] = ("matmul_sm90",)
     needs_arch_specific: ClassVar[bool] = True
     expects_tensor_cores: ClassVar[bool] = True
@@ -143,7 +157,10 @@ class MatmulSm90Config(HopperMatmulTile, KernelConfig):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         self._check_choice("block_m", (128, 256))
-        self._check_int("block_n", 64, 256, multiple_of=64)
+        self._check_int("block_n", 64, 256, multiple_of=8)
+        if self.block_n % 64 and not (self.b_kmajor and self.mma == "wgmma"):
+            self._fail("block_n", f"a multiple of 64 with b_kmajor={self.b_kmajor}, mma={self.mma!r} (a block_n off "
+                                  "the 64-column grid needs B K-major, loaded as one box, and wgmma consumers)")
         self._check_int("block_k", 64, 64)
         self._check_int("num_stages", 2, 8)
         self._check_int("group_m", 1, 64)
@@ -331,6 +348,64 @@ THIN_SPLIT_MIN_KBLOCKS = 32   # 4 passes of the 8-stage ring per split
 STREAM_K_TILE = (128, 256)
 WAVE_TILES = ((128, 256), (128, 192), (128, 128))
 STREAM_K_MAX_FILL = 0.9
+
+
+# ---- tiles off the 64-column grid (K-major B) ---------------------------------------------------
+# With B K-major (a linear layer's weight W (N, K), ``x @ W.T``) B is one TMA box of block_n rows,
+# and wgmma takes any N that is a multiple of 8, so block_n need not be 64, 128, 192 or 256: a
+# width that divides N into as many column tiles as fill the SMs' last round costs the problem
+# less padded work.  3000x5000x2000: 128 x 256 gives 24 x 20 = 480 tiles, 3.64 rounds of 132 (a
+# quarter of the SMs idle in the 4th); 128 x 232 gives 24 x 22 = 528, 4 rounds of equal tiles, 9%
+# less work on every SM (cuBLAS picks 152 x 256 tiles there, the N of its wgmma fitted to M).  The
+# kernel stores the columns past the last whole 64-column box with direct stores (TMA_N).
+# Measured (H100, 2026-11-26, `tools/bench_matmul.py --lastcells-ab`, x @ W.T bf16, cuBLAS in the
+# same rounds; the heuristic's pick before -> the flexible tile):
+#   512x10240x8192   stream-K 128x256 0.926x -> 128x160 0.975x (whole 128x256 0.692x, 128x128 0.873x)
+#   512x14336x4096   128x256 1.02x -> 128x224 1.07x
+#   512x28672x4096   128x128 0.969x -> 128x224 0.986x
+#   3000x5000x2000   128x256 0.848x -> 128x232 0.863x (the model said 8% less work: the rest of the
+#                    gap is elsewhere - both warpgroups' epilogue runs while the tensor cores idle)
+#   128x28672x4096   1.02x either way (bound by reading W)
+# and where the model puts them level, not taken: 2048x14336x4096 128x256 1.00x vs 128x224 0.968x,
+# 8192^3 1.06x vs 1.00x (224) / 0.97x (240): at equal rounds a narrower tile reads more operand
+# bytes per FLOP, and the large squares are where that shows.
+FLEX_NS = tuple(range(136, 256, 8))
+# A flexible tile is taken only where the model puts it this far below the best of TILES: the
+# model's rounds x area ignores what the odd width costs (the direct stores of its last columns).
+FLEX_MARGIN = 0.95
+
+
+def flex_efficiency(block_n: int) -> float:
+    """Efficiency of a 128-row tile of width ``block_n`` for the cost model: linear between
+    128 x 128's 0.91 and 128 x 256's 1.00 (TILES; narrower m64nN wgmmas read more operand bytes
+    per FLOP)."""
+    return 0.91 + 0.09 * (block_n - 128) / 128
+
+
+def flex_stages(block_n: int) -> int:
+    """The deepest ring (at most 6 stages, as 128 x 128's) of a 128 x ``block_n`` tile whose
+    shared memory fits with one 64-column epilogue pass."""
+    for st in range(6, 2, -1):
+        try:
+            MatmulSm90Config(block_m=128, block_n=block_n, num_stages=st, b_kmajor=True, epilogue_n=64)
+            return st
+        except ConfigError:
+            continue
+    return 2
+
+
+# GELU's epilogue beside 116-120 accumulators: 128 x 232 and 128 x 240 spill 4 bytes (ptxas 13.0;
+# 224 and 248 do not), so with GELU the widths stop at 224 (tests/test_matmul_sm90.py compiles every
+# width the heuristic may pick, with each activation, and checks for spills).
+FLEX_MAX_N_GELU = 224
+
+
+def flex_tile(m: int, n: int, batch: int, sm_count: int, activation: str = "none") -> _Tile:
+    """The 128 x block_n tile (block_n in FLEX_NS, at most FLEX_MAX_N_GELU with GELU) with the least
+    estimated_cost; ties go to the wider tile (fewer operand bytes per FLOP)."""
+    widths = [bn for bn in FLEX_NS if activation != "gelu" or bn <= FLEX_MAX_N_GELU]
+    tiles = [_Tile(128, bn, flex_stages(bn), flex_efficiency(bn), "flexible N") for bn in widths]
+    return min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), -t.block_n))
 
 
 def k_blocks(k: int) -> int:
@@ -545,7 +620,7 @@ def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
                      stream_k: bool = False, **layout) -> MatmulSm90Config:
-    """The heuristic's config (rules 1-3 and 2b above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
+    """The heuristic's config (rules 1-4 and 2b above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
     tma_store, mma.  ``stream_k``: also weigh the stream-K schedule (rtk.matmul does unless
     RTKERNELS_MATMUL_STREAM_K=0; see matmul.STREAM_K_ENV)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
@@ -565,6 +640,12 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     split_k = heuristic_split_k(dp, m, n, k, batch, sm_count)
     if split_k > 1:
         return _config(_tile(SPLIT_TILE), dtype, split_k, **layout)
+    # 4. a tile off the 64-column grid where it fills the rounds (K-major B; before stream-K, which
+    #    it beat where both apply: see FLEX_NS)
+    if layout.get("b_kmajor"):
+        flex = flex_tile(m, n, batch, sm_count, layout.get("activation") or "none")
+        if estimated_cost(flex, m, n, batch, sm_count) < FLEX_MARGIN * estimated_cost(dp, m, n, batch, sm_count):
+            return _config(flex, dtype, **layout)
     if stream_k and stream_k_pays(m, n, k, batch, sm_count):
         return _config(_tile(STREAM_K_TILE), dtype, stream_k=True, **layout)
     return _config(dp, dtype, **layout)
