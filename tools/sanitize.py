@@ -512,7 +512,8 @@ def _pad_rows(ctx: Ctx):
         flat_h = ctx.rng.integers(0, 2 ** 16, n, dtype=np.uint16)
         flat = ctx.cp.asarray(flat_h)
         src = ctx.cp.lib.stride_tricks.as_strided(flat[offset:], (nb, rows, cols), (2 * bs, 2 * ld, 2))
-        buf, ldp = mm._pad_rows(src, nb, ld, bs, None)
+        st = mm._Stage(rows, cols, nb, ld, bs, src.dtype)
+        buf = mm._pad_rows(src, st, None)
         want = np.lib.stride_tricks.as_strided(flat_h[offset:], (nb, rows, cols), (2 * bs, 2 * ld, 2)).copy()
         # the row parts only, gathered on the device: the pad columns past `cols` are never
         # written (TMA zero-fills past the true extent), and copying them to the host reads

@@ -451,6 +451,63 @@ def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
         _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps, like=arrays[0]))
 
 
+@dataclass
+class _StagedPlan:
+    """A launch plan whose operands A and / or B are staged (``stages``: a :class:`_Stage` or None
+    each): a replay queues their copies from the call's operands, then replays ``main`` (the Hopper
+    kernel's OutputPlan) on the copies.  Without it a staged call ran the full argument path, 170-280
+    us of host time (H200, 2026-11-22) - 2.15x torch.matmul's per-call latency at 1793^3 (H100,
+    2026-11-26) where the GPU work is ~65 us."""
+    main: OutputPlan
+    stages: tuple
+
+
+class _Address:
+    """A staged copy as the replays read an array: its base address (``data_ptr()`` for a torch
+    plan, ``data.ptr`` for a CuPy one) - the copy itself stays alive until the launch is queued,
+    and is freed with this object.  (``data`` is a property: an attribute holding ``self`` made a
+    reference cycle that kept every copy until the garbage collector ran, so CuPy's pool had no
+    block to reuse and allocated anew - 150-320 us per call at 1793^3, H100, 2026-11-26.)"""
+    __slots__ = ("ptr", "buf")
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.ptr = buf.data.ptr
+
+    @property
+    def data(self):
+        return self
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _launch_staged(key, launch: Launch, maps, stages, views, read, arrays, stream) -> None:
+    """Run ``launch`` on ``views`` (A and / or B the staged copies of ``stages``), and keep a
+    :class:`_StagedPlan` when the operands were read in place (``read``: the views the copies were
+    made from) and bias and C are the caller's."""
+    same = same_memory(read, arrays[:2]) and same_memory(views[2:], arrays[2:])
+    if maps is not None and maps[4] is not None:   # split-K: the stream's workspace follows C
+        ws = _split_workspace(maps[4], arrays[0], stream)
+        views, arrays = (*views, *ws), (*arrays, *ws)
+    launch.run(_args(maps, views), stream)
+    if key is not None and same:
+        _LAUNCHES.put(key, _StagedPlan(OutputPlan.of(launch, arrays[3], maps, like=arrays[0]), stages))
+
+
+def _replay_staged(plan: _StagedPlan, a, b, bias, out, stream, dev: int):
+    """The staged plan's copies of ``a`` / ``b``, then its kernel on them (see :func:`_replay`)."""
+    main = plan.main
+    out = main.output(a, out)
+    s = default_stream(a, stream)
+    ops = [v if st is None else _Address(_pad_rows(v, st, s)) for v, st in zip((a, b), plan.stages)]
+    arrays = (*ops, bias, out)
+    if main.extra[4] is not None:   # split-K: this stream's workspace
+        arrays += _split_workspace(main.extra[4], a, s)
+    main.replay(arrays, stream, _args, dev)
+    return out
+
+
 def _split_workspace(sizes, like, stream):
     """(partials, counters) of a split-K launch on ``stream``: ops/workspace.py's buffers of that
     (device, stream), of ``like``'s kind (so a plan's replays hand the launch arrays of one kind);
@@ -476,6 +533,8 @@ def _replay(plan, a, b, bias, out, stream, dev: int):
     """A plan's launch on the call's arrays; ``dev``: the plan key's device."""
     if type(plan) is _GemvPlan:
         return gemv.replay(plan.plan, (b, a, None, None, bias), out, stream)
+    if type(plan) is _StagedPlan:
+        return _replay_staged(plan, a, b, bias, out, stream, dev)
     out = plan.output(a, out)
     arrays = (a, b, bias, out)
     if plan.extra is not None and plan.extra[4] is not None:   # split-K: this stream's workspace
@@ -533,7 +592,8 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     compact copy on the call's stream, then the same paths.  A bias that is not contiguous is
     copied too.  ``out`` must have unit stride along N, non-negative strides and no two indices
     on one element (an ``expand``-ed or overlapping output is rejected: its writes would race).
-    Elements not aligned to their size are rejected.  Calls that copy keep no launch plan.
+    Elements not aligned to their size are rejected.  Calls that stage A or B for the Hopper kernel
+    keep a plan that repeats the staging copies (other copies keep none).
     """
     if scale_a is not None or scale_b is not None or out_dtype is not None:
         return _fp8.matmul_fp8(a, b, bias=bias, activation=activation, out=out, trans_a=trans_a, trans_b=trans_b,
@@ -636,16 +696,21 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
 
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
         work = m * n * k * batch
+        stages = (None, None)
         if work >= min(STAGE_MIN_WORK, REALIGN_MIN_WORK):
-            # copies never match the caller's arrays, so such calls keep no plan (see _launch)
+            read = (av, bv)   # the operands as read in place (or compact copies: then no plan)
             bt = bv.swapaxes(-1, -2)
-            av, lda, batch_a = _tma_operand(av, a_kmajor, lda, batch_a, work, stream)
-            bt2, ldb, batch_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, stream)
+            av, lda, batch_a, st_a = _tma_operand(av, a_kmajor, lda, batch_a, work, stream)
+            bt2, ldb, batch_b, st_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, stream)
             bv = bv if bt2 is bt else bt2.swapaxes(-1, -2)
+            stages = (st_a, st_b)
         done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
                           batch_c, act, stream)
         if done is not None:
-            _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream)
+            if stages == (None, None):
+                _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream)
+            else:
+                _launch_staged(plan_key, *done, stages, (av, bv, biv, cv), read, (a, b, bias, out), stream)
             return out
 
     if da == "float32":
@@ -791,26 +856,41 @@ class PadRowsConfig(KernelConfig):
 _PAD = PadRowsConfig()
 
 
-def _pad_rows(stored, nb: int, ld: int, batch_stride: int, stream):
-    """A copy of the 16-bit ``stored`` (.., rows, cols) (row stride ``ld``, batch stride
-    ``batch_stride``, ``nb`` batches) with rows 128 bytes apart: (buffer (nb, rows, ldp), ldp)."""
+@dataclass(frozen=True)
+class _Stage:
+    """How an operand is staged (:func:`_pad_rows`): ``nb`` x ``rows`` x ``cols`` 16-bit elements
+    read at row stride ``ld`` and batch stride ``batch_stride`` from the operand's base, into rows
+    ``ldp`` apart of a new buffer of CuPy dtype ``dtype``."""
+    rows: int
+    cols: int
+    nb: int
+    ld: int
+    batch_stride: int
+    dtype: object
+
+    @property
+    def ldp(self) -> int:
+        return -(-self.cols // 64) * 64
+
+
+def _pad_rows(src, st: _Stage, stream):
+    """The staging copy of ``st`` from ``src`` (an array whose base address is the operand's) into
+    a new (nb, rows, ldp) CuPy buffer with rows 128 bytes apart, queued on ``stream``."""
     import cupy
-    rows, cols = stored.shape[-2:]
-    ldp = -(-cols // 64) * 64
     cs = cupy_stream(stream)
     with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: after our reads
-        buf = cupy.empty((nb, rows, ldp), dtype=stored.dtype)
-    per_row = -(-cols // (8 * _PAD.block_size * _PAD.chunks_per_thread))
-    get_kernel(_PAD).launch((nb * rows * per_row,), (_PAD.block_size,), stored, buf, rows, cols, ld, batch_stride,
-                            ldp // 8, per_row, stream=cs)
-    return buf, ldp
+        buf = cupy.empty((st.nb, st.rows, st.ldp), dtype=st.dtype)
+    per_row = -(-st.cols // (8 * _PAD.block_size * _PAD.chunks_per_thread))
+    get_kernel(_PAD).launch((st.nb * st.rows * per_row,), (_PAD.block_size,), src, buf, st.rows, st.cols, st.ld,
+                            st.batch_stride, st.ldp // 8, per_row, stream=cs)
+    return buf
 
 
 def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream):
     """Operand ``v`` ((.., outer, K) as the kernel sees it: A, or B transposed) as (array, ld,
-    batch stride) for the TMA kernel: ``v`` itself, or a copy with 128-byte aligned rows
-    (:func:`_pad_rows`) when TMA cannot address ``v`` and ``work`` >= STAGE_MIN_WORK, or when its
-    rows are not 32-byte aligned and ``work`` >= REALIGN_MIN_WORK."""
+    batch stride, stage) for the TMA kernel: ``v`` itself (stage None), or a copy with 128-byte
+    aligned rows (:func:`_pad_rows`, ``stage`` how) when TMA cannot address ``v`` and ``work`` >=
+    STAGE_MIN_WORK, or when its rows are not 32-byte aligned and ``work`` >= REALIGN_MIN_WORK."""
     stored = v if kmajor else v.swapaxes(-1, -2)          # (.., rows, cols), cols contiguous
     nb = stored.shape[0] if stored.ndim == 3 and batch_stride else 1
     rows, cols = stored.shape[-2:]
@@ -818,13 +898,13 @@ def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream)
     if m90.operand_maps(ptr, rows, cols, ld, nb, batch_stride) is not None:
         sector = ptr % 32 == 0 and (rows == 1 or ld % 16 == 0) and (nb == 1 or batch_stride % 16 == 0)
         if sector or work < REALIGN_MIN_WORK:
-            return v, ld, batch_stride
+            return v, ld, batch_stride, None
     elif work < STAGE_MIN_WORK:
-        return v, ld, batch_stride
-    buf, ldp = _pad_rows(stored if stored.ndim == 3 else stored[None], nb, ld if rows > 1 else 0, batch_stride,
-                         stream)
+        return v, ld, batch_stride, None
+    st = _Stage(rows, cols, nb, ld if rows > 1 else 0, batch_stride, stored.dtype)
+    buf = _pad_rows(stored, st, stream)
     view = buf[:, :, :cols] if nb > 1 else buf[0, :, :cols]
-    return (view if kmajor else view.swapaxes(-1, -2)), ldp, (rows * ldp if nb > 1 else 0)
+    return (view if kmajor else view.swapaxes(-1, -2)), st.ldp, (rows * st.ldp if nb > 1 else 0), st
 
 
 _plans90: dict = {}
