@@ -431,6 +431,13 @@ def test_heuristic_choice():
     for shape in ((8192, 8192, 8192), (2048, 14336, 4096), (4096, 4096, 4096)):
         assert pick(*shape, b_kmajor=True).block_n == 256, shape
     assert pick(128, 4096, 4096, b_kmajor=True).cluster_k == 2   # the thin split comes first
+    # rule 5: short K takes one ring stage less where that makes the epilogue one pass
+    c = pick(3000, 5000, 2000, b_kmajor=True)
+    assert (c.num_stages, c.epi_n, c.tma_n) == (3, 192, 192)
+    assert (pick(2048, 4096, 128).num_stages, pick(4096, 4096, 4096).num_stages) == (3, 4)
+    assert pick(512, 14336, 4096, b_kmajor=True).num_stages == 4
+    # a forced cluster-K schedule on a width off the 64-column grid (its ring sized with B K-major)
+    assert m90.with_cluster_k(pick(512, 10240, 8192, b_kmajor=True), 2).cluster_k == 2
     assert m90.heuristic_config("bfloat16", 65536, 64, 64, sm_count=132).block_n == 64
     for n in (1024, 1793, 3000, 8192):
         c = m90.heuristic_config("float16", n, n, n, sm_count=132)
@@ -526,6 +533,7 @@ def test_gpu_single_tile(dtype, b_kmajor):
     (160, 5, dict(), (129, 488, 72)),
     (152, 5, dict(tma_store=False, has_bias=True, activation="relu"), (257, 463, 136)),
     (136, 6, dict(a_kmajor=False), (520, 1096, 64)),
+    (232, 3, dict(has_bias=True, activation="silu"), (391, 704, 2000)),   # rule 5's one-pass epilogue
 ])
 def test_gpu_flexible_block_n(bn, stages, layout, shape):
     """Tiles off the 64-column grid (K-major B): TMA-stored 64-column boxes plus direct stores of the

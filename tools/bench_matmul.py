@@ -707,7 +707,7 @@ LASTCELL_M128 = [("dp 128x64", 128, 64, 8, 1, False, 1), ("s2 128x64", 128, 64, 
                  ("dp 128x128", 128, 128, 6, 1, False, 1), ("s2 128x128", 128, 128, 6, 2, False, 1),
                  ("c2 128x128", 128, 128, None, 1, False, 2),
                  ("dp 128x192", 128, 192, 5, 1, False, 1), ("c2 128x192", 128, 192, None, 1, False, 2)]
-LASTCELL_BIG = [("dp 128x256", 128, 256, 4, 1, False, 1), ("dp 128x192", 128, 192, 5, 1, False, 1),
+LASTCELL_BIG = [("dp 128x256", 128, 256, 4, 1, False, 1), ("dp 128x256/3", 128, 256, 3, 1, False, 1), ("dp 128x192", 128, 192, 5, 1, False, 1),
                 ("dp 256x128", 256, 128, 4, 1, False, 1), ("dp 128x128", 128, 128, 6, 1, False, 1),
                 ("sk 128x256", 128, 256, 4, 1, True, 1), ("c2 128x192", 128, 192, None, 1, False, 2),
                 ("c2 128x128", 128, 128, None, 1, False, 2)]
@@ -750,8 +750,11 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
     flex = sorted((m90._Tile(128, bn, m90.flex_stages(bn), m90.flex_efficiency(bn), "") for bn in m90.FLEX_NS),
                   key=lambda t: (m90.estimated_cost(t, m, n, 1, sms), -t.block_n))
     for t in flex[:3]:
-        specs.append((f"flex 128x{t.block_n}", m90.MatmulSm90Config(dtype=dtype, block_m=128, block_n=t.block_n,
-                                                                    num_stages=t.num_stages, b_kmajor=True)))
+        cfg = m90.MatmulSm90Config(dtype=dtype, block_m=128, block_n=t.block_n, num_stages=t.num_stages, b_kmajor=True)
+        specs.append((f"flex 128x{t.block_n}", cfg))
+        if cfg.epi_n < cfg.tma_n:   # the same with a ring one stage shorter and one epilogue pass
+            specs.append((f"flex 128x{t.block_n}/{t.num_stages - 1}",
+                          dataclasses.replace(cfg, num_stages=t.num_stages - 1)))
     return specs
 
 

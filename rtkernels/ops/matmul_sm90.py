@@ -545,13 +545,15 @@ def _config(tile: _Tile, dtype: str, split_k: int = 1, stream_k: bool = False, *
                             split_k=split_k, stream_k=stream_k, **layout)
 
 
-def cluster_stages(block_m: int, block_n: int, cluster_k: int = 2, tma_store: bool = True) -> int:
+def cluster_stages(block_m: int, block_n: int, cluster_k: int = 2, tma_store: bool = True,
+                   b_kmajor: bool = False) -> int:
     """The deepest ring (at most the TILES entry's depth, else 8) that fits shared memory beside
     the cluster-K receive buffer: 128 x 64 8 stages, 128 x 128 5, 128 x 192 4, 128 x 256 3."""
     most = next((t.num_stages for t in TILES if (t.block_m, t.block_n) == (block_m, block_n)), 8)
     for st in range(most, 1, -1):
         try:
-            MatmulSm90Config(block_m=block_m, block_n=block_n, num_stages=st, cluster_k=cluster_k, tma_store=tma_store)
+            MatmulSm90Config(block_m=block_m, block_n=block_n, num_stages=st, cluster_k=cluster_k, tma_store=tma_store,
+                             b_kmajor=b_kmajor)
             return st
         except ConfigError:
             continue
@@ -568,7 +570,7 @@ def with_cluster_k(cfg: MatmulSm90Config, cluster_k: int) -> MatmulSm90Config:
         depth = next((t.num_stages for t in TILES if (t.block_m, t.block_n) == (cfg.block_m, cfg.block_n)),
                      cfg.num_stages)
         return dataclasses.replace(cfg, cluster_k=1, num_stages=depth)
-    st = min(cfg.num_stages, cluster_stages(cfg.block_m, cfg.block_n, cluster_k, cfg.tma_store))
+    st = min(cfg.num_stages, cluster_stages(cfg.block_m, cfg.block_n, cluster_k, cfg.tma_store, cfg.b_kmajor))
     return dataclasses.replace(cfg, split_k=1, stream_k=False, cluster_k=cluster_k, num_stages=st)
 
 
@@ -620,7 +622,7 @@ def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
                      stream_k: bool = False, **layout) -> MatmulSm90Config:
-    """The heuristic's config (rules 1-4 and 2b above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
+    """The heuristic's config (rules 1-5 and 2b above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
     tma_store, mma.  ``stream_k``: also weigh the stream-K schedule (rtk.matmul does unless
     RTKERNELS_MATMUL_STREAM_K=0; see matmul.STREAM_K_ENV)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
@@ -645,10 +647,29 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     if layout.get("b_kmajor"):
         flex = flex_tile(m, n, batch, sm_count, layout.get("activation") or "none")
         if estimated_cost(flex, m, n, batch, sm_count) < FLEX_MARGIN * estimated_cost(dp, m, n, batch, sm_count):
-            return _config(flex, dtype, **layout)
+            return short_k_ring(_config(flex, dtype, **layout), k)
     if stream_k and stream_k_pays(m, n, k, batch, sm_count):
         return _config(_tile(STREAM_K_TILE), dtype, stream_k=True, **layout)
-    return _config(dp, dtype, **layout)
+    return short_k_ring(_config(dp, dtype, **layout), k)
+
+
+# 5. Short K: a whole-tile config whose C staging fits only part of the tile beside its ring (so
+#    the epilogue runs in passes) takes one ring stage less where that makes it one pass, when K is
+#    at most SHORT_K_KBLOCKS k-blocks.  Measured (H100, 2026-11-26, `--lastcells-ab`, two runs):
+#    3000x5000x2000 (32 k-blocks) 128x232/4 (passes of 128 + 64) 0.842-0.844x cuBLAS, /3 (one pass
+#    of 192) 0.879-0.881x; 128x256/4 0.850-0.855x, /3 0.880x.  Two 64-column staging buffers
+#    instead, the ring kept (double-buffered passes, tried and removed), gained 1% (0.854x): the
+#    passes themselves cost, not the wait for the TMA store's read.  With 64 k-blocks the deeper ring wins: 4096^3 128x256 /4
+#    1.00x, /3 0.985x; 512x14336x4096 128x224 /4 1.07x, 128x232 /4 1.03-1.04x, /3 0.98x.
+SHORT_K_KBLOCKS = 32
+
+
+def short_k_ring(cfg: MatmulSm90Config, k: int) -> MatmulSm90Config:
+    """Rule 5: ``cfg`` with one ring stage less where K is short and that makes its epilogue one pass."""
+    if k_blocks(k) > SHORT_K_KBLOCKS or not cfg.tma_store or cfg.epi_n >= cfg.tma_n or cfg.num_stages <= 2:
+        return cfg
+    shorter = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return shorter if shorter.epi_n == shorter.tma_n else cfg
 
 
 def candidate_configs(dtype: str, **layout) -> list[MatmulSm90Config]:
