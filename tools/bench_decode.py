@@ -327,14 +327,24 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
             out[f"{lib}_error"] = "plan key mismatch"
             continue
         st = default_stream(s.q, None)
-        addr = [s.q.data_ptr() if t is not None else s.q.data.ptr] * len(kv.DECODE_PTRS)
+        # the call's own addresses, packed as _execute packs them (the partials of the stream's
+        # workspace when the plan splits), so the "launch" piece reads and writes only its arrays
+        ptr = (lambda x: x.data_ptr()) if t is not None else (lambda x: x.data.ptr)
+        parts = counters = 0
+        if plan.part_bytes:
+            parts, counters = kv._workspace(plan, s.q, st)
+        addr = [ptr(s.q), ptr(s.k), ptr(s.v), ptr(s.out), 0, parts, parts + plan.lse_part_offset if parts else 0,
+                counters, ptr(s.lens), 0, 0, 0]
+        assert len(addr) == len(kv.DECODE_PTRS), kv.DECODE_PTRS
         ptrs = np.frombuffer(kv._PACK_PTRS(*addr), kv.PTRS_DTYPE)[0]
         pieces = {
             "call": lambda: rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra),
             "key": lambda: kv._PLANS.key(arrays, opts),
             "lookup": lambda: kv._PLANS.get(key),
             "execute": lambda: kv._execute(plan, *arrays, None),
-            "launch": lambda: plan.split.run((ptrs,), st),
+            # (a plan with TMA loads also takes the K and V tensor maps, as _execute passes them)
+            "launch": lambda: plan.split.run((ptrs, *(kv._tensor_maps(plan.tma, addr[1], addr[2])
+                                                      if plan.tma is not None else ())), st),
             "pack_ptrs": lambda: np.frombuffer(kv._PACK_PTRS(*addr), kv.PTRS_DTYPE)[0],
             "stream": lambda: default_stream(s.q, None),
             "empty_out": lambda: empty_as(s.q, plan.out_shape, plan.out_dtype),
