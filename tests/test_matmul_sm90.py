@@ -423,7 +423,8 @@ def test_heuristic_choice():
     assert (big.block_m, big.block_n) == (128, 256)
     # rule 4: widths off the 64-column grid that fill the last round (K-major B only), and not where
     # the model puts them level with 128 x 256 (FLEX_NS's measurements)
-    pick = lambda m, n, k, **kw: m90.heuristic_config("bfloat16", m, n, k, sm_count=132, stream_k=True, **kw)  # noqa: E731
+    def pick(m, n, k, **kw):
+        return m90.heuristic_config("bfloat16", m, n, k, sm_count=132, stream_k=True, **kw)
     assert (pick(3000, 5000, 2000, b_kmajor=True).block_n, pick(3000, 5000, 2000).block_n) == (232, 256)
     c = pick(512, 10240, 8192, b_kmajor=True)
     assert (c.block_n, c.num_stages, c.stream_k) == (160, 5, False)

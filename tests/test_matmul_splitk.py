@@ -161,7 +161,8 @@ def test_heuristic_picks_over_the_llm_grid():
 
 def test_heuristic_rules():
     """The three rules of ops/matmul_sm90.py's heuristic, away from the grid's own shapes."""
-    h = lambda *shape, **kw: m90.heuristic_config("bfloat16", *shape, sm_count=132, **{"b_kmajor": True, **kw})  # noqa: E731
+    def h(*shape, **kw):
+        return m90.heuristic_config("bfloat16", *shape, sm_count=132, **{"b_kmajor": True, **kw})
     # RTKERNELS_MATMUL_STREAM_K=0 (stream_k False): whole tiles where stream-K would run
     assert _pick(h(512, 10240, 8192, b_kmajor=False)) == "128x128 s1"
     assert _pick(h(512, 10240, 8192, b_kmajor=False, stream_k=True)) == "128x256 sk"

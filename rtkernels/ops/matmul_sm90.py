@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 from .. import arch as arch_mod
@@ -382,6 +383,7 @@ def flex_efficiency(block_n: int) -> float:
     return 0.91 + 0.09 * (block_n - 128) / 128
 
 
+@lru_cache(maxsize=None)
 def flex_stages(block_n: int) -> int:
     """The deepest ring (at most 6 stages, as 128 x 128's) of a 128 x ``block_n`` tile whose
     shared memory fits with one 64-column epilogue pass."""
@@ -659,8 +661,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
 #    3000x5000x2000 (32 k-blocks) 128x232/4 (passes of 128 + 64) 0.842-0.844x cuBLAS, /3 (one pass
 #    of 192) 0.879-0.881x; 128x256/4 0.850-0.855x, /3 0.880x.  Two 64-column staging buffers
 #    instead, the ring kept (double-buffered passes, tried and removed), gained 1% (0.854x): the
-#    passes themselves cost, not the wait for the TMA store's read.  With 64 k-blocks the deeper ring wins: 4096^3 128x256 /4
-#    1.00x, /3 0.985x; 512x14336x4096 128x224 /4 1.07x, 128x232 /4 1.03-1.04x, /3 0.98x.
+#    passes themselves cost, not the wait for the TMA store's read.  With 64 k-blocks the deeper
+#    ring wins: 4096^3 128x256 /4 1.00x, /3 0.985x; 512x14336x4096 128x232 /4 1.03-1.04x, /3 0.98x.
 SHORT_K_KBLOCKS = 32
 
 
