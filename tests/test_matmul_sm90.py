@@ -799,6 +799,70 @@ def test_gpu_staged_torch_on_a_default_stream_object():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_gpu_staged_graph_capture(lib):
+    """A staged call (odd row strides: A and B copied) captured in a CUDA graph (CuPy stream capture
+    or torch.cuda.graph) replays on new operands in the captured arrays, also after the memory pool
+    handed the freed copies' blocks to other arrays that the test fills with garbage."""
+    import cupy as cp
+    import rtkernels as rtk
+    _sm90_gpu()
+    M, N, K = 1000, 1001, 1003
+    assert M * N * K >= mm.STAGE_MIN_WORK
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            rtk.matmul(a, b, out=out)   # plans (and warms the side stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            rtk.matmul(a, b, out=out)
+        for step in range(2):
+            a.copy_(torch.randn_like(a))
+            b.copy_(torch.randn_like(b))
+            junk = [torch.full((M, 1024 + 64 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    for i in range(4)]
+            g.replay()
+            torch.cuda.synchronize()
+            ref = a.double() @ b.double()
+            err = (out.double() - ref).abs().max().item()
+            peer = ((a @ b).double() - ref).abs().max().item()
+            assert err <= 2 * peer + 1e-6, (step, err, peer)
+            assert all(bool(j.isnan().all()) for j in junk), "a replay wrote into memory it does not own"
+            del junk
+        return
+    from gpu_util import random_array, to_f64
+    rng = np.random.default_rng(11)
+    a, _ = random_array(rng, (M, K), "bfloat16")
+    b, _ = random_array(rng, (K, N), "bfloat16")
+    out = _empty((M, N), "bfloat16")
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        rtk.matmul(a, b, out=out, dtype="bfloat16")
+        s.synchronize()
+        s.begin_capture()
+        rtk.matmul(a, b, out=out, dtype="bfloat16")
+        graph = s.end_capture()
+    for step in range(2):
+        a2, ah2 = random_array(rng, (M, K), "bfloat16")
+        b2, bh2 = random_array(rng, (K, N), "bfloat16")
+        a[...] = a2
+        b[...] = b2
+        junk = [cp.full((M, 1024 + 64 * i), 0xFFFF, cp.uint16) for i in range(4)]   # bf16 NaN bits
+        cp.cuda.Device().synchronize()
+        graph.launch(s)
+        s.synchronize()
+        _check(to_f64(out, "bfloat16"), ah2 @ bh2, _cublas(a, b, "bfloat16"), f"staged graph replay {step}")
+        # the replay wrote only into its own (kept) copies, not into blocks the pool handed out since
+        assert all(bool((j == 0xFFFF).all()) for j in junk), "a replay wrote into memory it does not own"
+        del junk
+
+
+@pytest.mark.gpu
 def test_gpu_realigned_rows(mma):
     """TMA-addressable rows that are not 32-byte aligned (K = 2600: 5200-byte rows) of a problem past
     REALIGN_MIN_WORK run on 128-byte aligned copies, with the right result."""

@@ -34,7 +34,7 @@ from . import matmul_sm90 as m90
 from . import views
 from ._arrays import (Launch, LaunchPlans, OutputPlan, _is_torch, address, as_device_array, cupy_stream,
                       default_stream, dtype_name, new_like, same_memory)
-from .workspace import stream_workspace
+from .workspace import captured_buffer, stream_workspace
 
 ACTIVATIONS = m90.ACTIVATIONS   # one list for both kernels' shared epilogue
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -700,8 +700,8 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         if work >= min(STAGE_MIN_WORK, REALIGN_MIN_WORK):
             read = (av, bv)   # the operands as read in place (or compact copies: then no plan)
             bt = bv.swapaxes(-1, -2)
-            av, lda, batch_a, st_a = _tma_operand(av, a_kmajor, lda, batch_a, work, stream)
-            bt2, ldb, batch_b, st_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, stream)
+            av, lda, batch_a, st_a = _tma_operand(av, a_kmajor, lda, batch_a, work, stream, a)
+            bt2, ldb, batch_b, st_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, stream, b)
             bv = bv if bt2 is bt else bt2.swapaxes(-1, -2)
             stages = (st_a, st_b)
         done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
@@ -873,24 +873,36 @@ class _Stage:
         return -(-self.cols // 64) * 64
 
 
-def _pad_rows(src, st: _Stage, stream):
+def _pad_rows(src, st: _Stage, stream, like=None):
     """The staging copy of ``st`` from ``src`` (an array whose base address is the operand's) into
-    a new (nb, rows, ldp) CuPy buffer with rows 128 bytes apart, queued on ``stream``."""
+    a new (nb, rows, ldp) CuPy buffer with rows 128 bytes apart, queued on ``stream``.  While the
+    stream is captured into a CUDA graph the buffer is made by ``like``'s library (the caller's
+    operand: torch or CuPy) and kept (ops/workspace.py, :func:`captured_buffer`)."""
     import cupy
     cs = cupy_stream(stream)
-    with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: after our reads
-        buf = cupy.empty((st.nb, st.rows, st.ldp), dtype=st.dtype)
+    shape = (st.nb, st.rows, st.ldp)
+    nbytes = st.nb * st.rows * st.ldp * 2
+    kept = captured_buffer(src if like is None else like, nbytes, cs)
+    if kept is not None:
+        # a CuPy view by address (DLPack's stream handshake would make the legacy stream wait on
+        # the capturing one: cudaErrorStreamCaptureImplicit)
+        mem = cupy.cuda.UnownedMemory(address(kept), nbytes, kept)
+        buf = cupy.ndarray(shape, st.dtype, cupy.cuda.MemoryPointer(mem, 0))
+    else:
+        with cs:   # CuPy's pool reuses a block only on the stream it was allocated on: after our reads
+            buf = cupy.empty(shape, dtype=st.dtype)
     per_row = -(-st.cols // (8 * _PAD.block_size * _PAD.chunks_per_thread))
     get_kernel(_PAD).launch((st.nb * st.rows * per_row,), (_PAD.block_size,), src, buf, st.rows, st.cols, st.ld,
                             st.batch_stride, st.ldp // 8, per_row, stream=cs)
     return buf
 
 
-def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream):
+def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream, like=None):
     """Operand ``v`` ((.., outer, K) as the kernel sees it: A, or B transposed) as (array, ld,
     batch stride, stage) for the TMA kernel: ``v`` itself (stage None), or a copy with 128-byte
     aligned rows (:func:`_pad_rows`, ``stage`` how) when TMA cannot address ``v`` and ``work`` >=
-    STAGE_MIN_WORK, or when its rows are not 32-byte aligned and ``work`` >= REALIGN_MIN_WORK."""
+    STAGE_MIN_WORK, or when its rows are not 32-byte aligned and ``work`` >= REALIGN_MIN_WORK.
+    ``like``: the caller's operand (see :func:`_pad_rows`)."""
     stored = v if kmajor else v.swapaxes(-1, -2)          # (.., rows, cols), cols contiguous
     nb = stored.shape[0] if stored.ndim == 3 and batch_stride else 1
     rows, cols = stored.shape[-2:]
@@ -902,7 +914,7 @@ def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream)
     elif work < STAGE_MIN_WORK:
         return v, ld, batch_stride, None
     st = _Stage(rows, cols, nb, ld if rows > 1 else 0, batch_stride, stored.dtype)
-    buf = _pad_rows(stored, st, stream)
+    buf = _pad_rows(stored, st, stream, like)
     view = buf[:, :, :cols] if nb > 1 else buf[0, :, :cols]
     return (view if kmajor else view.swapaxes(-1, -2)), st.ldp, (rows * st.ldp if nb > 1 else 0), st
 

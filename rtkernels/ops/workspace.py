@@ -90,6 +90,19 @@ def stream_workspace(like, device: int, stream, part_bytes: int, counter_bytes: 
     return ws.parts, ws.counters
 
 
+def captured_buffer(like, nbytes: int, stream):
+    """A uint8 buffer of ``nbytes`` of ``like``'s library for a temporary of a call on ``stream``
+    while that stream is being captured, else None.  A graph replays the addresses it captured, so
+    such a temporary is never freed (a pool would hand its block to other arrays, which every
+    replay would then overwrite); torch's comes from the graph's private pool.  (Staged matmul
+    operands: CuPy's pool allocating inside torch's capture failed with
+    cudaErrorStreamCaptureUnsupported, H200, 2026-11-26.)"""
+    handle = stream_handle(stream)
+    if not _capturing(handle):
+        return None
+    return _buffer(like, nbytes, handle, zero=False)
+
+
 def carve(sizes, align: int = 256) -> tuple[tuple, int]:
     """(offsets, total): byte offsets of parts of ``sizes`` bytes laid out back to back in one
     buffer, each starting on an ``align``-byte boundary (None for a size of 0), and the bytes the
