@@ -104,6 +104,14 @@ NORM_VARIANTS = {
                    only=(16384,)),
     "c2x256v4": dict(block_size=256, threads_per_row=256, cluster_size=2, vecs_per_thread=4, min_blocks=3,
                      only=(16384,)),
+    # 8k rows (LayerNorm 77% of copy, 2026-11-26, H100): a block per row instead of the heuristic's
+    # 2-block clusters - no cluster to place within a GPC - 512 threads x 16 elements, or 256 x 32
+    "c2x256": dict(block_size=256, threads_per_row=256, cluster_size=2, cluster_push=True, vecs_per_thread=2,
+                   min_blocks=4, only=(8192,)),   # 8k's heuristic before 2026-11-26 (cluster rows)
+    "b512": dict(block_size=512, threads_per_row=512, cluster_size=1, cluster_push=False, vecs_per_thread=2,
+                 min_blocks=2, only=(8192,)),
+    "b256v4": dict(block_size=256, threads_per_row=256, cluster_size=1, cluster_push=False, vecs_per_thread=4,
+                   min_blocks=3, only=(8192,)),
 }
 DEFAULT_VARIANTS = "prev_default,old,bulk2,bulk3,bulk2_accreg"
 FOLD_VARIANTS = "unfolded,folded,fold_keep,c2x512,c8x128,c2x256v4"   # --variants fold: the fold's A/B
