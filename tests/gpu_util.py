@@ -40,6 +40,26 @@ def poison(a):
 TOL = {"float16": 2 ** -10, "bfloat16": 2 ** -7, "float32": 1e-6, "float64": 1e-12}
 
 
+def capture_cupy(stream, fn):
+    """A CuPy CUDA graph of ``fn()`` captured on ``stream`` (synchronized first: nothing earlier is
+    in flight on it)."""
+    stream.synchronize()
+    stream.begin_capture()
+    fn()
+    return stream.end_capture()
+
+
+def refill(rng, arrays, dtype):
+    """New random contents (``random_array``) written into each device array of ``arrays`` in place;
+    their float64 host copies."""
+    hosts = []
+    for a in arrays:
+        new, host = random_array(rng, a.shape, dtype)
+        a[...] = new
+        hosts.append(host)
+    return hosts
+
+
 def exact_allocation(flat: np.ndarray):
     """A device copy of the 1-D host array ``flat`` in a cudaMalloc of exactly ``flat.nbytes``
     bytes of its own (CuPy's pool rounds blocks up to 512 bytes): any read past its last element

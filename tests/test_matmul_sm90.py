@@ -835,7 +835,7 @@ def test_gpu_staged_graph_capture(lib):
             assert all(bool(j.isnan().all()) for j in junk), "a replay wrote into memory it does not own"
             del junk
         return
-    from gpu_util import random_array, to_f64
+    from gpu_util import capture_cupy, random_array, refill, to_f64
     rng = np.random.default_rng(11)
     a, _ = random_array(rng, (M, K), "bfloat16")
     b, _ = random_array(rng, (K, N), "bfloat16")
@@ -843,15 +843,9 @@ def test_gpu_staged_graph_capture(lib):
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         rtk.matmul(a, b, out=out, dtype="bfloat16")
-        s.synchronize()
-        s.begin_capture()
-        rtk.matmul(a, b, out=out, dtype="bfloat16")
-        graph = s.end_capture()
+        graph = capture_cupy(s, lambda: rtk.matmul(a, b, out=out, dtype="bfloat16"))
     for step in range(2):
-        a2, ah2 = random_array(rng, (M, K), "bfloat16")
-        b2, bh2 = random_array(rng, (K, N), "bfloat16")
-        a[...] = a2
-        b[...] = b2
+        ah2, bh2 = refill(rng, (a, b), "bfloat16")
         junk = [cp.full((M, 1024 + 64 * i), 0xFFFF, cp.uint16) for i in range(4)]   # bf16 NaN bits
         cp.cuda.Device().synchronize()
         graph.launch(s)

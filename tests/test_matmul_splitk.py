@@ -615,7 +615,7 @@ def test_gpu_split_cuda_graph_replay(warm, schedule, monkeypatch):
     every launch).  'cold': the capture stream never ran a split call, so its workspace is made
     (and its counters zeroed) inside the capture."""
     import cupy as cp
-    from gpu_util import random_array, to_f64
+    from gpu_util import capture_cupy, random_array, refill, to_f64
     import rtkernels as rtk
     _sm90_gpu()
     stream = schedule == "stream"
@@ -634,15 +634,9 @@ def test_gpu_split_cuda_graph_replay(warm, schedule, monkeypatch):
             with cp.cuda.Stream(non_blocking=True) as other:   # plan and module made on another stream
                 rtk.matmul(a, b, out=out, dtype="bfloat16")
                 other.synchronize()
-        s.synchronize()
-        s.begin_capture()
-        rtk.matmul(a, b, out=out, dtype="bfloat16")
-        graph = s.end_capture()
+        graph = capture_cupy(s, lambda: rtk.matmul(a, b, out=out, dtype="bfloat16"))
     for step in range(2):
-        a2, ah2 = random_array(rng, (M, K), "bfloat16")
-        b2, bh2 = random_array(rng, (K, N), "bfloat16")
-        a[...] = a2
-        b[...] = b2
+        ah2, bh2 = refill(rng, (a, b), "bfloat16")
         cp.cuda.Device().synchronize()
         graph.launch(s)
         s.synchronize()
