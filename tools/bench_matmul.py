@@ -748,15 +748,18 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
         specs.append((label, m90.MatmulSm90Config(dtype=dtype, block_m=bm, block_n=bn, num_stages=st, b_kmajor=True,
                                                   split_k=s, stream_k=sk, cluster_k=ck)))
     # whole tiles off the 64-column grid (matmul_sm90.flex_tile): the model's best three widths
-    flex = sorted((m90._Tile(128, bn, m90.flex_stages(bn), m90.flex_efficiency(bn), "") for bn in m90.FLEX_NS),
-                  key=lambda t: (m90.estimated_cost(t, m, n, 1, sms), -t.block_n))
-    for t in flex[:3]:
+    for t in m90.flex_tiles(m, n, 1, sms)[:3]:
         cfg = m90.MatmulSm90Config(dtype=dtype, block_m=128, block_n=t.block_n, num_stages=t.num_stages, b_kmajor=True)
         specs.append((f"flex 128x{t.block_n}", cfg))
         if cfg.epi_n < cfg.tma_n:   # the same with a ring one stage shorter and one epilogue pass
             specs.append((f"flex 128x{t.block_n}/{t.num_stages - 1}",
                           dataclasses.replace(cfg, num_stages=t.num_stages - 1)))
     return specs
+
+
+def _wanted(label: str, only: set) -> bool:
+    """Whether --ab-only keeps candidate ``label`` (every one when empty; "flex" names all flex widths)."""
+    return not only or label in only or (label.startswith("flex") and "flex" in only)
 
 
 def lastcells_ab(args) -> None:
@@ -773,7 +776,7 @@ def lastcells_ab(args) -> None:
         rows = []
         for m, n, k in shapes:
             for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, 132):
-                if not only or label in only or (label.startswith("flex") and "flex" in only):
+                if _wanted(label, only):
                     rows.append({"shape": f"{m}x{n}x{k}", "config": label,
                                  "tile": f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}",
                                  **plan_math(m90, cfg, m, n, k, 132)})
@@ -795,8 +798,7 @@ def lastcells_ab(args) -> None:
         sets, out, ref, cands = _ab_inputs(torch, rtk, tdt, m, n, k)
         info, seen = {}, set()
         for label, cfg in _lastcell_specs(m90, args.dtype, m, n, k, sms):
-            if (only and label not in only and not (label.startswith("flex") and "flex" in only)) \
-                    or cfg.split_k > m90.k_blocks(k) or cfg in seen:
+            if not _wanted(label, only) or cfg.split_k > m90.k_blocks(k) or cfg in seen:
                 continue
             seen.add(cfg)
             kern = rtk.get_kernel(cfg)

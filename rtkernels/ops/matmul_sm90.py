@@ -402,12 +402,17 @@ def flex_stages(block_n: int) -> int:
 FLEX_MAX_N_GELU = 224
 
 
-def flex_tile(m: int, n: int, batch: int, sm_count: int, activation: str = "none") -> _Tile:
-    """The 128 x block_n tile (block_n in FLEX_NS, at most FLEX_MAX_N_GELU with GELU) with the least
-    estimated_cost; ties go to the wider tile (fewer operand bytes per FLOP)."""
+def flex_tiles(m: int, n: int, batch: int, sm_count: int, activation: str = "none") -> list[_Tile]:
+    """The 128 x block_n tiles (block_n in FLEX_NS, at most FLEX_MAX_N_GELU with GELU), least
+    estimated_cost first; ties go to the wider tile (fewer operand bytes per FLOP)."""
     widths = [bn for bn in FLEX_NS if activation != "gelu" or bn <= FLEX_MAX_N_GELU]
     tiles = [_Tile(128, bn, flex_stages(bn), flex_efficiency(bn), "flexible N") for bn in widths]
-    return min(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), -t.block_n))
+    return sorted(tiles, key=lambda t: (estimated_cost(t, m, n, batch, sm_count), -t.block_n))
+
+
+def flex_tile(m: int, n: int, batch: int, sm_count: int, activation: str = "none") -> _Tile:
+    """Rule 4's candidate: the first of :func:`flex_tiles`."""
+    return flex_tiles(m, n, batch, sm_count, activation)[0]
 
 
 def k_blocks(k: int) -> int:
