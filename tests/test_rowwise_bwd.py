@@ -338,7 +338,7 @@ def test_cluster_workers_fit_the_device_gpu():
     arch = device.current_arch()
     if rw._arch_number(arch) < 90:
         pytest.skip("clusters need sm_90")
-    for n in (8192, 16384, 65536):
+    for n in (16384, 65536):   # (8k rows run one 512-thread block per row on sm_90: _NORM_BWD_BIG_BLOCK)
         cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=True)
         k = rtk.get_kernel(cfg, "layernorm_bwd_rows")
         cap = rb._cluster_capacity(k, cfg)

@@ -320,7 +320,7 @@ def _rmsnorm_dx_scale(dy64, x64, w64, ref_dx, eps=1e-6):
     return _row_rms(ref_dx) + _row_rms(dy64 * w64) * rstd
 
 
-NORM_WIDTHS = (1, 7, 33, 1000, 4097, 65536)
+NORM_WIDTHS = (1, 7, 33, 1000, 4097, 6000, 65536)   # 4097 and 6000: the 512-thread block rows (sm_90)
 
 
 def _rows_for(n):

@@ -281,6 +281,16 @@ _NORM_BWD_BULK = {"group": ((1, False, 0), (1, False, 0)), "block": (None, (2, F
 _NORM_BWD_FOLD = {"group": False, "block": True, "cluster": True}
 
 
+# norm_bwd rows of 512 threads' worth (8k 16-bit elements, 16 per thread) on sm_90: one block of
+# 512 threads per row (the sums in shared memory, two blocks per SM, loads direct) instead of a
+# 2-block cluster of 256 - no cluster to place within a GPC.  Measured (H100, 2026-11-26,
+# bench_training.py --quick --variants, bf16, 192 MiB, % of a 1 GiB copy, RMSNorm / LayerNorm,
+# same rounds): cluster 2 x 256 82.1 / 77.4, block of 512 84.8 / 80.3, block of 256 x 32 elements
+# 77.3 / 72.5.  (16k stays on 4-block clusters: 2 x 512 ran 84.0 / 76.3 against 82.7 / 79.1.)
+# UNVERIFIED on the GPU (branch s16-norm8k): run the norm GPU tests and repeat the A/B first.
+_NORM_BWD_BIG_BLOCK = 512
+
+
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None,
              layer: bool = False) -> KernelConfig:
     """The heuristic config of ``family`` ("norm_bwd" or "softmax_bwd") for rows of ``n`` elements
@@ -322,6 +332,9 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
     if need <= _BWD_BLOCK_PREFERRED:                        # a block per row
         return make(need, threads_per_row=need, vecs_per_thread=rw._pow2_ceil(-(-nvec // need)))
     block_max = _BWD_BLOCK_MAX[family]
+    if family == "norm_bwd" and hopper and need == _NORM_BWD_BIG_BLOCK:   # 8k rows: one block, see there
+        return make(need, threads_per_row=need, vecs_per_thread=vmax).replace(
+            acc_smem=True, bulk_rows=0, ring_rows=0, min_blocks=max(1, 1024 // need))
     if hopper and need <= 8 * block_max:                    # a cluster per row (totals by st.async)
         block = max(_BWD_BLOCK_PREFERRED, need // 8)
         return make(block, threads_per_row=block, vecs_per_thread=vmax, cluster_size=need // block,
