@@ -754,12 +754,22 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
         if cfg.epi_n < cfg.tma_n:   # the same with a ring one stage shorter and one epilogue pass
             specs.append((f"flex 128x{t.block_n}/{t.num_stages - 1}",
                           dataclasses.replace(cfg, num_stages=t.num_stages - 1)))
+    # the epilogue's direct stores instead of the TMA staging buffer: its shared memory goes to the ring
+    for label, cfg in [s for s in specs if s[0] == "pick" or s[0].startswith("flex")]:
+        if cfg.tma_store and not cfg.stream_k and cfg.split_k == 1 and cfg.cluster_k == 1 and "/" not in label:
+            for st in range(cfg.num_stages + 2, cfg.num_stages, -1):
+                try:
+                    direct = dataclasses.replace(cfg, tma_store=False, num_stages=st)
+                except ValueError:
+                    continue
+                specs.append((f"direct {cfg.block_m}x{cfg.block_n}/{st}", direct))
+                break
     return specs
 
 
 def _wanted(label: str, only: set) -> bool:
     """Whether --ab-only keeps candidate ``label`` (every one when empty; "flex" names all flex widths)."""
-    return not only or label in only or (label.startswith("flex") and "flex" in only)
+    return not only or label in only or any(label.startswith(p) and p in only for p in ("flex", "direct"))
 
 
 def lastcells_ab(args) -> None:
