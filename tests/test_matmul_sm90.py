@@ -856,20 +856,33 @@ def test_gpu_staged_graph_capture(lib):
         del junk
 
 
+def test_realign_pays_by_shape():
+    """Rows off the 32-byte grid are copied where M N / (M + N) >= REALIGN_MIN_MN and the work is
+    large enough for two copy launches: not at 2040^3 (the copies cost more, H200), for few rows of
+    x (the weight would be copied) or at 2048x4096x200 (0.87x -> 0.63x cuBLAS with copies, H100); yes
+    at 3000^3, 1500x6000x1496 (0.54x -> 0.64x) and 16384x4096x200."""
+    assert not mm.realign_pays(2040, 2040, 2040) and not mm.realign_pays(128, 1 << 20, 4096)
+    assert not mm.realign_pays(2048, 4096, 200)
+    assert mm.realign_pays(3000, 3000, 3000) and mm.realign_pays(1500, 6000, 1496)
+    assert mm.realign_pays(16384, 4096, 200) and mm.realign_pays(2048, 4096, 200, batch=8)
+
+
 @pytest.mark.gpu
 def test_gpu_realigned_rows(mma):
-    """TMA-addressable rows that are not 32-byte aligned (K = 2600: 5200-byte rows) of a problem past
-    REALIGN_MIN_WORK run on 128-byte aligned copies, with the right result."""
+    """TMA-addressable rows that are not 32-byte aligned (K = 2600: 5200-byte rows) of a problem where
+    realigning pays (matmul.realign_pays) run on 128-byte aligned copies, with the right result."""
     from gpu_util import random_array, to_f64
     import rtkernels as rtk
     _sm90_gpu()
     M = N = K = 2600
-    assert M * N * K >= mm.REALIGN_MIN_WORK and (K * 2) % 32
+    assert mm.realign_pays(M, N, K) and (K * 2) % 32
     rng = np.random.default_rng(26)
     a, ah = random_array(rng, (M, K), "bfloat16")
     b, bh = random_array(rng, (K, N), "bfloat16")
+    mm._LAUNCHES.clear()
     out = rtk.matmul(a, b, dtype="bfloat16")
     assert _ran_sm90(M, N, K)
+    assert any(type(p) is mm._StagedPlan for p in mm._LAUNCHES._plans.values()), "the operands were not realigned"
     _check(to_f64(out, "bfloat16"), ah @ bh, _cublas(a, b, "bfloat16"), "realigned")
 
 

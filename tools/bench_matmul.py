@@ -754,6 +754,10 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
         if cfg.epi_n < cfg.tma_n:   # the same with a ring one stage shorter and one epilogue pass
             specs.append((f"flex 128x{t.block_n}/{t.num_stages - 1}",
                           dataclasses.replace(cfg, num_stages=t.num_stages - 1)))
+    # fixed tiles for K scans (--ab-only "fix ...": a per-tile cost against a per-k-block rate)
+    for bn, st in ((232, 3), (232, 4), (256, 4), (256, 3), (192, 4), (192, 5)):
+        specs.append((f"fix 128x{bn}/{st}", m90.MatmulSm90Config(dtype=dtype, block_m=128, block_n=bn, num_stages=st,
+                                                                b_kmajor=True)))
     # the epilogue's direct stores instead of the TMA staging buffer: its shared memory goes to the ring
     for label, cfg in [s for s in specs if s[0] == "pick" or s[0].startswith("flex")]:
         if cfg.tma_store and not cfg.stream_k and cfg.split_k == 1 and cfg.cluster_k == 1 and "/" not in label:
@@ -769,7 +773,7 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
 
 def _wanted(label: str, only: set) -> bool:
     """Whether --ab-only keeps candidate ``label`` (every one when empty; "flex" names all flex widths)."""
-    return not only or label in only or any(label.startswith(p) and p in only for p in ("flex", "direct"))
+    return not only or label in only or any(label.startswith(p) and p in only for p in ("flex", "direct", "fix"))
 
 
 def lastcells_ab(args) -> None:

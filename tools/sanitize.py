@@ -415,7 +415,7 @@ def _matmul_sm90(ctx: Ctx):
     # (plans recorded above for the same signatures would replay the unstaged launches)
     mm._LAUNCHES.clear()
     try:
-        with patched(mm, STAGE_MIN_WORK=0, REALIGN_MIN_WORK=0):
+        with patched(mm, STAGE_MIN_WORK=0, REALIGN_MIN_MN=0, REALIGN_MIN_WORK=0):
             for v in MATMUL_STAGED:
                 _matmul_variant(ctx, v)
     finally:

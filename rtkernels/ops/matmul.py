@@ -697,11 +697,12 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
         work = m * n * k * batch
         stages = (None, None)
-        if work >= min(STAGE_MIN_WORK, REALIGN_MIN_WORK):
+        realign = realign_pays(m, n, k, batch)
+        if work >= STAGE_MIN_WORK or realign:
             read = (av, bv)   # the operands as read in place (or compact copies: then no plan)
             bt = bv.swapaxes(-1, -2)
-            av, lda, batch_a, st_a = _tma_operand(av, a_kmajor, lda, batch_a, work, stream, a)
-            bt2, ldb, batch_b, st_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, stream, b)
+            av, lda, batch_a, st_a = _tma_operand(av, a_kmajor, lda, batch_a, work, realign, stream, a)
+            bt2, ldb, batch_b, st_b = _tma_operand(bt, b_kmajor, ldb, batch_b, work, realign, stream, b)
             bv = bv if bt2 is bt else bt2.swapaxes(-1, -2)
             stages = (st_a, st_b)
         done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
@@ -824,8 +825,25 @@ def _plan_gemv(dtype, m, n, k, batch, a_ptr, b_ptr, a_kmajor, b_kmajor, lda, ldb
 STAGE_MIN_WORK = 1 << 24
 # Operands TMA can address but whose rows are not 32-byte aligned (one 32-byte sector) load slowly:
 # fp16 3000^3 runs at 335 TFLOP/s on such rows and 584 on the same values in 128-byte rows (H200,
-# 2026-11-22).  Their copy pays off from here on (at 2040^3 the copies cost more than they save).
-REALIGN_MIN_WORK = 1 << 34
+# 2026-11-22); bf16 x @ W.T (H100, 2026-11-27, rtk / cuBLAS in the same rounds) 1500x6000x1496 0.54x
+# against 0.91x at K = 1536, 3000x5000x1000 0.67x against 0.90x at K = 1024 (rows 32-byte but not
+# 128-byte aligned cost much less: 3000x5000x2000 0.88x, 0.93x at K = 2048).  The copy moves 4 bytes
+# per operand element (read + write) and the slow rows cost the kernel up to 40% of its time, so the
+# copies pay where 0.4 * 2 M N K / R > 4 (M + N) K / BW: M N / (M + N) > 2 R / (0.4 BW) ~ 1100 with
+# R ~ 650 TFLOP/s, BW ~ 3 TB/s (H100), whatever K and the batch.  Measured with the copies (same
+# run): 1500x6000x1496 0.54 -> 0.64x, 3000x5000x1000 0.67 -> 0.77x, 4096x4096x1000 0.65 -> 0.78x,
+# 2600^3 0.64 -> 0.72x, 16384x4096x200 0.73 -> 0.80x; but 2048x4096x200 0.87 -> 0.63x, where the two
+# copy launches' fixed cost outweighs a 15 us kernel: hence also M N K >= REALIGN_MIN_WORK.  At 2040^3
+# (M N / (M + N) = 1020) the copies cost more than they save (H200, 2026-11-22).  The old rule
+# (M N K >= 2^34 alone) left 1500x6000x1496 and 3000x5000x1000 on the slow rows.
+REALIGN_MIN_MN = 1024
+REALIGN_MIN_WORK = 1 << 33
+
+
+def realign_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
+    """Whether operands with rows off the 32-byte sector grid are worth copying into 128-byte rows
+    (see REALIGN_MIN_MN)."""
+    return m * n >= REALIGN_MIN_MN * (m + n) and m * n * k * batch >= REALIGN_MIN_WORK
 
 
 @register_family
@@ -897,11 +915,11 @@ def _pad_rows(src, st: _Stage, stream, like=None):
     return buf
 
 
-def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream, like=None):
+def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, realign: bool, stream, like=None):
     """Operand ``v`` ((.., outer, K) as the kernel sees it: A, or B transposed) as (array, ld,
     batch stride, stage) for the TMA kernel: ``v`` itself (stage None), or a copy with 128-byte
     aligned rows (:func:`_pad_rows`, ``stage`` how) when TMA cannot address ``v`` and ``work`` >=
-    STAGE_MIN_WORK, or when its rows are not 32-byte aligned and ``work`` >= REALIGN_MIN_WORK.
+    STAGE_MIN_WORK, or when its rows are not 32-byte aligned and ``realign`` (:func:`realign_pays`).
     ``like``: the caller's operand (see :func:`_pad_rows`)."""
     stored = v if kmajor else v.swapaxes(-1, -2)          # (.., rows, cols), cols contiguous
     nb = stored.shape[0] if stored.ndim == 3 and batch_stride else 1
@@ -909,7 +927,7 @@ def _tma_operand(v, kmajor: bool, ld: int, batch_stride: int, work: int, stream,
     ptr = int(v.data.ptr)
     if m90.operand_maps(ptr, rows, cols, ld, nb, batch_stride) is not None:
         sector = ptr % 32 == 0 and (rows == 1 or ld % 16 == 0) and (nb == 1 or batch_stride % 16 == 0)
-        if sector or work < REALIGN_MIN_WORK:
+        if sector or not realign:
             return v, ld, batch_stride, None
     elif work < STAGE_MIN_WORK:
         return v, ld, batch_stride, None
