@@ -969,14 +969,18 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
         raise ConfigError(f"matmul: {CLUSTER_K_ENV}={cluster_k} with {SPLIT_K_ENV} or {STREAM_K_ENV}=1; set at "
                           "most one of them", field=CLUSTER_K_ENV, value=str(cluster_k),
                           allowed=f"1 or unset while {SPLIT_K_ENV} or {STREAM_K_ENV}=1 is set")
+    # rows of A and B on the 128-byte grid (the heuristic's rule 5 reads it)
+    rows_128b = all(int(v.data.ptr) % 128 == 0 and ld % 64 == 0 and bs % 64 == 0
+                    for v, ld, bs in ((av, lda, batch_a), (bv, ldb, batch_b)))
     key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, SM90_MMA, dev,
-           autotune.enabled(), forced, stream_k, cluster_k)
+           autotune.enabled(), forced, stream_k, cluster_k, rows_128b)
     plan = _plans90.get(key)
     if plan is None:
         layout = dict(a_kmajor=a_kmajor, b_kmajor=b_kmajor, has_bias=biv is not None, activation=act,
                       tma_store=tma_store, mma=SM90_MMA)
         sms = device.sm_count()
-        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=stream_k is not False, **layout)
+        cfg = m90.heuristic_config(dtype, m, n, k, batch, sm_count=sms, stream_k=stream_k is not False,
+                                   rows_128b=rows_128b, **layout)
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch > 2 ** 31 - 1:   # the kernel counts tiles in int
             return None
         if (forced is not None or stream_k) and SM90_MMA == "wgmma":

@@ -628,10 +628,11 @@ def stream_k_pays(m: int, n: int, k: int, batch: int, sm_count: int) -> bool:
 
 
 def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_count: int = 132,
-                     stream_k: bool = False, **layout) -> MatmulSm90Config:
+                     stream_k: bool = False, rows_128b: bool = False, **layout) -> MatmulSm90Config:
     """The heuristic's config (rules 1-5 and 2b above); ``layout``: a_kmajor, b_kmajor, has_bias, activation,
     tma_store, mma.  ``stream_k``: also weigh the stream-K schedule (rtk.matmul does unless
-    RTKERNELS_MATMUL_STREAM_K=0; see matmul.STREAM_K_ENV)."""
+    RTKERNELS_MATMUL_STREAM_K=0; see matmul.STREAM_K_ENV).  ``rows_128b``: every row of A and B starts
+    on a 128-byte boundary (rule 5 applies only where they do not; False assumes the worst)."""
     # mma.sync warps hold block_m / 2 rows: a 256-row tile gives 128 x 32 warp tiles, which read
     # twice the fragment bytes per HMMA of 64 x 64 (the shared-memory bandwidth mma.sync is short of)
     wgmma = layout.get("mma", "wgmma") == "wgmma"
@@ -654,10 +655,10 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
     if layout.get("b_kmajor"):
         flex = flex_tile(m, n, batch, sm_count, layout.get("activation") or "none")
         if estimated_cost(flex, m, n, batch, sm_count) < FLEX_MARGIN * estimated_cost(dp, m, n, batch, sm_count):
-            return short_k_ring(_config(flex, dtype, **layout), k)
+            return short_k_ring(_config(flex, dtype, **layout), k, rows_128b)
     if stream_k and stream_k_pays(m, n, k, batch, sm_count):
         return _config(_tile(STREAM_K_TILE), dtype, stream_k=True, **layout)
-    return short_k_ring(_config(dp, dtype, **layout), k)
+    return short_k_ring(_config(dp, dtype, **layout), k, rows_128b)
 
 
 # 5. Short K: a whole-tile config whose C staging fits only part of the tile beside its ring (so
@@ -668,12 +669,20 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, batch: int = 1, *, sm_c
 #    instead, the ring kept (double-buffered passes, tried and removed), gained 1% (0.854x): the
 #    passes themselves cost, not the wait for the TMA store's read.  With 64 k-blocks the deeper
 #    ring wins: 4096^3 128x256 /4 1.00x, /3 0.985x; 512x14336x4096 128x232 /4 1.03-1.04x, /3 0.98x.
+#    Only for rows off the 128-byte grid (K = 2000: 4000-byte rows): where A's and B's rows are
+#    128-byte aligned the deeper ring wins at short K too (H100, 2026-11-27, --lastcells-ab, same
+#    rounds, /3 against /4): 3000x5000x2048 0.926-0.929 / 0.950-0.951, 3000x5000x1024 0.898-0.911
+#    / 0.942-0.953, 3072x5104x2048 0.924 / 0.949, 3000x5000x1984 0.928 / 0.937, 128 x 256 at
+#    8192x4096x256 1.03 / 1.10, 2048x4096x128 1.04 / 1.07, 2048x16384x128 1.02-1.03 / 1.04; while at
+#    K = 2000 /3 still wins: 3000x5000x2000 0.877-0.882 / 0.838-0.845, 3072x5104x2000 0.897 / 0.86.
 SHORT_K_KBLOCKS = 32
 
 
-def short_k_ring(cfg: MatmulSm90Config, k: int) -> MatmulSm90Config:
-    """Rule 5: ``cfg`` with one ring stage less where K is short and that makes its epilogue one pass."""
-    if k_blocks(k) > SHORT_K_KBLOCKS or not cfg.tma_store or cfg.epi_n >= cfg.tma_n or cfg.num_stages <= 2:
+def short_k_ring(cfg: MatmulSm90Config, k: int, rows_128b: bool = False) -> MatmulSm90Config:
+    """Rule 5: ``cfg`` with one ring stage less where K is short, the operands' rows are off the
+    128-byte grid (not ``rows_128b``) and that makes its epilogue one pass."""
+    if rows_128b or k_blocks(k) > SHORT_K_KBLOCKS or not cfg.tma_store or cfg.epi_n >= cfg.tma_n or \
+            cfg.num_stages <= 2:
         return cfg
     shorter = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return shorter if shorter.epi_n == shorter.tma_n else cfg
