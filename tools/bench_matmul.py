@@ -772,7 +772,9 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
 
 
 def _wanted(label: str, only: set) -> bool:
-    """Whether --ab-only keeps candidate ``label`` (every one when empty; "flex" names all flex widths)."""
+    """Whether --ab-only keeps candidate ``label`` (every one when empty; "flex", "fix" and "direct" name
+    all candidates of that kind: the flexible widths, the fixed tiles for K scans, the direct-store
+    epilogues)."""
     return not only or label in only or any(label.startswith(p) and p in only for p in ("flex", "direct", "fix"))
 
 
