@@ -761,13 +761,10 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
     # the epilogue's direct stores instead of the TMA staging buffer: its shared memory goes to the ring
     for label, cfg in [s for s in specs if s[0] == "pick" or s[0].startswith("flex")]:
         if cfg.tma_store and not cfg.stream_k and cfg.split_k == 1 and cfg.cluster_k == 1 and "/" not in label:
-            for st in range(cfg.num_stages + 2, cfg.num_stages, -1):
-                try:
-                    direct = dataclasses.replace(cfg, tma_store=False, num_stages=st)
-                except ValueError:
-                    continue
-                specs.append((f"direct {cfg.block_m}x{cfg.block_n}/{st}", direct))
-                break
+            fields = {**dataclasses.asdict(cfg), "tma_store": False}
+            st = m90.deepest_ring(cfg.num_stages + 2, cfg.num_stages + 1, **fields)
+            if st is not None:
+                specs.append((f"direct {cfg.block_m}x{cfg.block_n}/{st}", m90.MatmulSm90Config(**{**fields, "num_stages": st})))
     return specs
 
 

@@ -439,16 +439,22 @@ def _plan_key(a, b, bias, out, activation, trans_a, trans_b, dtype):
                                              getenv_raw(STREAM_K_ENV), getenv_raw(CLUSTER_K_ENV)))
 
 
-def _launch(key, launch: Launch, maps, views, arrays, stream) -> None:
+def _launch(key, launch: Launch, maps, views, arrays, stream, stages=(None, None), read=None) -> None:
     """Run ``launch`` on the views and keep it as the signature's plan when no view is a copy.
-    ``views``, ``arrays``: A, B, bias, C; ``maps``: see :func:`_args`."""
-    same = same_memory(views, arrays)
+    ``views``, ``arrays``: A, B, bias, C; ``maps``: see :func:`_args`.  With A and / or B staged
+    (``stages``: a :class:`_Stage` or None each) ``views`` holds the copies and ``read`` the views
+    they were made from: the plan (a :class:`_StagedPlan`) is kept when those read the caller's
+    arrays in place and bias and C are the caller's."""
+    staged = stages != (None, None)
+    same = (same_memory(read, arrays[:2]) and same_memory(views[2:], arrays[2:])) if staged else \
+        same_memory(views, arrays)
     if maps is not None and maps[4] is not None:   # split-K: the stream's workspace follows C
         ws = _split_workspace(maps[4], arrays[0], stream)
         views, arrays = (*views, *ws), (*arrays, *ws)
     launch.run(_args(maps, views), stream)
     if key is not None and same:
-        _LAUNCHES.put(key, OutputPlan.of(launch, arrays[3], maps, like=arrays[0]))
+        plan = OutputPlan.of(launch, arrays[3], maps, like=arrays[0])
+        _LAUNCHES.put(key, _StagedPlan(plan, stages) if staged else plan)
 
 
 @dataclass
@@ -482,32 +488,6 @@ class _Address:
         return self.ptr
 
 
-def _launch_staged(key, launch: Launch, maps, stages, views, read, arrays, stream) -> None:
-    """Run ``launch`` on ``views`` (A and / or B the staged copies of ``stages``), and keep a
-    :class:`_StagedPlan` when the operands were read in place (``read``: the views the copies were
-    made from) and bias and C are the caller's."""
-    same = same_memory(read, arrays[:2]) and same_memory(views[2:], arrays[2:])
-    if maps is not None and maps[4] is not None:   # split-K: the stream's workspace follows C
-        ws = _split_workspace(maps[4], arrays[0], stream)
-        views, arrays = (*views, *ws), (*arrays, *ws)
-    launch.run(_args(maps, views), stream)
-    if key is not None and same:
-        _LAUNCHES.put(key, _StagedPlan(OutputPlan.of(launch, arrays[3], maps, like=arrays[0]), stages))
-
-
-def _replay_staged(plan: _StagedPlan, a, b, bias, out, stream, dev: int):
-    """The staged plan's copies of ``a`` / ``b``, then its kernel on them (see :func:`_replay`)."""
-    main = plan.main
-    out = main.output(a, out)
-    s = default_stream(a, stream)
-    ops = [v if st is None else _Address(_pad_rows(v, st, s)) for v, st in zip((a, b), plan.stages)]
-    arrays = (*ops, bias, out)
-    if main.extra[4] is not None:   # split-K: this stream's workspace
-        arrays += _split_workspace(main.extra[4], a, s)
-    main.replay(arrays, stream, _args, dev)
-    return out
-
-
 def _split_workspace(sizes, like, stream):
     """(partials, counters) of a split-K launch on ``stream``: ops/workspace.py's buffers of that
     (device, stream), of ``like``'s kind (so a plan's replays hand the launch arrays of one kind);
@@ -533,10 +513,13 @@ def _replay(plan, a, b, bias, out, stream, dev: int):
     """A plan's launch on the call's arrays; ``dev``: the plan key's device."""
     if type(plan) is _GemvPlan:
         return gemv.replay(plan.plan, (b, a, None, None, bias), out, stream)
-    if type(plan) is _StagedPlan:
-        return _replay_staged(plan, a, b, bias, out, stream, dev)
+    stages, plan = (plan.stages, plan.main) if type(plan) is _StagedPlan else (None, plan)
     out = plan.output(a, out)
-    arrays = (a, b, bias, out)
+    ops = (a, b)
+    if stages is not None:   # the staging copies from the call's operands, then the kernel on them
+        s = default_stream(a, stream)
+        ops = tuple(v if st is None else _Address(_pad_rows(v, st, s)) for v, st in zip(ops, stages))
+    arrays = (*ops, bias, out)
     if plan.extra is not None and plan.extra[4] is not None:   # split-K: this stream's workspace
         stream = default_stream(a, stream) if plan.torch else stream
         arrays += _split_workspace(plan.extra[4], a, stream)
@@ -696,7 +679,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
 
     if da != "float32" and k > 0 and USE_SM90 and device.current_arch() == "sm_90":
         work = m * n * k * batch
-        stages = (None, None)
+        stages, read = (None, None), None
         realign = realign_pays(m, n, k, batch)
         if work >= STAGE_MIN_WORK or realign:
             read = (av, bv)   # the operands as read in place (or compact copies: then no plan)
@@ -708,10 +691,7 @@ def matmul(a, b, *, bias=None, activation: str | None = None, out=None, trans_a:
         done = _plan_sm90(da, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, ldb, ldc, batch_a, batch_b,
                           batch_c, act, stream)
         if done is not None:
-            if stages == (None, None):
-                _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream)
-            else:
-                _launch_staged(plan_key, *done, stages, (av, bv, biv, cv), read, (a, b, bias, out), stream)
+            _launch(plan_key, *done, (av, bv, biv, cv), (a, b, bias, out), stream, stages, read)
             return out
 
     if da == "float32":

@@ -387,13 +387,19 @@ def flex_efficiency(block_n: int) -> float:
 def flex_stages(block_n: int) -> int:
     """The deepest ring (at most 6 stages, as 128 x 128's) of a 128 x ``block_n`` tile whose
     shared memory fits with one 64-column epilogue pass."""
-    for st in range(6, 2, -1):
+    return deepest_ring(6, 3, block_m=128, block_n=block_n, b_kmajor=True, epilogue_n=64) or 2
+
+
+def deepest_ring(most: int, least: int, **fields) -> int | None:
+    """The largest num_stages from ``most`` down to ``least`` with which ``MatmulSm90Config(**fields)``
+    validates (its shared memory fits), or None."""
+    for st in range(most, least - 1, -1):
         try:
-            MatmulSm90Config(block_m=128, block_n=block_n, num_stages=st, b_kmajor=True, epilogue_n=64)
+            MatmulSm90Config(**{**fields, "num_stages": st})
             return st
         except ConfigError:
             continue
-    return 2
+    return None
 
 
 # GELU's epilogue beside 116-120 accumulators: 128 x 232 and 128 x 240 spill 4 bytes (ptxas 13.0;
@@ -557,13 +563,10 @@ def cluster_stages(block_m: int, block_n: int, cluster_k: int = 2, tma_store: bo
     """The deepest ring (at most the TILES entry's depth, else 8) that fits shared memory beside
     the cluster-K receive buffer: 128 x 64 8 stages, 128 x 128 5, 128 x 192 4, 128 x 256 3."""
     most = next((t.num_stages for t in TILES if (t.block_m, t.block_n) == (block_m, block_n)), 8)
-    for st in range(most, 1, -1):
-        try:
-            MatmulSm90Config(block_m=block_m, block_n=block_n, num_stages=st, cluster_k=cluster_k, tma_store=tma_store,
-                             b_kmajor=b_kmajor)
-            return st
-        except ConfigError:
-            continue
+    st = deepest_ring(most, 2, block_m=block_m, block_n=block_n, cluster_k=cluster_k, tma_store=tma_store,
+                      b_kmajor=b_kmajor)
+    if st is not None:
+        return st
     raise ConfigError.bad_value("matmul_sm90", "cluster_k", cluster_k,
                                 f"1 for a {block_m} x {block_n} tile (its receive buffer leaves no room for a ring)")
 
