@@ -336,6 +336,12 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 #   51.4 against 47.0 (the two-launch split of that run; cuBLAS 68.2 / 60.8 there, which no swept
 #   tiling reached).
 #
+# Session 18 (H100, 2026-11-27; the template's cursor loop, ~25% fewer instructions per item): the
+# 17 tile candidates at 4 shapes, int8 % of copy, heuristic / best: M = 1 28672 x 8192 92.6 / 92.8,
+# 8192 x 28672 90.7 / 91.4, 8192^2 75.9 / 77.4, 14336 x 4096 71.1 / 72.3 (kept); M = 16 78.4 /
+# 82.1 (unroll 6), 78.5 / 81.5 (row_tiles 2), 65.8 / 67.4, 56.8 / 60.5 (4 x 4 CTAs): a different
+# winner per shape, none a rule (docs/data/gemv_sweep_session18_2026-11-27_h100.json).
+#
 # Session 9, measured (H200, 2026-11-26, tools/bench_quant_matmul.py --nmajor-ab; % of the device
 # copy, 4.19 TB/s; cuBLAS in the same run).  The first sm_90 tiling kept the slots in shared memory
 # (QuantGemvConfig.staged: cp.async, then ld.shared back) and split K over clusters; it lost
