@@ -100,14 +100,15 @@ def test_heuristic_refit():
 
 # sm_90 N-major, the round-2 rule (gemv._nmajor_sm90; H200 A/B of 2026-11-26), per (M = 1, 4, 16):
 # w16 = one CTA of 16 warps along K per SM, fit = the session-8 CTAs with a one-wave split, s8 = as is
+# (two m tiles: unroll 2, session 18)
 RULE_CASES = [
     ((4096, 4096), ("nr4u4w16k16s2c1px", "nr4u4w16k16s2c1px", "nr4u2w16k16s2c1px")),     # w16 46.8 / 46.0 / 44.9
     ((4096, 14336), ("nr4u4w16k16s2c1px", "nr4u4w16k16s2c1px", "nr4u2w16k16s2c1px")),    # w16 72.8 / 72.9 / 70.3
     ((6144, 4096), ("nr4u2w8k8s2c2px", "nr4u2w8k8s2c2px", "nr4u1w8k8s2c2px")),           # fit 61.7 / 61.0 / 52.3
     ((8192, 8192), ("nr4u4w16k16s1c1p", "nr4u4w16k16s1c1p", "nr4u1w8k8s2c2px")),         # w16 79.3 / 80.1, fit 76.8
     ((8192, 28672), ("nr4u4w16k16s1c1p", "nr4u4w16k16s1c1p", "nr4u1w8k8s2c2px")),        # w16 94.2 / 95.0, fit 87.9
-    ((14336, 4096), ("nr4u2w8k8s1c2p", "nr4u2w8k8s1c2p", "nr4u1w8k8s1c2p")),             # s8 81.1 / 80.9 / 70.2
-    ((28672, 8192), ("nr4u2w8k8s1c2p", "nr4u2w8k8s1c2p", "nr4u1w8k8s1c2p")),             # s8 91.5 / 91.6 / 79.3
+    ((14336, 4096), ("nr4u2w8k8s1c2p", "nr4u2w8k8s1c2p", "nr4u2w8k8s1c2p")),             # s8 81.1 / 80.9; M16 u2 84.9
+    ((28672, 8192), ("nr4u2w8k8s1c2p", "nr4u2w8k8s1c2p", "nr4u2w8k8s1c2p")),             # s8 91.5 / 91.6; M16 u2 88.6
     ((1000, 4096), ("nr4u4w16k16s8c1px", "nr4u4w16k16s8c1px", "nr4u2w16k16s8c1px")),     # 16 tiles x 8: 128 CTAs
     ((4096, 512), ("nr4u2w8k8s2c2px", "nr4u2w8k8s2c2px", "nr4u1w8k8s2c2px")),            # K too short for w16's split
     ((5000, 3000), ("nr4u2w8k8s3c2px", "nr4u2w8k8s3c2px", "nr4u1w8k8s3c2px")),           # 79 tiles: w16 fills 60%
@@ -130,8 +131,8 @@ def test_nmajor_sm90_rule(nk, tags):
         assert c.ctas_per_sm * (c.shared_mem_bytes + 1024) <= 228 * 1024, c.tag()
         if c.cluster:
             assert gemv.workspace_bytes(c, m, n) == (0, 0), c.tag()
-        if c.tiles(n) > 132:
-            assert c == s8, (c.tag(), s8.tag())
+        if c.tiles(n) > 132:   # s8 (with unroll 2 at two m tiles)
+            assert c == (s8.replace(unroll=2) if m > 8 else s8), (c.tag(), s8.tag())
         else:   # one wave: every CTA resident at once
             assert c.tiles(n) * c.split_k <= 132 * c.ctas_per_sm, c.tag()
     # the same rule over other SM counts: H100 PCIe (114 SMs) at 8192 wide: 128 tiles outnumber them

@@ -352,6 +352,15 @@ _FILL = 0.95             # CTAs >= 95% of the SMs count as filling them (N = 409
 # 8192 x 28672 90.7 / 91.4, 8192^2 75.9 / 77.4, 14336 x 4096 71.1 / 72.3 (kept); M = 16 78.4 /
 # 82.1 (unroll 6), 78.5 / 81.5 (row_tiles 2), 65.8 / 67.4, 56.8 / 60.5 (4 x 4 CTAs): a different
 # winner per shape, none a rule (docs/data/gemv_sweep_session18_2026-11-27_h100.json).
+# The cursor loop cost the dense N-major session-8 tiling at two m tiles (unroll 1) 3-7 points (same
+# run, old / new template, M = 16: 10240 x 8192 77.6 / 71.3, 28672 x 8192 90.2 / 86.8, 14336 x
+# 4096 84.4 / 80.8; why is not understood: its item loop is shorter), but it fits unroll 2 (126
+# registers; 152 before) and 3 (128, but 44 bytes of spill with bias + silu).  Unroll 1 / 2 / 3 in
+# one run (M = 16, % of copy): 10240 x 8192 70.8 / 79.0 / 80.9, 28672 x 8192 85.4 / 88.6 / 91.9,
+# 14336 x 4096 79.8 / 84.9 / 85.7; the split configs (fit, w16) lose with more slots (8192^2 86.2
+# / 85.1 / 79.5, 8192 x 28672 95.6 / 94.3 / 90.5).  So the sm_90 rule's s8 branch takes unroll 2
+# with two m tiles (docs/data/gemv_nmajor_unroll_session18_2026-11-27_h100.json).  The sm_80
+# base keeps unroll 1 (not measured there).
 #
 # Session 9, measured (H200, 2026-11-26, tools/bench_quant_matmul.py --nmajor-ab; % of the device
 # copy, 4.19 TB/s; cuBLAS in the same run).  The first sm_90 tiling kept the slots in shared memory
@@ -431,7 +440,9 @@ def _nmajor_sm90(cfg: QuantGemvConfig, n: int, k: int, sm_count: int) -> QuantGe
     else the session-8 CTAs with the split that fits one wave of two per SM (fit)."""
     tiles = cfg.tiles(n)
     if tiles > sm_count:
-        return cfg
+        # two m tiles: unroll 2 (session 18: the cursor loop fits it in 126 registers, 112 under the
+        # headroom cap, where the session-8 loop needed 152)
+        return cfg.replace(unroll=2) if cfg.m_tiles == 2 else cfg
     nblk = -(-k // cfg.block_k)
     # split-K CTAs per tile: as many as one (w16) or two (fit) CTA slots per SM give each tile, at
     # most a portable cluster, and every warp at least two K blocks (session 8's floor)
