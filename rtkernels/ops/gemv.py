@@ -483,7 +483,15 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
         fill = 2 * need   # both CTA slots of every SM (see above)
     else:
         row_tiles = 1
-        unroll = _UNROLL if (m_tiles == 1 or dense) and w_vec == 16 else 2
+        # two m tiles, quantized: 2 slots, but 4 with group scales and no zero points (session 18, H100,
+        # same rounds, int8 g128 M = 16, 2 -> 4 slots, % of copy: 28672 x 8192 73.8 -> 79.8, 8192 x
+        # 28672 72.6 -> 77.7, 10240 x 8192 60.0 -> 63.7, 4096 x 14336 60.8 -> 63.7, 14336 x 4096 57.5
+        # -> 60.2, 8192^2 63.5 -> 65.6, 4096^2 40.0 -> 39.1; M = 12 alike.  Per-row scales gained
+        # -2.6 .. +2.4: kept at 2.  docs/data/gemv_m16_unroll_session18_*).  128 registers without
+        # spill under NVRTC 13.0 (24 dtype / kind / epilogue variants) and 13.5, none to spare: the
+        # compile test checks these at their own cap
+        group_wide = m_tiles == 2 and group_size > 0 and not has_zeros and not dense
+        unroll = _UNROLL if (m_tiles == 1 or dense or group_wide) and w_vec == 16 else 2
         warps_k = _WARPS_K
         if dense and m_tiles == 1 and -(-n // 32) >= 2 * need:
             warps_k = _WARPS_K // 2
