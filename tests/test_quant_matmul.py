@@ -70,6 +70,23 @@ def test_heuristic_llama_shapes(m, n, k):
     assert c.m_tiles == (1 if m <= 8 else 2)
 
 
+@pytest.mark.parametrize("ctas", [1, 2, 4])
+def test_persistent_grid_balanced(ctas):
+    """The persistent grid keeps the rounds that SMs x ctas_per_sm CTAs would need, gives every CTA
+    the same number of tiles within one (fewer than `rounds` CTAs idle in the last round), and never
+    exceeds the resident CTAs."""
+    c = QuantGemvConfig(ctas_per_sm=ctas, num_warps=4 if ctas == 4 else 8, warps_k=4 if ctas == 4 else 8)
+    slots = 132 * ctas
+    for n in (16, 1000, 16 * slots, 16 * slots + 16, 14336, 28672, 10240, 6144, 100000, 262144):
+        t, g = c.tiles(n), c.grid(n, 132)[0]
+        rounds = -(-t // slots)
+        assert g <= min(t, slots), (n, g)
+        assert -(-t // g) == rounds, (n, g, rounds)          # same rounds as min(tiles, slots) CTAs
+        assert t // g >= rounds - 1                            # per-CTA tiles: rounds or rounds - 1
+        assert g * rounds - t < rounds, (n, g, rounds)         # the last round is full (min(tiles, slots)
+                                                               # left 160 of 264 CTAs idle at 14336 wide)
+
+
 def test_heuristic_slots_at_two_m_tiles():
     """Two m tiles: 4 slots with group scales and no zero points (measured, gemv.py), else 2; narrow
     loads keep 2."""
