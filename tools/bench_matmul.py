@@ -523,6 +523,7 @@ def splitk_sweep(args) -> None:
     import torch
     import rtkernels as rtk
     from rtkernels import device
+    from rtkernels.ops import matmul as mm
     from rtkernels.ops import matmul_sm90 as m90
 
     tdt = getattr(torch, args.dtype)
@@ -537,7 +538,8 @@ def splitk_sweep(args) -> None:
                 for _ in range(count)]
         out = torch.empty(m, n, device="cuda", dtype=tdt)
         ref = torch.matmul(sets[0][0], sets[0][1].T).float()
-        heur = m90.heuristic_config(args.dtype, m, n, k, sm_count=sms, b_kmajor=True, rows_128b=k % 64 == 0)
+        aligned = all(mm.rows_on_128b_grid(t.data_ptr(), k) for t in sets[0])   # as rtk.matmul reads them
+        heur = m90.heuristic_config(args.dtype, m, n, k, sm_count=sms, b_kmajor=True, rows_128b=aligned)
         heur_label = _schedule_label(heur.block_m, heur.block_n, heur.split_k, heur.stream_k)
         cands = {"cuBLAS": lambda a, w: torch.matmul(a, w.T)}
         labels = {}
@@ -739,7 +741,10 @@ def _lastcell_specs(m90, dtype, m, n, k, sms):
     """(label, config) of the --lastcells-ab candidates of one shape: the heuristic's pick as cluster-K
     too, and the M = 128 or large-M table."""
     import dataclasses
-    heur = m90.heuristic_config(dtype, m, n, k, sm_count=sms, stream_k=True, b_kmajor=True, rows_128b=k % 64 == 0)
+    from rtkernels.ops import matmul as mm
+    # contiguous torch operands: 256-byte aligned bases, rows of K elements
+    heur = m90.heuristic_config(dtype, m, n, k, sm_count=sms, stream_k=True, b_kmajor=True,
+                                rows_128b=mm.rows_on_128b_grid(0, k))
     specs = [("pick", heur)]
     if not heur.stream_k and heur.block_m * heur.block_n <= 128 * 192:
         specs.append(("pick c2", m90.with_cluster_k(dataclasses.replace(heur, split_k=1), 2)))

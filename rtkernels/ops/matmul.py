@@ -820,6 +820,12 @@ REALIGN_MIN_MN = 1024
 REALIGN_MIN_WORK = 1 << 33
 
 
+def rows_on_128b_grid(ptr: int, ld: int, batch_stride: int = 0) -> bool:
+    """Whether every row of a 16-bit operand (base ``ptr``, row and batch strides in elements) starts
+    on a 128-byte boundary (matmul_sm90's rule 5 reads it for A and B)."""
+    return ptr % 128 == 0 and ld % 64 == 0 and batch_stride % 64 == 0
+
+
 def realign_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
     """Whether operands with rows off the 32-byte sector grid are worth copying into 128-byte rows
     (see REALIGN_MIN_MN)."""
@@ -950,8 +956,7 @@ def _plan_sm90(dtype, m, n, k, batch, av, bv, biv, cv, a_kmajor, b_kmajor, lda, 
                           "most one of them", field=CLUSTER_K_ENV, value=str(cluster_k),
                           allowed=f"1 or unset while {SPLIT_K_ENV} or {STREAM_K_ENV}=1 is set")
     # rows of A and B on the 128-byte grid (the heuristic's rule 5 reads it)
-    rows_128b = all(int(v.data.ptr) % 128 == 0 and ld % 64 == 0 and bs % 64 == 0
-                    for v, ld, bs in ((av, lda, batch_a), (bv, ldb, batch_b)))
+    rows_128b = rows_on_128b_grid(int(av.data.ptr), lda, batch_a) and rows_on_128b_grid(int(bv.data.ptr), ldb, batch_b)
     key = (dtype, m, n, k, batch, a_kmajor, b_kmajor, biv is not None, act, tma_store, SM90_MMA, dev,
            autotune.enabled(), forced, stream_k, cluster_k, rows_128b)
     plan = _plans90.get(key)
