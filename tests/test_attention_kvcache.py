@@ -37,6 +37,8 @@ kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
     dict(kv_heads=3, warp_split="rows"), dict(num_warps=4, warp_split="rows", kv_heads=8, rows=16),
     dict(rows=16, warp_split="rows", num_warps=4, kv_heads=2), dict(num_warps=9, warp_split="rows", rows=144),
     dict(schedule="persistent"), dict(schedule="streamk", warp_split="rows", rows=64, num_warps=4),
+    dict(group_merge=4), dict(group_merge=3, warp_split="rows", rows=64, num_warps=4),
+    dict(group_merge=8, warp_split="rows", rows=64, num_warps=4, head_dim=64),
 ])
 def test_config_rejects(bad):
     with pytest.raises(ConfigError) as e:
@@ -798,6 +800,65 @@ def test_gpu_fused_merge_paths(variant, merge, batch, sq, h, hkv, d, split, spli
     assert plan.fused and plan.num_splits == splits and plan.config.warp_split == split, plan
 
 
+# The group merge (combine="group", rows mode): a cooperative split grid in which every CTA of a
+# group merges a share of its (row, column chunk) units - several units per round trip for few
+# splits, batches of splits past GM_LOADS, empty sequences and splits without keys; paged too.
+GROUP_CASES = [c for c in MERGE_CASES if c[5] == "rows"] + [
+    (2, 16, 32, 8, 128, "rows", 17, [900, 1]),      # 17 splits > GM_LOADS (16): a second batch
+    (1, 8, 32, 8, 128, "rows", 7, [1000]),          # 32 rows, 7 splits: 2 units x 8 splits a round trip
+    (3, 16, 16, 4, 64, "rows", 9, [800, 0, 300]),   # d64 (GM_LOADS 4): batches of 4 splits
+    (2, 12, 8, 2, 64, "rows", 2, [500, 499]),       # d64, 2 splits: 2 units a round trip
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,h,hkv,d,split,splits,lens", GROUP_CASES)
+@pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
+def test_gpu_group_merge(variant, batch, sq, h, hkv, d, split, splits, lens, page):
+    """The group merge against the float64 reference (and lse), on a cooperative launch."""
+    variant(dict(warp_split=split, combine="group"))
+    x = _run(_seed(), batch, sq, h, hkv, d, "bfloat16", page, True, 0, max(lens) + 1, lens=lens,
+             num_splits=splits)
+    plan = _plan_for(x, splits)
+    print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
+    assert plan.fused and plan.split.cooperative and plan.num_splits == splits, plan
+    assert plan.counter_bytes == 8 * (plan.split.grid[0] // splits), plan
+
+
+@pytest.mark.gpu
+def test_gpu_group_merge_refused_plans_again(monkeypatch):
+    """A device that refuses the group merge's cooperative grid (LaunchError before the launch):
+    the call plans again without it and still matches the reference; later calls skip it."""
+    from rtkernels.errors import LaunchError
+    from rtkernels.kernel import Kernel
+    real = Kernel.launch_cooperative
+    refused = []
+
+    def refuse(self, *args, **kw):
+        refused.append(self.name)
+        raise LaunchError(f"{self.name}: refused (test)")
+    monkeypatch.setattr(Kernel, "launch_cooperative", refuse)
+    try:
+        x = _make(_seed(), 1, 16, 32, 8, 128, "bfloat16", None, 3000, lens=[2999])
+        plan = _plan_for(x, 6)
+        assert plan.split.cooperative, plan   # seqlen_q 16 x group 4, 6 splits: the group merge
+        o, lse = _call(x, out=poison_like(x.q), num_splits=6, return_lse=True)
+        _check(x, o, lse, True, None, "refused group merge")
+        assert refused and (plan.config.replace(group_merge=0), plan.device) in kv_mod._GROUP_REFUSED
+        assert not _plan_for(x, 6).split.cooperative
+    finally:
+        monkeypatch.setattr(Kernel, "launch_cooperative", real)
+        kv_mod._GROUP_REFUSED.clear()
+        kv_mod._PLANS.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq", [4, 16])
+def test_gpu_group_merge_bad_page_gives_nan_for_that_sequence_only(variant, sq):
+    variant(dict(warp_split="rows", combine="group", num_splits=5))
+    _bad_page_gives_nan_for_that_sequence_only(sq)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("loader", LOADERS, ids=LOADER_IDS)
 @pytest.mark.parametrize("sq,hkv", [(16, 4), (64, 4), (300, 8), (33, 2)])
@@ -1054,7 +1115,7 @@ def test_gpu_torch_error_rule_against_sdpa_in_bfloat16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine", ["fused", "kernel"])
+@pytest.mark.parametrize("combine", ["fused", "kernel", "group"])
 @pytest.mark.parametrize("warm_capture_stream", [True, False], ids=("warm", "cold"))
 def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_stream):
     """CuPy stream capture of a split call (partials, fused-merge counters in the workspace):
@@ -1063,7 +1124,7 @@ def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_strea
     so its workspace is made (and zeroed) inside the capture."""
     import cupy as cp
     from gpu_util import to_f64
-    variant(dict(combine=combine))
+    variant(dict(combine=combine, **({"warp_split": "rows"} if combine == "group" else {})))   # (group: rows mode)
     x = _make(_seed(), 3, 1, 32, 8, 128, "bfloat16", 16, 2000, lens=[2000, 2000, 2000])   # every page mapped
     x.lens_h = np.array([1999, 700, 3], np.int32)
     x.lens.set(x.lens_h)
@@ -1082,7 +1143,8 @@ def test_gpu_cupy_graph_capture_with_splits(variant, combine, warm_capture_strea
         _, lse = _call(x, out=out, num_splits=6, return_lse=True)
         graph = s.end_capture()
     plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, x.table, None, None, out), True, None, True, 6, "bfloat16")
-    assert plan.num_splits == 6 and plan.fused == (combine == "fused"), plan
+    assert plan.num_splits == 6 and plan.fused == (combine != "kernel"), plan
+    assert plan.split.cooperative == (combine == "group"), plan
     rng = np.random.default_rng(_seed())
     for step in range(3):
         x.lens_h = rng.integers(0, 2000, size=3).astype(np.int32)

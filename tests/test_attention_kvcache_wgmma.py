@@ -119,24 +119,45 @@ def _fake_problem():
                           {"q": q, "k_cache": k, "v_cache": k, "out": q, "cache_seqlens": (1,)}, (b, cap, hkv, d))
 
 
-@pytest.mark.parametrize("splits,merge,fused,code", [
-    (2, None, True, 1),        # 64 KB: the register merge
-    (4, None, True, 1),        # 128 KB: still the register merge (the unit merge's limit is 64 KB)
-    (5, None, False, 0),       # past REG_MERGE_MAX_SPLITS and 64 KB: the combine launch
-    (2, "units", True, 3),     # the bench's unit-merge variant: fused by the 64 KB rule
-    (4, "units", False, 0),
-    (2, "serial", True, 2),
+@pytest.mark.parametrize("splits,variant,fused,code", [
+    (2, None, True, 1),                   # 64 KB: the last CTA's register merge
+    (3, None, True, 4),                   # from GROUP_MERGE_MIN_SPLITS on: the group merge
+    (6, None, True, 4),                   # 64 x 6 CTAs: within the 3 x 132 resident at once
+    (7, None, False, 0),                  # 64 x 7: more, so past 64 KB of partials the combine launch
+    (4, {"combine": "fused"}, True, 1),   # the register merge forced (<= REG_MERGE_MAX_SPLITS)
+    (5, {"combine": "kernel"}, False, 0),
+    (2, {"merge": "units"}, True, 3),     # the bench's unit-merge variant: fused by the 64 KB rule
+    (4, {"merge": "units"}, False, 0),
+    (2, {"merge": "serial"}, True, 2),
+    (2, {"combine": "group"}, True, 4),
 ])
-def test_rows_mode_merges_few_splits_from_registers(splits, merge, fused, code):
-    """The rows mode's fused merge of <= REG_MERGE_MAX_SPLITS splits runs from registers whatever
-    the partials' bytes (DecodeArgs.fused 1); the variants keep the unit / serial merges for A/Bs."""
-    assert kv_mod.REG_MERGE_MAX_SPLITS == 4
+def test_rows_mode_merges(splits, variant, fused, code):
+    """The rows mode's merges: by groups from GROUP_MERGE_MIN_SPLITS splits (a cooperative launch,
+    two counters per group), from the last CTA's registers below (DecodeArgs.fused 1) whatever the
+    partials' bytes; the variants keep the other merges for A/Bs."""
+    assert kv_mod.REG_MERGE_MAX_SPLITS == 4 and kv_mod.GROUP_MERGE_MIN_SPLITS == 3
     plan = kv_mod.make_plan(_fake_problem(), causal=True, return_lse=False, num_splits=splits, torch=False,
-                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132,
-                            variant={"merge": merge} if merge else None)
+                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132, variant=variant)
     assert plan.config.warp_split == "rows" and plan.num_splits == splits
     assert plan.fused == fused and (plan.combine is None) == fused, plan
     assert int(plan.split.tail[0]["fused"]) == code
+    assert plan.split.cooperative == (code == 4)
+    assert plan.counter_bytes == (0 if not fused else (8 if code == 4 else 4) * plan.split.grid[0] // splits)
+
+
+@pytest.mark.parametrize("d,batch", [(128, 16), (64, 4)])
+def test_group_merge_compiles_without_spills_at_the_same_occupancy(d, batch):
+    """The group merge is compiled only into the kernels of plans that use it (group_merge > 0):
+    without it the kernel is the one before; with it, no spill and the same CTAs per SM."""
+    cfg = choose_config("bfloat16", d, 64, False, True, "sm_90", mma="wgmma")
+    assert cfg.group_merge == 0
+    plain = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
+    group = rtk.get_kernel(cfg.replace(group_merge=kv_mod.group_merge_batch(batch, d)), "attention_decode",
+                           arch="sm_90")
+    assert kv_mod.group_merge_batch(batch, d) == (16 if d > 64 else 4)
+    assert group.resources.spill_stores == 0 and group.resources.spill_loads == 0
+    assert kv_mod._ctas_per_sm(cfg, group, "sm_90") == kv_mod._ctas_per_sm(cfg, plain, "sm_90")
+    assert "NANOSLEEP" in group.sass and "NANOSLEEP" not in plain.sass   # the group barrier's wait
 
 
 # ---- compile (a few: CI has two cores) --------------------------------------------------------

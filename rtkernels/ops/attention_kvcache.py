@@ -4,9 +4,10 @@
 causal=True, softmax_scale=None, return_lse=False, num_splits=None, out=None, stream=None)``
 has the semantics of FlashAttention's ``flash_attn_with_kvcache``.  One kernel family,
 ``attention_decode`` (templates/attention_decode.cu.j2), with three entry points: the split-KV
-attention kernel (which also merges the splits' partial results, "fused"), the combine kernel
-that merges them as a launch of its own when they are many, and the append kernel that writes
-k_new / v_new into the cache first.
+attention kernel (which also merges the splits' partial results, "fused": by the last CTA of a
+group to finish, or - the rows mode's group merge - by every CTA of the group in a cooperative
+launch), the combine kernel that merges them as a launch of its own when they are many, and the
+append kernel that writes k_new / v_new into the cache first.
 
 The call reads top-down: check (shapes, dtypes, strides, devices; cheap, no device reads) ->
 plan (config from :func:`choose_config`, splits from :func:`choose_num_splits`, grid, the
@@ -36,7 +37,7 @@ import numpy as np
 
 from .._env import getenv
 from ..config import register_family
-from ..errors import ConfigError
+from ..errors import ConfigError, LaunchError
 from ._arrays import Launch, LaunchPlans, _is_torch, address, as_device_array, default_stream, dtype_name, empty_as
 from .attention import AttentionShape, _device_arch, _device_of, _dtype_of, _elem_strides, _smem_limit
 from .workspace import stream_workspace
@@ -96,6 +97,11 @@ class AttentionDecodeConfig(AttentionShape):
         compiled for sm_90a).
     lazy_rescale : skip the online softmax's rescale of O in a key tile where no row of the warp
         has a new running maximum (a warp vote; exact: the correction is then 1).
+    group_merge : rows mode: 0, or compile the group merge (every CTA of a split group merges a
+        share of the partials, on a cooperative launch; see GROUP_MERGE_MIN_SPLITS) loading this
+        many splits per round trip: 2, 4, 8 or 16 (at most 4 at head_dim <= 64).  Only the plans
+        that use it compile it: the merge's code more than doubled the d128 kernel's SASS, and
+        calls without it ran ~1% slower with it compiled in (H100, 2026-11-27).
     """
 
     family: ClassVar[str] = FAMILY
@@ -119,6 +125,7 @@ class AttentionDecodeConfig(AttentionShape):
     l2_prefetch: int = 0
     mma: str = "sync"
     lazy_rescale: bool = False
+    group_merge: int = 0
 
     def __post_init__(self):
         self._check_shape()
@@ -154,6 +161,12 @@ class AttentionDecodeConfig(AttentionShape):
                 self._fail("rows", f"{want} = 16 x num_warps / kv_heads (warp_split='rows': 16 rows per warp)")
         self._check_choice("mma", MMAS)
         self._check_choice("lazy_rescale", (False, True))
+        self._check_choice("group_merge", (0, 2, 4, 8, 16))
+        if self.group_merge and self.warp_split != "rows":
+            self._fail("group_merge", "0 with warp_split='keys' (the group merge is rows mode only)")
+        if self.group_merge > group_merge_loads(self.head_dim):
+            self._fail("group_merge", f"0, 2 or 4 at head_dim={self.head_dim} (at most "
+                                      f"{group_merge_loads(self.head_dim)} partial loads in flight)")
         if self.mma == "wgmma":
             # one warpgroup per 64 rows of one kv head, B operands straight from the TMA stages
             if self.warp_split != "rows":
@@ -446,6 +459,57 @@ FUSED_COMBINE_MAX_BYTES_ROWS = 64 * 1024
 # 73.9 against 72.6 / 72.2 (the combine launch forced: 72.1), seqlen_q 12 74.9 against 74.3.
 # d128 keeps 167 registers; d64 goes from 119 to 124 (still 4 CTAs per SM).
 REG_MERGE_MAX_SPLITS = 4
+
+
+# The rows mode's group merge (a cooperative split grid: every CTA of a (sequence, head group, row
+# tile) waits for the others and merges a share of their partials; templates/attention_decode.cu.j2,
+# group_merge) from GROUP_MERGE_MIN_SPLITS splits on, and on paged caches from 2.  It replaces the
+# combine launch (5.3-5.8 us of a 55-61 us seqlen_q 16 call at 8-16 splits: the split kernel timed
+# alone, tools/decode_split_probe.py) and the last CTA's serial merge.  Measured (H100, 2026-11-27,
+# the tree before and after in alternating processes, twice; `tools/bench_decode.py --quick`, 32/8
+# heads, % of copy, contiguous): seqlen_q 16 B1 S32k (16 splits: the combine launch before) 76.0 /
+# 74.8 -> 77.4 / 77.2, B2 S16k (8) 76.3 / 75.4 -> 77.4 / 77.7, B4 S8k (4: the register merge
+# before) 74.5 / 73.7 -> 76.9 / 77.2, seqlen_q 8 B4 S8k 76.8 / 75.9 -> 79.5 / 79.7, B1 S32k 77.8 /
+# 76.7 -> 79.3 / 79.5, d64 seqlen_q 16 B8 S8k (4) 75.6 / 75.1 -> 77.9 / 76.5; paged16 seqlen_q 16
+# B4 S8k 68.7 / 68.3 -> 73.5 / 73.9, B2 S16k 71.1 / 70.7 -> 73.1 / 73.5, B8 S8k (2 splits) 83.1 /
+# 82.6 -> 84.8 / 83.5, d96 74.9 / 74.7 -> 75.7 / 76.5, B1 S32k level (72.1 / 71.0 -> 72.1 / 72.0).
+# At 2 splits on contiguous caches the last CTA's register merge stays ahead (the variant
+# combine:group, another call: seqlen_q 16 B8 S8k 89.9 / 88.9 against 88.6 / 88.1, seqlen_q 8 91.9 /
+# 92.2 against 90.3 / 91.2, d96 74.7 / 75.2 against 73.6 / 74.2).  The keys mode keeps its merges
+# (its partials are a few rows: see the template).
+GROUP_MERGE_MIN_SPLITS = 3
+
+
+def group_merge_loads(head_dim: int) -> int:
+    """The group merge's float4 partial loads a thread keeps in flight (the template's GM_LOADS):
+    16 above d64, 4 at d <= 64 (whose rows-mode tiles are register-bound)."""
+    return 16 if head_dim > 64 else 4
+
+
+def group_merge_batch(num_splits: int, head_dim: int) -> int:
+    """AttentionDecodeConfig.group_merge for a split count: the splits of a unit per round trip
+    (a power of two >= num_splits, at most group_merge_loads), the rest of the loads going to
+    more units at once."""
+    cap = group_merge_loads(head_dim)
+    return next((n for n in (2, 4, 8, 16) if n >= num_splits and n <= cap), cap)
+# (config, device) pairs whose cooperative launch a device refused (a LaunchError: the
+# driver co-schedules fewer CTAs than the occupancy model said, or none): their plans merge as
+# before from then on.
+_GROUP_REFUSED: set = set()
+
+
+def _group_merge(want, merge, cfg, paged: bool, num_splits: int, ctas: int, kernel, arch: str, sms: int,
+                 device: int) -> bool:
+    """Whether a split grid merges by groups (see GROUP_MERGE_MIN_SPLITS): rows mode, every CTA
+    resident at once by the occupancy model (the cooperative launch checks the driver's count),
+    not refused before; the bench's variants combine:group / fused / kernel and merge:* decide
+    for themselves."""
+    if cfg.warp_split != "rows" or kernel is None or (cfg, device) in _GROUP_REFUSED:
+        return False
+    if want != "group" and (want is not None or merge is not None
+                            or num_splits < (2 if paged else GROUP_MERGE_MIN_SPLITS)):
+        return False
+    return ctas * num_splits <= _ctas_per_sm(cfg, kernel, arch) * sms
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
@@ -970,7 +1034,7 @@ DEFAULT_ORDER = "heads"
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 # DecodeArgs.fused of a fused merge by the variant's "merge" (None: 1, the default merge)
-MERGE_CODES = {None: 1, "serial": 2, "units": 3}
+MERGE_CODES = {None: 1, "serial": 2, "units": 3, "group": 4}
 _VARIANT_KEY: tuple | None = None
 
 
@@ -1054,20 +1118,27 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         fused_max = FUSED_COMBINE_MAX_BYTES_ROWS if cfg.warp_split == "rows" else FUSED_COMBINE_MAX_BYTES
         fused = fits and (want == "fused" or (want is None and (
             in_regs or num_splits * cta_rows * p.head_dim * 4 <= fused_max)))
+        if _group_merge(want, merge, cfg, p.paged, num_splits, ctas, kernel, arch, sms, p.device):
+            gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
+            gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
+            if ctas * num_splits <= _ctas_per_sm(gcfg, gkernel, arch) * sms:   # (its own registers)
+                cfg, kernel, fused, merge = gcfg, gkernel, True, "group"
     order = ORDER[v.get("order", DEFAULT_ORDER)]
     # a.fused: 0 none / the combine launch, 1 the merge (from registers in the rows mode's few-split
-    # case), 2 the first (serial) merge (variant merge:serial), 3 the unit merge (variant merge:units)
+    # case), 2 the first (serial) merge (variant merge:serial), 3 the unit merge (variant merge:units),
+    # 4 the group merge (every CTA of a group merges a share; a cooperative launch)
     args = _args(p, cfg, num_splits, row_tiles, order, MERGE_CODES.get(merge, 1) if fused else 0)
     split = combine = None
     append = _append_launch(p, cfg, args, arch)
     part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
-        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,))
+        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,),
+                       cooperative=merge == "group")
         if num_splits > 1:
             lse_off = 4 * num_splits * rows_all * p.head_dim
             part_bytes = lse_off + 4 * num_splits * rows_all
             if fused:
-                counter_bytes = 4 * ctas
+                counter_bytes = (8 if merge == "group" else 4) * ctas   # group: [in, out] per group
             else:
                 combine = Launch(get_kernel(cfg, "attention_decode_combine", arch=arch), (rows_all,),
                                  (COMBINE_THREADS,), 0, (args,))
@@ -1269,7 +1340,8 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     softmax_scale : positive finite float; default ``1 / sqrt(head_dim)``.
     return_lse : also return the log-sum-exp (natural log), float32 (batch, nheads, seqlen_q).
     num_splits : None or 0: the heuristic (:func:`choose_num_splits`); else the number of parts
-        (1..128) each sequence's keys are cut into; more than one adds a combine kernel.
+        (1..128) each sequence's keys are cut into; more than one merges the parts' partial
+        results (in the attention launch, or in a combine kernel).
     out : optional output array (q's shape and dtype, last dimension contiguous).
     dtype : "bfloat16" to read uint16 CuPy arrays as bfloat16 bits (else taken from the arrays).
     validate : also run :func:`check_kvcache_inputs` (reads cache_seqlens and block_table on the
@@ -1304,13 +1376,32 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
                               getenv("RTKERNELS_ARCH"), _VARIANT_KEY))
     plan = _PLANS.get(key)
     if plan is None:
-        plan, views = _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype)
-        if key is not None:
-            _PLANS.put(key, plan)
-        elif not plan.torch:   # arrays no plan can hold (CAI / DLPack objects): launch on their CuPy views
-            arrays = tuple(views.get(n) if a is not None and n != "out" else a for n, a in zip(_NAMES, arrays))
+        plan, arrays = _new_plan(key, arrays, causal, softmax_scale, return_lse, num_splits, dtype)
     if validate:
         check_kvcache_inputs(k_cache, cache_seqlens, block_table, seqlen_new=0 if k_new is None else k_new.shape[1])
+    try:
+        return _launch(plan, key, arrays, stream)
+    except LaunchError:
+        if plan.split is None or not plan.split.cooperative:
+            raise
+        # the group merge's cooperative grid was refused before the split kernel ran (an append
+        # before it rewrites the same rows when run again): plan again without the group merge
+        _GROUP_REFUSED.add((plan.config.replace(group_merge=0), plan.device))
+        plan, arrays = _new_plan(key, arrays, causal, softmax_scale, return_lse, num_splits, dtype)
+        return _launch(plan, key, arrays, stream)
+
+
+def _new_plan(key, arrays, causal, softmax_scale, return_lse, num_splits, dtype):
+    """(plan, arrays to launch on) of a call signature, the plan recorded under ``key`` if it has one."""
+    plan, views = _plan(arrays, causal, softmax_scale, return_lse, num_splits, dtype)
+    if key is not None:
+        _PLANS.put(key, plan)
+    elif not plan.torch:   # arrays no plan can hold (CAI / DLPack objects): launch on their CuPy views
+        arrays = tuple(views.get(n) if a is not None and n != "out" else a for n, a in zip(_NAMES, arrays))
+    return plan, arrays
+
+
+def _launch(plan, key, arrays, stream):
     if key is not None:   # a plan's arrays are all on the current device
         return _execute(plan, *arrays, stream)
     import cupy

@@ -46,4 +46,32 @@ __device__ __forceinline__ void store_vec_stream(T* __restrict__ p, const Vec<T,
 
 __device__ __forceinline__ unsigned ceil_div(unsigned a, unsigned b) { return (a + b - 1) / b; }
 
+// A barrier over `count` blocks that share the counter pair `counters` ([0] in, [1] out), for
+// cooperative launches only: every block resident at once (a block waiting for one that is not
+// yet scheduled would wait forever, which is why the host launches through
+// cuLaunchCooperativeKernel and the driver refuses grids that do not fit).  The last block out
+// zeroes both counters (every block has seen counters[0] complete by then), so they read zero
+// between launches - CUDA-graph replays included, as the stream workspace's users expect
+// (ops/workspace.py).  Each thread fences its own global stores before its block counts in;
+// thread 0 waits and the block waits on thread 0.  Every thread of the block calls it.
+__device__ __forceinline__ void group_barrier(int* counters, int count) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counters) : "memory");
+        int in;
+        while (true) {
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(in) : "l"(counters) : "memory");
+            if (in >= count) break;
+            __nanosleep(64);
+        }
+        if (atomicAdd(counters + 1, 1) == count - 1) {   // the last block out
+            atomicExch(counters, 0);
+            atomicExch(counters + 1, 0);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
 }  // namespace rtk

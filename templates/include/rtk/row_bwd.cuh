@@ -59,32 +59,9 @@ __device__ __forceinline__ void store_floats(float* p, const float (&f)[kN]) {
     }
 }
 
-// A barrier across the whole grid, for cooperative launches only (every block resident at once;
-// a grid that is not would wait forever, which is why the host launches through
-// cuLaunchCooperativeKernel and the driver refuses such grids).  counters[0] counts the blocks in,
-// counters[1] the blocks out; the last block out zeroes both (every block has seen counters[0]
-// complete by then), so the counters read zero between launches - CUDA-graph replays included, and
-// as the stream workspace's other users expect (ops/workspace.py).  Each thread fences its own
-// global stores before its block counts in; thread 0 waits and the block waits on thread 0.
+// A barrier across the whole grid, for cooperative launches only (see group_barrier in common.cuh).
 __device__ __forceinline__ void grid_barrier(int* counters) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int blocks = int(gridDim.x * gridDim.y * gridDim.z);
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counters) : "memory");
-        int in;
-        while (true) {
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(in) : "l"(counters) : "memory");
-            if (in >= blocks) break;
-            __nanosleep(64);
-        }
-        if (atomicAdd(counters + 1, 1) == blocks - 1) {   // the last block out
-            atomicExch(counters, 0);
-            atomicExch(counters + 1, 0);
-        }
-        __threadfence();
-    }
-    __syncthreads();
+    group_barrier(counters, int(gridDim.x * gridDim.y * gridDim.z));
 }
 
 }  // namespace rtk

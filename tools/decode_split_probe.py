@@ -1,0 +1,94 @@
+"""Where a split decode call's time goes: the whole call against its split kernel alone (the plan
+without its combine launch) and against a device copy of the same bytes.
+
+    PYTHONPATH=. python3 tools/decode_split_probe.py [--splits 4,16] [--out DIR]
+
+Per shape (batch, seqlen_k, nheads, nheads_kv, head_dim, seqlen_q; contiguous bf16 cache): us and
+% of the 1 GiB copy rate for the default plan ("full"), its split kernel alone ("split", where the
+plan has a combine launch), each forced split count, and a copy of the K/V bytes ("copy_same": the
+ramp a call of this size pays anyway).  The session-19 figures that motivated the group merge
+(docs/data/decode_split_only_probe_session19_*): seqlen_q 16 B1 S32k 61.0 us whole, 55.3 us split
+kernel alone, 48.6 us copy (H100).  Timing as tools/bench_decode.py (queued calls, interleaved
+rounds, rotating inputs).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import benchutil as bu  # noqa: E402
+import bench_decode as bd  # noqa: E402
+
+SHAPES = [(1, 32768, 32, 8, 128, 16), (4, 8192, 32, 8, 128, 16), (2, 16384, 32, 8, 128, 16),
+          (16, 4096, 32, 8, 128, 16), (8, 8192, 32, 8, 128, 16), (1, 32768, 32, 8, 128, 1),
+          (4, 8192, 32, 8, 128, 8), (1, 32768, 32, 8, 128, 8)]
+
+
+def _copy_ms(cp, nbytes: int) -> float:
+    """Median ms of a device copy of ``nbytes`` (read + write twice that)."""
+    src = cp.empty(nbytes, cp.uint8)
+    dst = cp.empty_like(src)
+    return bu.time_queued(lambda: dst.__setitem__(Ellipsis, src), [()], repeat=10)[0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--splits", default="", help="forced split counts to time too, e.g. 4,16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None, help="folder for probe.json")
+    args = ap.parse_args()
+    import cupy as cp
+    import rtkernels as rtk
+    from rtkernels.ops import attention_kvcache as kv
+    splits = [int(x) for x in args.splits.split(",") if x]
+    copy_gbs = 2 * (512 << 20) / _copy_ms(cp, 512 << 20) / 1e6
+    print(f"copy (1 GiB of traffic): {copy_gbs:.0f} GB/s")
+    rows = []
+    for shape in SHAPES:
+        b, sk, h, hkv, d, sq = shape
+        nbytes = bd._kv_bytes(b, sk, hkv, d)
+        sets = [bd.Set(shape, "bfloat16", None, False, []) for _ in range(2)]
+        halves = (cp.empty(nbytes // 2, cp.uint8), cp.empty(nbytes // 2, cp.uint8))
+        cands = {}
+        for n in [None] + splits:
+            kw = {} if n is None else {"num_splits": n}
+            tag = "" if n is None else str(n)
+            plan = bd._plan_of(kv, sets[0], "contig", "bfloat16", None, kw)
+
+            def full(s, kw=kw):
+                rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, dtype="bfloat16", **kw)
+            cands[f"full{tag}"] = (full, bd._short(plan, kv))
+            if plan.combine is not None:
+                alone = dataclasses.replace(plan, combine=None)
+
+                def split_only(s, alone=alone):
+                    kv._execute(alone, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
+                cands[f"split{tag}"] = (split_only, bd._short(plan, kv) + " (no combine)")
+        cands["copy_same"] = (lambda s, h=halves: h[1].__setitem__(Ellipsis, h[0]), "")
+        for fn, _ in cands.values():
+            fn(sets[0])
+        times = {k: [] for k in cands}
+        for _ in range(args.rounds):   # interleaved: every candidate once per round
+            for k, (fn, _) in cands.items():
+                ms, _, _ = bu.time_queued(fn, [(s,) for s in sets], warmup=2, repeat=20)
+                times[k].append(ms)
+        row = {"shape": shape, "MB": nbytes / 1e6}
+        for k, ts in times.items():
+            us = statistics.median(ts) * 1e3
+            row[k] = (round(us, 2), round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 1), cands[k][1])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe.json"), "w") as f:
+            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
