@@ -492,10 +492,16 @@ def group_merge_batch(num_splits: int, head_dim: int) -> int:
     more units at once."""
     cap = group_merge_loads(head_dim)
     return next((n for n in (2, 4, 8, 16) if n >= num_splits and n <= cap), cap)
+
+
 # (config, device) pairs whose cooperative launch a device refused (a LaunchError: the
 # driver co-schedules fewer CTAs than the occupancy model said, or none): their plans merge as
 # before from then on.
 _GROUP_REFUSED: set = set()
+
+
+class _GroupRefused(LaunchError):
+    """The device refused a group-merge plan's cooperative split grid (nothing of it launched)."""
 
 
 def _group_merge(want, merge, cfg, paged: bool, num_splits: int, ctas: int, kernel, arch: str, sms: int,
@@ -1276,10 +1282,14 @@ def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
     if plan.append is not None:
         plan.append.run((ptrs,), stream)
     if plan.split is not None:
-        if plan.tma is not None:
-            plan.split.run((ptrs, *_tensor_maps(plan.tma, addr[1], addr[2])), stream)
+        head = (ptrs, *_tensor_maps(plan.tma, addr[1], addr[2])) if plan.tma is not None else (ptrs,)
+        if plan.split.cooperative:
+            try:
+                plan.split.run(head, stream)
+            except LaunchError as exc:   # (the append, if any, ran: planning again rewrites the same rows)
+                raise _GroupRefused(str(exc)) from exc
         else:
-            plan.split.run((ptrs,), stream)
+            plan.split.run(head, stream)
     if plan.combine is not None:
         plan.combine.run((ptrs,), stream)
     return (o, lse) if plan.lse_shape is not None else o
@@ -1381,11 +1391,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
         check_kvcache_inputs(k_cache, cache_seqlens, block_table, seqlen_new=0 if k_new is None else k_new.shape[1])
     try:
         return _launch(plan, key, arrays, stream)
-    except LaunchError:
-        if plan.split is None or not plan.split.cooperative:
-            raise
-        # the group merge's cooperative grid was refused before the split kernel ran (an append
-        # before it rewrites the same rows when run again): plan again without the group merge
+    except _GroupRefused:   # plan again without the group merge (for this config from now on)
         _GROUP_REFUSED.add((plan.config.replace(group_merge=0), plan.device))
         plan, arrays = _new_plan(key, arrays, causal, softmax_scale, return_lse, num_splits, dtype)
         return _launch(plan, key, arrays, stream)
