@@ -145,6 +145,23 @@ def test_rows_mode_merges(splits, variant, fused, code):
     assert plan.counter_bytes == (0 if not fused else (8 if code == 4 else 4) * plan.split.grid[0] // splits)
 
 
+@pytest.mark.parametrize("splits,group", [(3, True), (7, False)])
+def test_group_plans_compile_only_the_kernel_they_launch(monkeypatch, splits, group):
+    """A group-merge plan compiles the group kernel only; a grid that cannot be resident at once
+    (64 x 7 CTAs against 3 x 132 by shared memory alone) does not compile it at all."""
+    import rtkernels.kernel as kernel_mod
+    real, built = kernel_mod.get_kernel, []
+
+    def spy(cfg, name, **kw):
+        built.append((name, cfg.group_merge))
+        return real(cfg, name, **kw)
+    monkeypatch.setattr(kernel_mod, "get_kernel", spy)
+    plan = kv_mod.make_plan(_fake_problem(), causal=True, return_lse=False, num_splits=splits, torch=False,
+                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132)
+    assert plan.split.cooperative == group
+    assert {g for n, g in built if n == "attention_decode"} == ({plan.config.group_merge} if group else {0}), built
+
+
 @pytest.mark.parametrize("d,batch", [(128, 16), (64, 4)])
 def test_group_merge_compiles_without_spills_at_the_same_occupancy(d, batch):
     """The group merge is compiled only into the kernels of plans that use it (group_merge > 0):

@@ -504,18 +504,26 @@ class _GroupRefused(LaunchError):
     """The device refused a group-merge plan's cooperative split grid (nothing of it launched)."""
 
 
-def _group_merge(want, merge, cfg, paged: bool, num_splits: int, ctas: int, kernel, arch: str, sms: int,
-                 device: int) -> bool:
-    """Whether a split grid merges by groups (see GROUP_MERGE_MIN_SPLITS): rows mode, every CTA
-    resident at once by the occupancy model (the cooperative launch checks the driver's count),
-    not refused before; the bench's variants combine:group / fused / kernel and merge:* decide
-    for themselves."""
-    if cfg.warp_split != "rows" or kernel is None or (cfg, device) in _GROUP_REFUSED:
-        return False
+def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms: int):
+    """(config, kernel) of the group merge for a split grid (see GROUP_MERGE_MIN_SPLITS), or None:
+    rows mode, every CTA resident at once by the occupancy model (the cooperative launch checks
+    the driver's count), not refused before on this device; the bench's variants combine:group /
+    fused / kernel and merge:* decide for themselves.  Only a grid that can fit compiles the
+    group kernel (a bound from shared memory and threads first), and a plan that takes it does
+    not compile the kernel without it."""
+    if cfg.warp_split != "rows" or (cfg, p.device) in _GROUP_REFUSED:
+        return None
     if want != "group" and (want is not None or merge is not None
-                            or num_splits < (2 if paged else GROUP_MERGE_MIN_SPLITS)):
-        return False
-    return ctas * num_splits <= _ctas_per_sm(cfg, kernel, arch) * sms
+                            or num_splits < (2 if p.paged else GROUP_MERGE_MIN_SPLITS)):
+        return None
+    from ..arch import occupancy
+    from ..kernel import get_kernel
+    grid = ctas * num_splits
+    if grid > occupancy(arch, cfg.threads_per_block, 1, 0, cfg.shared_mem_bytes).blocks_per_sm * sms:
+        return None
+    gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
+    gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
+    return (gcfg, gkernel) if grid <= _ctas_per_sm(gcfg, gkernel, arch) * sms else None
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
@@ -1093,14 +1101,16 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     cta_rows = cfg.kv_heads * head_rows
     if cfg.schedule == "streamk":
         return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch, map_strides)
-    kernel = get_kernel(cfg, "attention_decode", arch=arch) if rows_total > 0 else None
+    kernel = None   # the split kernel, compiled once the merge is chosen (the group merge's is its own)
     if not (num_splits or v.get("num_splits")):
         rule = v.get("split_rule")
         split_rows = 1 if rule == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
         if rule == "old":
             num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
         else:
-            per_sm = _ctas_per_sm(cfg, kernel, arch) if rule == "fill2" else 1
+            per_sm = 1
+            if rule == "fill2":
+                per_sm = _ctas_per_sm(cfg, get_kernel(cfg, "attention_decode", arch=arch), arch)
             # PAGED_FILL for paged caches (choose_num_splits), except TMA-read ones on lean memory or
             # with pages of at least LONG_PAGE keys; the bench's "paged": for every paged cache,
             # "contig": for none
@@ -1124,11 +1134,12 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         fused_max = FUSED_COMBINE_MAX_BYTES_ROWS if cfg.warp_split == "rows" else FUSED_COMBINE_MAX_BYTES
         fused = fits and (want == "fused" or (want is None and (
             in_regs or num_splits * cta_rows * p.head_dim * 4 <= fused_max)))
-        if _group_merge(want, merge, cfg, p.paged, num_splits, ctas, kernel, arch, sms, p.device):
-            gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
-            gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
-            if ctas * num_splits <= _ctas_per_sm(gcfg, gkernel, arch) * sms:   # (its own registers)
-                cfg, kernel, fused, merge = gcfg, gkernel, True, "group"
+        group = _group_merge(want, merge, cfg, p, num_splits, ctas, arch, sms) if rows_total > 0 else None
+        if group is not None:
+            cfg, kernel = group
+            fused, merge = True, "group"
+    if kernel is None and rows_total > 0:
+        kernel = get_kernel(cfg, "attention_decode", arch=arch)
     order = ORDER[v.get("order", DEFAULT_ORDER)]
     # a.fused: 0 none / the combine launch, 1 the merge (from registers in the rows mode's few-split
     # case), 2 the first (serial) merge (variant merge:serial), 3 the unit merge (variant merge:units),
