@@ -1050,23 +1050,28 @@ KVCACHE_VARIANTS = (
     # and more than 32 on a paged one, with query rows that see no key (Sq > cache + new, causal)
     ("bf16 wgmma rows contiguous Sq8 GQA4 d128", 2, 8, 8, 2, 128, "bfloat16", None, (37, 150), 0, 160, True, None,
      True),
-    ("f16 wgmma rows paged16 Sq16 GQA4 append 2 splits=2 d64", 2, 16, 4, 1, 64, "float16", 16, (70, 3), 2, 90, True,
-     2, True),
+    # (paged: 2 splits take the group merge - a cooperative launch, a barrier per group)
+    ("f16 wgmma rows paged16 Sq16 GQA4 append 2 splits=2 group merge d64", 2, 16, 4, 1, 64, "float16", 16, (70, 3),
+     2, 90, True, 2, True),
     # the defaults of 2026-11-26: a d128 rows grid split to one CTA per SM (2 splits of 64 rows: the
     # 64 KB of partials merged in the launch, from the last CTA's registers since the fifteenth
     # session), and two-warp CTAs for a contiguous grid of more than one CTA per SM (35 x 4 = 140 CTAs)
     ("bf16 wgmma rows contiguous Sq16 GQA4 fused 2-split merge d128", 2, 16, 8, 2, 128, "bfloat16", None, (2047, 900),
      0, 2100, True, None, True),
-    # the register merge in chunks (4 splits at d128), 48 of 64 rows, a split without keys
-    ("bf16 wgmma rows contiguous Sq12 GQA4 4-split register merge d128", 2, 12, 8, 2, 128, "bfloat16", None,
+    # the group merge (from 3 splits since the nineteenth session): 4 splits at d128 (4 units a
+    # round trip), 48 of 64 rows, a split without keys; and 17 splits (two batches of loads)
+    ("bf16 wgmma rows contiguous Sq12 GQA4 4-split group merge d128", 2, 12, 8, 2, 128, "bfloat16", None,
      (700, 30), 0, 720, True, 4, True),
+    ("bf16 wgmma rows contiguous Sq16 GQA4 17-split group merge d128", 1, 16, 8, 2, 128, "bfloat16", None,
+     (3000,), 0, 3100, True, 17, True),
     ("bf16 decode contiguous two-warp CTAs d64", 35, 1, 8, 4, 64, "bfloat16", None, tuple(range(0, 70, 2)), 1, 80,
      True, None, True),
 )
 
 
 @case("attention_kvcache", families=("attention_decode",), ops=("attention_kvcache",),
-      note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine)")
+      note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine, the "
+           "last CTA's merges, the rows mode's group merge)")
 def _attention_kvcache(ctx: Ctx):
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv
