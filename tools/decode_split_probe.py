@@ -4,9 +4,9 @@ without its combine launch) and against a device copy of the same bytes.
     PYTHONPATH=. python3 tools/decode_split_probe.py [--splits 4,16] [--out DIR]
 
 Per shape (batch, seqlen_k, nheads, nheads_kv, head_dim, seqlen_q; contiguous bf16 cache): us and
-% of the 1 GiB copy rate for the default plan ("full"), its split kernel alone ("split", where the
-plan has a combine launch), each forced split count, and a copy of the K/V bytes ("copy_same": the
-ramp a call of this size pays anyway).  The session-19 figures that motivated the group merge
+% of the copy rate (1 GiB of traffic) for the default plan ("full"), its split kernel alone
+("split", where the plan has a combine launch), each forced split count, and a copy of the K/V
+bytes ("copy_same": the ramp a call of this size pays anyway).  The session-19 figures that motivated the group merge
 (docs/data/decode_split_only_probe_session19_*): seqlen_q 16 B1 S32k 61.0 us whole, 55.3 us split
 kernel alone, 48.6 us copy (H100).  Timing as tools/bench_decode.py (queued calls, interleaved
 rounds, rotating inputs).
@@ -30,13 +30,6 @@ SHAPES = [(1, 32768, 32, 8, 128, 16), (4, 8192, 32, 8, 128, 16), (2, 16384, 32, 
           (4, 8192, 32, 8, 128, 8), (1, 32768, 32, 8, 128, 8)]
 
 
-def _copy_ms(cp, nbytes: int) -> float:
-    """Median ms of a device copy of ``nbytes`` (read + write twice that)."""
-    src = cp.empty(nbytes, cp.uint8)
-    dst = cp.empty_like(src)
-    return bu.time_queued(lambda: dst.__setitem__(Ellipsis, src), [()], repeat=10)[0]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--splits", default="", help="forced split counts to time too, e.g. 4,16")
@@ -47,7 +40,7 @@ def main():
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv
     splits = [int(x) for x in args.splits.split(",") if x]
-    copy_gbs = 2 * (512 << 20) / _copy_ms(cp, 512 << 20) / 1e6
+    copy_gbs = bu.copy_bandwidth(512 << 20)   # 1 GiB of traffic
     print(f"copy (1 GiB of traffic): {copy_gbs:.0f} GB/s")
     rows = []
     for shape in SHAPES:
@@ -70,7 +63,7 @@ def main():
                 def split_only(s, alone=alone):
                     kv._execute(alone, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
                 cands[f"split{tag}"] = (split_only, bd._short(plan, kv) + " (no combine)")
-        cands["copy_same"] = (lambda s, h=halves: h[1].__setitem__(Ellipsis, h[0]), "")
+        cands["copy_same"] = (lambda s, h=halves: h[1].data.copy_from_device(h[0].data, h[0].nbytes), "")
         for fn, _ in cands.values():
             fn(sets[0])
         times = {k: [] for k in cands}

@@ -232,7 +232,7 @@ class AttentionDecodeConfig(AttentionShape):
         p = super().template_params()
         p.update(smem_bytes=self.shared_mem_bytes, ptrs_bytes=PTRS_DTYPE.itemsize, args_bytes=ARGS_DTYPE.itemsize,
                  combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS,
-                 reg_merge_max_splits=REG_MERGE_MAX_SPLITS)
+                 reg_merge_max_splits=REG_MERGE_MAX_SPLITS, group_merge_loads=group_merge_loads(self.head_dim))
         return p
 
     @classmethod
