@@ -37,7 +37,7 @@ kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
     dict(kv_heads=3, warp_split="rows"), dict(num_warps=4, warp_split="rows", kv_heads=8, rows=16),
     dict(rows=16, warp_split="rows", num_warps=4, kv_heads=2), dict(num_warps=9, warp_split="rows", rows=144),
     dict(schedule="persistent"), dict(schedule="streamk", warp_split="rows", rows=64, num_warps=4),
-    dict(group_merge=4), dict(group_merge=3, warp_split="rows", rows=64, num_warps=4),
+    dict(group_merge=4, schedule="streamk"), dict(group_merge=3, warp_split="rows", rows=64, num_warps=4),
     dict(group_merge=8, warp_split="rows", rows=64, num_warps=4, head_dim=64),
 ])
 def test_config_rejects(bad):
@@ -195,6 +195,35 @@ def test_num_splits_heuristic():
         for ctas in range(1, 300):
             s = choose_num_splits(ctas, 1 << 20, sms, rows=64, heavy_fill=fill)
             assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= fill * sms), (fill, ctas, s)
+
+
+def _decode_problem(b, sq, h, hkv, d, cap):
+    """A contiguous bf16 problem as check() reports it (no arrays)."""
+    q = (sq * h * d, h * d, d, 1)
+    k = (cap * hkv * d, hkv * d, d, 1)
+    return kv_mod.Problem("bfloat16", 0, b, sq, h, hkv, d, False, cap, 0, 0, 0, d ** -0.5,
+                          {"q": q, "k_cache": k, "v_cache": k, "out": q, "cache_seqlens": (1,)}, (b, cap, hkv, d))
+
+
+@pytest.mark.parametrize("d,splits,variant,one_trip", [
+    (128, 16, None, True),                  # B1 S32k's 16 splits: one batch of 16 loads
+    (64, 4, None, True),                    # d64: 4 loads in flight
+    (64, 8, None, False),                   # past them: the unit merge
+    (128, 16, {"merge": "units"}, False),   # the bench's baseline
+])
+def test_keys_mode_last_cta_merges_in_one_trip(d, splits, variant, one_trip):
+    """The keys mode's last CTA merges with the group merge's loads (KEYS_ONE_TRIP_MERGE) while
+    the splits fit one batch; the kernel that does it compiles without spills."""
+    plan = kv_mod.make_plan(_decode_problem(1, 1, 32, 8, d, 32768), causal=False, return_lse=False,
+                            num_splits=splits, torch=False, out_dtype="bfloat16", f32=None, arch="sm_90", sms=132,
+                            variant=variant)
+    cfg = plan.config
+    assert cfg.warp_split == "keys" and plan.fused and plan.combine is None and not plan.split.cooperative
+    assert (cfg.group_merge > 0) == one_trip, cfg
+    assert cfg.group_merge in (0, kv_mod.group_merge_batch(splits, d))
+    assert int(plan.split.tail[0]["fused"]) == (3 if variant else 1)
+    res = plan.split.kernel.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0
 
 
 # ---- references -----------------------------------------------------------------------------------
@@ -770,7 +799,9 @@ def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d
 # (register_merge: one chunk of loads, or several from 3 splits on at d128); else by units - few
 # (row, column chunk) units: split groups summed in shared memory; >= 8 splits: a unit at a time,
 # splits in batches of 8; fewer splits: 4 units at a time (the last batch partial).  merge="units"
-# sends the rows mode's few splits through the units too.
+# sends the rows mode's few splits through the units too.  The keys mode's splits that fit one
+# batch of group_merge_loads (d > 64: 16, else 4) go through the group merge's loads instead (one
+# round trip: KEYS_ONE_TRIP_MERGE), and merge="units" keeps them on the unit merge.
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, warp_split, num_splits, lens)
 MERGE_CASES = [
     (3, 1, 8, 8, 64, "keys", 9, [700, 0, 1]),        # 1 row x 16 chunks: 4 split groups of 9 splits
@@ -798,6 +829,8 @@ def test_gpu_fused_merge_paths(variant, merge, batch, sq, h, hkv, d, split, spli
     plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, None, None, None, None), True, None, True, splits, "bfloat16")
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
     assert plan.fused and plan.num_splits == splits and plan.config.warp_split == split, plan
+    one_trip = split == "keys" and merge is None and splits <= kv_mod.group_merge_loads(d)
+    assert (plan.config.group_merge > 0) == one_trip, plan.config   # (keys mode: KEYS_ONE_TRIP_MERGE)
 
 
 # The group merge (combine="group", rows mode): a cooperative split grid in which every CTA of a

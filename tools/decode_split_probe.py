@@ -5,7 +5,8 @@ without its combine launch) and against a device copy of the same bytes.
 
 Per shape (batch, seqlen_k, nheads, nheads_kv, head_dim, seqlen_q; contiguous bf16 cache): us and
 % of the copy rate (1 GiB of traffic) for the default plan ("full"), its split kernel alone
-("split", where the plan has a combine launch), each forced split count, and a copy of the K/V
+("split", where the plan has a combine launch; "nomerge", where its split kernel merges: the
+same grid storing partials only), each forced split count, and a copy of the K/V
 bytes ("copy_same": the ramp a call of this size pays anyway).  The session-19 figures that motivated the group merge
 (docs/data/decode_split_only_probe_session19_*): seqlen_q 16 B1 S32k 61.0 us whole, 55.3 us split
 kernel alone, 48.6 us copy (H100).  Timing as tools/bench_decode.py (queued calls, interleaved
@@ -35,7 +36,12 @@ def main():
     ap.add_argument("--splits", default="", help="forced split counts to time too, e.g. 4,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="folder for probe.json")
+    ap.add_argument("--variants", default="", help="whole calls under bench_decode variants too, "
+                                                   "e.g. 'units=merge:units' (the candidate full@units)")
+    ap.add_argument("--shapes", default="", help="b:sk:h:hkv:d:sq,... instead of SHAPES")
     args = ap.parse_args()
+    variants = bd.parse_variants(args.variants)
+    shapes = [tuple(int(x) for x in t.split(":")) for t in args.shapes.split(",") if t] or SHAPES
     import cupy as cp
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv
@@ -43,7 +49,7 @@ def main():
     copy_gbs = bu.copy_bandwidth(512 << 20)   # 1 GiB of traffic
     print(f"copy (1 GiB of traffic): {copy_gbs:.0f} GB/s")
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         b, sk, h, hkv, d, sq = shape
         nbytes = bd._kv_bytes(b, sk, hkv, d)
         sets = [bd.Set(shape, "bfloat16", None, False, []) for _ in range(2)]
@@ -63,6 +69,21 @@ def main():
                 def split_only(s, alone=alone):
                     kv._execute(alone, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
                 cands[f"split{tag}"] = (split_only, bd._short(plan, kv) + " (no combine)")
+            elif plan.fused and plan.split is not None:
+                # the same grid storing its partials without merging them (DecodeArgs.fused 0): what
+                # the in-kernel merge (the last CTA's, or the group's) costs
+                a = plan.split.tail[0].copy()
+                a["fused"] = 0
+                bare = dataclasses.replace(plan, fused=False, counter_bytes=0,
+                                           split=dataclasses.replace(plan.split, tail=(a,), cooperative=False))
+
+                def split_only(s, bare=bare):
+                    kv._execute(bare, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
+                cands[f"nomerge{tag}"] = (split_only, bd._short(plan, kv) + " (no merge)")
+        for vname, v in variants.items():
+            vplan = bd._plan_of(kv, sets[0], "contig", "bfloat16", None, {}, v)
+            fn = bd._rtk_fn(rtk, kv, "contig", "bfloat16", None, v)
+            cands[f"full@{vname}"] = ((lambda s, fn=fn: (fn(s), kv.set_variant(None))), bd._short(vplan, kv))
         cands["copy_same"] = (lambda s, h=halves: h[1].data.copy_from_device(h[0].data, h[0].nbytes), "")
         for fn, _ in cands.values():
             fn(sets[0])

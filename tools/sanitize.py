@@ -1046,6 +1046,9 @@ KVCACHE_VARIANTS = (
     ("bf16 paged32 splits=3 d128", 2, 2, 2, 2, 128, "bfloat16", 32, (290, 5), 0, 300, True, 3, False),
     ("f16 contiguous splits=2 append 2 non-causal d96", 2, 4, 6, 3, 96, "float16", None, (7, 60), 2, 70, False, 2,
      False),
+    # the keys mode's last CTA merging 16 splits in one round trip (the group merge's loads)
+    ("bf16 keys B1 GQA4 16-split one-trip merge d128", 1, 1, 8, 2, 128, "bfloat16", None, (700,), 0, 720, False, 16,
+     True),
     # the wgmma rows mode (sm_90, head_dim <= 128): 17-32 rows per kv head on a contiguous cache,
     # and more than 32 on a paged one, with query rows that see no key (Sq > cache + new, causal)
     ("bf16 wgmma rows contiguous Sq8 GQA4 d128", 2, 8, 8, 2, 128, "bfloat16", None, (37, 150), 0, 160, True, None,
@@ -1071,7 +1074,7 @@ KVCACHE_VARIANTS = (
 
 @case("attention_kvcache", families=("attention_decode",), ops=("attention_kvcache",),
       note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine, the "
-           "last CTA's merges, the rows mode's group merge)")
+           "last CTA's merges, the keys mode's one-trip merge, the rows mode's group merge)")
 def _attention_kvcache(ctx: Ctx):
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv

@@ -97,11 +97,13 @@ class AttentionDecodeConfig(AttentionShape):
         compiled for sm_90a).
     lazy_rescale : skip the online softmax's rescale of O in a key tile where no row of the warp
         has a new running maximum (a warp vote; exact: the correction is then 1).
-    group_merge : rows mode: 0, or compile the group merge (every CTA of a split group merges a
-        share of the partials, on a cooperative launch; see GROUP_MERGE_MIN_SPLITS) loading this
-        many splits per round trip: 2, 4, 8 or 16 (at most 4 at head_dim <= 64).  Only the plans
-        that use it compile it: the merge's code more than doubled the d128 kernel's SASS, and
-        calls without it ran ~1% slower with it compiled in (H100, 2026-11-27).
+    group_merge : 0, or compile the group merge loading this many splits per round trip: 2, 4, 8
+        or 16 (at most 4 at head_dim <= 64).  Rows mode: every CTA of a split group merges a
+        share of the partials, on a cooperative launch (see GROUP_MERGE_MIN_SPLITS); keys mode
+        (schedule "split"): the last CTA to arrive merges every unit with the same loads, one L2
+        round trip for splits <= group_merge (see KEYS_ONE_TRIP_MERGE).  Only the plans that use it
+        compile it: the merge's code more than doubled the d128 rows kernel's SASS, and calls
+        without it ran ~1% slower with it compiled in (H100, 2026-11-27).
     """
 
     family: ClassVar[str] = FAMILY
@@ -162,8 +164,8 @@ class AttentionDecodeConfig(AttentionShape):
         self._check_choice("mma", MMAS)
         self._check_choice("lazy_rescale", (False, True))
         self._check_choice("group_merge", (0, 2, 4, 8, 16))
-        if self.group_merge and self.warp_split != "rows":
-            self._fail("group_merge", "0 with warp_split='keys' (the group merge is rows mode only)")
+        if self.group_merge and self.schedule == "streamk":
+            self._fail("group_merge", "0 with schedule='streamk' (stream-K merges its items itself)")
         if self.group_merge > group_merge_loads(self.head_dim):
             self._fail("group_merge", f"0, 2 or 4 at head_dim={self.head_dim} (at most "
                                       f"{group_merge_loads(self.head_dim)} partial loads in flight)")
@@ -524,6 +526,24 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
     gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
     gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
     return (gcfg, gkernel) if grid <= _ctas_per_sm(gcfg, gkernel, arch) * sms else None
+
+
+# The keys mode's last CTA merges with the group merge's loads (every split's lse and partial
+# chunk of its units at once: one L2 round trip) when the splits fit one batch of
+# group_merge_loads, instead of the unit merge (a round trip for every lse, the weights through
+# shared memory, then one per batch of 8 splits): the merge is a serial tail after the whole grid
+# (B1 S32k, 16 splits: 54.9 us whole, 51.0 us without the merge; H100, 2026-11-27,
+# tools/decode_split_probe.py).
+KEYS_ONE_TRIP_MERGE = True
+
+
+def _keys_merge(cfg, p, num_splits: int, merge):
+    """The keys-mode config whose last CTA merges in one round trip (see KEYS_ONE_TRIP_MERGE), or
+    ``cfg`` (rows mode, stream-K, a variant's merge, or more splits than one batch)."""
+    if (not KEYS_ONE_TRIP_MERGE or cfg.warp_split != "keys" or cfg.schedule != "split" or merge is not None
+            or num_splits > group_merge_loads(p.head_dim)):
+        return cfg
+    return cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
@@ -1138,6 +1158,8 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         if group is not None:
             cfg, kernel = group
             fused, merge = True, "group"
+        elif fused:
+            cfg = _keys_merge(cfg, p, num_splits, merge)
     if kernel is None and rows_total > 0:
         kernel = get_kernel(cfg, "attention_decode", arch=arch)
     order = ORDER[v.get("order", DEFAULT_ORDER)]

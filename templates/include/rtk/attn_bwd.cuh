@@ -39,11 +39,7 @@ __device__ __forceinline__ int ld_acquire_gpu_x4(const int* p) {
                  : "=r"(v), "=r"(pad0), "=r"(pad1), "=r"(pad2) : "l"(p) : "memory");
     return v | pad0 | pad1 | pad2;
 }
-// Release increment: every write this thread (and, through a preceding barrier, its warp or
-// block) made before is visible to a thread that acquires the new value.
-__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
-}
+// (red_release_gpu_add, the release half of the flush: rtk/common.cuh)
 
 // Barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32), e.g. a
 // pair of warps exchanging halves of a tile.

@@ -46,32 +46,79 @@ __device__ __forceinline__ void store_vec_stream(T* __restrict__ p, const Vec<T,
 
 __device__ __forceinline__ unsigned ceil_div(unsigned a, unsigned b) { return (a + b - 1) / b; }
 
+// ---- signalling between blocks at GPU scope (split merges, group barriers) ----
+// The PTX memory model's release and acquire patterns: a block's global stores, ordered before its
+// thread 0 by a __syncthreads (bar.sync), are visible to every thread that acquires a value thread 0
+// released after it - thread 0's release is cumulative - and a block whose thread 0 acquired sees
+// them after its own __syncthreads (the pattern of CUTLASS's split-K semaphores).  __threadfence()
+// in every thread instead is fence.sc.gpu: MEMBAR.SC.GPU and an L1 invalidate (CCTL.IVALL) per
+// warp in SASS, on the critical path of every merge.
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Release increment: every write this thread (and, through a preceding barrier, its warp or
+// block) made before is visible to a thread that acquires the new value.
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+
+// Whether this block is the last of `count` to arrive on `counter` (true or false in every thread of
+// the block; every thread calls it, after its last global store the others must see).  The last
+// block sees every other block's stores and zeroes the counter, so it reads zero between launches
+// (CUDA-graph replays included, as the stream workspace's users expect: ops/workspace.py).  `flag`:
+// one int of shared memory the block may overwrite.
+__device__ __forceinline__ bool last_block_to_arrive(int* counter, int count, int* flag) {
+    __syncthreads();   // the block's stores before thread 0's release; and `flag` is free
+    if (threadIdx.x == 0) {
+        const bool last = atom_add_acq_rel_gpu(counter, 1) == count - 1;
+        if (last) atomicExch(counter, 0);   // every block has arrived: ready for the next launch
+        *flag = last;
+    }
+    __syncthreads();
+    return *flag != 0;
+}
+
 // A barrier over `count` blocks that share the counter pair `counters` ([0] in, [1] out), for
 // cooperative launches only: every block resident at once (a block waiting for one that is not
 // yet scheduled would wait forever, which is why the host launches through
-// cuLaunchCooperativeKernel and the driver refuses grids that do not fit).  The last block out
-// zeroes both counters (every block has seen counters[0] complete by then), so they read zero
-// between launches - CUDA-graph replays included, as the stream workspace's users expect
-// (ops/workspace.py).  Each thread fences its own global stores before its block counts in;
-// thread 0 waits and the block waits on thread 0.  Every thread of the block calls it.
-__device__ __forceinline__ void group_barrier(int* counters, int count) {
-    __threadfence();
-    __syncthreads();
+// cuLaunchCooperativeKernel and the driver refuses grids that do not fit).  After it every thread
+// of the block sees the global stores every block made before it (release / acquire above).  The
+// pair reads zero between launches: counters[1] wraps to zero at the last block out, which zeroes
+// counters[0] (every block has seen it complete by then).  Thread 0 leaves counting out without
+// waiting for the answer: the block goes on, and group_barrier_done (every thread calls it once the
+// block no longer needs the barrier, e.g. at its end) reads it - one L2 round trip off the
+// critical path.  group_barrier: both at once.
+__device__ __forceinline__ int group_barrier_wait(int* counters, int count) {
+    __syncthreads();   // the block's stores before thread 0's release
+    int ticket = 0;
     if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counters) : "memory");
-        int in;
-        while (true) {
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(in) : "l"(counters) : "memory");
-            if (in >= count) break;
-            __nanosleep(64);
-        }
-        if (atomicAdd(counters + 1, 1) == count - 1) {   // the last block out
-            atomicExch(counters, 0);
-            atomicExch(counters + 1, 0);
-        }
-        __threadfence();
+        red_release_gpu_add(counters, 1);
+        while (ld_acquire_gpu(counters) < count) __nanosleep(32);
+        // atom.inc wraps to 0 past count - 1: the last block out zeroes counters[1] itself.  Its
+        // answer is read in group_barrier_done (an atomicAdd of 1 is warp-aggregated by ptxas,
+        // which shuffles the answer out - waiting for it - before the barrier)
+        asm volatile("atom.relaxed.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(ticket) : "l"(counters + 1), "r"(count - 1)
+                     : "memory");
     }
     __syncthreads();
+    return ticket;
+}
+
+__device__ __forceinline__ void group_barrier_done(int* counters, int count, int ticket) {
+    if (threadIdx.x == 0 && ticket == count - 1) atomicExch(counters, 0);   // the last block out
+}
+
+__device__ __forceinline__ void group_barrier(int* counters, int count) {
+    group_barrier_done(counters, count, group_barrier_wait(counters, count));
 }
 
 }  // namespace rtk
