@@ -209,3 +209,30 @@ def test_allocation_site_names_the_calling_lines():
     ns = dict(vars(S))
     exec(compile("\n\ndef gate_case():\n    return _allocation_site()\n", S.__file__, "exec"), ns)
     assert ns["gate_case"]() == "tools/sanitize.py:4 gate_case"
+
+
+def _fake_sanitizer(tmp_path, body: str) -> str:
+    """A stand-in compute-sanitizer: a Python script with ``body`` over its argv."""
+    path = tmp_path / "compute-sanitizer"
+    path.write_text(f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_preflight_runs_a_cuda_target_and_says_why_it_failed(tmp_path):
+    """compute-sanitizer fails a target that ends before its first CUDA call (exit 255), so the
+    preflight's target allocates; a refused flag drops to the run without it, and a failure says
+    the exit code and the tool's last line."""
+    ok_with_cuda = _fake_sanitizer(tmp_path, (
+        "if 'cupy' not in args[-1]:\n"
+        "    print('========= Error: Target application terminated before first instrumented API call')\n"
+        "    sys.exit(255)\n"
+        "sys.exit(0)"))
+    assert "cupy.zeros" in S.PREFLIGHT_TARGET
+    assert S.preflight(ok_with_cuda, "memcheck", ["--show-backtrace", "no"]) == (["--show-backtrace", "no"], None)
+    no_flags = _fake_sanitizer(tmp_path, "sys.exit(1 if '--show-backtrace' in args else 0)")
+    flags, note = S.preflight(no_flags, "racecheck", ["--show-backtrace", "no"])
+    assert flags == [] and "refused, run without" in note
+    broken = _fake_sanitizer(tmp_path, "print('boom: no driver')\nsys.exit(7)")
+    flags, note = S.preflight(broken, "synccheck", ["--show-backtrace", "no"])
+    assert flags == ["--show-backtrace", "no"] and "exit code 7: boom: no driver" in note

@@ -1426,18 +1426,29 @@ def find_sanitizer(given: str | None) -> str | None:
     return None
 
 
+# The preflight's target: one allocation, so the program makes a CUDA context.  compute-sanitizer
+# fails a target that ends before its first CUDA call ("Target application terminated before first
+# instrumented API call", exit code 255: `python -c pass` under 2025.3.1, H100, 2026-11-27), so the
+# preflight over `python -c pass` failed on every tool and dropped to its note.
+PREFLIGHT_TARGET = "import cupy; cupy.zeros(1); cupy.cuda.Device().synchronize()"
+
+
 def preflight(sanitizer: str, tool: str, flags: list[str]) -> tuple[list[str], str | None]:
-    """The tool's optional flags this compute-sanitizer accepts: a run over ``python -c pass`` with
-    all of them, else without them (and a note saying so)."""
+    """The tool's optional flags this compute-sanitizer accepts: a run over a one-allocation CuPy
+    program with all of them, else without them (and a note saying so, with why)."""
+    why = ""
     for extra in (flags, []):
         try:
-            p = subprocess.run([sanitizer, "--tool", tool, *extra, sys.executable, "-c", "pass"], capture_output=True,
-                               text=True, timeout=180)
+            p = subprocess.run([sanitizer, "--tool", tool, *extra, sys.executable, "-c", PREFLIGHT_TARGET],
+                               capture_output=True, text=True, timeout=180)
         except subprocess.TimeoutExpired:
+            why = why or "timed out after 180 s"
             continue
         if p.returncode == 0:
-            return extra, None if extra == flags else f"{tool}: {' '.join(flags)} refused, run without"
-    return flags, f"{tool}: the preflight run of compute-sanitizer failed"
+            return extra, None if extra == flags else f"{tool}: {' '.join(flags)} refused, run without ({why})"
+        tail = [ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+        why = why or f"exit code {p.returncode}: {tail[-1][:200] if tail else 'no output'}"
+    return flags, f"{tool}: the preflight run of compute-sanitizer failed ({why}); the cases run with every flag"
 
 
 _NOT_ERRORS = re.compile(r"^(COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|Target application|"

@@ -532,8 +532,13 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
 # chunk of its units at once: one L2 round trip) when the splits fit one batch of
 # group_merge_loads, instead of the unit merge (a round trip for every lse, the weights through
 # shared memory, then one per batch of 8 splits): the merge is a serial tail after the whole grid
-# (B1 S32k, 16 splits: 54.9 us whole, 51.0 us without the merge; H100, 2026-11-27,
-# tools/decode_split_probe.py).
+# (B1 S32k, 16 splits: 54.9 us whole, 51.0 us without the merge).  Measured (H100, 2026-11-27,
+# `tools/decode_split_probe.py --variants units=merge:units`, 32/8 heads, seqlen_q 1, us of two
+# runs; the variant is the unit merge on the same release/acquire counters): B1 S32k d128 (16
+# splits) 54.6 / 54.5 -> 53.5 / 53.5 (85.8% of copy; 51.1 / 51.4 without any merge), B2 S32k (8)
+# 97.3 / 97.3 -> 96.2 / 96.3, B1 S128k (16) 183.4 / 183.7 -> 182.1 / 182.6, B8 S8k (2) 97.0 / 97.1
+# -> 96.7 / 96.8, d64 B1 S32k (16 splits: past d64's batch of 4, so the unit merge either way)
+# level.  No kernel changed its registers' occupancy (d96 146 -> 209 registers at 2 CTAs per SM).
 KEYS_ONE_TRIP_MERGE = True
 
 
