@@ -2,15 +2,18 @@
 without its combine launch) and against a device copy of the same bytes.
 
     PYTHONPATH=. python3 tools/decode_split_probe.py [--splits 4,16] [--out DIR]
+    PYTHONPATH=. python3 tools/decode_split_probe.py --shapes 1:32768:32:8:128:1 --variants "units=merge:units"
 
 Per shape (batch, seqlen_k, nheads, nheads_kv, head_dim, seqlen_q; contiguous bf16 cache): us and
 % of the copy rate (1 GiB of traffic) for the default plan ("full"), its split kernel alone
 ("split", where the plan has a combine launch; "nomerge", where its split kernel merges: the
-same grid storing partials only), each forced split count, and a copy of the K/V
-bytes ("copy_same": the ramp a call of this size pays anyway).  The session-19 figures that motivated the group merge
+same grid storing partials only), each forced split count, the whole call under each
+tools/bench_decode.py variant ("full@name"), and a copy of the K/V bytes ("copy_same": the ramp a
+call of this size pays anyway).  The session-19 figures that motivated the group merge
 (docs/data/decode_split_only_probe_session19_*): seqlen_q 16 B1 S32k 61.0 us whole, 55.3 us split
-kernel alone, 48.6 us copy (H100).  Timing as tools/bench_decode.py (queued calls, interleaved
-rounds, rotating inputs).
+kernel alone, 48.6 us copy (H100); session 20's (decode_split_probe_nomerge_session20_*): seqlen_q 1
+B1 S32k 54.9 us whole, 51.0 without its merge.  Timing as tools/bench_decode.py (queued calls,
+interleaved rounds, rotating inputs).
 """
 from __future__ import annotations
 
