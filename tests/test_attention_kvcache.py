@@ -224,6 +224,8 @@ def test_keys_mode_last_cta_merges_in_one_trip(d, splits, variant, one_trip):
     assert int(plan.split.tail[0]["fused"]) == (3 if variant else 1)
     res = plan.split.kernel.resources
     assert res.spill_stores == 0 and res.spill_loads == 0
+    # the counters release / acquire from thread 0 (rtk::last_block_to_arrive): no fence.sc per thread
+    assert "MEMBAR.SC.GPU" not in plan.split.kernel.sass and "ATOMG.E.ADD.S32.STRONG.GPU" in plan.split.kernel.sass
 
 
 # ---- references -----------------------------------------------------------------------------------

@@ -175,6 +175,9 @@ def test_group_merge_compiles_without_spills_at_the_same_occupancy(d, batch):
     assert group.resources.spill_stores == 0 and group.resources.spill_loads == 0
     assert kv_mod._ctas_per_sm(cfg, group, "sm_90") == kv_mod._ctas_per_sm(cfg, plain, "sm_90")
     assert "NANOSLEEP" in group.sass and "NANOSLEEP" not in plain.sass   # the group barrier's wait
+    # release / acquire from thread 0 (rtk/common.cuh), no fence.sc per thread; the count out by
+    # atom.inc, not a warp-aggregated atomicAdd whose answer is shuffled out before the barrier
+    assert "MEMBAR.SC.GPU" not in group.sass and "ATOMG.E.INC" in group.sass
 
 
 # ---- compile (a few: CI has two cores) --------------------------------------------------------
