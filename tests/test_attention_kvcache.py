@@ -212,7 +212,7 @@ def _decode_problem(b, sq, h, hkv, d, cap):
     (128, 16, {"merge": "units"}, False),   # the bench's baseline
 ])
 def test_keys_mode_last_cta_merges_in_one_trip(d, splits, variant, one_trip):
-    """The keys mode's last CTA merges with the group merge's loads (KEYS_ONE_TRIP_MERGE) while
+    """The keys mode's last CTA merges with the group merge's loads (kv_mod._keys_merge) while
     the splits fit one batch; the kernel that does it compiles without spills."""
     plan = kv_mod.make_plan(_decode_problem(1, 1, 32, 8, d, 32768), causal=False, return_lse=False,
                             num_splits=splits, torch=False, out_dtype="bfloat16", f32=None, arch="sm_90", sms=132,
@@ -803,7 +803,7 @@ def test_gpu_variants_against_float64_reference(variant, v, batch, sq, h, hkv, d
 # splits in batches of 8; fewer splits: 4 units at a time (the last batch partial).  merge="units"
 # sends the rows mode's few splits through the units too.  The keys mode's splits that fit one
 # batch of group_merge_loads (d > 64: 16, else 4) go through the group merge's loads instead (one
-# round trip: KEYS_ONE_TRIP_MERGE), and merge="units" keeps them on the unit merge.
+# round trip: _keys_merge), and merge="units" keeps them on the unit merge.
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, warp_split, num_splits, lens)
 MERGE_CASES = [
     (3, 1, 8, 8, 64, "keys", 9, [700, 0, 1]),        # 1 row x 16 chunks: 4 split groups of 9 splits
@@ -832,7 +832,7 @@ def test_gpu_fused_merge_paths(variant, merge, batch, sq, h, hkv, d, split, spli
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
     assert plan.fused and plan.num_splits == splits and plan.config.warp_split == split, plan
     one_trip = split == "keys" and merge is None and splits <= kv_mod.group_merge_loads(d)
-    assert (plan.config.group_merge > 0) == one_trip, plan.config   # (keys mode: KEYS_ONE_TRIP_MERGE)
+    assert (plan.config.group_merge > 0) == one_trip, plan.config   # (keys mode: _keys_merge)
 
 
 # The group merge (combine="group", rows mode): a cooperative split grid in which every CTA of a

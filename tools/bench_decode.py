@@ -197,6 +197,11 @@ def _short(plan, kv=None):
     return f"{mode} r{cfg.rows} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} x{plan.num_splits}{comb}{l2}{occ}"
 
 
+def parse_shapes(text: str) -> list[tuple]:
+    """"b:sk:h:hkv:d:sq,..." -> [(b, sk, h, hkv, d, sq), ...]."""
+    return [tuple(int(v) for v in t.split(":")) for t in text.split(",") if t]
+
+
 def parse_variants(text: str) -> dict:
     """"name=field:value+field:value;name2=..." -> {name: {field: value}} (ints where they parse)."""
     out = {}
@@ -407,7 +412,7 @@ def main():
     copy_gbs = bu.copy_bandwidth(1 << 30)
     print(f"device copy {copy_gbs:.0f} GB/s ({env['gpu']}); torch {env.get('torch', 'absent')}", flush=True)
     if args.shapes:
-        shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+        shapes = parse_shapes(args.shapes)
     else:
         shapes = QUICK_SHAPES if args.quick else list(dict.fromkeys(ISSUE_SHAPES + SPEC_SHAPES + GRID_SHAPES))
     tile_sets = [None]

@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--shapes", default="", help="b:sk:h:hkv:d:sq,... instead of SHAPES")
     args = ap.parse_args()
     variants = bd.parse_variants(args.variants)
-    shapes = [tuple(int(x) for x in t.split(":")) for t in args.shapes.split(",") if t] or SHAPES
+    shapes = bd.parse_shapes(args.shapes) or SHAPES
     import cupy as cp
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv
@@ -62,16 +62,9 @@ def main():
             kw = {} if n is None else {"num_splits": n}
             tag = "" if n is None else str(n)
             plan = bd._plan_of(kv, sets[0], "contig", "bfloat16", None, kw)
-
-            def full(s, kw=kw):
-                rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, dtype="bfloat16", **kw)
-            cands[f"full{tag}"] = (full, bd._short(plan, kv))
-            if plan.combine is not None:
-                alone = dataclasses.replace(plan, combine=None)
-
-                def split_only(s, alone=alone):
-                    kv._execute(alone, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
-                cands[f"split{tag}"] = (split_only, bd._short(plan, kv) + " (no combine)")
+            cands[f"full{tag}"] = (bd._rtk_fn(rtk, kv, "contig", "bfloat16", None, **kw), bd._short(plan, kv))
+            if plan.combine is not None:   # its split kernel alone
+                bare, name, note = dataclasses.replace(plan, combine=None), f"split{tag}", " (no combine)"
             elif plan.fused and plan.split is not None:
                 # the same grid storing its partials without merging them (DecodeArgs.fused 0): what
                 # the in-kernel merge (the last CTA's, or the group's) costs
@@ -79,14 +72,16 @@ def main():
                 a["fused"] = 0
                 bare = dataclasses.replace(plan, fused=False, counter_bytes=0,
                                            split=dataclasses.replace(plan.split, tail=(a,), cooperative=False))
+                name, note = f"nomerge{tag}", " (no merge)"
+            else:
+                continue
 
-                def split_only(s, bare=bare):
-                    kv._execute(bare, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
-                cands[f"nomerge{tag}"] = (split_only, bd._short(plan, kv) + " (no merge)")
-        for vname, v in variants.items():
+            def plan_only(s, bare=bare):
+                kv._execute(bare, s.q, s.k, s.v, s.lens, None, None, None, s.out, None)
+            cands[name] = (plan_only, bd._short(plan, kv) + note)
+        for vname, v in variants.items():   # (each call sets its variant, the others none)
             vplan = bd._plan_of(kv, sets[0], "contig", "bfloat16", None, {}, v)
-            fn = bd._rtk_fn(rtk, kv, "contig", "bfloat16", None, v)
-            cands[f"full@{vname}"] = ((lambda s, fn=fn: (fn(s), kv.set_variant(None))), bd._short(vplan, kv))
+            cands[f"full@{vname}"] = (bd._rtk_fn(rtk, kv, "contig", "bfloat16", None, v), bd._short(vplan, kv))
         cands["copy_same"] = (lambda s, h=halves: h[1].data.copy_from_device(h[0].data, h[0].nbytes), "")
         for fn, _ in cands.values():
             fn(sets[0])

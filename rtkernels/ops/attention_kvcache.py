@@ -101,7 +101,7 @@ class AttentionDecodeConfig(AttentionShape):
         or 16 (at most 4 at head_dim <= 64).  Rows mode: every CTA of a split group merges a
         share of the partials, on a cooperative launch (see GROUP_MERGE_MIN_SPLITS); keys mode
         (schedule "split"): the last CTA to arrive merges every unit with the same loads, one L2
-        round trip for splits <= group_merge (see KEYS_ONE_TRIP_MERGE).  Only the plans that use it
+        round trip for splits <= group_merge (see _keys_merge).  Only the plans that use it
         compile it: the merge's code more than doubled the d128 rows kernel's SASS, and calls
         without it ran ~1% slower with it compiled in (H100, 2026-11-27).
     """
@@ -539,13 +539,10 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
 # 97.3 / 97.3 -> 96.2 / 96.3, B1 S128k (16) 183.4 / 183.7 -> 182.1 / 182.6, B8 S8k (2) 97.0 / 97.1
 # -> 96.7 / 96.8, d64 B1 S32k (16 splits: past d64's batch of 4, so the unit merge either way)
 # level.  No kernel changed its registers' occupancy (d96 146 -> 209 registers at 2 CTAs per SM).
-KEYS_ONE_TRIP_MERGE = True
-
-
 def _keys_merge(cfg, p, num_splits: int, merge):
-    """The keys-mode config whose last CTA merges in one round trip (see KEYS_ONE_TRIP_MERGE), or
-    ``cfg`` (rows mode, stream-K, a variant's merge, or more splits than one batch)."""
-    if (not KEYS_ONE_TRIP_MERGE or cfg.warp_split != "keys" or cfg.schedule != "split" or merge is not None
+    """The keys-mode config whose last CTA merges in one round trip (see above), or ``cfg`` (rows
+    mode, stream-K, a variant's merge - merge:units is the baseline - or more splits than one batch)."""
+    if (cfg.warp_split != "keys" or cfg.schedule != "split" or merge is not None
             or num_splits > group_merge_loads(p.head_dim)):
         return cfg
     return cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
