@@ -174,6 +174,21 @@ def test_num_splits_heuristic():
             s = choose_num_splits(ctas, 1 << 20, sms, ctas_per_sm=per_sm)
             assert 1 <= s <= MAX_SPLITS and (s == 1 or ctas * s <= per_sm * sms)
             assert ctas >= sms or s == MAX_SPLITS or ctas * (s + 1) > per_sm * sms, (ctas, per_sm, s)   # filled
+    # lean memory (H100), keys mode: split until the grid keeps LEAN_GRID_BYTES_IN_FLIGHT requested
+    # (H100 2026-11-27: B1 S32k d128 87.5% of copy at 8 splits, 85.5 at 16; B8 S8k 99.3 unsplit, 94.1 at 2;
+    # d64 16/16 B1 S32k 86.1 at 8, 67.7 at 4)
+    d128 = choose_config("bfloat16", 128, 4, False, False, "sm_90", lean_memory=True).bytes_in_flight
+    d64 = choose_config("bfloat16", 64, 1, False, False, "sm_90", lean_memory=True).bytes_in_flight
+    assert (d128, d64) == (64 << 10, 32 << 10)
+    lean_splits = [choose_num_splits(c, 32768, sms, cta_bytes_in_flight=d128) for c in (8, 16, 32, 64, 128)]
+    assert lean_splits == [8, 4, 2, 1, 1]
+    assert choose_num_splits(16, 32768, sms, cta_bytes_in_flight=d64) == 8
+    assert choose_num_splits(8, 32768, sms, cta_bytes_in_flight=1) == 16      # never past the slots
+    assert choose_num_splits(8, 1024, sms, cta_bytes_in_flight=d128) == 1024 // MIN_KEYS_PER_SPLIT
+    assert choose_num_splits(64, 8192, sms, paged=True, cta_bytes_in_flight=d128) == 4   # PAGED_FILL first
+    for ctas in range(1, 300):
+        s = choose_num_splits(ctas, 1 << 20, sms, cta_bytes_in_flight=d128)
+        assert s == 1 or (ctas * s * d128 <= kv_mod.LEAN_GRID_BYTES_IN_FLIGHT and ctas * s <= sms), (ctas, s)
     # the old rule (the A/B baseline): no split from 0.45 CTA per SM
     assert kv_mod._old_num_splits(64, 8192, sms, False, 1) == 1
     assert kv_mod._old_num_splits(8, 32768, sms, False, 1) == 16
@@ -1038,6 +1053,42 @@ def test_gpu_bad_contents_give_nan_for_that_sequence_only():
     assert not np.isnan(got[0]).any() and not np.isnan(lse[0]).any()
     with pytest.raises(ConfigError, match="block_table|cache_seqlens"):
         _call(x, validate=True)
+
+
+# The keys mode reads each warp's page ids 32 16-key groups at a time, a batch ahead (lane l holds
+# group l % GROUPS of the warp's tile 32 / GROUPS * batch + l / GROUPS): caches long enough that a
+# warp crosses several batches at one and a few splits, lengths ending inside a batch, 16- and
+# 32-key tiles (d64: two pages per tile), pages of 16 / 64 keys, the TMA and the cp.async loader.
+# (batch, nheads, nheads_kv, head_dim, page_size, lens, num_splits, loader)
+PAGE_BATCH_CASES = [
+    (3, 32, 8, 128, 16, [5000, 2049, 7777], 1, None),
+    (3, 32, 8, 128, 64, [4100, 8192, 1], 3, None),
+    (2, 16, 16, 64, 16, [6000, 4097], 1, None),
+    (2, 16, 16, 64, 16, [6000, 4097], 2, "cp.async"),
+    (2, 8, 2, 96, 32, [3333, 8000], None, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,h,hkv,d,page,lens,splits,loader", PAGE_BATCH_CASES)
+def test_gpu_paged_long_caches_cross_page_id_batches(variant, batch, h, hkv, d, page, lens, splits, loader):
+    import cupy as cp
+    from gpu_util import to_f64
+    if loader:
+        variant(dict(loader=loader))
+    x = _run(_seed(), batch, 1, h, hkv, d, "bfloat16", page, True, 0, 8192, lens=lens, num_splits=splits)
+    plan = _plan_of(x, splits)
+    assert plan.config.warp_split == "keys" and plan.config.paged, plan.config
+    # a bad page id past the first batches of every warp: that sequence alone becomes NaN
+    bad = max(range(batch), key=lambda i: lens[i])
+    x.table_h[bad, (lens[bad] - 1) // page] = -7
+    x.table.set(x.table_h)
+    o, lse = _call(x, return_lse=True, num_splits=splits)
+    cp.cuda.get_current_stream().synchronize()
+    got, lse = to_f64(o, "bfloat16"), lse.get()
+    assert np.isnan(got[bad]).all() and np.isnan(lse[bad]).all()
+    for i in set(range(batch)) - {bad}:
+        assert not np.isnan(got[i]).any() and not np.isnan(lse[i]).any(), i
 
 
 @pytest.mark.gpu

@@ -148,10 +148,11 @@ def test_tma_plan_maps_the_caches_as_they_are():
 
 def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     """On lean memory (an H100's 25 GB/s per SM), or with pages of LONG_PAGE keys and more, pages the
-    TMA loader reads split as a contiguous cache does (B1 S32k 32/8: 16 splits merged in the
-    launch); 16-key pages elsewhere (an H200's 37, or unknown) and cp.async pages (sm_80, the
-    variant loader=cp.async) take PAGED_FILL's 33 with the combine launch; the bench variants
-    split_rule=paged / contig and memory=lean / deep force either."""
+    TMA loader reads split as a contiguous cache does by the fill rule (B1 S32k 32/8: 16 splits, one
+    CTA per SM, merged in the launch), while the contiguous cache itself splits only to
+    LEAN_GRID_BYTES_IN_FLIGHT there (8); 16-key pages elsewhere (an H200's 37, or unknown) and cp.async
+    pages (sm_80, the variant loader=cp.async) take PAGED_FILL's 33 with the combine launch; the bench
+    variants split_rule=paged / contig / fill and memory=lean / deep force either."""
     def plan(paged, variant, arch="sm_90", gbs_per_sm=25.4, page=16):
         kv_mod.set_variant(variant)
         try:
@@ -170,9 +171,14 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
             kv_mod.set_variant(None)
     contig = plan(False, None)
     tma = plan(True, None)
-    assert tma.config.loader == "tma" and (tma.num_splits, tma.fused) == (contig.num_splits, contig.fused) == (16, True)
-    assert plan(True, dict(split_rule="contig"), gbs_per_sm=None).num_splits == contig.num_splits
-    assert plan(True, dict(memory="lean"), gbs_per_sm=None).num_splits == contig.num_splits
+    assert (contig.num_splits, contig.fused) == (8, True)
+    assert tma.config.loader == "tma" and (tma.num_splits, tma.fused) == (16, True)
+    assert plan(True, dict(memory="lean"), gbs_per_sm=None).num_splits == 16
+    assert plan(False, dict(memory="lean"), gbs_per_sm=None).num_splits == 8
+    assert plan(False, dict(split_rule="fill")).num_splits == 16     # the lean rule's A/B baseline
+    deep_contig = plan(False, None, gbs_per_sm=None)
+    assert deep_contig.num_splits == 16 and deep_contig.fused
+    assert plan(True, dict(split_rule="contig"), gbs_per_sm=None).num_splits == deep_contig.num_splits
     for old in (plan(True, dict(split_rule="paged")), plan(True, None, gbs_per_sm=37.2),
                 plan(True, None, gbs_per_sm=None), plan(True, dict(memory="deep"))):
         assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
@@ -180,7 +186,7 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     assert plan(True, None, gbs_per_sm=37.2, page=64).num_splits == 16
     assert plan(True, None, gbs_per_sm=None, page=128).num_splits == 16
     for cp_pages in (plan(True, dict(loader="cp.async")), plan(True, None, arch="sm_80")):
-        assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > contig.num_splits, cp_pages.num_splits
+        assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > tma.num_splits, cp_pages.num_splits
 
 
 def test_lean_memory_threshold():

@@ -39,7 +39,8 @@ the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;.
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
 order splits|heads, combine fused|kernel, merge serial|units (the session-10 fused merge; the unit merge
 where the rows mode merges from registers), split_rule
-decode|old|fill2|contig|paged (contig: paged caches split as contiguous ones, cp.async pages too;
+decode|old|fill|fill2|contig|paged (fill: lean memory's keys-mode grids split to one CTA per SM
+as before LEAN_GRID_BYTES_IN_FLIGHT; contig: paged caches split as contiguous ones, cp.async pages too;
 paged: PAGED_FILL for TMA-read pages too, the rule before 2026-11-26), memory lean|deep (the
 lean-memory rules of attention_kvcache.LEAN_MEMORY_GBS_PER_SM, or the others, whatever the device),
 schedule streamk, loader tma|cp.async (tma: the default in both modes on

@@ -406,6 +406,25 @@ MIN_KEYS_PER_SPLIT = 256
 # 1 split, 86.5% at 4 (the old rule: no split above 0.45 CTA per SM); B1 S32k 77.1% at 16 splits,
 # 70.6% at 33 and B1 S128k 94.2 / 91.6 / 88.9% at 8 / 16 / 33 - with the first combine (a serial
 # loop, ~0.33 us per split, since replaced), which those many-split figures include.
+# On lean memory (H100) the keys mode's grid is split until it keeps LEAN_GRID_BYTES_IN_FLIGHT of
+# K/V requested (the config's bytes_in_flight per CTA), not until it fills every SM: about the
+# DRAM's bandwidth x loaded latency (Little's law: 2.94 TB/s x ~1.4 us), past which more CTAs add
+# only their ramps, partials and merge.  Measured (H100, 2026-11-27, `tools/bench_decode.py --splits
+# 1,2,4,8,16`, 32/8 heads d128, 64 KiB per CTA, % of copy by forced splits, `decode_split_sweep_*`):
+# B1 S32k 50.0 / 87.5 / 85.5 at 4 / 8 / 16 splits (the fill rule's 16), B2 S32k 96.2 / 95.1 at 4 / 8,
+# B4 S16k 96.0 / 95.1 at 2 / 4, B8 S8k 99.3 / 94.1 at 1 / 2, B1 S128k 101 / 100 at 8 / 16, 64/8 B2
+# S16k 85.8 / 84.9 at 4 / 8, seqlen_q 4 B4 S8k 82.3 / 82.4 at 2 / 4; d64 16/16 (32 KiB per CTA) B1
+# S32k 67.7 / 86.1 / 83.5 at 4 / 8 / 16: 64 CTAs of 64 KiB, 128 of 32 KiB - the bytes, not the CTAs.
+# The same A/B (`decode_lean_split_ab_*`, fill rule -> this one, same runs): B8 S8k 94.9 -> 99.3,
+# seqlen_q 4 B8 S8k 93.4 -> 98.1, seqlen_q 2 B1 S32k 79.9 -> 84.5, B1 S32k 85.8 -> 86.7, B1 S128k 100 ->
+# 101, B2 S32k 93.5 -> 94.2, 64/8 B2 S16k 83.6 -> 84.6.  Contiguous caches at head_dim <= 128 only:
+# paged caches lost everywhere at the fewer CTAs (paged16 B8 S8k 90.0 -> 72.0, B1 S32k 82.4 -> 66.5;
+# paged64 93.2 -> 88.6: each page's block-table read waits in line), and d256's CTAs (128 KiB in
+# flight) stream no faster than d128's (B1 S32k 16/2: 57.9 -> 49.0 at 16 splits; 32 CTAs, 49%).
+# Deep memory (H200) keeps filling every SM: one CTA there pulls ~34 GB/s and B8 S8k ran 51.5% of
+# copy at 64 CTAs against 85.7% at 128 (see above).
+LEAN_GRID_BYTES_IN_FLIGHT = 4 << 20
+LEAN_IN_FLIGHT_HEAD_DIM_MAX = 128
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
@@ -770,7 +789,8 @@ def _two_warp_ctas(cfg, fields: dict, ctas: int, sms: int, splits) -> bool:
 
 
 def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, rows: int = 1,
-                      ctas_per_sm: int = 1, heavy_fill: int = COMPUTE_FILL_SMALL_HEAD) -> int:
+                      ctas_per_sm: int = 1, heavy_fill: int = COMPUTE_FILL_SMALL_HEAD,
+                      cta_bytes_in_flight: int = 0) -> int:
     """Splits of each sequence's keys for ``ctas`` CTAs without splitting (batch x kv-head groups
     x row tiles) over a cache of ``capacity`` keys per sequence, on ``sms`` SMs holding
     ``ctas_per_sm`` CTAs of this kernel each (its occupancy).
@@ -795,6 +815,10 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       combine launch).  The block-table wait that PAGED_FILL hid is off the critical path once one
       lane issues whole-tile tensor copies a tile ahead - on lean memory: on an H200 PAGED_FILL
       still won (see LEAN_MEMORY_GBS_PER_SM).
+    - ``cta_bytes_in_flight`` > 0 (the op passes it on lean memory: keys mode, contiguous caches,
+      head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX): the grid splits
+      only until it keeps LEAN_GRID_BYTES_IN_FLIGHT requested, at most the slots above (B1 S32k
+      32/8 d128: 8 splits, not 16).
     - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds
       ``heavy_fill`` of them (the op passes :func:`compute_fill` of the head dim;
       HEAVY_KEYS_PER_ROW x rows keys per split at least).
@@ -817,6 +841,8 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
         return max(1, min(max(slots, PAGED_FILL * sms) // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     if ctas >= sms:
         return 1
+    if cta_bytes_in_flight > 0:
+        slots = min(slots, -(-LEAN_GRID_BYTES_IN_FLIGHT // cta_bytes_in_flight))
     return max(1, min(slots // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
@@ -1065,7 +1091,8 @@ DEFAULT_ORDER = "heads"
 # per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
 # paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
 # forced splits the two were 71.9 / 75.5 - the default for TMA-read pages on lean memory or of LONG_PAGE
-# keys since; "paged": PAGED_FILL for every paged cache, the rule before), memory ("lean" / "deep": the
+# keys since; "paged": PAGED_FILL for every paged cache, the rule before; "fill": on lean memory too, small
+# keys-mode grids split to one CTA per SM, the rule before LEAN_GRID_BYTES_IN_FLIGHT), memory ("lean" / "deep": the
 # rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
@@ -1138,8 +1165,13 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             # "contig": for none
             pages_as_contig = cfg.loader == "tma" and (lean or p.page_size >= LONG_PAGE) and rule != "paged"
             paged_rule = p.paged and rule != "contig" and not pages_as_contig
+            # lean memory, keys mode, contiguous, d <= 128: split to LEAN_GRID_BYTES_IN_FLIGHT (the
+            # bench's "fill": to every SM, as elsewhere)
+            by_bytes = (lean and cfg.warp_split == "keys" and not p.paged and rule not in ("fill", "fill2")
+                        and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
+            in_flight = cfg.bytes_in_flight if by_bytes else 0
             num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
-                                           compute_fill(p.head_dim, p.paged, lean))
+                                           compute_fill(p.head_dim, p.paged, lean), in_flight)
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
