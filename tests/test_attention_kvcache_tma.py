@@ -147,12 +147,13 @@ def test_tma_plan_maps_the_caches_as_they_are():
 
 
 def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
-    """On lean memory (an H100's 25 GB/s per SM), or with pages of LONG_PAGE keys and more, pages the
-    TMA loader reads split as a contiguous cache does by the fill rule (B1 S32k 32/8: 16 splits, one
-    CTA per SM, merged in the launch), while the contiguous cache itself splits only to
-    LEAN_GRID_BYTES_IN_FLIGHT there (8); 16-key pages elsewhere (an H200's 37, or unknown) and cp.async
-    pages (sm_80, the variant loader=cp.async) take PAGED_FILL's 33 with the combine launch; the bench
-    variants split_rule=paged / contig / fill and memory=lean / deep force either."""
+    """Pages the TMA loader reads in keys mode (its page ids a batch ahead) split as a contiguous
+    cache does by the fill rule on any memory (B1 S32k 32/8: 16 splits, one CTA per SM, merged in the
+    launch), while on lean memory the contiguous cache itself splits only to
+    LEAN_GRID_BYTES_IN_FLIGHT (8); the rows mode's 16-key pages on deep memory (an H200's 37, or
+    unknown) and cp.async pages (sm_80, the variant loader=cp.async) take PAGED_FILL's 33 with the
+    combine launch; the bench variants split_rule=paged / contig / fill and memory=lean / deep force
+    either."""
     def plan(paged, variant, arch="sm_90", gbs_per_sm=25.4, page=16):
         kv_mod.set_variant(variant)
         try:
@@ -179,12 +180,14 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     deep_contig = plan(False, None, gbs_per_sm=None)
     assert deep_contig.num_splits == 16 and deep_contig.fused
     assert plan(True, dict(split_rule="contig"), gbs_per_sm=None).num_splits == deep_contig.num_splits
-    for old in (plan(True, dict(split_rule="paged")), plan(True, None, gbs_per_sm=37.2),
-                plan(True, None, gbs_per_sm=None), plan(True, dict(memory="deep"))):
-        assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
-    # pages of LONG_PAGE keys and more split as contiguous caches on any memory
-    assert plan(True, None, gbs_per_sm=37.2, page=64).num_splits == 16
-    assert plan(True, None, gbs_per_sm=None, page=128).num_splits == 16
+    for deep in (plan(True, None, gbs_per_sm=37.2), plan(True, None, gbs_per_sm=None), plan(True, dict(memory="deep"))):
+        assert (deep.num_splits, deep.fused) == (16, True), (deep.num_splits, deep.fused)
+    old = plan(True, dict(split_rule="paged"))
+    assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
+    # the rows mode's pages (one page-id read a tile ahead): PAGED_FILL on deep memory below LONG_PAGE keys
+    rows = dict(warp_split="rows", kv_heads=1)
+    assert plan(True, rows, gbs_per_sm=37.2).num_splits > plan(False, rows, gbs_per_sm=37.2).num_splits
+    assert plan(True, rows, gbs_per_sm=37.2, page=64).num_splits == plan(False, rows, gbs_per_sm=37.2).num_splits
     for cp_pages in (plan(True, dict(loader="cp.async")), plan(True, None, arch="sm_80")):
         assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > tma.num_splits, cp_pages.num_splits
 

@@ -322,7 +322,8 @@ HEURISTICS: list[tuple[int, int, tuple[Tile, ...]]] = [
 # wants more CTAs and bigger tiles per SM; those rules apply where the memory is lean, the others
 # elsewhere and where the driver does not report its memory (None).  Reasoned from those two devices.
 LEAN_MEMORY_GBS_PER_SM = 30.0
-# Pages of at least this many keys split as contiguous caches on any memory (TMA loader): one
+# Pages of at least this many keys split as contiguous caches on any memory (TMA loader; since the
+# keys mode reads its page ids a batch ahead, its pages of any size do: choose_num_splits): one
 # block-table read per 64 keys.  Measured (H200, 2026-11-26, `decode_h200_lean_vs_deep_*`, paged64,
 # PAGED_FILL -> contiguous rule): B1 S32k 72.5 -> 76.4, B8 S8k 87.1 -> 89.6, B1 S128k 95.3 -> 96.9,
 # seqlen_q 4 B8 S8k 84.9 -> 88.3; paged16 there kept PAGED_FILL (86.5 / 93.4 against 83.3 / 88.8).
@@ -814,7 +815,11 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       73.3 / 74.6 -> 76.4 / 77.5: fewer CTAs, and B1's 16 splits merge in the launch (33 needed the
       combine launch).  The block-table wait that PAGED_FILL hid is off the critical path once one
       lane issues whole-tile tensor copies a tile ahead - on lean memory: on an H200 PAGED_FILL
-      still won (see LEAN_MEMORY_GBS_PER_SM).
+      still won (see LEAN_MEMORY_GBS_PER_SM) until the keys mode read its page ids a batch ahead;
+      since, the op passes False for TMA-read pages in keys mode on any memory (H200, 2026-11-27,
+      `decode_h200_paged_rule_*`, paged16 PAGED_FILL -> contiguous rule, two runs: B1 S32k 73.4 ->
+      77.8 and 71.5 -> 77.6, B1 S128k 96.9 -> 99.2 and 94.9 -> 97.1, B8 S8k 90.5 -> 91.0 and 88.7 ->
+      88.3, seqlen_q 4 B8 S8k 88.2 -> 88.9 and 86.1 -> 86.3, d64 16/16 95.8 -> 95.2 and 92.4 -> 92.4).
     - ``cta_bytes_in_flight`` > 0 (the op passes it on lean memory: keys mode, contiguous caches,
       head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX): the grid splits
       only until it keeps LEAN_GRID_BYTES_IN_FLIGHT requested, at most the slots above (B1 S32k
@@ -1160,10 +1165,11 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             per_sm = 1
             if rule == "fill2":
                 per_sm = _ctas_per_sm(cfg, get_kernel(cfg, "attention_decode", arch=arch), arch)
-            # PAGED_FILL for paged caches (choose_num_splits), except TMA-read ones on lean memory or
-            # with pages of at least LONG_PAGE keys; the bench's "paged": for every paged cache,
-            # "contig": for none
-            pages_as_contig = cfg.loader == "tma" and (lean or p.page_size >= LONG_PAGE) and rule != "paged"
+            # PAGED_FILL for paged caches (choose_num_splits), except TMA-read ones in keys mode (its
+            # page ids a batch ahead), on lean memory or with pages of at least LONG_PAGE keys; the
+            # bench's "paged": for every paged cache, "contig": for none
+            pages_as_contig = (cfg.loader == "tma" and (cfg.warp_split == "keys" or lean or p.page_size >= LONG_PAGE)
+                               and rule != "paged")
             paged_rule = p.paged and rule != "contig" and not pages_as_contig
             # lean memory, keys mode, contiguous, d <= 128: split to LEAN_GRID_BYTES_IN_FLIGHT (the
             # bench's "fill": to every SM, as elsewhere)
