@@ -177,6 +177,7 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     assert plan(True, dict(memory="lean"), gbs_per_sm=None).num_splits == 16
     assert plan(False, dict(memory="lean"), gbs_per_sm=None).num_splits == 8
     assert plan(False, dict(split_rule="fill")).num_splits == 16     # the lean rule's A/B baseline
+    assert plan(False, dict(loader="cp.async")).num_splits == 16     # the cp.async ring: not measured, the fill rule
     deep_contig = plan(False, None, gbs_per_sm=None)
     assert deep_contig.num_splits == 16 and deep_contig.fused
     assert plan(True, dict(split_rule="contig"), gbs_per_sm=None).num_splits == deep_contig.num_splits

@@ -418,7 +418,8 @@ MIN_KEYS_PER_SPLIT = 256
 # S32k 67.7 / 86.1 / 83.5 at 4 / 8 / 16: 64 CTAs of 64 KiB, 128 of 32 KiB - the bytes, not the CTAs.
 # The same A/B (`decode_lean_split_ab_*`, fill rule -> this one, same runs): B8 S8k 94.9 -> 99.3,
 # seqlen_q 4 B8 S8k 93.4 -> 98.1, seqlen_q 2 B1 S32k 79.9 -> 84.5, B1 S32k 85.8 -> 86.7, B1 S128k 100 ->
-# 101, B2 S32k 93.5 -> 94.2, 64/8 B2 S16k 83.6 -> 84.6.  Contiguous caches at head_dim <= 128 only:
+# 101, B2 S32k 93.5 -> 94.2, 64/8 B2 S16k 83.6 -> 84.6.  The TMA loader's contiguous caches at
+# head_dim <= 128 only (the cp.async ring, sm_80's, was not measured):
 # paged caches lost everywhere at the fewer CTAs (paged16 B8 S8k 90.0 -> 72.0, B1 S32k 82.4 -> 66.5;
 # paged64 93.2 -> 88.6: each page's block-table read waits in line), and d256's CTAs (128 KiB in
 # flight) stream no faster than d128's (B1 S32k 16/2: 57.9 -> 49.0 at 16 splits; 32 CTAs, 49%).
@@ -820,8 +821,8 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       `decode_h200_paged_rule_*`, paged16 PAGED_FILL -> contiguous rule, two runs: B1 S32k 73.4 ->
       77.8 and 71.5 -> 77.6, B1 S128k 96.9 -> 99.2 and 94.9 -> 97.1, B8 S8k 90.5 -> 91.0 and 88.7 ->
       88.3, seqlen_q 4 B8 S8k 88.2 -> 88.9 and 86.1 -> 86.3, d64 16/16 95.8 -> 95.2 and 92.4 -> 92.4).
-    - ``cta_bytes_in_flight`` > 0 (the op passes it on lean memory: keys mode, contiguous caches,
-      head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX): the grid splits
+    - ``cta_bytes_in_flight`` > 0 (the op passes it on lean memory: keys mode, TMA, contiguous
+      caches, head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX): the grid splits
       only until it keeps LEAN_GRID_BYTES_IN_FLIGHT requested, at most the slots above (B1 S32k
       32/8 d128: 8 splits, not 16).
     - CTAs of ``rows`` >= HEAVY_ROWS query rows per kv head split until every SM holds
@@ -1171,10 +1172,10 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             pages_as_contig = (cfg.loader == "tma" and (cfg.warp_split == "keys" or lean or p.page_size >= LONG_PAGE)
                                and rule != "paged")
             paged_rule = p.paged and rule != "contig" and not pages_as_contig
-            # lean memory, keys mode, contiguous, d <= 128: split to LEAN_GRID_BYTES_IN_FLIGHT (the
-            # bench's "fill": to every SM, as elsewhere)
-            by_bytes = (lean and cfg.warp_split == "keys" and not p.paged and rule not in ("fill", "fill2")
-                        and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
+            # lean memory, keys mode, TMA, contiguous, d <= 128 (where it was measured): split to
+            # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
+            by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
+                        and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
             in_flight = cfg.bytes_in_flight if by_bytes else 0
             num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
                                            compute_fill(p.head_dim, p.paged, lean), in_flight)
