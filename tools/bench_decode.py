@@ -203,6 +203,25 @@ def parse_shapes(text: str) -> list[tuple]:
     return [tuple(int(v) for v in t.split(":")) for t in text.split(",") if t]
 
 
+def time_rounds(fns: dict, sets, nbytes: int, copy_gbs: float, rounds: int) -> dict:
+    """{name: (median us, % of copy)} of each ``fn(set)`` over ``rounds`` interleaved rounds (every
+    candidate once per round, each a queued run over the rotating ``sets``; one warm-up call first):
+    the probes' timing, as this bench's."""
+    import statistics
+    for fn in fns.values():
+        fn(sets[0])
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            ms, _, _ = bu.time_queued(fn, [(s,) for s in sets], warmup=2, repeat=20)
+            times[k].append(ms)
+    out = {}
+    for k, ts in times.items():
+        us = statistics.median(ts) * 1e3
+        out[k] = (round(us, 2), round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 1))
+    return out
+
+
 def parse_variants(text: str) -> dict:
     """"name=field:value+field:value;name2=..." -> {name: {field: value}} (ints where they parse)."""
     out = {}

@@ -13,9 +13,7 @@ Timing as tools/bench_decode.py (queued calls, interleaved rounds, two rotating 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,23 +52,11 @@ def main():
                     rtk.attention_kvcache(s.q, kc, vc, s.lens, block_table=table, out=s.out, num_splits=ns,
                                           dtype="bfloat16")
                 cands[f"{name}_x{ns}"] = fn
-        for fn in cands.values():
-            fn(sets[0])
-        times = {k: [] for k in cands}
-        for _ in range(args.rounds):   # interleaved: every candidate once per round
-            for k, fn in cands.items():
-                ms, _, _ = bu.time_queued(fn, [(s,) for s in sets], warmup=2, repeat=20)
-                times[k].append(ms)
-        row = {"shape": shape}
-        for k, ts in times.items():
-            us = statistics.median(ts) * 1e3
-            row[k] = (round(us, 2), round(100 * nbytes / (us * 1e-6) / 1e9 / copy, 1))
+        row = {"shape": shape, **bd.time_rounds(cands, sets, nbytes, copy, args.rounds)}
         rows.append(row)
         print(shape, {k: v[1] for k, v in row.items() if k != "shape"}, flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "paged_probe.json"), "w") as f:
-            json.dump({"copy_gbs": copy, "rows": rows}, f, indent=1)
+        bu.save(args.out, "paged_probe", {"copy_gbs": copy, "rows": rows})
 
 
 if __name__ == "__main__":

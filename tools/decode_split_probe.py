@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -83,23 +82,13 @@ def main():
             vplan = bd._plan_of(kv, sets[0], "contig", "bfloat16", None, {}, v)
             cands[f"full@{vname}"] = (bd._rtk_fn(rtk, kv, "contig", "bfloat16", None, v), bd._short(vplan, kv))
         cands["copy_same"] = (lambda s, h=halves: h[1].data.copy_from_device(h[0].data, h[0].nbytes), "")
-        for fn, _ in cands.values():
-            fn(sets[0])
-        times = {k: [] for k in cands}
-        for _ in range(args.rounds):   # interleaved: every candidate once per round
-            for k, (fn, _) in cands.items():
-                ms, _, _ = bu.time_queued(fn, [(s,) for s in sets], warmup=2, repeat=20)
-                times[k].append(ms)
+        timed = bd.time_rounds({k: fn for k, (fn, _) in cands.items()}, sets, nbytes, copy_gbs, args.rounds)
         row = {"shape": shape, "MB": nbytes / 1e6}
-        for k, ts in times.items():
-            us = statistics.median(ts) * 1e3
-            row[k] = (round(us, 2), round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 1), cands[k][1])
+        row.update({k: (*timed[k], cands[k][1]) for k in cands})
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "probe.json"), "w") as f:
-            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+        bu.save(args.out, "probe", {"copy_gbs": copy_gbs, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -800,7 +800,7 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
     - a grid of >= one CTA per SM is not split (measured, see the comment above MIN_KEYS_PER_SPLIT:
       splits there only add CTAs, each with its own ramp, partials and merge);
     - a smaller grid is split until it fills ``ctas_per_sm`` x sms CTAs.  The op asks one CTA per
-      SM (B8 S8k 32/8: 64 CTAs -> 2 splits; B1 S32k: 8 CTAs -> 16, merged in the launch): measured
+      SM on deep memory (B8 S8k 32/8: 64 CTAs -> 2 splits; B1 S32k: 8 CTAs -> 16, merged in the launch): measured
       against filling both resident slots of the d128 tiles (H200, 2026-11-26, % of copy, fill 1 /
       fill 2): B8 S8k 86.1 / 84.0, B1 S32k 74.3 / 69.1 (33 splits need the separate combine
       launch), B1 S128k 91.0 / 89.9; unsplit B8 S8k ran 51.3 (half the SMs idle).
@@ -1097,7 +1097,7 @@ DEFAULT_ORDER = "heads"
 # per SM; "contig": paged caches split as contiguous ones, without PAGED_FILL - H200 2026-11-26: B1 S32k
 # paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
 # forced splits the two were 71.9 / 75.5 - the default for TMA-read pages on lean memory or of LONG_PAGE
-# keys since; "paged": PAGED_FILL for every paged cache, the rule before; "fill": on lean memory too, small
+# keys since, and for the keys mode's TMA-read pages on any memory since 2026-11-27; "paged": PAGED_FILL for every paged cache, the rule before; "fill": on lean memory too, small
 # keys-mode grids split to one CTA per SM, the rule before LEAN_GRID_BYTES_IN_FLIGHT), memory ("lean" / "deep": the
 # rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
