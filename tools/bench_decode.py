@@ -203,23 +203,22 @@ def parse_shapes(text: str) -> list[tuple]:
     return [tuple(int(v) for v in t.split(":")) for t in text.split(",") if t]
 
 
-def time_rounds(fns: dict, sets, nbytes: int, copy_gbs: float, rounds: int) -> dict:
-    """{name: (median us, % of copy)} of each ``fn(set)`` over ``rounds`` interleaved rounds (every
-    candidate once per round, each a queued run over the rotating ``sets``; one warm-up call first):
-    the probes' timing, as this bench's."""
-    import statistics
-    for fn in fns.values():
-        fn(sets[0])
-    times = {k: [] for k in fns}
+def time_rounds(fns: dict, sets, rounds: int, repeat: int = 20) -> dict:
+    """{name: (median ms, host us per call of the last round)} of each ``fn(set)``: ``rounds``
+    interleaved rounds (every candidate once per round), each a queued run of ``repeat`` calls over
+    the rotating ``sets`` (benchutil.time_queued).  This bench's and the decode probes' timing."""
+    inputs = [(s,) for s in sets]
+    times, host = {k: [] for k in fns}, {}
     for _ in range(rounds):
         for k, fn in fns.items():
-            ms, _, _ = bu.time_queued(fn, [(s,) for s in sets], warmup=2, repeat=20)
+            ms, host[k], _ = bu.time_queued(fn, inputs, warmup=2, repeat=repeat)
             times[k].append(ms)
-    out = {}
-    for k, ts in times.items():
-        us = statistics.median(ts) * 1e3
-        out[k] = (round(us, 2), round(100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs, 1))
-    return out
+    return {k: (statistics.median(ts), host[k]) for k, ts in times.items()}
+
+
+def copy_percent(nbytes: int, ms: float, copy_gbs: float) -> float:
+    """``nbytes`` read in ``ms`` as % of the copy rate (GB/s)."""
+    return 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
 
 
 def parse_variants(text: str) -> dict:
@@ -241,7 +240,6 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
     nsets = max(1, min(8, -(-ROTATE_BYTES // nbytes)))
     pages = [int(x[5:]) for x in args.layouts if x.startswith("paged")]
     sets = [Set(shape, dtype, torch, not args.no_sdpa, pages, args.layouts) for _ in range(nsets)]
-    inputs = [(s,) for s in sets]
     cands = {}   # name -> (fn, layout, kw, variant)
     for layout in args.layouts:
         if layout.startswith("paged") and int(layout[5:]) not in sets[0].paged:
@@ -278,17 +276,11 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
             row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
         finally:
             kv.set_variant(None)
-    times = {n: [] for n in live}
-    for _ in range(args.rounds):   # interleaved: every candidate once per round
-        for name, fn in live.items():
-            ms, host_us, drained = bu.time_queued(fn, inputs, warmup=2, repeat=args.repeat)
-            times[name].append(ms)
-            row[f"{name}_host_us"] = host_us
-    for name, ts in times.items():
-        ms = statistics.median(ts)
+    for name, (ms, host_us) in time_rounds(live, sets, args.rounds, args.repeat).items():
+        row[f"{name}_host_us"] = host_us
         row[f"{name}_us"] = ms * 1e3
         row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
-        row[f"{name}_%copy"] = 100 * row[f"{name}_GBs"] / copy_gbs
+        row[f"{name}_%copy"] = copy_percent(nbytes, ms, copy_gbs)
     kv.set_variant(None)
     if "rtk_contig_GBs" in row and "sdpa_cudnn_GBs" in row:
         row["rtk/cudnn"] = row["rtk_contig_GBs"] / row["sdpa_cudnn_GBs"]
@@ -299,7 +291,7 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
     for ps in pages:
         if f"rtk_paged{ps}_GBs" in row and "rtk_contig_GBs" in row:
             row[f"paged{ps}/contig"] = row[f"rtk_paged{ps}_GBs"] / row["rtk_contig_GBs"]
-    del sets, inputs
+    del sets
     return row
 
 

@@ -52,7 +52,9 @@ def main():
                     rtk.attention_kvcache(s.q, kc, vc, s.lens, block_table=table, out=s.out, num_splits=ns,
                                           dtype="bfloat16")
                 cands[f"{name}_x{ns}"] = fn
-        row = {"shape": shape, **bd.time_rounds(cands, sets, nbytes, copy, args.rounds)}
+        row = {"shape": shape}
+        for k, (ms, _) in bd.time_rounds(cands, sets, args.rounds).items():
+            row[k] = (round(ms * 1e3, 2), round(bd.copy_percent(nbytes, ms, copy), 1))
         rows.append(row)
         print(shape, {k: v[1] for k, v in row.items() if k != "shape"}, flush=True)
     if args.out:

@@ -82,9 +82,10 @@ def main():
             vplan = bd._plan_of(kv, sets[0], "contig", "bfloat16", None, {}, v)
             cands[f"full@{vname}"] = (bd._rtk_fn(rtk, kv, "contig", "bfloat16", None, v), bd._short(vplan, kv))
         cands["copy_same"] = (lambda s, h=halves: h[1].data.copy_from_device(h[0].data, h[0].nbytes), "")
-        timed = bd.time_rounds({k: fn for k, (fn, _) in cands.items()}, sets, nbytes, copy_gbs, args.rounds)
+        timed = bd.time_rounds({k: fn for k, (fn, _) in cands.items()}, sets, args.rounds)
         row = {"shape": shape, "MB": nbytes / 1e6}
-        row.update({k: (*timed[k], cands[k][1]) for k in cands})
+        for k, (ms, _) in timed.items():
+            row[k] = (round(ms * 1e3, 2), round(bd.copy_percent(nbytes, ms, copy_gbs), 1), cands[k][1])
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

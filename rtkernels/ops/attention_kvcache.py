@@ -1115,6 +1115,31 @@ def set_variant(variant: dict | None) -> None:
     _VARIANT_KEY = tuple(sorted(_VARIANT.items())) if _VARIANT else None
 
 
+def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_rows: int, lean: bool,
+                      rule: str | None, arch: str, sms: int) -> int:
+    """The split count of a plan that gives none: choose_num_splits with what the config, the cache
+    and the memory ask of it; ``rule``: the bench variant's split_rule (None in normal use)."""
+    split_rows = 1 if rule == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
+    if rule == "old":
+        return _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
+    per_sm = 1
+    if rule == "fill2":
+        from ..kernel import get_kernel
+        per_sm = _ctas_per_sm(cfg, get_kernel(cfg, "attention_decode", arch=arch), arch)
+    # PAGED_FILL for paged caches (choose_num_splits), except TMA-read ones in keys mode (its page ids
+    # a batch ahead), on lean memory or with pages of at least LONG_PAGE keys; the bench's "paged":
+    # for every paged cache, "contig": for none
+    pages_as_contig = (cfg.loader == "tma" and (cfg.warp_split == "keys" or lean or p.page_size >= LONG_PAGE)
+                       and rule != "paged")
+    paged_rule = p.paged and rule != "contig" and not pages_as_contig
+    # lean memory, keys mode, TMA, contiguous, d <= 128 (where it was measured): split to
+    # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
+    by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
+                and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
+    return choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
+                             compute_fill(p.head_dim, p.paged, lean), cfg.bytes_in_flight if by_bytes else 0)
+
+
 def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: bool, out_dtype, f32,
               arch: str, sms: int, variant: dict | None = None, gbs_per_sm: float | None = None) -> Plan:
     """Config, kernels, splits, grid and arguments for a checked problem; ``gbs_per_sm``: the
@@ -1158,27 +1183,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         return _streamk_plan(p, cfg, arch, sms, out_shape, out_dtype, lse_shape, f32, torch, map_strides)
     kernel = None   # the split kernel, compiled once the merge is chosen (the group merge's is its own)
     if not (num_splits or v.get("num_splits")):
-        rule = v.get("split_rule")
-        split_rows = 1 if rule == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
-        if rule == "old":
-            num_splits = _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
-        else:
-            per_sm = 1
-            if rule == "fill2":
-                per_sm = _ctas_per_sm(cfg, get_kernel(cfg, "attention_decode", arch=arch), arch)
-            # PAGED_FILL for paged caches (choose_num_splits), except TMA-read ones in keys mode (its
-            # page ids a batch ahead), on lean memory or with pages of at least LONG_PAGE keys; the
-            # bench's "paged": for every paged cache, "contig": for none
-            pages_as_contig = (cfg.loader == "tma" and (cfg.warp_split == "keys" or lean or p.page_size >= LONG_PAGE)
-                               and rule != "paged")
-            paged_rule = p.paged and rule != "contig" and not pages_as_contig
-            # lean memory, keys mode, TMA, contiguous, d <= 128 (where it was measured): split to
-            # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
-            by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
-                        and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
-            in_flight = cfg.bytes_in_flight if by_bytes else 0
-            num_splits = choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
-                                           compute_fill(p.head_dim, p.paged, lean), in_flight)
+        num_splits = _heuristic_splits(p, cfg, ctas, head_rows, lean, v.get("split_rule"), arch, sms)
     num_splits = int(num_splits or v.get("num_splits"))
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
