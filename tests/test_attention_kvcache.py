@@ -1055,30 +1055,39 @@ def test_gpu_bad_contents_give_nan_for_that_sequence_only():
         _call(x, validate=True)
 
 
-# The keys mode reads each warp's page ids 32 16-key groups at a time, a batch ahead (lane l holds
-# group l % GROUPS of the warp's tile 32 / GROUPS * batch + l / GROUPS): caches long enough that a
-# warp crosses several batches at one and a few splits, lengths ending inside a batch, 16- and
-# 32-key tiles (d64: two pages per tile), pages of 16 / 64 keys, the TMA and the cp.async loader.
-# (batch, nheads, nheads_kv, head_dim, page_size, lens, num_splits, loader)
+# Both modes read their page ids 32 16-key groups at a time, a batch ahead.  The keys mode: lane l
+# of each warp holds group l % GROUPS of the warp's tile 32 / GROUPS * batch + l / GROUPS; the rows
+# mode (TMA): warp 0's lanes hold the CTA's next 32 groups, its thread 0 takes them by shuffles.
+# Caches long enough that a warp (a CTA) crosses several batches at one and a few splits, lengths
+# ending inside a batch, 16- and 32-key tiles (d64: two pages per tile) and the rows mode's 16-key
+# d256 tiles (32 tiles a batch), pages of 16 / 32 / 64 keys, the TMA and the cp.async loader, the
+# rows mode's wgmma and mma.sync.
+# (batch, nheads, nheads_kv, head_dim, page_size, lens, num_splits, seqlen_q, variant)
 PAGE_BATCH_CASES = [
-    (3, 32, 8, 128, 16, [5000, 2049, 7777], 1, None),
-    (3, 32, 8, 128, 64, [4100, 8192, 1], 3, None),
-    (2, 16, 16, 64, 16, [6000, 4097], 1, None),
-    (2, 16, 16, 64, 16, [6000, 4097], 2, "cp.async"),
-    (2, 8, 2, 96, 32, [3333, 8000], None, None),
+    (3, 32, 8, 128, 16, [5000, 2049, 7777], 1, 1, None),
+    (3, 32, 8, 128, 64, [4100, 8192, 1], 3, 1, None),
+    (2, 16, 16, 64, 16, [6000, 4097], 1, 1, None),
+    (2, 16, 16, 64, 16, [6000, 4097], 2, 1, dict(loader="cp.async")),
+    (2, 8, 2, 96, 32, [3333, 8000], None, 1, None),
+    (2, 32, 8, 128, 16, [5000, 2049], 1, 16, None),
+    (2, 16, 4, 64, 32, [6000, 4097], 2, 16, None),
+    (2, 32, 8, 128, 16, [3001, 4500], 1, 16, dict(mma="sync")),
+    (1, 16, 2, 256, 16, [5000], 1, 8, None),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,h,hkv,d,page,lens,splits,loader", PAGE_BATCH_CASES)
-def test_gpu_paged_long_caches_cross_page_id_batches(variant, batch, h, hkv, d, page, lens, splits, loader):
+@pytest.mark.parametrize("batch,h,hkv,d,page,lens,splits,sq,tile", PAGE_BATCH_CASES)
+def test_gpu_paged_long_caches_cross_page_id_batches(variant, batch, h, hkv, d, page, lens, splits, sq, tile):
     import cupy as cp
     from gpu_util import to_f64
-    if loader:
-        variant(dict(loader=loader))
-    x = _run(_seed(), batch, 1, h, hkv, d, "bfloat16", page, True, 0, 8192, lens=lens, num_splits=splits)
+    if tile:
+        variant(tile)
+    x = _run(_seed(), batch, sq, h, hkv, d, "bfloat16", page, True, 0, 8192, lens=lens, num_splits=splits)
     plan = _plan_of(x, splits)
-    assert plan.config.warp_split == "keys" and plan.config.paged, plan.config
+    cfg = plan.config
+    assert cfg.warp_split == ("keys" if sq == 1 else "rows") and cfg.paged, cfg
+    assert all(getattr(cfg, f) == v for f, v in (tile or {}).items()), cfg
     # a bad page id past the first batches of every warp: that sequence alone becomes NaN
     bad = max(range(batch), key=lambda i: lens[i])
     x.table_h[bad, (lens[bad] - 1) // page] = -7

@@ -193,6 +193,36 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
         assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > tma.num_splits, cp_pages.num_splits
 
 
+def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring():
+    """LEAN_PAGED_UNSPLIT_CTAS_PER_SM / LEAN_PAGED_STAGES: on lean memory a keys-mode paged grid (TMA,
+    d128) of >= 0.45 CTA per SM is not split and takes 4 stages while it holds <= one CTA per SM;
+    smaller grids, deep memory, d64, heavy rows and the bench's split_rule=fill keep the fill rule's
+    plan."""
+    def plan(batch, seqlen, sq=1, h=32, hkv=8, d=128, variant=None, gbs_per_sm=25.4, page=16):
+        kv_mod.set_variant(variant)
+        try:
+            pages = batch * seqlen // page
+            views = _views(q=Fake((batch, sq, h, d)), k_cache=Fake((pages, page, hkv, d)),
+                           v_cache=Fake((pages, page, hkv, d)), block_table=Fake((batch, seqlen // page), "int32"),
+                           cache_seqlens=Fake((batch,), "int32"))
+            pl = kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
+                                  torch=False, out_dtype="float16", f32="float32", arch="sm_90", sms=132,
+                                  variant=kv_mod._VARIANT, gbs_per_sm=gbs_per_sm)
+            return pl.config.warp_split, pl.num_splits, pl.config.num_stages
+        finally:
+            kv_mod.set_variant(None)
+    assert plan(8, 8192) == ("keys", 1, 4)                  # 64 CTAs
+    assert plan(8, 8192, sq=4) == ("keys", 1, 4)            # 16 rows per kv head
+    assert plan(8, 8192, page=64) == ("keys", 1, 4)
+    assert plan(16, 4096, h=64, hkv=16) == ("keys", 1, 3)   # 256 CTAs: two per SM, the tile's 3 stages
+    assert plan(4, 16384) == ("keys", 4, 3)                 # 32 CTAs: the fill rule
+    assert plan(8, 8192, gbs_per_sm=37.2) == ("keys", 2, 3)   # deep memory
+    assert plan(8, 8192, variant=dict(split_rule="fill")) == ("keys", 2, 3)   # the bench's baseline
+    assert plan(8, 8192, variant=dict(num_stages=3)) == ("keys", 1, 3)       # a variant's ring stays
+    assert plan(8, 8192, d=64) == ("keys", 2, 3)            # d64: not measured
+    assert plan(8, 8192, sq=8)[1] > 1                       # 32 rows per kv head: heavy, not measured
+
+
 def test_lean_memory_threshold():
     assert kv_mod.lean_memory(3352 / 132) and not kv_mod.lean_memory(4900 / 132)
     assert not kv_mod.lean_memory(None) and not kv_mod.lean_memory(0.0)

@@ -1069,6 +1069,12 @@ KVCACHE_VARIANTS = (
      (3000,), 0, 3100, True, 17, True),
     ("bf16 decode contiguous two-warp CTAs d64", 35, 1, 8, 4, 64, "bfloat16", None, tuple(range(0, 70, 2)), 1, 80,
      True, None, True),
+    # page ids read a batch (32 16-key groups) ahead: a keys-mode warp and a rows-mode CTA cross
+    # several batches, lengths end inside one
+    ("bf16 keys paged16 page-id batches d128", 2, 1, 8, 2, 128, "bfloat16", 16, (4100, 1333), 0, 4200, True, 1,
+     True),
+    ("bf16 wgmma rows paged16 Sq16 GQA4 page-id batches d128", 2, 16, 8, 2, 128, "bfloat16", 16, (1800, 700), 0,
+     1900, True, 1, True),
 )
 
 

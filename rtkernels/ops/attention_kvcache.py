@@ -427,6 +427,21 @@ MIN_KEYS_PER_SPLIT = 256
 # copy at 64 CTAs against 85.7% at 128 (see above).
 LEAN_GRID_BYTES_IN_FLIGHT = 4 << 20
 LEAN_IN_FLIGHT_HEAD_DIM_MAX = 128
+# Paged caches on lean memory (keys mode, TMA, d128 tiles: 64 < head_dim <= 128) lose at the
+# contiguous rule's few CTAs (above), but since the page ids come a batch ahead (2026-11-27) a grid
+# of half the SMs or more streams best unsplit, with a 4-stage ring when it holds at most one CTA
+# per SM (three tiles in flight per warp, 96 KiB per CTA).  Measured (H100, 2026-11-27,
+# `tools/bench_decode.py --splits 1,2,4,8,16 --variants s4=num_stages:4`, 32/8 heads d128, paged16,
+# % of copy, `decode_paged_lean_splits_*`): B8 S8k (64 CTAs) 91.4 at the fill rule's 2 splits, 92.1
+# at 1, 93.7 at 1 with 4 stages (91.1 at 2 with 4); seqlen_q 4 B8 S8k 90.2 / 91.3 / 92.7; and in
+# two more runs of the same session 90.5 / 91.7 / 92.8 and 89.4 / 89.9 / 91.7.  Grids under half the
+# SMs keep the fill rule: B4 S16k (32 CTAs) 91.6 at its 4 splits, 89.1 at 2 (89.8 with 4 stages);
+# B2 S32k 91.5 at 8, 89.2 at 4; B1 S32k 83.1 at 16, 81.0 at 8.  Deeper rings gain nothing at the
+# fill rule's split counts (90.3-91.9 against 90.5-91.6 at 2-8 splits).  The rule against the fill
+# rule in one run (`decode_paged_lean_rule_ab_*`, paged16 / paged64): B8 S8k 90.4 / 91.2 -> 92.1 /
+# 93.6, seqlen_q 4 B8 S8k 89.3 / 90.0 -> 92.4 / 94.1, B16 S8k (128 CTAs) 97.9 / 98.2 -> 98.1 / 98.3.
+LEAN_PAGED_UNSPLIT_CTAS_PER_SM = 0.45
+LEAN_PAGED_STAGES = 4
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
@@ -821,6 +836,8 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       `decode_h200_paged_rule_*`, paged16 PAGED_FILL -> contiguous rule, two runs: B1 S32k 73.4 ->
       77.8 and 71.5 -> 77.6, B1 S128k 96.9 -> 99.2 and 94.9 -> 97.1, B8 S8k 90.5 -> 91.0 and 88.7 ->
       88.3, seqlen_q 4 B8 S8k 88.2 -> 88.9 and 86.1 -> 86.3, d64 16/16 95.8 -> 95.2 and 92.4 -> 92.4).
+    - (A paged grid of >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM on lean memory is not split: the op's
+      :func:`_heuristic_splits` decides that before calling here.)
     - ``cta_bytes_in_flight`` > 0 (the op passes it on lean memory: keys mode, TMA, contiguous
       caches, head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX): the grid splits
       only until it keeps LEAN_GRID_BYTES_IN_FLIGHT requested, at most the slots above (B1 S32k
@@ -1115,6 +1132,15 @@ def set_variant(variant: dict | None) -> None:
     _VARIANT_KEY = tuple(sorted(_VARIANT.items())) if _VARIANT else None
 
 
+def _lean_pages(p: Problem, cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_rows: int) -> bool:
+    """A paged cache on lean memory that LEAN_PAGED_UNSPLIT_CTAS_PER_SM / LEAN_PAGED_STAGES take
+    (keys mode, TMA, 64 < head_dim <= 128, fewer than HEAVY_ROWS rows per kv head: where they were
+    measured); the bench's split rules "fill" (the rule before) and "paged" / "contig" turn it off."""
+    return (lean and p.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and head_rows < HEAVY_ROWS
+            and TMA_CONTIG_SMALL_HEAD_DIM < p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX
+            and rule not in ("fill", "fill2", "paged", "contig"))
+
+
 def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_rows: int, lean: bool,
                       rule: str | None, arch: str, sms: int) -> int:
     """The split count of a plan that gives none: choose_num_splits with what the config, the cache
@@ -1136,6 +1162,8 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
+    if _lean_pages(p, cfg, lean, rule, head_rows) and ctas >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM * sms:
+        return 1
     return choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
                              compute_fill(p.head_dim, p.paged, lean), cfg.bytes_in_flight if by_bytes else 0)
 
@@ -1185,6 +1213,12 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     if not (num_splits or v.get("num_splits")):
         num_splits = _heuristic_splits(p, cfg, ctas, head_rows, lean, v.get("split_rule"), arch, sms)
     num_splits = int(num_splits or v.get("num_splits"))
+    if (num_splits == 1 and ctas <= sms and _lean_pages(p, cfg, lean, v.get("split_rule"), head_rows)
+            and "num_stages" not in fields and cfg.num_stages < LEAN_PAGED_STAGES):
+        # an unsplit paged grid of at most one CTA per SM on lean memory: a deeper ring (see
+        # LEAN_PAGED_STAGES); the tile heuristics fall back if its stages do not fit
+        cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
+                            lean_memory=lean, **fields, num_stages=LEAN_PAGED_STAGES)
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
