@@ -185,7 +185,8 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
         assert (deep.num_splits, deep.fused) == (16, True), (deep.num_splits, deep.fused)
     old = plan(True, dict(split_rule="paged"))
     assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
-    # the rows mode's pages (one page-id read a tile ahead): PAGED_FILL on deep memory below LONG_PAGE keys
+    # the rows mode's pages (a batch ahead too, level under either rule on an H200): PAGED_FILL on deep
+    # memory below LONG_PAGE keys
     rows = dict(warp_split="rows", kv_heads=1)
     assert plan(True, rows, gbs_per_sm=37.2).num_splits > plan(False, rows, gbs_per_sm=37.2).num_splits
     assert plan(True, rows, gbs_per_sm=37.2, page=64).num_splits == plan(False, rows, gbs_per_sm=37.2).num_splits

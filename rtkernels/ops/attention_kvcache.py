@@ -442,6 +442,7 @@ LEAN_IN_FLIGHT_HEAD_DIM_MAX = 128
 # 93.6, seqlen_q 4 B8 S8k 89.3 / 90.0 -> 92.4 / 94.1, B16 S8k (128 CTAs) 97.9 / 98.2 -> 98.1 / 98.3.
 LEAN_PAGED_UNSPLIT_CTAS_PER_SM = 0.45
 LEAN_PAGED_STAGES = 4
+LEAN_PAGED_HEAD_DIMS = (64, 128)   # (lo, hi]: the keys mode's 16-key d128 tiles, where it was measured
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
@@ -836,6 +837,9 @@ def choose_num_splits(ctas: int, capacity: int, sms: int, paged: bool = False, r
       `decode_h200_paged_rule_*`, paged16 PAGED_FILL -> contiguous rule, two runs: B1 S32k 73.4 ->
       77.8 and 71.5 -> 77.6, B1 S128k 96.9 -> 99.2 and 94.9 -> 97.1, B8 S8k 90.5 -> 91.0 and 88.7 ->
       88.3, seqlen_q 4 B8 S8k 88.2 -> 88.9 and 86.1 -> 86.3, d64 16/16 95.8 -> 95.2 and 92.4 -> 92.4).
+      The rows mode's TMA pages, read a batch ahead too since, measured level under either rule on
+      an H200 (2026-11-27, seqlen_q 16 paged16, default / contiguous rule: B8 S8k 79.5 / 79.5, B4 S8k
+      66.4 / 66.9, B1 S32k 65.2 / 65.1, d64 52.3 / 52.4): they keep PAGED_FILL below LONG_PAGE keys.
     - (A paged grid of >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM on lean memory is not split: the op's
       :func:`_heuristic_splits` decides that before calling here.)
     - ``cta_bytes_in_flight`` > 0 (the op passes it on lean memory: keys mode, TMA, contiguous
@@ -1137,7 +1141,7 @@ def _lean_pages(p: Problem, cfg: AttentionDecodeConfig, lean: bool, rule: str | 
     (keys mode, TMA, 64 < head_dim <= 128, fewer than HEAVY_ROWS rows per kv head: where they were
     measured); the bench's split rules "fill" (the rule before) and "paged" / "contig" turn it off."""
     return (lean and p.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and head_rows < HEAVY_ROWS
-            and TMA_CONTIG_SMALL_HEAD_DIM < p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX
+            and LEAN_PAGED_HEAD_DIMS[0] < p.head_dim <= LEAN_PAGED_HEAD_DIMS[1]
             and rule not in ("fill", "fill2", "paged", "contig"))
 
 
