@@ -444,6 +444,7 @@ def test_uint16_without_dtype_is_rejected():
 COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal, choose_config keywords)
     ("sm_90", "bfloat16", 128, 4, False, False, {}),                               # decode: keys
     ("sm_90", "float16", 64, 8, False, True, dict(lean_memory=True)),              # keys, d <= 64: 16-key TMA tiles
+    ("sm_90", "bfloat16", 128, 4, True, False, dict(lean_memory=True, num_stages=4)),  # LEAN_PAGED_STAGES
     ("sm_90", "float16", 128, 64, True, True, dict(mma="sync")),                   # rows: 4 warps, 64-key tiles
     ("sm_90", "bfloat16", 64, 16, True, False, dict(warp_split="rows", nheads_kv=8)),  # decode: 8 kv heads per CTA
     ("sm_90", "bfloat16", 80, 4, False, True, dict(warp_split="rows", nheads_kv=4)),   # padded head dim

@@ -904,6 +904,9 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
                             if _two_warp_tile(keys):   # large unsplit grids (_two_warp_ctas)
                                 out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
                                                          num_warps=2, lean_memory=lean))
+                            if _lean_pages(keys, lean, None, rows_total) and keys.num_stages < LEAN_PAGED_STAGES:
+                                out.append(choose_config(dt, d, rows_total, paged, causal, arch, warp_split="keys",
+                                                         num_stages=LEAN_PAGED_STAGES, lean_memory=lean))
                         for nkv in (1, 2, 4, 8):
                             out.append(choose_config(dt, d, rows_total, paged, causal, arch, nheads_kv=nkv,
                                                      warp_split="rows"))
@@ -1136,12 +1139,12 @@ def set_variant(variant: dict | None) -> None:
     _VARIANT_KEY = tuple(sorted(_VARIANT.items())) if _VARIANT else None
 
 
-def _lean_pages(p: Problem, cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_rows: int) -> bool:
+def _lean_pages(cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_rows: int) -> bool:
     """A paged cache on lean memory that LEAN_PAGED_UNSPLIT_CTAS_PER_SM / LEAN_PAGED_STAGES take
     (keys mode, TMA, 64 < head_dim <= 128, fewer than HEAVY_ROWS rows per kv head: where they were
     measured); the bench's split rules "fill" (the rule before) and "paged" / "contig" turn it off."""
-    return (lean and p.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and head_rows < HEAVY_ROWS
-            and LEAN_PAGED_HEAD_DIMS[0] < p.head_dim <= LEAN_PAGED_HEAD_DIMS[1]
+    return (lean and cfg.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and head_rows < HEAVY_ROWS
+            and LEAN_PAGED_HEAD_DIMS[0] < cfg.head_dim <= LEAN_PAGED_HEAD_DIMS[1]
             and rule not in ("fill", "fill2", "paged", "contig"))
 
 
@@ -1166,7 +1169,7 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
-    if _lean_pages(p, cfg, lean, rule, head_rows) and ctas >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM * sms:
+    if _lean_pages(cfg, lean, rule, head_rows) and ctas >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM * sms:
         return 1
     return choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
                              compute_fill(p.head_dim, p.paged, lean), cfg.bytes_in_flight if by_bytes else 0)
@@ -1217,7 +1220,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     if not (num_splits or v.get("num_splits")):
         num_splits = _heuristic_splits(p, cfg, ctas, head_rows, lean, v.get("split_rule"), arch, sms)
     num_splits = int(num_splits or v.get("num_splits"))
-    if (num_splits == 1 and ctas <= sms and _lean_pages(p, cfg, lean, v.get("split_rule"), head_rows)
+    if (num_splits == 1 and ctas <= sms and _lean_pages(cfg, lean, v.get("split_rule"), head_rows)
             and "num_stages" not in fields and cfg.num_stages < LEAN_PAGED_STAGES):
         # an unsplit paged grid of at most one CTA per SM on lean memory: a deeper ring (see
         # LEAN_PAGED_STAGES); the tile heuristics fall back if its stages do not fit
