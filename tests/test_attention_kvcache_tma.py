@@ -146,6 +146,26 @@ def test_tma_plan_maps_the_caches_as_they_are():
         kv_mod.set_variant(None)
 
 
+def _decode_plan(batch, seqlen, sq=1, h=32, hkv=8, d=128, page=16, variant=None, arch="sm_90", gbs_per_sm=25.4):
+    """make_plan for a (paged: ``page`` keys a page; None: contiguous) cache of ``seqlen`` keys per
+    sequence under a bench variant, on 132 SMs of ``gbs_per_sm`` (25.4: an H100's, lean)."""
+    kv_mod.set_variant(variant)
+    try:
+        if page:
+            pages = batch * seqlen // page
+            views = _views(q=Fake((batch, sq, h, d)), k_cache=Fake((pages, page, hkv, d)),
+                           v_cache=Fake((pages, page, hkv, d)), block_table=Fake((batch, seqlen // page), "int32"),
+                           cache_seqlens=Fake((batch,), "int32"))
+        else:
+            views = _views(q=Fake((batch, sq, h, d)), k_cache=Fake((batch, seqlen, hkv, d)),
+                           v_cache=Fake((batch, seqlen, hkv, d)), cache_seqlens=Fake((batch,), "int32"))
+        return kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
+                                torch=False, out_dtype="float16", f32="float32", arch=arch, sms=132,
+                                variant=kv_mod._VARIANT, gbs_per_sm=gbs_per_sm)
+    finally:
+        kv_mod.set_variant(None)
+
+
 def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     """Pages the TMA loader reads in keys mode (its page ids a batch ahead) split as a contiguous
     cache does by the fill rule on any memory (B1 S32k 32/8: 16 splits, one CTA per SM, merged in the
@@ -155,21 +175,7 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     combine launch; the bench variants split_rule=paged / contig / fill and memory=lean / deep force
     either."""
     def plan(paged, variant, arch="sm_90", gbs_per_sm=25.4, page=16):
-        kv_mod.set_variant(variant)
-        try:
-            if paged:
-                pages = 32768 // page
-                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((pages, page, 8, 128)),
-                               v_cache=Fake((pages, page, 8, 128)), block_table=Fake((1, pages), "int32"),
-                               cache_seqlens=Fake((1,), "int32"))
-            else:
-                views = _views(q=Fake((1, 1, 32, 128)), k_cache=Fake((1, 32768, 8, 128)),
-                               v_cache=Fake((1, 32768, 8, 128)), cache_seqlens=Fake((1,), "int32"))
-            return kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
-                                    torch=False, out_dtype="float16", f32="float32", arch=arch, sms=132,
-                                    variant=kv_mod._VARIANT, gbs_per_sm=gbs_per_sm)
-        finally:
-            kv_mod.set_variant(None)
+        return _decode_plan(1, 32768, page=page if paged else None, variant=variant, arch=arch, gbs_per_sm=gbs_per_sm)
     contig = plan(False, None)
     tma = plan(True, None)
     assert (contig.num_splits, contig.fused) == (8, True)
@@ -199,19 +205,9 @@ def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring()
     d128) of >= 0.45 CTA per SM is not split and takes 4 stages while it holds <= one CTA per SM;
     smaller grids, deep memory, d64, heavy rows and the bench's split_rule=fill keep the fill rule's
     plan."""
-    def plan(batch, seqlen, sq=1, h=32, hkv=8, d=128, variant=None, gbs_per_sm=25.4, page=16):
-        kv_mod.set_variant(variant)
-        try:
-            pages = batch * seqlen // page
-            views = _views(q=Fake((batch, sq, h, d)), k_cache=Fake((pages, page, hkv, d)),
-                           v_cache=Fake((pages, page, hkv, d)), block_table=Fake((batch, seqlen // page), "int32"),
-                           cache_seqlens=Fake((batch,), "int32"))
-            pl = kv_mod.make_plan(check(views, None, None, None), causal=True, return_lse=False, num_splits=None,
-                                  torch=False, out_dtype="float16", f32="float32", arch="sm_90", sms=132,
-                                  variant=kv_mod._VARIANT, gbs_per_sm=gbs_per_sm)
-            return pl.config.warp_split, pl.num_splits, pl.config.num_stages
-        finally:
-            kv_mod.set_variant(None)
+    def plan(batch, seqlen, **kw):
+        pl = _decode_plan(batch, seqlen, **kw)
+        return pl.config.warp_split, pl.num_splits, pl.config.num_stages
     assert plan(8, 8192) == ("keys", 1, 4)                  # 64 CTAs
     assert plan(8, 8192, sq=4) == ("keys", 1, 4)            # 16 rows per kv head
     assert plan(8, 8192, page=64) == ("keys", 1, 4)

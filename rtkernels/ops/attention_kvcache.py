@@ -1155,6 +1155,8 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     split_rows = 1 if rule == "decode" else head_rows   # "decode": the rule before HEAVY_ROWS
     if rule == "old":
         return _old_num_splits(ctas, p.capacity, sms, p.paged, split_rows)
+    if _lean_pages(cfg, lean, rule, head_rows) and ctas >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM * sms:
+        return 1
     per_sm = 1
     if rule == "fill2":
         from ..kernel import get_kernel
@@ -1169,8 +1171,6 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
-    if _lean_pages(cfg, lean, rule, head_rows) and ctas >= LEAN_PAGED_UNSPLIT_CTAS_PER_SM * sms:
-        return 1
     return choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
                              compute_fill(p.head_dim, p.paged, lean), cfg.bytes_in_flight if by_bytes else 0)
 
