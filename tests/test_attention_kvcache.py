@@ -198,6 +198,10 @@ def test_num_splits_heuristic():
     lean = dict(lean=True)
     assert [kv_mod.compute_fill(d, **lean) for d in (128, 96, 64)] == [1, 1, 2]
     assert kv_mod.compute_fill(128, paged=True, **lean) == 2 and kv_mod.compute_fill(128) == 2   # paged, unknown memory
+    # deep memory, the wgmma rows mode: four per SM at d <= 64 over contiguous caches only
+    assert [kv_mod.compute_fill(d, wgmma=True) for d in (128, 96, 64, 32)] == [2, 2, 4, 4]
+    assert kv_mod.compute_fill(64, paged=True, wgmma=True) == 2 and kv_mod.compute_fill(64, wgmma=True, **lean) == 2
+    assert kv_mod.compute_fill(64) == 2   # mma.sync rows mode / keys mode
     assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=1) == 2   # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
     assert choose_num_splits(64, 8192, sms, rows=64) == 4          # two per SM (the default): 256 CTAs
     assert choose_num_splits(128, 8192, sms, rows=64, heavy_fill=1) == 1  # B16 S4k: one CTA per SM already

@@ -119,11 +119,18 @@ def _fake_problem():
                           {"q": q, "k_cache": k, "v_cache": k, "out": q, "cache_seqlens": (1,)}, (b, cap, hkv, d))
 
 
+OFF = {"cluster": "off"}   # the merges before the cluster merge (its bench variant)
+
+
 @pytest.mark.parametrize("splits,variant,fused,code", [
-    (2, None, True, 1),                   # 64 KB: the last CTA's register merge
-    (3, None, True, 4),                   # from GROUP_MERGE_MIN_SPLITS on: the group merge
-    (6, None, True, 4),                   # 64 x 6 CTAs: within the 3 x 132 resident at once
-    (7, None, False, 0),                  # 64 x 7: more, so past 64 KB of partials the combine launch
+    (2, OFF, True, 1),                    # 64 KB: the last CTA's register merge
+    (3, OFF, True, 4),                    # from GROUP_MERGE_MIN_SPLITS on: the group merge
+    (6, OFF, True, 4),                    # 64 x 6 CTAs: within the 3 x 132 resident at once
+    (7, OFF, False, 0),                   # 64 x 7: more, so past 64 KB of partials the combine launch
+    (2, None, True, 5),                   # the default at 2 splits: the cluster merge
+    (3, None, True, 4),                   # more: the merges before (CLUSTER_MERGE_DEFAULT_MAX_SPLITS)
+    (4, {"combine": "cluster"}, True, 5),  # the bench's variant: 2-8 splits where the clusters fit
+    (7, {"combine": "cluster"}, False, 0),   # 64 x 7 CTAs past 3 x 132 resident at once: the merges before
     (4, {"combine": "fused"}, True, 1),   # the register merge forced (<= REG_MERGE_MAX_SPLITS)
     (5, {"combine": "kernel"}, False, 0),
     (2, {"merge": "units"}, True, 3),     # the bench's unit-merge variant: fused by the 64 KB rule
@@ -142,7 +149,10 @@ def test_rows_mode_merges(splits, variant, fused, code):
     assert plan.fused == fused and (plan.combine is None) == fused, plan
     assert int(plan.split.tail[0]["fused"]) == code
     assert plan.split.cooperative == (code == 4)
-    assert plan.counter_bytes == (0 if not fused else (8 if code == 4 else 4) * plan.split.grid[0] // splits)
+    assert plan.counter_bytes == (0 if not fused or code == 5 else (8 if code == 4 else 4) * plan.split.grid[0] // splits)
+    # the cluster merge: the splits' partials stay on chip (no workspace), one cluster per group
+    assert (plan.part_bytes == 0) == (code == 5) and (plan.config.cluster_merge == (splits if code == 5 else 0))
+    assert int(plan.split.tail[0]["order"]) == (0 if code == 5 else kv_mod.ORDER[kv_mod.DEFAULT_ORDER])
 
 
 @pytest.mark.parametrize("splits,group", [(3, True), (7, False)])
@@ -157,9 +167,52 @@ def test_group_plans_compile_only_the_kernel_they_launch(monkeypatch, splits, gr
         return real(cfg, name, **kw)
     monkeypatch.setattr(kernel_mod, "get_kernel", spy)
     plan = kv_mod.make_plan(_fake_problem(), causal=True, return_lse=False, num_splits=splits, torch=False,
-                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132)
+                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132, variant=OFF)
     assert plan.split.cooperative == group
     assert {g for n, g in built if n == "attention_decode"} == ({plan.config.group_merge} if group else {0}), built
+
+
+def test_cluster_merge_plans(monkeypatch):
+    """The cluster merge: rows mode with wgmma, one row tile, 2-8 splits, every cluster resident at
+    once; the plan compiles the cluster kernel only.  Elsewhere the merges before."""
+    import rtkernels.kernel as kernel_mod
+    real, built = kernel_mod.get_kernel, []
+
+    def spy(cfg, name, **kw):
+        built.append((name, cfg.cluster_merge))
+        return real(cfg, name, **kw)
+    monkeypatch.setattr(kernel_mod, "get_kernel", spy)
+    plan = kv_mod.make_plan(_fake_problem(), causal=True, return_lse=False, num_splits=2, torch=False,
+                            out_dtype="bfloat16", f32=None, arch="sm_90", sms=132)
+    assert plan.config.cluster_merge == 2 and not plan.split.cooperative and plan.combine is None
+    assert {c for n, c in built if n == "attention_decode"} == {2}, built
+    # the launch asks the shared memory that keeps 128 CTAs one per SM (the even share)
+    assert plan.split.shared_mem > plan.config.shared_mem_bytes
+    from rtkernels.arch import occupancy
+    assert occupancy("sm_90", 128, plan.split.kernel.resources.registers, 0, plan.split.shared_mem).blocks_per_sm == 1
+    k = plan.split.kernel
+    assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0
+    assert "UCGABAR_ARV" in k.sass and "UCGABAR_WAIT" in k.sass and "NANOSLEEP" not in k.sass   # no global barrier
+    assert kv_mod._ctas_per_sm(plan.config, k, "sm_90") == 3
+    # too many clusters to be resident at once (a small device): the merges before
+    small = kv_mod.make_plan(_fake_problem(), causal=True, return_lse=False, num_splits=2, torch=False,
+                             out_dtype="bfloat16", f32=None, arch="sm_90", sms=40)
+    assert small.config.cluster_merge == 0
+    # several row tiles (seqlen_q 48 x group 4 = 192 rows): a cluster would not be one group's splits
+    x = _fake_problem()
+    q = (48 * 32 * 128, 32 * 128, 128, 1)
+    x = x._replace(seqlen_q=48, strides={**x.strides, "q": q, "out": q})
+    rows = kv_mod.make_plan(x, causal=True, return_lse=False, num_splits=2, torch=False, out_dtype="bfloat16",
+                            f32=None, arch="sm_90", sms=132)
+    assert rows.config.cluster_merge == 0 and rows.split.grid[0] > 8 * 8 * 2
+
+
+@pytest.mark.parametrize("bad", [dict(cluster_merge=9), dict(cluster_merge=1), dict(cluster_merge=4, group_merge=4)])
+def test_cluster_merge_config_rejects(bad):
+    with pytest.raises(ConfigError, match="cluster_merge"):
+        AttentionDecodeConfig(**{**WG, **bad})
+    with pytest.raises(ConfigError, match="cluster_merge"):
+        AttentionDecodeConfig(warp_split="keys", rows=16, cluster_merge=4)
 
 
 @pytest.mark.parametrize("d,batch", [(128, 16), (64, 4)])
@@ -218,6 +271,7 @@ WGMMA_CASES = [
     (3, 16, 32, 8, 128, "float16", 64, 2, 900, 3, False, {}),         # not causal, page 64, 3 splits
     (2, 16, 16, 2, 128, "bfloat16", 64, 16, 700, 3, True, {}),        # 128 rows: two warpgroups
     (2, 32, 8, 2, 64, "bfloat16", 256, 32, 1300, None, True, {}),     # d64, 128 rows, page 256
+    (2, 16, 32, 8, 64, "bfloat16", None, 4, 9000, 8, True, {}),       # d64, 8 splits (deep memory's fill of 4 per SM)
     (3, 12, 24, 4, 80, "bfloat16", 48, 3, 500, None, True, {}),       # d80 (zero-filled columns), 72 rows, page 48
     (2, 300, 4, 2, 64, "float16", 64, 300, 700, None, True, {}),      # chunked prefill: 600 rows, 5 row tiles
     (4, 4, 8, 8, 64, "bfloat16", None, 0, 37, None, True, {}),        # capacity 37: a tile past the cache's end
@@ -239,6 +293,35 @@ def test_gpu_wgmma_against_float64_reference(variant, batch, sq, h, hkv, d, dtyp
     print(plan.config, "splits", plan.num_splits, "fused", plan.fused)
     assert plan.config.mma == "wgmma" and plan.config.warp_split == "rows", plan.config
     assert all(getattr(plan.config, f) == v for f, v in fields.items()), plan.config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,page", [(128, None), (128, 16), (64, None)], ids=("d128", "d128-paged16", "d64"))
+def test_gpu_cluster_merge_against_reference_and_group_merge(variant, d, page):
+    """The cluster merge (splits merged through distributed shared memory) at 2-8 splits: ragged
+    lengths (0 and 1: splits without keys), an append, poisoned outputs, the float64 reference; and
+    bit for bit the group merge's result (the same arithmetic in the same split order) from 3
+    splits on."""
+    import cupy as cp
+    from gpu_util import poison, to_f64
+    # 3 x 4 groups: at most 96 CTAs, whose clusters the driver fits at one CTA per SM (15 of 8 CTAs)
+    x = _make(_seed(), 3, 16, 16, 4, d, "bfloat16", page, 3000, lens=[0, 1, 2998], seqlen_new=2)
+    for splits in (2, 3, 5, 8):
+        variant(dict(mma="wgmma", combine="cluster"))
+        out = poison(cp.empty(x.q.shape, x.q.dtype))
+        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
+        cp.cuda.Device().synchronize()
+        plan = _plan_of(x, splits)
+        assert plan.config.cluster_merge == splits and plan.part_bytes == 0, plan.config
+        _check(x, o, lse, True, None, f"cluster merge d={d} page={page} splits={splits}")
+        if splits >= kv_mod.GROUP_MERGE_MIN_SPLITS:
+            variant(dict(mma="wgmma", cluster="off"))
+            ref = poison(cp.empty(x.q.shape, x.q.dtype))
+            o2, lse2 = _call(x, out=ref, return_lse=True, num_splits=splits)
+            cp.cuda.Device().synchronize()
+            assert _plan_of(x, splits).config.cluster_merge == 0
+            assert np.array_equal(to_f64(o, "bfloat16"), to_f64(o2, "bfloat16")), f"splits={splits}: o differs"
+            assert np.array_equal(cp.asnumpy(lse), cp.asnumpy(lse2)), f"splits={splits}: lse differs"
 
 
 @pytest.mark.gpu

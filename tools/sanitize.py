@@ -1053,12 +1053,16 @@ KVCACHE_VARIANTS = (
     # and more than 32 on a paged one, with query rows that see no key (Sq > cache + new, causal)
     ("bf16 wgmma rows contiguous Sq8 GQA4 d128", 2, 8, 8, 2, 128, "bfloat16", None, (37, 150), 0, 160, True, None,
      True),
-    # (paged: 2 splits take the group merge - a cooperative launch, a barrier per group)
-    ("f16 wgmma rows paged16 Sq16 GQA4 append 2 splits=2 group merge d64", 2, 16, 4, 1, 64, "float16", 16, (70, 3),
-     2, 90, True, 2, True),
+    # (paged, 3 splits: the group merge - a cooperative launch, a barrier per group)
+    ("f16 wgmma rows paged16 Sq16 GQA4 append 2 splits=3 group merge d64", 2, 16, 4, 1, 64, "float16", 16, (70, 3),
+     2, 90, True, 3, True),
+    # 2 splits: the cluster merge (each pair of splits one cluster, merged through distributed shared
+    # memory), a split without keys
+    ("bf16 wgmma rows paged16 Sq16 GQA4 append 2 2-split cluster merge d128", 2, 16, 8, 2, 128, "bfloat16", 16,
+     (900, 0), 2, 1000, True, 2, True),
     # the defaults of 2026-11-26: a d128 rows grid split to one CTA per SM (2 splits of 64 rows: the
     # 64 KB of partials merged in the launch, from the last CTA's registers since the fifteenth
-    # session), and two-warp CTAs for a contiguous grid of more than one CTA per SM (35 x 4 = 140 CTAs)
+    # session, through a cluster's shared memory since the twenty-third), and two-warp CTAs for a contiguous grid of more than one CTA per SM (35 x 4 = 140 CTAs)
     ("bf16 wgmma rows contiguous Sq16 GQA4 fused 2-split merge d128", 2, 16, 8, 2, 128, "bfloat16", None, (2047, 900),
      0, 2100, True, None, True),
     # the group merge (from 3 splits since the nineteenth session): 4 splits at d128 (4 units a
@@ -1080,7 +1084,7 @@ KVCACHE_VARIANTS = (
 
 @case("attention_kvcache", families=("attention_decode",), ops=("attention_kvcache",),
       note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine, the "
-           "last CTA's merges, the keys mode's one-trip merge, the rows mode's group merge)")
+           "last CTA's merges, the keys mode's one-trip merge, the rows mode's group and cluster merges)")
 def _attention_kvcache(ctx: Ctx):
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv

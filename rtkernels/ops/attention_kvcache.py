@@ -6,7 +6,8 @@ has the semantics of FlashAttention's ``flash_attn_with_kvcache``.  One kernel f
 ``attention_decode`` (templates/attention_decode.cu.j2), with three entry points: the split-KV
 attention kernel (which also merges the splits' partial results, "fused": by the last CTA of a
 group to finish, or - the rows mode's group merge - by every CTA of the group in a cooperative
-launch), the combine kernel that merges them as a launch of its own when they are many, and the
+launch, or - its cluster merge - by the CTAs of a thread-block cluster through distributed shared
+memory), the combine kernel that merges them as a launch of its own when they are many, and the
 append kernel that writes k_new / v_new into the cache first.
 
 The call reads top-down: check (shapes, dtypes, strides, devices; cheap, no device reads) ->
@@ -52,6 +53,20 @@ WARP_SPLITS = ("keys", "rows")
 SCHEDULES = ("split", "streamk")
 LOADERS = ("cp.async", "tma")
 MMAS = ("sync", "wgmma")
+# Split counts the cluster merge compiles for (AttentionDecodeConfig.cluster_merge): one portable
+# thread-block cluster (at most 8 CTAs) per split group.
+CLUSTER_MERGE_SPLITS = (2, 3, 4, 5, 6, 7, 8)
+# ... and the plans take it by default up to this many splits (beyond, the bench's variant
+# combine:cluster asks for it).  Measured at 2 splits (2026-11-27, `tools/bench_decode.py --variants
+# off=cluster:off`, 32/8 heads seqlen_q 16 unless noted, % of copy contiguous / paged16, the merge before
+# -> the cluster merge; `decode_cluster_merge_2split_ab_*`, `decode_cluster_merge_even_share_ab_*`):
+# H100 B8 S8k d128 88.9 / 85.2 -> 91.2 / 85.0, seqlen_q 8 91.5 / 82.0 -> 93.3 / 82.5, d96 74.1 / 74.4 ->
+# 75.7 / 74.4; H200 B16 S8k d128 94.0 / 86.2 -> 97.1 / 88.1.  Clusters of a GPC's CTAs do not tile the SMs: the driver co-schedules 30 four-CTA or 15 eight-CTA
+# clusters at one CTA per SM on an H200 (120 of 132 SMs), 62 / 30 at two, against 66 two-CTA
+# clusters (every SM; cuOccupancyMaxActiveClusters, 2026-11-27).  So the split grids of 3-8 splits
+# (about two CTAs per SM) fit only by packing three CTAs on some SMs while others idle, which cost
+# more than the merge saves (seqlen_q 16 B4 S8k, 8 splits: 41.1 us against the group merge's 40.3).
+CLUSTER_MERGE_DEFAULT_MAX_SPLITS = 2
 L2_PREFETCHES = (0, 64, 128, 256)
 
 
@@ -104,6 +119,10 @@ class AttentionDecodeConfig(AttentionShape):
         round trip for splits <= group_merge (see _keys_merge).  Only the plans that use it
         compile it: the merge's code more than doubled the d128 rows kernel's SASS, and calls
         without it ran ~1% slower with it compiled in (H100, 2026-11-27).
+    cluster_merge : 0, or the split count (2 to 8) of a rows-mode TMA kernel whose splits of one
+        (sequence, head group) form a thread-block cluster and merge through distributed shared
+        memory (no float32 partials in global memory, no counters, no cooperative launch; see
+        CLUSTER_MERGE_SPLITS).  Only plans of exactly that many splits launch it.
     """
 
     family: ClassVar[str] = FAMILY
@@ -128,6 +147,7 @@ class AttentionDecodeConfig(AttentionShape):
     mma: str = "sync"
     lazy_rescale: bool = False
     group_merge: int = 0
+    cluster_merge: int = 0
 
     def __post_init__(self):
         self._check_shape()
@@ -169,6 +189,11 @@ class AttentionDecodeConfig(AttentionShape):
         if self.group_merge > group_merge_loads(self.head_dim):
             self._fail("group_merge", f"0, 2 or 4 at head_dim={self.head_dim} (at most "
                                       f"{group_merge_loads(self.head_dim)} partial loads in flight)")
+        self._check_choice("cluster_merge", (0, *CLUSTER_MERGE_SPLITS))
+        if self.cluster_merge and (self.warp_split != "rows" or self.loader != "tma" or self.group_merge):
+            self._fail("cluster_merge", f"0 with warp_split={self.warp_split!r}, loader={self.loader!r}, "
+                                        f"group_merge={self.group_merge} (the cluster merge: rows mode, TMA stages, "
+                                        "no group merge)")
         if self.mma == "wgmma":
             # one warpgroup per 64 rows of one kv head, B operands straight from the TMA stages
             if self.warp_split != "rows":
@@ -203,7 +228,9 @@ class AttentionDecodeConfig(AttentionShape):
         if self.loader == "tma":
             rings = 1 if rows_mode else self.num_warps
             ring = rings * self.num_stages * 2 * self.kv_heads * self.block_n * self.tma_columns * 2
-            body = -(-max(1024 + ring + 2 * q_tile, merge) // 8) * 8
+            # the cluster merge's O rows (head_dim + 4 floats each) and lse, laid over the ring
+            cm = self.kv_heads * self.rows * (self.head_dim + 5) * 4 if self.cluster_merge else 0
+            body = -(-max(1024 + ring + 2 * q_tile, 1024 + cm, merge) // 8) * 8
             return body + 8 * self.num_stages * (2 if rows_mode else self.num_warps)
         if rows_mode:
             return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
@@ -465,12 +492,29 @@ HEAVY_ROWS = 32
 COMPUTE_FILL = 1
 COMPUTE_FILL_SMALL_HEAD = 2
 HEAVY_KEYS_PER_ROW = 16
+# Deep memory (an H200), the wgmma rows mode at d <= 64 over a contiguous cache: four CTAs per SM
+# (as many as its 128-register tiles keep resident; the plan caps it at the kernel's occupancy).
+# Such a CTA does the softmax work of a d128 one for half the bytes, and the deep memory asks more
+# bytes in flight than two of them keep.  Measured (H200, 2026-11-27, `tools/bench_decode.py
+# --splits 2,4,8,16,32`, 32/8 heads d64, % of copy, `decode_h200_rows_d64_splits_*`): seqlen_q 16 B8
+# S8k (64 CTAs) 64.5 at the two-per-SM rule's 4 splits against 71.4 at 8; B16 S4k (128) 64.9 at 2
+# against 70.9 at 4; seqlen_q 8 B4 S8k (32 rows per kv head) 53.7 at 8 against 55.4 at 16; B4 S8k
+# (52.4 / 51.6 at 8 / 16), B1 S32k (47.8 at 32) and 64/8 B2 S16k seqlen_q 8 (50.8 at 16; 47.9 at 32)
+# keep their counts (the key floor: HEAVY_KEYS_PER_ROW x rows keys per split).  Paged caches lost
+# with more splits there (paged16 B8 S8k 52.5 at 4, 41.4 at 8; B16 S4k 52.4 at 2, 43.6 at 4): they
+# keep COMPUTE_FILL_SMALL_HEAD; d96 (75.3 at 4, 52.4 at 8) too.
+COMPUTE_FILL_DEEP_SMALL_HEAD = 4
 
 
-def compute_fill(head_dim: int, paged: bool = False, lean: bool = False) -> int:
+def compute_fill(head_dim: int, paged: bool = False, lean: bool = False, wgmma: bool = False) -> int:
     """CTAs per SM a compute-heavy decode grid is split to (see COMPUTE_FILL; one CTA per SM only on
-    lean memory, see LEAN_MEMORY_GBS_PER_SM)."""
-    return COMPUTE_FILL if lean and head_dim > 64 and not paged else COMPUTE_FILL_SMALL_HEAD
+    lean memory, see LEAN_MEMORY_GBS_PER_SM; four for the wgmma rows mode's small heads on deep
+    memory, see COMPUTE_FILL_DEEP_SMALL_HEAD)."""
+    if lean and head_dim > 64 and not paged:
+        return COMPUTE_FILL
+    if wgmma and not lean and head_dim <= 64 and not paged:
+        return COMPUTE_FILL_DEEP_SMALL_HEAD
+    return COMPUTE_FILL_SMALL_HEAD
 
 
 # The partials one fused merge (the last CTA of a group) reads: above this many bytes a combine
@@ -563,6 +607,43 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
     gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
     gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
     return (gcfg, gkernel) if grid <= _ctas_per_sm(gcfg, gkernel, arch) * sms else None
+
+
+# The rows mode's splits of one group merge through distributed shared memory when they fit one
+# thread-block cluster (CLUSTER_MERGE_SPLITS) and every cluster of the grid is resident at once:
+# the template's cluster_merge.  It replaces the group merge and the register merge there.
+# Residency: a cluster's CTAs must share a GPC, and left to itself the scheduler packed clusters 3
+# CTAs to an SM where the kernel fits 3, leaving 8 SMs idle: their CTAs' main loops ran 35.6 us
+# against 31.5 on SMs of 2 (H200, 2026-11-27, B4 S8k seqlen_q 16 d128, 8 splits, per-CTA stamps of
+# tools/decode_timeline.py), and the call ended later than the group merge's (41.1 / 40.3 us).  So the
+# launch asks enough shared memory that no SM holds more than the grid's even share; grids whose
+# clusters do not all fit then keep the merges before (CLUSTER_MERGE_DEFAULT_MAX_SPLITS says which fit).
+def _cluster_merge(v: dict, cfg, num_splits: int, ctas: int, row_tiles: int, arch: str, sms: int):
+    """(config, kernel, dynamic shared memory to launch with) of the cluster merge for a split grid,
+    or None: rows mode with wgmma (where it was measured), one row tile (a cluster is consecutive
+    splits), up to CLUSTER_MERGE_DEFAULT_MAX_SPLITS splits (2-8 under the variant combine:cluster),
+    one resident wave of clusters at the even share of CTAs per SM (the occupancy model and the
+    driver's cluster count); the bench's variants cluster:off, any merge or another combine keep
+    the merges before."""
+    if v.get("cluster") == "off" or v.get("merge") is not None or v.get("combine") not in (None, "cluster"):
+        return None
+    if cfg.mma != "wgmma" or row_tiles != 1 or num_splits not in CLUSTER_MERGE_SPLITS:
+        return None
+    if num_splits > CLUSTER_MERGE_DEFAULT_MAX_SPLITS and v.get("combine") != "cluster":
+        return None
+    from ..arch import occupancy
+    from ..kernel import get_kernel
+    from .rowwise import driver_clusters
+    ccfg = cfg.replace(cluster_merge=num_splits)
+    kernel = get_kernel(ccfg, "attention_decode", arch=arch)
+    threads, regs = ccfg.threads_per_block, kernel.resources.registers
+    per_sm = min(_ctas_per_sm(ccfg, kernel, arch), -(-ctas * num_splits // sms))   # the even share
+    smem = ccfg.shared_mem_bytes
+    while occupancy(arch, threads, regs, 0, smem).blocks_per_sm > per_sm:
+        smem += 1024
+    fit = per_sm * sms // num_splits
+    fit = min(fit, driver_clusters(kernel, threads, smem, num_splits) or fit)
+    return (ccfg, kernel, smem) if ctas <= fit else None
 
 
 # The keys mode's last CTA merges with the group merge's loads (every split's lse and partial
@@ -1122,12 +1203,13 @@ DEFAULT_ORDER = "heads"
 # paged16 ran 33 splits + the combine launch, 70.5% of copy, where contiguous ran 16 fused, 78.8%; at 32
 # forced splits the two were 71.9 / 75.5 - the default for TMA-read pages on lean memory or of LONG_PAGE
 # keys since, and for the keys mode's TMA-read pages on any memory since 2026-11-27; "paged": PAGED_FILL for every paged cache, the rule before; "fill": on lean memory too, small
-# keys-mode grids split to one CTA per SM, the rule before LEAN_GRID_BYTES_IN_FLIGHT), memory ("lean" / "deep": the
+# keys-mode grids split to one CTA per SM, the rule before LEAN_GRID_BYTES_IN_FLIGHT; "two": heavy grids at most two CTAs
+# per SM, the rule before COMPUTE_FILL_DEEP_SMALL_HEAD), memory ("lean" / "deep": the
 # rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
 # DecodeArgs.fused of a fused merge by the variant's "merge" (None: 1, the default merge)
-MERGE_CODES = {None: 1, "serial": 2, "units": 3, "group": 4}
+MERGE_CODES = {None: 1, "serial": 2, "units": 3, "group": 4, "cluster": 5}
 _VARIANT_KEY: tuple | None = None
 
 
@@ -1171,8 +1253,14 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
+    heavy_fill = compute_fill(p.head_dim, p.paged, lean, cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
+    if heavy_fill > COMPUTE_FILL_SMALL_HEAD and head_rows >= HEAVY_ROWS:
+        # no more CTAs per SM than stay resident (a second wave, and no group merge, past that)
+        from ..kernel import get_kernel
+        heavy_fill = min(heavy_fill, max(COMPUTE_FILL_SMALL_HEAD,
+                                         _ctas_per_sm(cfg, get_kernel(cfg, "attention_decode", arch=arch), arch)))
     return choose_num_splits(ctas, p.capacity, sms, paged_rule, split_rows, per_sm,
-                             compute_fill(p.head_dim, p.paged, lean), cfg.bytes_in_flight if by_bytes else 0)
+                             heavy_fill, cfg.bytes_in_flight if by_bytes else 0)
 
 
 def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: bool, out_dtype, f32,
@@ -1232,7 +1320,10 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     rows_all = p.batch * p.seqlen_q * p.nheads
     fused = False
     merge = v.get("merge")
-    if num_splits > 1:
+    cluster = _cluster_merge(v, cfg, num_splits, ctas, row_tiles, arch, sms) if rows_total > 0 else None
+    if cluster is not None:
+        (cfg, kernel, _), fused, merge = cluster, True, "cluster"
+    elif num_splits > 1:
         # the register merge (rows mode, few splits) needs no shared memory; the unit merge its
         # weights (rounded to 16 bytes) and its split groups' float4 sums (<= one per thread)
         in_regs = cfg.warp_split == "rows" and num_splits <= REG_MERGE_MAX_SPLITS and merge is None
@@ -1249,18 +1340,20 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
             cfg = _keys_merge(cfg, p, num_splits, merge)
     if kernel is None and rows_total > 0:
         kernel = get_kernel(cfg, "attention_decode", arch=arch)
-    order = ORDER[v.get("order", DEFAULT_ORDER)]
+    order = 0 if merge == "cluster" else ORDER[v.get("order", DEFAULT_ORDER)]   # a cluster: one group's splits
     # a.fused: 0 none / the combine launch, 1 the merge (from registers in the rows mode's few-split
     # case), 2 the first (serial) merge (variant merge:serial), 3 the unit merge (variant merge:units),
-    # 4 the group merge (every CTA of a group merges a share; a cooperative launch)
+    # 4 the group merge (every CTA of a group merges a share; a cooperative launch), 5 the cluster
+    # merge (the same through a cluster's distributed shared memory)
     args = _args(p, cfg, num_splits, row_tiles, order, MERGE_CODES.get(merge, 1) if fused else 0)
     split = combine = None
     append = _append_launch(p, cfg, args, arch)
     part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
-        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), cfg.shared_mem_bytes, (args,),
+        smem = cluster[2] if cluster is not None else cfg.shared_mem_bytes   # (see _cluster_merge)
+        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), smem, (args,),
                        cooperative=merge == "group")
-        if num_splits > 1:
+        if num_splits > 1 and merge != "cluster":   # (the cluster merge keeps its partials on chip)
             lse_off = 4 * num_splits * rows_all * p.head_dim
             part_bytes = lse_off + 4 * num_splits * rows_all
             if fused:

@@ -271,6 +271,13 @@ __device__ __forceinline__ void cluster_arrive_unaligned() {
     asm volatile("barrier.cluster.arrive.release;" ::: "memory");
 }
 
+// An arrival that orders none of this thread's memory operations: for a barrier that only says "done
+// reading the other CTAs' shared memory" (those loads have returned: their values were used before it),
+// without the release's wait for this thread's outstanding global stores.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
 __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
