@@ -4,7 +4,8 @@ CPU: config validation, the heuristic's choices, a few compiles (HGMMA, no mma.s
 no spills, three CTAs per SM at 4 warps).  GPU (``-m gpu``): against the float64 reference over
 contiguous / paged caches, ragged lengths (0 and 1 among them), appends, padding rows (fewer than
 64 rows per kv head), 8 warps, several row tiles, 64-key tiles, causal or not, both dtypes, NaN
-cache tails, a bad page id, and CUDA-graph replays.  Also the online softmax's lazy rescale
+cache tails, a bad page id, CUDA-graph replays, and the cluster merge against the float64 reference
+and the group merge (bit for bit).  Also the online softmax's lazy rescale
 (lazy_rescale: O rescaled only in tiles where a row's maximum moved) in every MMA / warp split.
 
 Uses test_attention_kvcache's helpers (inputs, reference check, poisoned outputs)."""
@@ -359,10 +360,12 @@ def test_gpu_wgmma_bad_page_gives_nan_for_that_sequence_only(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [4, 2], ids=("group-merge", "cluster-merge"))
 @pytest.mark.parametrize("page", [None, 16], ids=("contig", "paged16"))
-def test_gpu_wgmma_graph_replay_with_new_lengths(variant, page):
+def test_gpu_wgmma_graph_replay_with_new_lengths(variant, page, splits):
     """A captured call replayed with new cache_seqlens (and, paged, permuted pages) matches the
-    reference and an eager call bit for bit."""
+    reference and an eager call bit for bit - through the group merge (4 splits: a cooperative
+    launch, counters in the workspace) and the cluster merge (2 splits)."""
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(mma="wgmma"))
@@ -372,12 +375,13 @@ def test_gpu_wgmma_graph_replay_with_new_lengths(variant, page):
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
     with s:
-        _call(x, out=out, num_splits=4)
+        _call(x, out=out, num_splits=splits)
         s.synchronize()
         s.begin_capture()
-        _, lse = _call(x, out=out, num_splits=4, return_lse=True)
+        _, lse = _call(x, out=out, num_splits=splits, return_lse=True)
         graph = s.end_capture()
-    assert _plan_of(x, 4).config.mma == "wgmma"
+    plan = _plan_of(x, splits)
+    assert plan.config.mma == "wgmma" and (plan.config.cluster_merge == 2) == (splits == 2), plan.config
     rng = np.random.default_rng(_seed())
     for step in range(3):
         x.lens_h = rng.integers(0, cap, size=3).astype(np.int32)
@@ -392,7 +396,7 @@ def test_gpu_wgmma_graph_replay_with_new_lengths(variant, page):
         graph.launch(s)
         s.synchronize()
         _check(x, out, lse, True, None, f"wgmma graph replay {step} page={page} lens {x.lens_h.tolist()}")
-        eager, _ = _call(x, num_splits=4, return_lse=True)
+        eager, _ = _call(x, num_splits=splits, return_lse=True)
         cp.cuda.Device().synchronize()
         assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"
 

@@ -1255,7 +1255,9 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
     heavy_fill = compute_fill(p.head_dim, p.paged, lean, cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
     if heavy_fill > COMPUTE_FILL_SMALL_HEAD and head_rows >= HEAVY_ROWS:
-        # no more CTAs per SM than stay resident (a second wave, and no group merge, past that)
+        # no more CTAs per SM than stay resident (a second wave, and no group merge, past that); the
+        # kernel without a merge is compiled for its registers even where the plan then launches the
+        # group merge's (one more compile at a signature's first call, cached on disk)
         from ..kernel import get_kernel
         heavy_fill = min(heavy_fill, max(COMPUTE_FILL_SMALL_HEAD,
                                          _ctas_per_sm(cfg, get_kernel(cfg, "attention_decode", arch=arch), arch)))
