@@ -234,6 +234,28 @@ def test_group_merge_compiles_without_spills_at_the_same_occupancy(d, batch):
     assert "MEMBAR.SC.GPU" not in group.sass and "ATOMG.E.INC" in group.sass
 
 
+def test_decode_timeline_patches_the_template(tmp_path, monkeypatch):
+    """tools/decode_timeline.py's anchors are in the template once each, and the patched copy
+    renders its stamps on both merge paths (cluster and group): the tool's measurements stay
+    possible as the template changes (CPU: rendering only)."""
+    import importlib.util
+    import pathlib
+    import sys
+    import rtkernels.render as render
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "decode_timeline.py"
+    spec = importlib.util.spec_from_file_location("rtk_tools_decode_timeline", path)
+    tl = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tl
+    spec.loader.exec_module(tl)
+    dst = tmp_path / "templates"
+    tl.patched_templates(str(render.template_dir()), str(dst))
+    monkeypatch.setattr(render, "template_dir", lambda: dst)
+    cfg = AttentionDecodeConfig(**{**WG, "cluster_merge": 2})
+    src = render.render(cfg.template, cfg.template_params(), family=cfg.family).source
+    assert src.count("rtk_record(split);") == 2 and "rtk_stamps[65536 * %d]" % tl.STAMPS in src
+    assert src.count("rtk_t1 = rtk_now();") == 1 and src.count("rtk_t2 = rtk_now();") == 1
+
+
 # ---- compile (a few: CI has two cores) --------------------------------------------------------
 def _opcodes(sass):
     return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
