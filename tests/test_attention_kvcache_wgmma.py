@@ -174,8 +174,9 @@ def test_group_plans_compile_only_the_kernel_they_launch(monkeypatch, splits, gr
 
 
 def test_cluster_merge_plans(monkeypatch):
-    """The cluster merge: rows mode with wgmma, one row tile, 2-8 splits, every cluster resident at
-    once; the plan compiles the cluster kernel only.  Elsewhere the merges before."""
+    """The cluster merge: rows mode with wgmma, one row tile, 2 splits by default (2-8 under the
+    bench's combine:cluster), every cluster resident at once at the even share of CTAs per SM; the
+    plan compiles the cluster kernel only.  Elsewhere the merges before."""
     import rtkernels.kernel as kernel_mod
     real, built = kernel_mod.get_kernel, []
 

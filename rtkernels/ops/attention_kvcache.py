@@ -1323,8 +1323,9 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     fused = False
     merge = v.get("merge")
     cluster = _cluster_merge(v, cfg, num_splits, ctas, row_tiles, arch, sms) if rows_total > 0 else None
+    split_smem = None   # dynamic shared memory of the split launch: the config's, or the cluster merge's ask
     if cluster is not None:
-        (cfg, kernel, _), fused, merge = cluster, True, "cluster"
+        (cfg, kernel, split_smem), fused, merge = cluster, True, "cluster"
     elif num_splits > 1:
         # the register merge (rows mode, few splits) needs no shared memory; the unit merge its
         # weights (rounded to 16 bytes) and its split groups' float4 sums (<= one per thread)
@@ -1352,8 +1353,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     append = _append_launch(p, cfg, args, arch)
     part_bytes = lse_off = counter_bytes = 0
     if rows_total > 0:
-        smem = cluster[2] if cluster is not None else cfg.shared_mem_bytes   # (see _cluster_merge)
-        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), smem, (args,),
+        split = Launch(kernel, (ctas * num_splits,), (cfg.threads_per_block,), split_smem or cfg.shared_mem_bytes, (args,),
                        cooperative=merge == "group")
         if num_splits > 1 and merge != "cluster":   # (the cluster merge keeps its partials on chip)
             lse_off = 4 * num_splits * rows_all * p.head_dim

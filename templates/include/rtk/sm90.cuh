@@ -296,6 +296,14 @@ __device__ __forceinline__ float ld_shared_cluster(const float* p, u32 cta_rank)
     return v;
 }
 
+__device__ __forceinline__ float4 ld_shared_cluster4(const float* p, u32 cta_rank) {   // p: 16-byte aligned
+    float4 v;
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %4, %5;\n"
+                 "ld.shared::cluster.v4.f32 { %0, %1, %2, %3 }, [remote];\n}"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_u32(p)), "r"(cta_rank) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void st_shared_cluster(float* p, u32 cta_rank, float v) {
     asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                  "st.shared::cluster.f32 [remote], %2;\n}" :: "r"(smem_u32(p)), "r"(cta_rank), "f"(v) : "memory");
