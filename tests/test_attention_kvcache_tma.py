@@ -220,6 +220,32 @@ def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring()
     assert plan(8, 8192, sq=8)[1] > 1                       # 32 rows per kv head: heavy, not measured
 
 
+def test_keys_mode_split_grids_merge_in_a_cluster():
+    """The keys mode's TMA split grids of 2-8 splits (KEYS_CLUSTER_MERGE_MAX_SPLITS) merge through a
+    cluster's distributed shared memory: no workspace, no counters, no cooperative launch, splits
+    adjacent in launch order, the launch's shared memory padded to the even share of CTAs per SM
+    (one here); the bench's cluster:off keeps the last CTA's merge; more splits than a cluster
+    (deep memory's 16 at B1 S32k), cp.async rings and stream-K never take it."""
+    from rtkernels.arch import occupancy
+    plan = _decode_plan(1, 32768, page=None)   # lean memory: 8 splits of 8 kv heads
+    c = plan.config
+    assert (c.warp_split, c.loader, plan.num_splits, c.cluster_merge, c.group_merge) == ("keys", "tma", 8, 8, 0)
+    assert plan.fused and plan.combine is None and not plan.split.cooperative
+    assert plan.part_bytes == 0 and plan.counter_bytes == 0
+    assert int(plan.split.tail[0]["fused"]) == 5 and int(plan.split.tail[0]["order"]) == 0
+    k = plan.split.kernel
+    assert occupancy("sm_90", c.threads_per_block, k.resources.registers, 0, plan.split.shared_mem).blocks_per_sm == 1
+    assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0
+    assert "UCGABAR_ARV" in k.sass and "UCGABAR_WAIT" in k.sass and "ATOMG" not in k.sass   # no global counter
+    off = _decode_plan(1, 32768, page=None, variant=dict(cluster="off"))
+    assert (off.num_splits, off.config.cluster_merge, off.config.group_merge) == (8, 0, 8) and off.counter_bytes > 0
+    assert _decode_plan(2, 32768, page=None).config.cluster_merge == 4
+    assert _decode_plan(1, 32768, page=None, gbs_per_sm=None).config.cluster_merge == 0   # 16 splits
+    assert _decode_plan(1, 32768, page=None, variant=dict(loader="cp.async")).config.cluster_merge == 0
+    assert _decode_plan(1, 32768, page=None, variant=dict(schedule="streamk")).config.cluster_merge == 0
+    assert _decode_plan(8, 8192, page=None).num_splits == 1   # unsplit: nothing to merge
+
+
 def test_lean_memory_threshold():
     assert kv_mod.lean_memory(3352 / 132) and not kv_mod.lean_memory(4900 / 132)
     assert not kv_mod.lean_memory(None) and not kv_mod.lean_memory(0.0)
@@ -548,6 +574,38 @@ def test_gpu_tma_transposed_cache_and_streamk(variant):
     for page in (None, 16):
         x = _run(_seed(), 5, 1, 32, 8, 128, "bfloat16", page, True, 1, 1500)
         assert _plan_of(x).config.schedule == "streamk"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,d,page", [(1, 128, None), (4, 128, 16), (1, 64, None), (2, 96, 64)],
+                         ids=("sq1-d128", "sq4-d128-paged16", "sq1-d64", "sq2-d96-paged64"))
+def test_gpu_keys_mode_cluster_merge_against_reference_and_last_cta_merge(variant, sq, d, page):
+    """The keys mode's cluster merge at 2-8 splits: ragged lengths (0 and 1: splits without keys), an
+    append, poisoned outputs, the float64 reference; and bit for bit the last CTA's merge where that
+    is the group merge's arithmetic (the same split order and formula)."""
+    import cupy as cp
+    from gpu_util import poison, to_f64
+    # 3 x 4 groups: at most 96 CTAs, whose clusters the driver fits at one CTA per SM
+    x = _make(_seed(), 3, sq, 16, 4, d, "bfloat16", page, 3000, lens=[0, 1, 2998], seqlen_new=2)
+    for splits in (2, 3, 5, 8):
+        variant(dict(loader="tma", warp_split="keys"))
+        out = poison(cp.empty(x.q.shape, x.q.dtype))
+        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
+        cp.cuda.Device().synchronize()
+        plan = _plan_of(x, splits)
+        assert plan.config.warp_split == "keys" and plan.config.cluster_merge == splits, plan.config
+        assert plan.part_bytes == 0
+        _check(x, o, lse, True, None, f"keys cluster merge sq={sq} d={d} page={page} splits={splits}")
+        variant(dict(loader="tma", warp_split="keys", cluster="off"))
+        off = _plan_of(x, splits)
+        assert off.config.cluster_merge == 0
+        ref = poison(cp.empty(x.q.shape, x.q.dtype))
+        o2, lse2 = _call(x, out=ref, return_lse=True, num_splits=splits)
+        cp.cuda.Device().synchronize()
+        _check(x, o2, lse2, True, None, f"last-CTA merge sq={sq} d={d} page={page} splits={splits}")
+        if off.fused and off.config.group_merge >= splits:
+            assert np.array_equal(to_f64(o, "bfloat16"), to_f64(o2, "bfloat16")), f"splits={splits}: o differs"
+            assert np.array_equal(cp.asnumpy(lse), cp.asnumpy(lse2)), f"splits={splits}: lse differs"
 
 
 @pytest.mark.gpu

@@ -255,6 +255,13 @@ def test_decode_timeline_patches_the_template(tmp_path, monkeypatch):
     src = render.render(cfg.template, cfg.template_params(), family=cfg.family).source
     assert src.count("rtk_record(split);") == 2 and "rtk_stamps[65536 * %d]" % tl.STAMPS in src
     assert src.count("rtk_t1 = rtk_now();") == 1 and src.count("rtk_t2 = rtk_now();") == 1
+    assert src.count("+ 11] = rtk_t0;") == 1   # the kernel's first instruction, either mode
+    # the keys mode: every warp's loop end, the CTA's, its stored partial, both merges' ends
+    keys = AttentionDecodeConfig(warp_split="keys", rows=16, loader="tma", dtype="bfloat16", head_dim=128,
+                                 cluster_merge=8)
+    src = render.render(keys.template, keys.template_params(), family=keys.family).source
+    assert "rtk_s[6 + (warp & 3)] = rtk_now();" in src and "rtk_s[1] = rtk_now();" in src
+    assert src.count("+ 10] = rtk_now();") == 2 and "rtk_s[2] = rtk_now(); rtk_s[3] = rtk_s[2];" in src
 
 
 # ---- compile (a few: CI has two cores) --------------------------------------------------------

@@ -8,8 +8,9 @@ seqlen_k, the cache exactly that long); paged caches are the same memory viewed 
 or 64 keys, visited through a shuffled block table.  SDPA gets its preferred contiguous
 (batch, nheads_kv, seqlen_k, head_dim) K/V copies and ``enable_gqa=True``.
 
-Timing: every call queued behind a spin kernel, events between consecutive calls
-(:func:`benchutil.time_queued`: the kernels' own time even where the host is slower), input sets
+Timing: every call queued behind a spin kernel, two events around each queue of calls (back to
+back, as a pipeline runs them: :func:`benchutil.time_queued`; ``--events each`` times every call
+between its own events, the method before 2026-11-27), input sets
 rotated so K/V never sit in L2 (>= 256 MiB per rotation), candidates interleaved over rounds,
 median per candidate.  Also: host time per call (tiny shapes; launch plans) and the cold compile
 time of a new head dim.  Run on the GPU host from the repository root:
@@ -203,15 +204,18 @@ def parse_shapes(text: str) -> list[tuple]:
     return [tuple(int(v) for v in t.split(":")) for t in text.split(",") if t]
 
 
-def time_rounds(fns: dict, sets, rounds: int, repeat: int = 20) -> dict:
+def time_rounds(fns: dict, sets, rounds: int, repeat: int = 20, events: str = "ends") -> dict:
     """{name: (median ms, host us per call of the last round)} of each ``fn(set)``: ``rounds``
     interleaved rounds (every candidate once per round), each a queued run of ``repeat`` calls over
-    the rotating ``sets`` (benchutil.time_queued).  This bench's and the decode probes' timing."""
+    the rotating ``sets`` (benchutil.time_queued; ``events`` "ends": two events around the queue,
+    the calls back to back; "each": an event after every call, the median interval - this bench's
+    method before 2026-11-27, ~1.5 us a call slower on an H200).  This bench's and the decode
+    probes' timing."""
     inputs = [(s,) for s in sets]
     times, host = {k: [] for k in fns}, {}
     for _ in range(rounds):
         for k, fn in fns.items():
-            ms, host[k], _ = bu.time_queued(fn, inputs, warmup=2, repeat=repeat)
+            ms, host[k], _ = bu.time_queued(fn, inputs, warmup=2, repeat=repeat, events=events)
             times[k].append(ms)
     return {k: (statistics.median(ts), host[k]) for k, ts in times.items()}
 
@@ -276,7 +280,7 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
             row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
         finally:
             kv.set_variant(None)
-    for name, (ms, host_us) in time_rounds(live, sets, args.rounds, args.repeat).items():
+    for name, (ms, host_us) in time_rounds(live, sets, args.rounds, args.repeat, args.events).items():
         row[f"{name}_host_us"] = host_us
         row[f"{name}_us"] = ms * 1e3
         row[f"{name}_GBs"] = nbytes / (ms * 1e-3) / 1e9
@@ -400,6 +404,9 @@ def main():
                                                "(each timed as its own pass; tuning aid)")
     p.add_argument("--shapes", default="", help="b:sk:h:hkv:d:sq,... instead of the built-in lists")
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--events", choices=("ends", "each"), default="ends",
+                   help="ends: two events around each queue of calls (back to back, as a pipeline runs them); "
+                        "each: an event after every call, the median interval (the method before 2026-11-27)")
     p.add_argument("--no-host", action="store_true", help="skip host time per call and the compile time")
     p.add_argument("--variants", default="", help="kernel variants: name=field:value+field:value;... "
                                                   "(attention_kvcache.set_variant fields)")
@@ -461,7 +468,8 @@ def main():
             extra["host_profile"] = host_profile(rtk, kv, args.dtype, torch)
         extra["compile"] = compile_time(args.dtype)
     name = "bench_decode_quick" if args.quick else "bench_decode"
-    path = bu.save(args.out, name, {"environment": env, "copy_GBs": copy_gbs, "rows": rows, **extra})
+    path = bu.save(args.out, name, {"environment": env, "copy_GBs": copy_gbs, "events": args.events, "rows": rows,
+                                    **extra})
     series = {}
     for cand in ("rtk_contig", "rtk_paged16", "rtk_paged64", "sdpa_cudnn", "sdpa_flash"):
         pts = sorted((r["batch"] * r["seqlen_k"], r[f"{cand}_%copy"]) for r in rows
@@ -470,7 +478,8 @@ def main():
             series[cand] = ([x for x, _ in pts], [y for _, y in pts])
     png = bu.plot(args.out, name, series, "batch x seqlen_k (seqlen_q 1, d128)", "% of device copy",
                   f"decode, {args.dtype}, {env['gpu']}") if series else None
-    print(f"\n{env['gpu']} ({env['arch']}, {env['date']}), {args.dtype}: device copy {copy_gbs:.0f} GB/s; JSON {path}"
+    print(f"\n{env['gpu']} ({env['arch']}, {env['date']}), {args.dtype}, events {args.events}: device copy "
+          f"{copy_gbs:.0f} GB/s; JSON {path}"
           + (f"; plot {png}" if png else "") + f"; {time.time() - t_start:.0f} s")
     if extra:
         print("host us/call:", {k: round(v, 1) for k, v in extra["host"].items()})

@@ -105,29 +105,41 @@ extern "C" __global__ void spin(long long ns) {
     _SPIN((1,), (1,), (cp.int64(ns),))
 
 
-def time_queued(fn, inputs, *, warmup: int = 3, repeat: int = 20):
-    """(median GPU ms per call, host us per call, queue drained?) of ``fn(*inputs[i % len])``.
+def time_queued(fn, inputs, *, warmup: int = 3, repeat: int = 20, events: str = "each"):
+    """(GPU ms per call, host us per call, queue drained?) of ``fn(*inputs[i % len])``.
 
-    Events around each call, all queued behind a spin kernel long enough for the host to enqueue
-    every call: the intervals are the kernels' own time back to back (rotating inputs keep L2
-    honest).  If the host needed longer than the spin, ``drained`` is True and the times include
-    host gaps."""
+    Every call queued behind a spin kernel long enough for the host to enqueue them all (rotating
+    inputs keep L2 honest).  ``events``: "each" records an event after every call and returns the
+    median interval; "ends" records two events around the whole queue and returns their interval /
+    ``repeat`` - the calls back to back as a pipeline runs them, the brief's method.  An event between
+    two kernels holds the second back: the gap from one kernel's last block to the next one's
+    first grew from 1.6-1.8 us to 3.1-3.3 us with an event recorded between them (H200,
+    2026-11-27, globaltimer stamps), so "each" charges every call ~1.5 us a pipeline does not pay.
+    If the host needed longer than the spin, ``drained`` is True and the times include host gaps."""
     import cupy as cp
+    if events not in ("each", "ends"):
+        raise ValueError(f"time_queued: events={events!r}; 'each' or 'ends'")
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     cp.cuda.get_current_stream().synchronize()
     spin_ns = 2_000_000 + repeat * 150_000
-    events = [cp.cuda.Event() for _ in range(repeat + 1)]
+    marks = [cp.cuda.Event() for _ in range(repeat + 1 if events == "each" else 2)]
     _spin(cp, spin_ns)
     t0 = time.perf_counter()
-    events[0].record()
+    marks[0].record()
     for i in range(repeat):
         fn(*inputs[i % len(inputs)])
-        events[i + 1].record()
+        if events == "each":
+            marks[i + 1].record()
+    if events == "ends":
+        marks[1].record()
     host_s = time.perf_counter() - t0
-    events[-1].synchronize()
-    times = [cp.cuda.get_elapsed_time(a, b) for a, b in zip(events, events[1:])]
-    return statistics.median(times), host_s / repeat * 1e6, host_s * 1e9 > spin_ns
+    marks[-1].synchronize()
+    if events == "ends":
+        ms = cp.cuda.get_elapsed_time(marks[0], marks[1]) / repeat
+    else:
+        ms = statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in zip(marks, marks[1:]))
+    return ms, host_s / repeat * 1e6, host_s * 1e9 > spin_ns
 
 
 def time_synced(fn, inputs, *, warmup: int = 3, repeat: int = 20, sync=None) -> float:

@@ -1,6 +1,6 @@
-"""Per-CTA timeline of a split decode call in the rows mode: when each CTA starts, ends its main
-loop, has stored its partial (global workspace, or its shared memory for the cluster merge) and
-exits, from %globaltimer stamps.
+"""Per-CTA timeline of a split decode call: when each CTA starts, ends its main loop, has stored its
+partial (global workspace, or its shared memory for the cluster merge) and exits, from %globaltimer
+stamps (the keys mode also: each warp's loop end, and the last CTA's merge end).
 
     PYTHONPATH=. python3 tools/decode_timeline.py 4:8192:32:8:128:16 [--variants "off=cluster:off"] [--out DIR]
 
@@ -22,7 +22,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-STAMPS = 8   # per CTA: start, loop end, stored, merged / exit, smid, split, (2 spare)
+# per CTA: start, loop end, stored, merged / exit, smid, split; keys mode also: 6-9 each warp's loop
+# end, 10 the last CTA's merge end (0 in the other CTAs); both: 11 the kernel's first instruction, 12
+# its sequence length read
+STAMPS = 16
 
 # (anchor, text inserted before it, text inserted after it)
 PATCHES = [
@@ -45,6 +48,30 @@ PATCHES = [
     ("                cluster_merge(p, a, reinterpret_cast<const float*>(tma_base), split, b, hkv0, r0, rows_valid, tid);\n",
      "", "                rtk_record(split);\n"),
     ("            rtk::group_barrier_done(counters, a.num_splits, ticket);\n", "", "            rtk_record(split);\n"),
+    # the kernel's first instruction (11) and its sequence length read (12), both modes
+    ("    const Sequence seq = sequence(p.cache_seqlens, a, b);\n    const int seqlen_k = seq.seqlen_k;\n"
+     "    const int diag = seqlen_k - a.seqlen_q;\n", "",
+     "    if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 11] = rtk_t0;\n"
+     "        rtk_stamps[STAMPSull * blockIdx.x + 12] = seqlen_k > -1 ? rtk_now() : 0; }\n"),
+    # keys mode (keys_cta: one call per CTA of a split grid)
+    ("                                         float* sk_lse, const KVMaps& maps) {\n", "",
+     "    unsigned long long* rtk_s = rtk_stamps + STAMPSull * blockIdx.x;\n"
+     "    if (threadIdx.x == 0) { unsigned smid; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
+     "        rtk_s[0] = rtk_now(); rtk_s[4] = smid; rtk_s[5] = split; rtk_s[10] = 0; }\n"),
+    ("    // ---- merge the warps: O = sum_w O_w 2^((m_w - m) scale), l likewise; then store ----\n",
+     "    if (lane == 0) rtk_s[6 + (warp & 3)] = rtk_now();\n", ""),
+    ("    float* red = reinterpret_cast<float*>(smem_raw);          // [NUM_WARPS][ROWS][RED_STRIDE]\n",
+     "    if (threadIdx.x == 0) rtk_s[1] = rtk_now();\n", ""),
+    ("            lse_out[lrow] = bad ? quiet_nan() : (l > 0.f ? fin_m[r] * a.softmax_scale + logf(l) : neg_inf());\n"
+     "        }\n    }\n", "", "    __syncthreads();\n    if (threadIdx.x == 0) { rtk_s[2] = rtk_now(); rtk_s[3] = rtk_s[2]; }\n"),
+    ("            cluster_merge(p, a, reinterpret_cast<const float*>(smem_raw + CM_KEYS_OFFSET), split, b, hkv0, r0,\n",
+     "            __syncthreads();\n            if (threadIdx.x == 0) rtk_stamps[STAMPSull * blockIdx.x + 2] = rtk_now();\n", ""),
+    ("                          rows_valid, tid);\n", "", "            __syncthreads();\n"
+     "            if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
+     " rtk_stamps[STAMPSull * blockIdx.x + 3] = rtk_now(); }\n"),
+    ("            group_merge<GM_LOADS / GM_SB, GM_SB>(p, a, 0, 1, b, hkv0, r0, rows_valid, rows_all, tid);\n", "",
+     "            __syncthreads();\n            if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
+     " rtk_stamps[STAMPSull * blockIdx.x + 3] = rtk_now(); }\n"),
 ]
 
 
@@ -86,8 +113,8 @@ def main():
         for name, variant in variants.items():
             fn = bd._rtk_fn(rtk, kv, layout, "bfloat16", None, variant)
             plan = bd._plan_of(kv, sets[0], layout, "bfloat16", None, {}, variant)
-            if plan.split is None or plan.num_splits < 2 or plan.config.warp_split != "rows":
-                print(f"{spec} {name}: not a split rows-mode plan ({plan.config}, {plan.num_splits} splits)")
+            if plan.split is None or plan.num_splits < 2 or plan.config.schedule != "split":
+                print(f"{spec} {name}: not a split plan ({plan.config}, {plan.num_splits} splits)")
                 continue
             mod = plan.split.kernel.module.load(cp.cuda.Device().id)
             ptr = mod.get_global_var("rtk_stamps")
@@ -97,21 +124,38 @@ def main():
                 fn(sets[i % 3])
             cp.cuda.Device().synchronize()
             kv.set_variant(None)
+            ms, _, _ = bd.bu.time_queued(fn, [(x,) for x in sets], repeat=20)   # as tools/bench_decode.py times
+            kv.set_variant(None)
             st = np.empty((grid, STAMPS), dtype=np.uint64)
             cp.cuda.runtime.memcpy(st.ctypes.data, ptr, st.nbytes, 2)   # device to host
             st = st.astype(np.int64)
             if (st[:, 0] == 0).any():
                 print(f"{spec} {name}: {(st[:, 0] == 0).sum()} CTAs left no stamp (a merge path the patch misses)")
                 continue
-            rel = (st[:, :4] - st[:, 0].min()) / 1000.0
+            base = st[:, [0, 11]].min()   # the first CTA's first instruction
+            rel = (st[:, :4] - base) / 1000.0
             c = plan.config
-            print(f"\n{spec} {name}: grid {grid}, {plan.num_splits} splits, merge "
+            print(f"\n{spec} {name}: {ms * 1000:.2f} us per call back to back (events between calls)")
+            print(f"{spec} {name}: grid {grid}, {plan.num_splits} splits, merge "
                   f"{'cluster' if c.cluster_merge else 'group' if c.group_merge else 'other'}; "
                   f"first start -> last exit {rel[:, 3].max():.2f} us")
             for j, what in enumerate(("start", "loop end", "stored", "exit")):
                 col = rel[:, j]
                 print(f"  {what:9s} min {col.min():7.2f}  p10 {np.percentile(col, 10):7.2f}  med {np.median(col):7.2f}  "
                       f"p90 {np.percentile(col, 90):7.2f}  max {col.max():7.2f}")
+            entry = (st[:, 11] - base) / 1000.0
+            lens = (st[:, 12] - st[:, 11]) / 1000.0
+            print(f"  kernel entry min {entry.min():7.2f} med {np.median(entry):7.2f} max {entry.max():7.2f} us; "
+                  f"entry -> length read med {np.median(lens):.2f} max {lens.max():.2f} us")
+            if c.warp_split == "keys":
+                warps = (st[:, 6:6 + min(4, c.num_warps)] - base) / 1000.0
+                spread = warps.max(axis=1) - warps.min(axis=1)
+                print(f"  warp loop ends within a CTA: spread med {np.median(spread):.2f} max {spread.max():.2f} us; "
+                      f"all warps min {warps.min():.2f} max {warps.max():.2f}")
+                merged = st[:, 10] > 0
+                if merged.any():
+                    me = (st[merged, 10] - base) / 1000.0
+                    print(f"  merges: {merged.sum()}, end min {me.min():.2f} max {me.max():.2f} us")
             store, merge = rel[:, 2] - rel[:, 1], rel[:, 3] - rel[:, 2]
             print(f"  store med {np.median(store):.2f} max {store.max():.2f} us; merge (with its waits) med "
                   f"{np.median(merge):.2f} max {merge.max():.2f} us; last loop end -> last exit "

@@ -67,6 +67,11 @@ CLUSTER_MERGE_SPLITS = (2, 3, 4, 5, 6, 7, 8)
 # (about two CTAs per SM) fit only by packing three CTAs on some SMs while others idle, which cost
 # more than the merge saves (seqlen_q 16 B4 S8k, 8 splits: 41.1 us against the group merge's 40.3).
 CLUSTER_MERGE_DEFAULT_MAX_SPLITS = 2
+# The keys mode's split grids (decoding: seqlen_q x group <= 16 rows per kv head) take it up to
+# this many splits: there a grid is about one CTA per SM, where eight-CTA clusters fit (H100,
+# 2026-11-27, B1 S32k 32/8 d128, 8 splits of 64 CTAs, per-CTA stamps: main loops end 43.7-45.0 us,
+# the store of the partials ~1.1 us and the last CTA's merge ~2 us after the last of them).
+KEYS_CLUSTER_MERGE_MAX_SPLITS = 8
 L2_PREFETCHES = (0, 64, 128, 256)
 
 
@@ -119,10 +124,11 @@ class AttentionDecodeConfig(AttentionShape):
         round trip for splits <= group_merge (see _keys_merge).  Only the plans that use it
         compile it: the merge's code more than doubled the d128 rows kernel's SASS, and calls
         without it ran ~1% slower with it compiled in (H100, 2026-11-27).
-    cluster_merge : 0, or the split count (2 to 8) of a rows-mode TMA kernel whose splits of one
-        (sequence, head group) form a thread-block cluster and merge through distributed shared
-        memory (no float32 partials in global memory, no counters, no cooperative launch; see
-        CLUSTER_MERGE_SPLITS).  Only plans of exactly that many splits launch it.
+    cluster_merge : 0, or the split count (2 to 8) of a TMA kernel (schedule "split", either
+        mode) whose splits of one (sequence, head group) form a thread-block cluster and merge
+        through distributed shared memory (no float32 partials in global memory, no counters, no
+        cooperative launch; see CLUSTER_MERGE_SPLITS).  Only plans of exactly that many splits
+        launch it.
     """
 
     family: ClassVar[str] = FAMILY
@@ -190,10 +196,10 @@ class AttentionDecodeConfig(AttentionShape):
             self._fail("group_merge", f"0, 2 or 4 at head_dim={self.head_dim} (at most "
                                       f"{group_merge_loads(self.head_dim)} partial loads in flight)")
         self._check_choice("cluster_merge", (0, *CLUSTER_MERGE_SPLITS))
-        if self.cluster_merge and (self.warp_split != "rows" or self.loader != "tma" or self.group_merge):
-            self._fail("cluster_merge", f"0 with warp_split={self.warp_split!r}, loader={self.loader!r}, "
-                                        f"group_merge={self.group_merge} (the cluster merge: rows mode, TMA stages, "
-                                        "no group merge)")
+        if self.cluster_merge and (self.schedule != "split" or self.loader != "tma" or self.group_merge):
+            self._fail("cluster_merge", f"0 with schedule={self.schedule!r}, loader={self.loader!r}, "
+                                        f"group_merge={self.group_merge} (the cluster merge: the split schedule, "
+                                        "TMA stages, no group merge)")
         if self.mma == "wgmma":
             # one warpgroup per 64 rows of one kv head, B operands straight from the TMA stages
             if self.warp_split != "rows":
@@ -228,9 +234,11 @@ class AttentionDecodeConfig(AttentionShape):
         if self.loader == "tma":
             rings = 1 if rows_mode else self.num_warps
             ring = rings * self.num_stages * 2 * self.kv_heads * self.block_n * self.tma_columns * 2
-            # the cluster merge's O rows (head_dim + 4 floats each) and lse, laid over the ring
+            # the cluster merge's O rows (head_dim + 4 floats each) and lse, laid over the ring (rows
+            # mode) or past the warp merge's buffers (keys mode)
             cm = self.kv_heads * self.rows * (self.head_dim + 5) * 4 if self.cluster_merge else 0
-            body = -(-max(1024 + ring + 2 * q_tile, 1024 + cm, merge) // 8) * 8
+            cm_end = ((1024 if rows_mode else -(-merge // 16) * 16) + cm) if cm else 0
+            body = -(-max(1024 + ring + 2 * q_tile, cm_end, merge) // 8) * 8
             return body + 8 * self.num_stages * (2 if rows_mode else self.num_warps)
         if rows_mode:
             return 2 * (q_tile + self.num_stages * self.kv_heads * self.block_n * (qk + vs))
@@ -620,16 +628,19 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
 # clusters do not all fit then keep the merges before (CLUSTER_MERGE_DEFAULT_MAX_SPLITS says which fit).
 def _cluster_merge(v: dict, cfg, num_splits: int, ctas: int, row_tiles: int, arch: str, sms: int):
     """(config, kernel, dynamic shared memory to launch with) of the cluster merge for a split grid,
-    or None: rows mode with wgmma (where it was measured), one row tile (a cluster is consecutive
-    splits), up to CLUSTER_MERGE_DEFAULT_MAX_SPLITS splits (2-8 under the variant combine:cluster),
+    or None: rows mode with wgmma (where it was measured) or the keys mode's TMA split grid, one row
+    tile (a cluster is consecutive splits), up to CLUSTER_MERGE_DEFAULT_MAX_SPLITS splits in the rows
+    mode and KEYS_CLUSTER_MERGE_MAX_SPLITS in the keys mode (2-8 under the variant combine:cluster),
     one resident wave of clusters at the even share of CTAs per SM (the occupancy model and the
     driver's cluster count); the bench's variants cluster:off, any merge or another combine keep
     the merges before."""
     if v.get("cluster") == "off" or v.get("merge") is not None or v.get("combine") not in (None, "cluster"):
         return None
-    if cfg.mma != "wgmma" or row_tiles != 1 or num_splits not in CLUSTER_MERGE_SPLITS:
+    keys = cfg.warp_split == "keys" and cfg.loader == "tma" and cfg.schedule == "split"
+    if not (keys or cfg.mma == "wgmma") or row_tiles != 1 or num_splits not in CLUSTER_MERGE_SPLITS:
         return None
-    if num_splits > CLUSTER_MERGE_DEFAULT_MAX_SPLITS and v.get("combine") != "cluster":
+    default_max = KEYS_CLUSTER_MERGE_MAX_SPLITS if keys else CLUSTER_MERGE_DEFAULT_MAX_SPLITS
+    if num_splits > default_max and v.get("combine") != "cluster":
         return None
     from ..arch import occupancy
     from ..kernel import get_kernel
