@@ -171,8 +171,8 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     cache does by the fill rule on any memory (B1 S32k 32/8: 16 splits, one CTA per SM, merged in the
     launch), while on lean memory the contiguous cache itself splits only to
     LEAN_GRID_BYTES_IN_FLIGHT (8); the rows mode's 16-key pages on deep memory (an H200's 37, or
-    unknown) and cp.async pages (sm_80, the variant loader=cp.async) take PAGED_FILL's 33 with the
-    combine launch; the bench variants split_rule=paged / contig / fill and memory=lean / deep force
+    unknown) and cp.async pages (sm_80, the variant loader=cp.async) take PAGED_FILL's 33 (merged
+    by groups in the launch); the bench variants split_rule=paged / contig / fill and memory=lean / deep force
     either."""
     def plan(paged, variant, arch="sm_90", gbs_per_sm=25.4, page=16):
         return _decode_plan(1, 32768, page=page if paged else None, variant=variant, arch=arch, gbs_per_sm=gbs_per_sm)
@@ -190,7 +190,8 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     for deep in (plan(True, None, gbs_per_sm=37.2), plan(True, None, gbs_per_sm=None), plan(True, dict(memory="deep"))):
         assert (deep.num_splits, deep.fused) == (16, True), (deep.num_splits, deep.fused)
     old = plan(True, dict(split_rule="paged"))
-    assert old.num_splits == 33 and not old.fused, (old.num_splits, old.fused)
+    # (33 splits x 4 rows: past FUSED_COMBINE_MAX_BYTES, so merged by groups - KEYS_GROUP_MERGE)
+    assert old.num_splits == 33 and old.split.cooperative and old.combine is None, (old.num_splits, old.fused)
     # the rows mode's pages (a batch ahead too, level under either rule on an H200): PAGED_FILL on deep
     # memory below LONG_PAGE keys
     rows = dict(warp_split="rows", kv_heads=1)
@@ -244,6 +245,24 @@ def test_keys_mode_split_grids_merge_in_a_cluster():
     assert _decode_plan(1, 32768, page=None, variant=dict(loader="cp.async")).config.cluster_merge == 0
     assert _decode_plan(1, 32768, page=None, variant=dict(schedule="streamk")).config.cluster_merge == 0
     assert _decode_plan(8, 8192, page=None).num_splits == 1   # unsplit: nothing to merge
+
+
+def test_keys_mode_partials_past_the_fused_bytes_merge_by_groups():
+    """KEYS_GROUP_MERGE: a keys-mode split grid whose partials would go to the combine launch (16
+    splits x 16 rows at d128: 128 KB a group, past FUSED_COMBINE_MAX_BYTES) merges by groups in the
+    launch instead (a cooperative grid, two counters per group); the variant combine:kernel keeps
+    the combine launch; the last CTA's merge (few rows) and the cluster keep theirs."""
+    grp = _decode_plan(1, 32768, sq=4, page=None, gbs_per_sm=None)   # deep memory: 16 splits
+    c = grp.config
+    assert (c.warp_split, grp.num_splits, c.cluster_merge) == ("keys", 16, 0) and c.group_merge > 0
+    assert grp.fused and grp.combine is None and grp.split.cooperative and int(grp.split.tail[0]["fused"]) == 4
+    assert grp.counter_bytes == 8 * 8   # [in, out] per (sequence, kv head)
+    res = grp.split.kernel.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0
+    kernel = _decode_plan(1, 32768, sq=4, page=None, gbs_per_sm=None, variant=dict(combine="kernel"))
+    assert not kernel.fused and kernel.combine is not None and not kernel.split.cooperative
+    one = _decode_plan(1, 32768, page=None, gbs_per_sm=None)   # 4 rows: the last CTA's one-trip merge
+    assert int(one.split.tail[0]["fused"]) == 1 and not one.split.cooperative
 
 
 def test_lean_memory_threshold():
@@ -609,6 +628,31 @@ def test_gpu_keys_mode_cluster_merge_against_reference_and_last_cta_merge(varian
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,d,page,extra", [(3, 4, 128, None, {}), (3, 2, 128, 16, {}),
+                                                  (2, 4, 256, None, {"combine": "group"}), (3, 3, 64, 64, {}),
+                                                  (3, 4, 96, 16, {"loader": "cp.async"})],
+                         ids=("sq4-d128", "sq2-d128-paged16", "sq4-d256", "sq3-d64-paged64", "sq4-d96-paged16-cp"))
+def test_gpu_keys_mode_group_merge_against_reference(variant, batch, sq, d, page, extra):
+    """The keys mode's group merge (partials past FUSED_COMBINE_MAX_BYTES: every CTA of a group
+    merges a share after a barrier, a cooperative launch) at 12-20 splits, every CTA resident (d256
+    through the bench's combine:group: its default keeps the combine launch; the cp.async ring as
+    where no tensor map describes a cache): ragged lengths (0 and 1: splits without keys), an
+    append, poisoned outputs, the float64 reference."""
+    import cupy as cp
+    from gpu_util import poison
+    x = _make(_seed(), batch, sq, 16, 4, d, "bfloat16", page, 3000, lens=[0, 1, 2998][:batch], seqlen_new=2)
+    for splits in ((12, 16) if d > 128 else (12, 16, 20)):   # d256: one CTA per SM
+        variant({"loader": "tma", "warp_split": "keys", **extra})
+        out = poison(cp.empty(x.q.shape, x.q.dtype))
+        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
+        cp.cuda.Device().synchronize()
+        plan = _plan_of(x, splits)
+        assert plan.config.warp_split == "keys" and plan.split.cooperative, plan.config
+        assert int(plan.split.tail[0]["fused"]) == 4
+        _check(x, o, lse, True, None, f"keys group merge sq={sq} d={d} page={page} splits={splits}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64, 256])
 def test_gpu_tma_appends_cross_page_boundaries(variant, page):
     variant(dict(loader="tma"))
@@ -624,28 +668,31 @@ def test_gpu_tma_bad_page_gives_nan_for_that_sequence_only(variant, sq):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [None, 16, 64], ids=("contig", "paged16", "paged64"))
-@pytest.mark.parametrize("sq", [1, 16], ids=("keys", "rows"))
+@pytest.mark.parametrize("sq", [1, 4, 16], ids=("keys", "keys-group", "rows"))
 def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, sq, page):
     """CuPy stream capture of a TMA call with splits: the tensor maps travel as kernel parameters
     (they depend on the caches' addresses only), so replays see new cache_seqlens and, paged, a
     new block table (the pages permuted) - against the reference and an eager call each time;
-    seqlen_q 16 x group 4 runs the rows mode's producer ring."""
+    seqlen_q 1 merges 6 splits in clusters, seqlen_q 4 (16 rows x 10 splits: 80 KB of partials a
+    group) by groups on a cooperative grid, seqlen_q 16 x group 4 runs the rows mode's producer ring."""
     import cupy as cp
     from gpu_util import to_f64
     variant(dict(loader="tma"))
+    splits = 10 if sq == 4 else 6   # seqlen_q 4: past a cluster's 8, and 240 CTAs resident at once
     cap = 2000
     x = _make(_seed(), 3, sq, 32, 8, 128, "bfloat16", page, cap, lens=[cap] * 3)   # every page mapped
     out = cp.empty(x.q.shape, x.q.dtype)
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
     with s:
-        _call(x, out=out, num_splits=6)
+        _call(x, out=out, num_splits=splits)
         s.synchronize()
         s.begin_capture()
-        _, lse = _call(x, out=out, num_splits=6, return_lse=True)
+        _, lse = _call(x, out=out, num_splits=splits, return_lse=True)
         graph = s.end_capture()
-    plan = _plan_of(x, 6)
+    plan = _plan_of(x, splits)
     assert plan.config.loader == "tma" and plan.config.warp_split == ("rows" if sq > 8 else "keys"), plan.config
+    assert (plan.config.cluster_merge == 6) == (sq == 1) and (sq != 4 or plan.split.cooperative), plan.config
     rng = np.random.default_rng(_seed())
     for step in range(3):
         x.lens_h = rng.integers(0, cap, size=3).astype(np.int32)
@@ -660,6 +707,6 @@ def test_gpu_tma_graph_replay_with_new_lengths_and_block_tables(variant, sq, pag
         graph.launch(s)
         s.synchronize()
         _check(x, out, lse, True, None, f"tma graph replay {step} page={page} lens {x.lens_h.tolist()}")
-        eager, _ = _call(x, num_splits=6, return_lse=True)
+        eager, _ = _call(x, num_splits=splits, return_lse=True)
         cp.cuda.Device().synchronize()
         assert np.array_equal(to_f64(eager, "bfloat16"), to_f64(out, "bfloat16")), f"replay {step} != eager"

@@ -1053,6 +1053,9 @@ KVCACHE_VARIANTS = (
     # since the twenty-fourth session): 8 splits, an append, a sequence without keys
     ("bf16 keys GQA4 8-split cluster merge append 1 d128", 2, 1, 8, 2, 128, "bfloat16", None, (700, 0), 1, 720, True,
      8, True),
+    # ... and its group merge where 16 splits x 16 rows of partials (128 KB a group) would go to the
+    # combine launch: a cooperative grid, a barrier per group
+    ("bf16 keys Sq4 GQA4 16-split group merge d128", 1, 4, 8, 2, 128, "bfloat16", None, (700,), 0, 720, True, 16, True),
     # the wgmma rows mode (sm_90, head_dim <= 128): 17-32 rows per kv head on a contiguous cache,
     # and more than 32 on a paged one, with query rows that see no key (Sq > cache + new, causal)
     ("bf16 wgmma rows contiguous Sq8 GQA4 d128", 2, 8, 8, 2, 128, "bfloat16", None, (37, 150), 0, 160, True, None,
@@ -1088,7 +1091,7 @@ KVCACHE_VARIANTS = (
 
 @case("attention_kvcache", families=("attention_decode",), ops=("attention_kvcache",),
       note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine, the "
-           "last CTA's merges, the keys mode's one-trip and cluster merges, the rows mode's group and cluster merges)")
+           "last CTA's merges, the keys mode's one-trip, cluster and group merges, the rows mode's group and cluster merges)")
 def _attention_kvcache(ctx: Ctx):
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv

@@ -569,6 +569,17 @@ REG_MERGE_MAX_SPLITS = 4
 # 92.2 against 90.3 / 91.2, d96 74.7 / 75.2 against 73.6 / 74.2).  The keys mode keeps its merges
 # (its partials are a few rows: see the template).
 GROUP_MERGE_MIN_SPLITS = 3
+# The keys mode takes it where its partials would go to the combine launch (more than
+# FUSED_COMBINE_MAX_BYTES per group: 8-16 query rows x 16 splits and more).  Measured (H200,
+# 2026-11-27, `tools/bench_decode.py --variants grp=combine:group`, 32/8 heads d128, two events
+# around each queue, % of copy, combine launch -> group merge, contiguous / paged16): seqlen_q 2 B1
+# S32k (16 splits) 78.4 / 75.3 -> 81.1 / 78.2, seqlen_q 4 77.5 / 74.1 -> 80.3 / 76.8.  Where the keys
+# mode merges in the launch already (the last CTA, a cluster) it was level or lost 0.3-0.8.  On an
+# H100 (same day, combine:kernel against it): paged16 seqlen_q 2 / 4 B1 S32k (16 splits) 80.6 / 79.5
+# -> 82.5 / 81.6; d256 16/2 B1 S32k (66 splits, one CTA per SM) lost, 59.4 -> 57.9: head dims up to
+# KEYS_GROUP_MERGE_HEAD_DIM_MAX only.
+KEYS_GROUP_MERGE = True
+KEYS_GROUP_MERGE_HEAD_DIM_MAX = 128
 
 
 def group_merge_loads(head_dim: int) -> int:
@@ -595,14 +606,18 @@ class _GroupRefused(LaunchError):
     """The device refused a group-merge plan's cooperative split grid (nothing of it launched)."""
 
 
-def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms: int):
+def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms: int, combine_launch: bool = False):
     """(config, kernel) of the group merge for a split grid (see GROUP_MERGE_MIN_SPLITS), or None:
-    rows mode, every CTA resident at once by the occupancy model (the cooperative launch checks
+    rows mode, or the keys mode where its partials would otherwise go to the combine launch
+    (``combine_launch``; see KEYS_GROUP_MERGE), every CTA resident at once by the occupancy model (the cooperative launch checks
     the driver's count), not refused before on this device; the bench's variants combine:group /
     fused / kernel and merge:* decide for themselves.  Only a grid that can fit compiles the
     group kernel (a bound from shared memory and threads first), and a plan that takes it does
     not compile the kernel without it."""
-    if cfg.warp_split != "rows" or (cfg, p.device) in _GROUP_REFUSED:
+    keys = cfg.warp_split == "keys" and (want == "group" or (
+        want is None and merge is None and combine_launch and KEYS_GROUP_MERGE
+        and cfg.head_dim <= KEYS_GROUP_MERGE_HEAD_DIM_MAX))
+    if not (cfg.warp_split == "rows" or keys) or cfg.schedule != "split" or (cfg, p.device) in _GROUP_REFUSED:
         return None
     if want != "group" and (want is not None or merge is not None
                             or num_splits < (2 if p.paged else GROUP_MERGE_MIN_SPLITS)):
@@ -1346,7 +1361,8 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         fused_max = FUSED_COMBINE_MAX_BYTES_ROWS if cfg.warp_split == "rows" else FUSED_COMBINE_MAX_BYTES
         fused = fits and (want == "fused" or (want is None and (
             in_regs or num_splits * cta_rows * p.head_dim * 4 <= fused_max)))
-        group = _group_merge(want, merge, cfg, p, num_splits, ctas, arch, sms) if rows_total > 0 else None
+        group = _group_merge(want, merge, cfg, p, num_splits, ctas, arch, sms, combine_launch=not fused) \
+            if rows_total > 0 else None
         if group is not None:
             cfg, kernel = group
             fused, merge = True, "group"
