@@ -788,6 +788,30 @@ def _plan_of(x, splits=None, lse=True):
     return plan
 
 
+def _cluster_merge_against_reference_and(variant, x, on: dict, off: dict, what: str, bitwise) -> None:
+    """At 2, 3, 5 and 8 splits: under the variant ``on`` the call merges its splits in a cluster (no
+    workspace) and passes the float64 reference with poisoned outputs; under ``off`` (a merge before
+    the cluster's) so does the same call, and where ``bitwise(off_plan, splits)`` the two agree bit
+    for bit (the same arithmetic in the same split order).  Shared by the keys and rows modes' tests."""
+    import cupy as cp
+    from gpu_util import poison, to_f64
+    for splits in (2, 3, 5, 8):
+        results = []
+        for fields, cluster in ((on, True), (off, False)):
+            variant(fields)
+            o, lse = _call(x, out=poison(cp.empty(x.q.shape, x.q.dtype)), return_lse=True, num_splits=splits)
+            cp.cuda.Device().synchronize()
+            plan = _plan_of(x, splits)
+            assert (plan.config.cluster_merge == splits and plan.part_bytes == 0) if cluster \
+                else plan.config.cluster_merge == 0, plan.config
+            _check(x, o, lse, True, None, f"{what} {'cluster' if cluster else 'other'} merge splits={splits}")
+            results.append((o, lse, plan))
+        (o, lse, _), (o2, lse2, off_plan) = results
+        if bitwise(off_plan, splits):
+            assert np.array_equal(to_f64(o, "bfloat16"), to_f64(o2, "bfloat16")), f"{what} splits={splits}: o differs"
+            assert np.array_equal(cp.asnumpy(lse), cp.asnumpy(lse2)), f"{what} splits={splits}: lse differs"
+
+
 def _bad_page_gives_nan_for_that_sequence_only(seqlen_q):
     """Under the variant set by the caller: a page id past the pool in sequence 1's table turns that
     sequence's output and lse into NaN and leaves the others finite."""

@@ -20,8 +20,8 @@ from rtkernels import inspect as rtk_inspect
 from rtkernels.errors import ConfigError
 from rtkernels.ops.attention_kvcache import AttentionDecodeConfig, check, choose_config
 
-from test_attention_kvcache import (Fake, _bad_page_gives_nan_for_that_sequence_only, _call, _check, _make, _run,
-                                   _seed, _views)
+from test_attention_kvcache import (Fake, _bad_page_gives_nan_for_that_sequence_only, _call, _check,
+                                   _cluster_merge_against_reference_and, _make, _run, _seed, _views)
 
 kv_mod = importlib.import_module("rtkernels.ops.attention_kvcache")
 TMA = dict(loader="tma")
@@ -602,29 +602,11 @@ def test_gpu_keys_mode_cluster_merge_against_reference_and_last_cta_merge(varian
     """The keys mode's cluster merge at 2-8 splits: ragged lengths (0 and 1: splits without keys), an
     append, poisoned outputs, the float64 reference; and bit for bit the last CTA's merge where that
     is the group merge's arithmetic (the same split order and formula)."""
-    import cupy as cp
-    from gpu_util import poison, to_f64
     # 3 x 4 groups: at most 96 CTAs, whose clusters the driver fits at one CTA per SM
     x = _make(_seed(), 3, sq, 16, 4, d, "bfloat16", page, 3000, lens=[0, 1, 2998], seqlen_new=2)
-    for splits in (2, 3, 5, 8):
-        variant(dict(loader="tma", warp_split="keys"))
-        out = poison(cp.empty(x.q.shape, x.q.dtype))
-        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
-        cp.cuda.Device().synchronize()
-        plan = _plan_of(x, splits)
-        assert plan.config.warp_split == "keys" and plan.config.cluster_merge == splits, plan.config
-        assert plan.part_bytes == 0
-        _check(x, o, lse, True, None, f"keys cluster merge sq={sq} d={d} page={page} splits={splits}")
-        variant(dict(loader="tma", warp_split="keys", cluster="off"))
-        off = _plan_of(x, splits)
-        assert off.config.cluster_merge == 0
-        ref = poison(cp.empty(x.q.shape, x.q.dtype))
-        o2, lse2 = _call(x, out=ref, return_lse=True, num_splits=splits)
-        cp.cuda.Device().synchronize()
-        _check(x, o2, lse2, True, None, f"last-CTA merge sq={sq} d={d} page={page} splits={splits}")
-        if off.fused and off.config.group_merge >= splits:
-            assert np.array_equal(to_f64(o, "bfloat16"), to_f64(o2, "bfloat16")), f"splits={splits}: o differs"
-            assert np.array_equal(cp.asnumpy(lse), cp.asnumpy(lse2)), f"splits={splits}: lse differs"
+    keys = dict(loader="tma", warp_split="keys")
+    _cluster_merge_against_reference_and(variant, x, keys, dict(keys, cluster="off"), f"keys sq={sq} d={d} page={page}",
+                                         lambda off, splits: off.fused and off.config.group_merge >= splits)
 
 
 @pytest.mark.gpu

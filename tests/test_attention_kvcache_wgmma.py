@@ -21,8 +21,8 @@ import rtkernels as rtk
 from rtkernels.errors import ConfigError
 from rtkernels.ops.attention_kvcache import AttentionDecodeConfig, choose_config
 
-from test_attention_kvcache import (_bad_page_gives_nan_for_that_sequence_only, _call, _check, _make,
-                                    _plan_of, _run, _seed, variant)
+from test_attention_kvcache import (_bad_page_gives_nan_for_that_sequence_only, _call, _check,
+                                    _cluster_merge_against_reference_and, _make, _plan_of, _run, _seed, variant)
 
 FIXTURES = (variant,)   # pytest fixtures shared with test_attention_kvcache (used by argument name)
 
@@ -333,26 +333,11 @@ def test_gpu_cluster_merge_against_reference_and_group_merge(variant, d, page):
     lengths (0 and 1: splits without keys), an append, poisoned outputs, the float64 reference; and
     bit for bit the group merge's result (the same arithmetic in the same split order) from 3
     splits on."""
-    import cupy as cp
-    from gpu_util import poison, to_f64
     # 3 x 4 groups: at most 96 CTAs, whose clusters the driver fits at one CTA per SM (15 of 8 CTAs)
     x = _make(_seed(), 3, 16, 16, 4, d, "bfloat16", page, 3000, lens=[0, 1, 2998], seqlen_new=2)
-    for splits in (2, 3, 5, 8):
-        variant(dict(mma="wgmma", combine="cluster"))
-        out = poison(cp.empty(x.q.shape, x.q.dtype))
-        o, lse = _call(x, out=out, return_lse=True, num_splits=splits)
-        cp.cuda.Device().synchronize()
-        plan = _plan_of(x, splits)
-        assert plan.config.cluster_merge == splits and plan.part_bytes == 0, plan.config
-        _check(x, o, lse, True, None, f"cluster merge d={d} page={page} splits={splits}")
-        if splits >= kv_mod.GROUP_MERGE_MIN_SPLITS:
-            variant(dict(mma="wgmma", cluster="off"))
-            ref = poison(cp.empty(x.q.shape, x.q.dtype))
-            o2, lse2 = _call(x, out=ref, return_lse=True, num_splits=splits)
-            cp.cuda.Device().synchronize()
-            assert _plan_of(x, splits).config.cluster_merge == 0
-            assert np.array_equal(to_f64(o, "bfloat16"), to_f64(o2, "bfloat16")), f"splits={splits}: o differs"
-            assert np.array_equal(cp.asnumpy(lse), cp.asnumpy(lse2)), f"splits={splits}: lse differs"
+    _cluster_merge_against_reference_and(variant, x, dict(mma="wgmma", combine="cluster"),
+                                         dict(mma="wgmma", cluster="off"), f"rows d={d} page={page}",
+                                         lambda off, splits: splits >= kv_mod.GROUP_MERGE_MIN_SPLITS)
 
 
 @pytest.mark.gpu
