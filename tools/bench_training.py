@@ -8,8 +8,9 @@ the same run (1 GiB; the row ops also against a copy of their own size):
   AdamW           read p (or the fp32 master), g, m, v; write p, m, v (+ master)
 Peers in the same run: torch eager (autograd of F.rms_norm / F.layer_norm / softmax; F.cross_entropy
 forward + backward; torch.optim.AdamW(fused=True) and foreach=True), Liger / QuACK when importable.
-Calls are queued behind a spin kernel (benchutil.time_queued: each call's own GPU time even when
-the host is slower) and the candidates of a case alternate over several rounds (median of rounds).
+Calls are queued behind a spin kernel and timed back to back between two events (benchutil.time_queued;
+before 2026-11-27 an event after every call, ~1.5 us more per call) and the candidates of a case
+alternate over several rounds (median of rounds).
 
     PYTHONPATH=. python tools/bench_training.py [--quick] [--out DIR] [--ops norm,softmax,ce,adamw]
         [--variants [NAME,...]] [--widths N,...]

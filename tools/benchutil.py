@@ -5,7 +5,8 @@ repeats, and rotate among several input sets when one set would fit in L2.  Thre
 much host time a call costs against its kernel: :func:`time_cuda` (events around each call;
 kernels well above the host cost), :func:`time_batched` (events around batches of back-to-back
 calls: the host's launch cost hides behind the kernels), :func:`time_queued` (every call queued
-behind a spin kernel: each call's own kernel time even when the host is slower than the GPU).
+behind a spin kernel and timed back to back between two events, as a pipeline runs them, even when
+the host is slower than the GPU).
 """
 from __future__ import annotations
 
@@ -105,13 +106,14 @@ extern "C" __global__ void spin(long long ns) {
     _SPIN((1,), (1,), (cp.int64(ns),))
 
 
-def time_queued(fn, inputs, *, warmup: int = 3, repeat: int = 20, events: str = "each"):
+def time_queued(fn, inputs, *, warmup: int = 3, repeat: int = 20, events: str = "ends"):
     """(GPU ms per call, host us per call, queue drained?) of ``fn(*inputs[i % len])``.
 
     Every call queued behind a spin kernel long enough for the host to enqueue them all (rotating
-    inputs keep L2 honest).  ``events``: "each" records an event after every call and returns the
-    median interval; "ends" records two events around the whole queue and returns their interval /
-    ``repeat`` - the calls back to back as a pipeline runs them, the brief's method.  An event between
+    inputs keep L2 honest).  ``events``: "ends" (the default since 2026-11-27) records two events
+    around the whole queue and returns their interval / ``repeat`` - the calls back to back as a
+    pipeline runs them, the brief's method; "each" records an event after every call and returns the
+    median interval (the method of the benches' figures before).  An event between
     two kernels holds the second back: the gap from one kernel's last block to the next one's
     first grew from 1.6-1.8 us to 3.1-3.3 us with an event recorded between them (H200,
     2026-11-27, globaltimer stamps), so "each" charges every call ~1.5 us a pipeline does not pay.
@@ -174,12 +176,14 @@ def time_host(fn, calls: int) -> float:
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, GB/s counting bytes read plus bytes written (the memory-bound ceiling)."""
+    """Device-to-device copy, GB/s counting bytes read plus bytes written (the memory-bound ceiling),
+    timed as the kernels are (:func:`time_queued`: copies back to back between two events; before
+    2026-11-27 events around each synchronized copy, which charged each copy an event's delay)."""
     import cupy as cp
     x = cp.empty(nbytes // 4, dtype=cp.float32)
     x.fill(1.0)
     y = cp.empty_like(x)
-    ms = time_cuda(lambda: y.data.copy_from_device(x.data, nbytes), warmup=3, repeat=20)
+    ms, _, _ = time_queued(lambda: y.data.copy_from_device(x.data, nbytes), [()], warmup=3, repeat=20)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
