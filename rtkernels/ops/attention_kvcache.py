@@ -5,10 +5,11 @@ causal=True, softmax_scale=None, return_lse=False, num_splits=None, out=None, st
 has the semantics of FlashAttention's ``flash_attn_with_kvcache``.  One kernel family,
 ``attention_decode`` (templates/attention_decode.cu.j2), with three entry points: the split-KV
 attention kernel (which also merges the splits' partial results, "fused": by the last CTA of a
-group to finish, or - the rows mode's group merge - by every CTA of the group in a cooperative
-launch, or - its cluster merge - by the CTAs of a thread-block cluster through distributed shared
-memory), the combine kernel that merges them as a launch of its own when they are many, and the
-append kernel that writes k_new / v_new into the cache first.
+group to finish, or - the group merge - by every CTA of the group in a cooperative launch, or -
+the cluster merge, 2-8 splits - by the CTAs of a thread-block cluster through distributed shared
+memory), the combine kernel that merges them as a launch of its own when they are many and the
+grid cannot be resident at once, and the append kernel that writes k_new / v_new into the cache
+first.
 
 The call reads top-down: check (shapes, dtypes, strides, devices; cheap, no device reads) ->
 plan (config from :func:`choose_config`, splits from :func:`choose_num_splits`, grid, the
