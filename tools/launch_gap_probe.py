@@ -6,10 +6,11 @@ serialization attribute, or plainly) stamps its entry and its griddepcontrol.wai
 
     PYTHONPATH=. python3 tools/launch_gap_probe.py      # on the GPU host (sm_90)
 
-H200, 2026-11-27 (docs/data/launch_gap_probe_session24_2026-11-27_h200.log): back to back, the
-next kernel entered 1.6-1.8 us after the last block of the one before; with an event recorded
-between them 3.1-3.3 us (PDL or not: it does not overlap across the event); with PDL and no event
-its blocks entered before the first kernel's end and its wait returned 0.64-0.74 us after it.
+H200, 2026-11-27, two runs (docs/data/launch_gap_probe_session24_2026-11-27_h200.log): back to
+back, the next kernel entered 1.6-1.8 us after the last block of the one before; with an event
+recorded between them 2.9-3.3 us (PDL or not: it does not overlap across the event); with PDL and no
+event its blocks entered up to 3.8 us before the first kernel's end (when it triggers) and its wait
+returned 0.64-0.80 us after it.
 Why it matters: tools/benchutil.time_queued's events="each" charged every call that extra ~1.5 us."""
 import ctypes
 import cupy as cp
