@@ -115,7 +115,7 @@ def time_queued(fn, inputs, *, warmup: int = 3, repeat: int = 20, events: str = 
     pipeline runs them, the brief's method; "each" records an event after every call and returns the
     median interval (the method of the benches' figures before).  An event between
     two kernels holds the second back: the gap from one kernel's last block to the next one's
-    first grew from 1.6-1.8 us to 3.1-3.3 us with an event recorded between them (H200,
+    first grew from 1.6-1.8 us to 2.9-3.3 us with an event recorded between them (H200,
     2026-11-27, globaltimer stamps), so "each" charges every call ~1.5 us a pipeline does not pay.
     If the host needed longer than the spin, ``drained`` is True and the times include host gaps."""
     import cupy as cp
