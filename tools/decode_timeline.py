@@ -45,7 +45,7 @@ PATCHES = [
      "        rtk_t1 = rtk_now();\n", ""),
     ("        // ---- the cluster merge (every split of the group merges a share; see cluster_merge) ----\n",
      "        rtk_t2 = rtk_now();\n", ""),
-    ("                cluster_merge(p, a, reinterpret_cast<const float*>(tma_base), split, b, hkv0, r0, rows_valid, tid);\n",
+    ("                cluster_merge(p, a, smem_raw, split, b, hkv0, r0, rows_valid, tid);\n",
      "", "                rtk_record(split);\n"),
     ("            rtk::group_barrier_done(counters, a.num_splits, ticket);\n", "", "            rtk_record(split);\n"),
     # the kernel's first instruction (11) and its sequence length read (12), both modes
@@ -64,9 +64,8 @@ PATCHES = [
      "    if (threadIdx.x == 0) rtk_s[1] = rtk_now();\n", ""),
     ("            lse_out[lrow] = bad ? quiet_nan() : (l > 0.f ? fin_m[r] * a.softmax_scale + logf(l) : neg_inf());\n"
      "        }\n    }\n", "", "    __syncthreads();\n    if (threadIdx.x == 0) { rtk_s[2] = rtk_now(); rtk_s[3] = rtk_s[2]; }\n"),
-    ("            cluster_merge(p, a, reinterpret_cast<const float*>(smem_raw + CM_KEYS_OFFSET), split, b, hkv0, r0,\n",
-     "            __syncthreads();\n            if (threadIdx.x == 0) rtk_stamps[STAMPSull * blockIdx.x + 2] = rtk_now();\n", ""),
-    ("                          rows_valid, tid);\n", "", "            __syncthreads();\n"
+    # (the keys mode's cluster call, 12 spaces in: its rows' store is stamped at keys_cta's end above)
+    ("\n            cluster_merge(p, a, smem_raw, split, b, hkv0, r0, rows_valid, tid);\n", "", "            __syncthreads();\n"
      "            if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
      " rtk_stamps[STAMPSull * blockIdx.x + 3] = rtk_now(); }\n"),
     ("            group_merge<GM_LOADS / GM_SB, GM_SB>(p, a, 0, 1, b, hkv0, r0, rows_valid, rows_all, tid);\n", "",

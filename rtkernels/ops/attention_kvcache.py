@@ -615,13 +615,12 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
     fused / kernel and merge:* decide for themselves.  Only a grid that can fit compiles the
     group kernel (a bound from shared memory and threads first), and a plan that takes it does
     not compile the kernel without it."""
-    keys = cfg.warp_split == "keys" and (want == "group" or (
-        want is None and merge is None and combine_launch and KEYS_GROUP_MERGE
-        and cfg.head_dim <= KEYS_GROUP_MERGE_HEAD_DIM_MAX))
-    if not (cfg.warp_split == "rows" or keys) or cfg.schedule != "split" or (cfg, p.device) in _GROUP_REFUSED:
+    # by default: the rows mode's grids of enough splits; the keys mode's where the combine launch would run
+    by_default = num_splits >= (2 if p.paged else GROUP_MERGE_MIN_SPLITS) and (cfg.warp_split == "rows" or (
+        combine_launch and KEYS_GROUP_MERGE and cfg.head_dim <= KEYS_GROUP_MERGE_HEAD_DIM_MAX))
+    if (cfg, p.device) in _GROUP_REFUSED:
         return None
-    if want != "group" and (want is not None or merge is not None
-                            or num_splits < (2 if p.paged else GROUP_MERGE_MIN_SPLITS)):
+    if want != "group" and (want is not None or merge is not None or not by_default):
         return None
     from ..arch import occupancy
     from ..kernel import get_kernel
@@ -652,7 +651,7 @@ def _cluster_merge(v: dict, cfg, num_splits: int, ctas: int, row_tiles: int, arc
     the merges before."""
     if v.get("cluster") == "off" or v.get("merge") is not None or v.get("combine") not in (None, "cluster"):
         return None
-    keys = cfg.warp_split == "keys" and cfg.loader == "tma" and cfg.schedule == "split"
+    keys = cfg.warp_split == "keys" and cfg.loader == "tma"   # (stream-K plans never get here)
     if not (keys or cfg.mma == "wgmma") or row_tiles != 1 or num_splits not in CLUSTER_MERGE_SPLITS:
         return None
     default_max = KEYS_CLUSTER_MERGE_MAX_SPLITS if keys else CLUSTER_MERGE_DEFAULT_MAX_SPLITS
