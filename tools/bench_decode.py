@@ -1,5 +1,6 @@
 """Decode benchmark: rtk.attention_kvcache (contiguous and paged caches) against PyTorch SDPA
-(cuDNN and flash backends) and a device copy, all in one run.
+(cuDNN and flash backends), FlashAttention-4's forward where importable (../shared/anchors; no
+split-KV decode on sm_90) and a device copy, all in one run.
 
 GB/s = bytes of K and V read once (batch x seqlen_k x nheads_kv x head_dim x 2 x itemsize) / time;
 %copy = that over the same run's device-to-device copy (bytes read + written, 1 GiB), the roof
@@ -167,6 +168,20 @@ def _sdpa_fn(torch, backend, nhd=False):
     return fn
 
 
+def _fa4_fn():
+    """FlashAttention-4's forward (CuTe DSL, ../shared/anchors) on rtk's own (B, S, H, D) arrays, causal
+    bottom-right as rtk's, or None where it is not importable.  FA4 has no split-KV decode on sm_90
+    (num_splits=1: one CTA per (query tile, kv head, sequence))."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def fn(s):
+        flash_attn_func(s.q, s.k, s.v, causal=True, num_splits=1)
+    return fn
+
+
 def _plan_of(kv, s, layout, dtype, torch, kw, variant=None):
     """The plan the op runs for this set, layout and variant."""
     kc, vc, table = _cache_args(s, layout)
@@ -267,6 +282,9 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
             cands[name] = (_sdpa_fn(torch, be), None, None, None)
         if args.sdpa_nhd:
             cands["sdpa_cudnn_nhd"] = (_sdpa_fn(torch, SDPBackend.CUDNN_ATTENTION, nhd=True), None, None, None)
+        fa4 = _fa4_fn()
+        if fa4 is not None:
+            cands["fa4"] = (fa4, None, None, None)
     row = {"batch": b, "seqlen_k": sk, "heads": f"{h}/{hkv}", "head_dim": d, "seqlen_q": sq, "MB": nbytes / 1e6,
            "sets": nsets}
     live = {}
@@ -288,6 +306,9 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
     kv.set_variant(None)
     if "rtk_contig_GBs" in row and "sdpa_cudnn_GBs" in row:
         row["rtk/cudnn"] = row["rtk_contig_GBs"] / row["sdpa_cudnn_GBs"]
+    peers = [row[f"{n}_GBs"] for n in ("sdpa_cudnn", "sdpa_flash", "fa4") if f"{n}_GBs" in row]
+    if "rtk_contig_GBs" in row and peers:
+        row["rtk/best_peer"] = row["rtk_contig_GBs"] / max(peers)
     rtk_best = max(((n, row[f"{n}_GBs"]) for n in live if n.startswith("rtk_contig") and f"{n}_GBs" in row),
                    key=lambda x: x[1], default=None)
     if rtk_best is not None:
@@ -509,8 +530,9 @@ def main():
         print(bu.table(sweep, shape_cols + ["candidate", "cfg", "%copy"] + other_layouts
                        + [f"x{k}" for k in args.splits]))
     cols = shape_cols + [f"rtk_{lay}_%copy" for lay in args.layouts]
-    cols += [c for c in ("sdpa_cudnn_%copy", "sdpa_cudnn_nhd_%copy", "sdpa_flash_%copy") if any(c in r for r in rows)]
-    cols += ["rtk/cudnn"] + [f"{lay}/contig" for lay in args.layouts if lay.startswith("paged")]
+    cols += [c for c in ("sdpa_cudnn_%copy", "sdpa_cudnn_nhd_%copy", "sdpa_flash_%copy", "fa4_%copy")
+             if any(c in r for r in rows)]
+    cols += ["rtk/cudnn", "rtk/best_peer"] + [f"{lay}/contig" for lay in args.layouts if lay.startswith("paged")]
     cols += ["best", "best_%copy", "rtk_contig_cfg"]
     if args.tiles:
         cols.append("tiles")
