@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import cache, device
+from . import pdl as pdl_mod
 from ._version import __version__
 from .compiler import CompileOptions, Resources, compile_source, nvrtc_version, parse_arch
 from .errors import CompileError, ConfigError, DeviceError, LaunchError
@@ -61,16 +62,26 @@ class Param:
     np_type: Any = None   # NumPy scalar type for scalars
 
 
-def parse_signature(source: str, name: str) -> list[Param] | None:
-    """Parameters of ``__global__ void name(...)`` in ``source``; None if not found."""
+def _parameter_list(source: str, name: str) -> tuple[int, int] | None:
+    """(start, end) of the parameter list of ``__global__ void name(...)`` in ``source``: from
+    just past its opening parenthesis to just past its closing one; None if not found."""
     m = re.search(r"__global__\s+(?:__\w+__\s*\([^)]*\)\s*)*void\s+(?:__\w+__\s*\([^)]*\)\s*)*"
                   + re.escape(name) + r"\s*\(", source)
     if not m:
         return None
-    depth, i, start = 1, m.end(), m.end()
+    depth, i = 1, m.end()
     while depth and i < len(source):
         depth += {"(": 1, ")": -1}.get(source[i], 0)
         i += 1
+    return m.end(), i
+
+
+def parse_signature(source: str, name: str) -> list[Param] | None:
+    """Parameters of ``__global__ void name(...)`` in ``source``; None if not found."""
+    span = _parameter_list(source, name)
+    if span is None:
+        return None
+    start, i = span
     body = re.sub(r"/\*.*?\*/|//[^\n]*", " ", source[start:i - 1], flags=re.S)
     params, depth, cur = [], 0, ""
     for ch in body:
@@ -371,6 +382,13 @@ class Kernel:
         if self._converters is not None:
             self.launch = self._make_launcher()
 
+    @cached_property
+    def pdl(self) -> bool:
+        """Whether this kernel's body begins with ``rtk::grid_dependency_wait()``: launches on
+        sm_90+ devices then carry the programmatic-stream-serialization attribute (rtkernels/pdl.py)."""
+        span = _parameter_list(self.module.source, self.lowered_name)
+        return span is not None and pdl_mod.waits_first(self.module.source, span[1])
+
     def __repr__(self) -> str:
         r = self.resources
         return (f"<rtkernels.Kernel {self.name} of {self.module.label} [{self.module.config_repr}] for {self.arch}: "
@@ -424,7 +442,10 @@ class Kernel:
             mod = self.module.load(dev)
             if self._generation != self.module.generation:
                 self._rebind()
-            fn = self._functions[dev] = mod.get_function(self.lowered_name)
+            fn = mod.get_function(self.lowered_name)
+            if self.pdl and pdl_mod.device_supports(device._props(dev)["major"]):
+                fn = pdl_mod.PdlFunction(fn)
+            self._functions[dev] = fn
         return fn
 
     def _rebind(self) -> None:

@@ -6,6 +6,21 @@
 
 namespace rtk {
 
+// Programmatic dependent launch (sm_90+): rtkernels launches a kernel whose body begins with this
+// call with the programmatic-stream-serialization attribute (rtkernels/kernel.py, _PdlFunction),
+// which lets the driver start its blocks without the full gap after the kernel before it in the
+// stream (H200, 2026-11-27: the next kernel's blocks entered 0.64-0.67 us after the previous one's
+// last block ended, against 1.66-1.82 us without; tools/launch_gap_probe.py).  The wait returns
+// once every kernel the stream ran before has completed and its memory is visible, so it must come
+// before the kernel's first global load or store: the launcher applies the attribute only to
+// kernels whose body starts with it (Kernel.pdl).  Without the attribute, and before sm_90, it is
+// a no-op.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
