@@ -7,7 +7,7 @@
 namespace rtk {
 
 // Programmatic dependent launch (sm_90+): rtkernels launches a kernel whose body begins with this
-// call with the programmatic-stream-serialization attribute (rtkernels/kernel.py, _PdlFunction),
+// call with the programmatic-stream-serialization attribute (rtkernels/pdl.py, PdlFunction),
 // which lets the driver start its blocks without the full gap after the kernel before it in the
 // stream (H200, 2026-11-27: the next kernel's blocks entered 0.64-0.67 us after the previous one's
 // last block ended, against 1.66-1.82 us without; tools/launch_gap_probe.py).  The wait returns
