@@ -102,6 +102,20 @@ def test_other_kernels_launch_plainly():
     assert not rtk.get_kernel(s90.choose_config("bfloat16", 128, True), arch="sm_90").pdl
 
 
+def test_user_template_that_waits_first_is_pdl_ready():
+    src = ('#include "rtk/common.cuh"\n'
+           'extern "C" __global__ void scale(float* x, int n) {\n'
+           '    rtk::grid_dependency_wait();\n'
+           '    int i = blockIdx.x * blockDim.x + threadIdx.x;\n'
+           '    if (i < n) x[i] *= {{ factor }};\n}\n')
+    k = rtk.compile(rtk.Template(src), kernel="scale", factor=2.0, arch="sm_90")
+    assert k.pdl and "ACQBULK" in k.sass
+    late = rtk.compile(rtk.Template(src.replace("    rtk::grid_dependency_wait();\n", "").replace(
+        "x[i] *= {{ factor }};", "{ rtk::grid_dependency_wait(); x[i] *= {{ factor }}; }")), kernel="scale",
+        factor=2.0, arch="sm_90")
+    assert not late.pdl   # a wait that is not the body's first statement does not count
+
+
 def test_set_enabled_round_trip():
     prev = pdl.set_enabled(False)
     try:
