@@ -228,7 +228,8 @@ def report(kernel: Any, arch: str | None = None, *, threads_per_block: int | Non
     -------
     dict with ``family``, ``kernel``, ``params``, ``config``, ``arch``, ``resources``,
     ``threads_per_block``, ``smem_static``, ``smem_dynamic``, ``occupancy`` (None when the block
-    size is unknown), ``sass`` (:func:`sass_stats`) and ``flags``.
+    size is unknown), ``sass`` (:func:`sass_stats`), ``pdl`` (:attr:`rtkernels.Kernel.pdl`) and
+    ``flags``.
     """
     family, params, config_repr = _config_info(kernel)
     cfg = getattr(kernel, "config", None)
@@ -253,6 +254,8 @@ def report(kernel: Any, arch: str | None = None, *, threads_per_block: int | Non
         "resources": resources, "threads_per_block": tpb, "smem_static": res.shared_static,
         "smem_dynamic": dyn, "occupancy": occ.as_dict() if occ else None, "occupancy_note": note,
         "sass": stats,
+        # launched with programmatic dependent launch on sm_90+ (its body begins with the wait)
+        "pdl": bool(getattr(kernel, "pdl", False)),
         "flags": flags(stats, res, cfg if cfg is not None else None, occupancy=occ),
     }
 

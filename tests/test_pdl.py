@@ -97,7 +97,8 @@ def test_other_kernels_launch_plainly():
     and a long kernel gains nothing from a 1 us earlier start; and user templates."""
     from rtkernels.ops import rowwise as rw
     from rtkernels.ops import attention_sm90 as s90
-    assert not rtk.compile("vector_add", dtype="float32", block_size=256).pdl
+    plain = rtk.compile("vector_add", dtype="float32", block_size=256)
+    assert not plain.pdl and plain.report()["pdl"] is False
     assert not rtk.get_kernel(rw.plan("softmax", 4096, "bfloat16", 8, "sm_90"), "softmax_rows", arch="sm_90").pdl
     assert not rtk.get_kernel(s90.choose_config("bfloat16", 128, True), arch="sm_90").pdl
 
@@ -109,7 +110,7 @@ def test_user_template_that_waits_first_is_pdl_ready():
            '    int i = blockIdx.x * blockDim.x + threadIdx.x;\n'
            '    if (i < n) x[i] *= {{ factor }};\n}\n')
     k = rtk.compile(rtk.Template(src), kernel="scale", factor=2.0, arch="sm_90")
-    assert k.pdl and "ACQBULK" in k.sass
+    assert k.pdl and "ACQBULK" in k.sass and k.report()["pdl"] is True
     late = rtk.compile(rtk.Template(src.replace("    rtk::grid_dependency_wait();\n", "").replace(
         "x[i] *= {{ factor }};", "{ rtk::grid_dependency_wait(); x[i] *= {{ factor }}; }")), kernel="scale",
         factor=2.0, arch="sm_90")
