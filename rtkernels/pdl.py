@@ -79,32 +79,32 @@ def device_supports(cc_major: int) -> bool:
 
 
 _ATTR: list = []   # [programmatic stream serialization, cooperative] launch attributes, made once
-_LK: list = []     # what a launch looks up, once (see _lookups)
-
-
-def _lookups():
-    """(CPointer, CIntptr, ndarray, MemoryPointer, cuda.bindings.driver, its cuLaunchKernelEx,
-    CuPy's current stream, the address of a null pointer and its holder), looked up once."""
-    if not _LK:
-        import cupy
-        from cupy.cuda.function import CIntptr, CNumpyArray, CPointer
-        from cuda.bindings import driver as drv
-        a = drv.CUlaunchAttribute()
-        a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        a.value.programmaticStreamSerializationAllowed = 1
-        c = drv.CUlaunchAttribute()
-        c.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        c.value.cooperative = 1
-        _ATTR.extend((a, c))
-        _HOLDERS.update((CPointer, CIntptr, CNumpyArray))
-        null = CIntptr(0)
-        _LK.append((CPointer, CIntptr, cupy.ndarray, cupy.cuda.MemoryPointer, drv, drv.cuLaunchKernelEx,
-                    cupy.cuda.get_current_stream, null.ptr, null))
-    return _LK[0]
-
-
-_CHARS: dict = {}   # nbytes -> ctypes char array type (NumPy scalars' and records' bytes)
 _HOLDERS: set = set()   # CuPy's argument holder types (CPointer and its subclasses): .ptr is the address
+_CHARS: dict = {}   # nbytes -> ctypes char array type (NumPy scalars' and records' bytes)
+# What a launch looks up, bound once by _lookups() (module globals: the cheapest lookups per launch)
+_drv = _CPointer = _CIntptr = _ndarray = _MemoryPointer = _current_stream = _NULL = None
+
+
+def _lookups() -> None:
+    """Bind cuda.bindings' driver, CuPy's holder and array types, its current stream and a null
+    pointer holder, and make the launch attributes (once)."""
+    global _drv, _CPointer, _CIntptr, _ndarray, _MemoryPointer, _current_stream, _NULL
+    if _drv is not None:
+        return
+    import cupy
+    from cupy.cuda.function import CIntptr, CNumpyArray, CPointer
+    from cuda.bindings import driver as drv
+    a = drv.CUlaunchAttribute()
+    a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    a.value.programmaticStreamSerializationAllowed = 1
+    c = drv.CUlaunchAttribute()
+    c.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+    c.value.cooperative = 1
+    _ATTR[:] = [a, c]
+    _HOLDERS.update((CPointer, CIntptr, CNumpyArray))
+    _CPointer, _CIntptr, _ndarray, _MemoryPointer = CPointer, CIntptr, cupy.ndarray, cupy.cuda.MemoryPointer
+    _current_stream, _NULL = cupy.cuda.get_current_stream, CIntptr(0)
+    _drv = drv
 
 
 class _Bytes:
@@ -115,46 +115,38 @@ class _Bytes:
         self.buf, self.ptr = buf, ctypes.addressof(buf)
 
 
-def _holder(a, lk):
+def _holder(a):
     """A holder (``.ptr``: the host address of the bytes the driver reads) of argument ``a``, which
     is neither one of CuPy's holders nor a CuPy array, with CuPy's conventions (Function.__call__):
     Python ints as int64, floats as float64, NumPy scalars and records as their bytes, None as a
     null pointer."""
-    CPointer, CIntptr, ndarray = lk[0], lk[1], lk[2]
     if isinstance(a, np.generic):   # NumPy scalars and records (a by-value struct): their bytes
         n = a.nbytes
         return _Bytes((_CHARS.get(n) or _CHARS.setdefault(n, ctypes.c_char * n)).from_buffer_copy(a))
     if a is None:
-        return lk[8]
-    if isinstance(a, CPointer):   # (a holder subclass not seen before)
+        return _NULL
+    if isinstance(a, _CPointer):   # (a holder subclass not seen before)
         _HOLDERS.add(type(a))
         return a
-    if isinstance(a, ndarray):   # (a subclass)
-        return CIntptr(a.data.ptr)
+    if isinstance(a, _ndarray):   # (a subclass)
+        return _CIntptr(a.data.ptr)
     if type(a) is bool:
         return _Bytes(ctypes.c_bool(a))
     if isinstance(a, int):
         if not -(1 << 63) <= a < (1 << 63):   # as CuPy's numpy.int64(a)
             raise OverflowError(f"a kernel argument {a} does not fit in int64")
-        return CIntptr(a)
+        return _CIntptr(a)
     if isinstance(a, float):
         return _Bytes(ctypes.c_double(a))
-    if isinstance(a, lk[3]):   # a MemoryPointer: its device address
-        return CIntptr(a.ptr)
+    if isinstance(a, _MemoryPointer):   # its device address
+        return _CIntptr(a.ptr)
     raise TypeError(f"a kernel argument of type {type(a).__name__} cannot be passed by value")
 
 
 def _dim3(d) -> tuple:
+    """A grid or block as CuPy takes it (an int, or a 1- to 3-tuple or list), as three ints."""
     d = tuple(int(x) for x in d) if isinstance(d, (tuple, list)) else (int(d),)
     return d + (1,) * (3 - len(d))
-
-
-class _Stream:
-    """A stream handle as CuPy's Function takes it (anything with ``.ptr``)."""
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
 
 
 class PdlFunction:
@@ -172,8 +164,9 @@ class PdlFunction:
     __slots__ = ("fn", "ptr", "_cufn", "_configs", "_coop_refused")
 
     def __init__(self, fn):
+        _lookups()
         self.fn, self.ptr = fn, fn.ptr
-        self._cufn = _lookups()[4].CUfunction(fn.ptr)
+        self._cufn = _drv.CUfunction(fn.ptr)
         self._configs: dict = {}   # launch key -> (CUlaunchConfig, grid, block, shared_mem)
         self._coop_refused = False
 
@@ -183,47 +176,46 @@ class PdlFunction:
     def __call__(self, grid, block, args, shared_mem=0, stream=None, enable_cooperative_groups=False):
         if not _ENABLED[0] or (enable_cooperative_groups and self._coop_refused):
             return self.fn(grid, block, args, shared_mem, stream, enable_cooperative_groups=enable_cooperative_groups)
-        if type(grid) is not tuple or type(block) is not tuple:
+        if type(grid) is not tuple or type(block) is not tuple:   # (a key must hash: ints and lists as tuples)
             grid, block = _dim3(grid), _dim3(block)
-        lk = _LK[0]
-        key = (grid, block, shared_mem, stream.ptr if stream is not None else lk[6]().ptr,
+        key = (grid, block, shared_mem, stream.ptr if stream is not None else _current_stream().ptr,
                bool(enable_cooperative_groups))
-        self._send(self._configs.get(key) or self._config(key, _dim3(grid), _dim3(block)), key, args, lk)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = self._config(key, _dim3(grid), _dim3(block))
+        self._send(cfg, key, args, stream)
 
     def linear_launch(self, size, args, shared_mem=0, block_max_size=128, stream=None,
                       enable_cooperative_groups=False):
         if not _ENABLED[0] or (enable_cooperative_groups and self._coop_refused):
             return self.fn.linear_launch(size, args, shared_mem, block_max_size, stream,
                                          enable_cooperative_groups=enable_cooperative_groups)
-        lk = _LK[0]
-        key = (size, block_max_size, shared_mem, stream.ptr if stream is not None else lk[6]().ptr,
+        key = (size, block_max_size, shared_mem, stream.ptr if stream is not None else _current_stream().ptr,
                bool(enable_cooperative_groups))
         cfg = self._configs.get(key)
         if cfg is None:   # CuPy's linear_launch: min(2^31 - 1, ceil(size / block)) blocks of min(block, size)
             cfg = self._config(key, (min(0x7FFFFFFF, (size + block_max_size - 1) // block_max_size), 1, 1),
                                (min(block_max_size, size), 1, 1))
-        self._send(cfg, key, args, lk)
+        self._send(cfg, key, args, stream)
 
-    def _send(self, cfg: tuple, key: tuple, args, lk) -> None:
+    def _send(self, cfg: tuple, key: tuple, args, stream) -> None:
         # kernelParams: the address of each argument's bytes - CuPy's holders (bound launches'
         # arguments, the launchers' ints) have theirs, CuPy arrays get one of their data address,
         # the rest _holder's; ``held`` keeps them alive through the call
-        nd, ci = lk[2], lk[1]
-        held = [a if type(a) in _HOLDERS else ci(a.data.ptr) if type(a) is nd else _holder(a, lk) for a in args]
+        held = [a if type(a) in _HOLDERS else _CIntptr(a.data.ptr) if type(a) is _ndarray else _holder(a)
+                for a in args]
         ptrs = array("q", [h.ptr for h in held])
-        err, = lk[5](cfg[0], self._cufn, ptrs.buffer_info()[0] if args else 0, 0)
+        err, = _drv.cuLaunchKernelEx(cfg[0], self._cufn, ptrs.buffer_info()[0] if args else 0, 0)
         if err:
-            self._failed(err, cfg, key, args)
+            self._failed(err, cfg, key[4], args, stream)
 
-    def _failed(self, err: int, cfg: tuple, key: tuple, args) -> None:
-        drv = _LK[0][4]
+    def _failed(self, err, cfg: tuple, coop: bool, args, stream) -> None:
         _, grid, block, shared_mem = cfg
-        coop = key[4]
-        if coop and err in (drv.CUresult.CUDA_ERROR_INVALID_VALUE, drv.CUresult.CUDA_ERROR_NOT_SUPPORTED):
+        if coop and err in (_drv.CUresult.CUDA_ERROR_INVALID_VALUE, _drv.CUresult.CUDA_ERROR_NOT_SUPPORTED):
             # a driver that does not take both attributes: CuPy's cooperative launch from now on
             self._coop_refused = True
-            return self.fn(grid, block, args, shared_mem, _Stream(key[3]), enable_cooperative_groups=True)
-        _, name = drv.cuGetErrorName(err)
+            return self.fn(grid, block, args, shared_mem, stream, enable_cooperative_groups=True)
+        _, name = _drv.cuGetErrorName(err)
         raise LaunchError(f"{getattr(self.fn, 'name', 'kernel')}: cuLaunchKernelEx (programmatic dependent launch) "
                           f"failed with grid={grid}, block={block}, shared_mem={shared_mem}: "
                           f"{name.decode() if isinstance(name, bytes) else name}")
@@ -231,13 +223,12 @@ class PdlFunction:
     def _config(self, key: tuple, grid: tuple, block: tuple) -> tuple:
         """The launch configuration of ``key`` (dimensions, shared memory, stream, cooperative):
         (the CUlaunchConfig, grid, block, shared memory)."""
-        drv = _LK[0][4]
         smem, handle, coop = key[2], key[3], key[4]
-        cfg = drv.CUlaunchConfig()
+        cfg = _drv.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = smem
-        cfg.hStream = drv.CUstream(handle)
+        cfg.hStream = _drv.CUstream(handle)
         cfg.attrs = list(_ATTR[:2 if coop else 1])
         cfg.numAttrs = 2 if coop else 1
         if len(self._configs) >= 64:   # a kernel launched on many grids / streams: start over

@@ -126,6 +126,112 @@ def test_set_enabled_round_trip():
     assert pdl.enabled() == prev
 
 
+# ---- the launch itself, against a stand-in for the driver call (no GPU) ------------------
+
+class _Driver:
+    """cuda.bindings' driver with cuLaunchKernelEx replaced: each call records its configuration and
+    reads back the bytes its kernelParams point at (while the launch's holders are alive)."""
+
+    def __init__(self, real, sizes, result=0):
+        self.real, self.sizes, self.result, self.calls = real, sizes, result, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def cuLaunchKernelEx(self, cfg, f, params, extra):
+        import ctypes
+        addrs = (ctypes.c_int64 * len(self.sizes)).from_address(params) if self.sizes else []
+        self.calls.append({"grid": (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ),
+                           "block": (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ), "smem": cfg.sharedMemBytes,
+                           "stream": int(cfg.hStream), "attrs": [int(a.id) for a in cfg.attrs][:cfg.numAttrs],
+                           "f": int(f), "bytes": [ctypes.string_at(a, n) for a, n in zip(addrs, self.sizes)]})
+        return (self.real.CUresult(self.result),)
+
+    def cuGetErrorName(self, err):
+        return self.real.CUresult.CUDA_SUCCESS, err.name.encode()
+
+
+class _CupyFunction:
+    """What CuPy's Function would have been called with (the plain and the fallback launches)."""
+    ptr = 0xF00D
+    name = "stand_in"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, block, args, shared_mem, stream, enable_cooperative_groups=False):
+        self.calls.append(("call", grid, block, args, shared_mem, stream, enable_cooperative_groups))
+
+    def linear_launch(self, size, args, shared_mem, block_max_size, stream, enable_cooperative_groups=False):
+        self.calls.append(("linear", size, args, shared_mem, block_max_size, stream, enable_cooperative_groups))
+
+
+class _StreamArg:
+    ptr = 0x5EED
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """(PdlFunction over a stand-in CuPy function, the stand-in driver factory)."""
+    pdl._lookups()
+    real = pdl._drv
+
+    def driver(sizes, result=0):
+        d = _Driver(real, sizes, result)
+        monkeypatch.setattr(pdl, "_drv", d)
+        return d
+    fn = _CupyFunction()
+    monkeypatch.setattr(pdl, "_ENABLED", [True])
+    return pdl.PdlFunction(fn), fn, driver
+
+
+def test_pdl_launch_passes_each_argument_as_cupy_would(stand_in):
+    import cupy
+    from cupy.cuda.function import CIntptr
+    pf, fn, driver = stand_in
+    mem = cupy.cuda.UnownedMemory(0x7F0000001000, 4096, None, device_id=0)
+    x = cupy.ndarray((256,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+    record = np.frombuffer(bytes(range(24)), dtype=np.dtype([("a", "<u8", 3)]))[0]
+    args = (x, CIntptr(7), None, np.float32(2.5), 3, -1.5, True, record, np.int32(-9))
+    sizes = [8, 8, 8, 4, 8, 8, 1, 24, 4]
+    d = driver(sizes)
+    pf.linear_launch(1000, args, 64, 256, _StreamArg())
+    (call,) = d.calls
+    assert call["grid"] == (4, 1, 1) and call["block"] == (256, 1, 1) and call["smem"] == 64
+    assert call["stream"] == 0x5EED and call["f"] == 0xF00D and call["attrs"] == [6]
+    want = [np.int64(0x7F0000001000).tobytes(), np.int64(7).tobytes(), bytes(8), np.float32(2.5).tobytes(),
+            np.int64(3).tobytes(), np.float64(-1.5).tobytes(), b"\x01", bytes(range(24)), np.int32(-9).tobytes()]
+    assert call["bytes"] == want
+    assert fn.calls == []
+
+
+def test_pdl_launch_grids_cooperation_and_refusals(stand_in):
+    from rtkernels.errors import LaunchError
+    pf, fn, driver = stand_in
+    d = driver([])
+    pf((3, 2), (128,), (), 0, _StreamArg())
+    pf([5], 64, (), 0, _StreamArg(), enable_cooperative_groups=True)
+    assert [(c["grid"], c["block"], c["attrs"]) for c in d.calls] == [
+        ((3, 2, 1), (128, 1, 1), [6]), ((5, 1, 1), (64, 1, 1), [6, 2])]
+    # a driver that refuses both attributes together: CuPy's cooperative launch, then and from then on
+    d = driver([], result=int(d.real.CUresult.CUDA_ERROR_NOT_SUPPORTED))
+    s = _StreamArg()
+    pf((8,), (32,), (), 16, s, enable_cooperative_groups=True)
+    pf((8,), (32,), (), 16, s, enable_cooperative_groups=True)
+    assert len(d.calls) == 1 and [c[-1] for c in fn.calls] == [True, True] and fn.calls[0][5] is s
+    # any other error names the kernel, the launch and the driver's error
+    d = driver([], result=int(d.real.CUresult.CUDA_ERROR_INVALID_VALUE))
+    with pytest.raises(LaunchError, match=r"stand_in: .*grid=\(2, 1, 1\).*CUDA_ERROR_INVALID_VALUE"):
+        pf((2,), (32,), (), 0, s)
+    # switched off: every launch is CuPy's own
+    prev = pdl.set_enabled(False)
+    try:
+        pf.linear_launch(64, (), 0, 64, s)
+    finally:
+        pdl.set_enabled(prev)
+    assert fn.calls[-1][0] == "linear" and len(d.calls) == 1
+
+
 # ---- GPU --------------------------------------------------------------------------------
 
 _PRODUCER = r'''

@@ -7,8 +7,9 @@ through torch) beside them where torch is importable.
 
 Columns: us per call with PDL off / on (median of the rounds), on/off, the peer's us, and peer /
 rtk (> 1: rtk faster) for both settings; decode and row ops also as % of the same run's copy.
-The decode peer reads the same K/V bytes with SDPA's (B, H, S, D) views and no mask (rtk's call is
-causal, bottom-right: the same keys for one query row, a triangle's worth fewer for seqlen_q 16).
+The decode inputs, rtk call and peer are tools/bench_decode.py's: SDPA cuDNN on (B, H, S, D) views of
+rtk's own arrays without a mask (rtk's call is causal, bottom-right: the same keys for one query row,
+a triangle's worth fewer for seqlen_q 16).
 """
 import os
 import statistics
@@ -19,20 +20,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np
 
 import benchutil
-
-
-def _sdpa(torch, gqa):
-    """SDPA cuDNN on rtk's (B, S, H, D) arrays (transposed views), the decode peer; None without torch."""
-    if torch is None:
-        return None
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
-    def peer(q, k, v, lens, out):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=False, enable_gqa=gqa)
-    return peer
 
 
 def main():
@@ -62,26 +49,24 @@ def main():
 
     cases = []   # (group, label, rtk fn, peer fn or None, inputs, bytes for % of copy or 0)
 
-    # decode: (B, Sk, H, Hkv, D, Sq)
+    # decode, (B, Sk, H, Hkv, D, Sq): bench_decode's inputs, rtk call and SDPA cuDNN peer (on views
+    # of rtk's own arrays, no mask)
+    import bench_decode as bd
+    from rtkernels.ops import attention_kvcache as kv
     dec = [(1, 32768, 32, 8, 128, 1), (8, 8192, 32, 8, 128, 1), (64, 2048, 32, 8, 128, 1),
            (128, 1024, 64, 8, 128, 1), (16, 4096, 16, 16, 64, 1), (8, 8192, 32, 8, 128, 16)]
     if args.quick:
         dec = dec[:2]
-    for b, sk, h, hkv, d, sq in dec:
-        kv_bytes = 2 * b * sk * hkv * d * 2
-
-        def make(b=b, sk=sk, h=h, hkv=hkv, d=d, sq=sq):
-            q = bf16((b, sq, h, d))
-            k, v = bf16((b, sk, hkv, d)), bf16((b, sk, hkv, d))
-            lens = (torch.full((b,), sk, device="cuda", dtype=torch.int32) if torch is not None
-                    else cp.full(b, sk, cp.int32))
-            out = torch.empty_like(q) if torch is not None else cp.empty_like(q)
-            return q, k, v, lens, out
-        inputs = sets(make, kv_bytes)
-
-        def run(q, k, v, lens, out):
-            rtk.attention_kvcache(q, k, v, lens, out=out)
-        cases.append(("decode", f"B{b} S{sk} {h}/{hkv} d{d} Sq{sq}", run, _sdpa(torch, h != hkv), inputs, kv_bytes))
+    peer = None
+    if torch is not None:
+        from torch.nn.attention import SDPBackend
+        peer = bd._sdpa_fn(torch, SDPBackend.CUDNN_ATTENTION, nhd=True)
+    for shape in dec:
+        b, sk, h, hkv, d, sq = shape
+        kv_bytes = bd._kv_bytes(b, sk, hkv, d)
+        inputs = sets(lambda shape=shape: (bd.Set(shape, "bfloat16", torch, torch is not None, ()),), kv_bytes)
+        cases.append(("decode", f"B{b} S{sk} {h}/{hkv} d{d} Sq{sq}", bd._rtk_fn(rtk, kv, "contig", "bfloat16", torch),
+                      peer, inputs, kv_bytes))
 
     # matmul x @ W.T, bf16
     mms = [(128, 4096, 4096), (128, 6144, 4096), (128, 4096, 128), (3000, 5000, 2000), (4096, 4096, 4096)]
@@ -138,8 +123,8 @@ def main():
             row["peer/off"] = row["peer_us"] / row["off_us"]
             row["peer/on"] = row["peer_us"] / row["on_us"]
         if nbytes:
-            row["%copy_off"] = 100 * nbytes / (row["off_us"] * 1e-6) / 1e9 / copy_gbs
-            row["%copy_on"] = 100 * nbytes / (row["on_us"] * 1e-6) / 1e9 / copy_gbs
+            row["%copy_off"] = bd.copy_percent(nbytes, row["off_us"] * 1e-3, copy_gbs)
+            row["%copy_on"] = bd.copy_percent(nbytes, row["on_us"] * 1e-3, copy_gbs)
         rows_out.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                if not k.endswith("_all")}, flush=True)

@@ -25,7 +25,7 @@ def main() -> None:
     fn = cp.RawModule(code=SRC).get_function("axpy3").kernel
     a, b, c = (cp.zeros(256, cp.float32) for _ in range(3))
     s = cp.cuda.Stream(non_blocking=True)
-    lk = pdl._lookups()
+    pdl._lookups()
     pf = pdl.PdlFunction(fn)
     import ctypes
     launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx   # (the driver CuPy loaded)
@@ -43,7 +43,7 @@ def main() -> None:
         return cfg
 
     def params():   # what PdlFunction builds per launch: holders, then their addresses
-        held = [x if type(x) in pdl._HOLDERS else pdl._holder(x, lk) for x in args]
+        held = [x if type(x) in pdl._HOLDERS else pdl._holder(x) for x in args]
         return array("q", [h.ptr for h in held]), held
 
     cfg0, cfg1 = config(0), config(1)
