@@ -460,6 +460,16 @@ COMPILE_CASES = [   # (arch, dtype, head_dim, rows_total, paged, causal, choose_
 ]
 
 
+def test_l2_evict_first_rides_on_the_tensor_copies_only():
+    tma = choose_config("bfloat16", 128, 4, False, False, "sm_90")
+    assert tma.loader == "tma" and tma.l2_evict_first == kv_mod.L2_EVICT_FIRST
+    assert not choose_config("bfloat16", 128, 4, False, False, "sm_90", l2_evict_first=False).l2_evict_first
+    cp = choose_config("bfloat16", 128, 4, False, False, "sm_80")
+    assert cp.loader == "cp.async" and not cp.l2_evict_first
+    with pytest.raises(ConfigError, match="l2_evict_first.*cp.async"):
+        cp.replace(l2_evict_first=True)
+
+
 def _opcodes(sass):
     return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
 
@@ -474,6 +484,9 @@ def test_heuristic_configs_compile_clean(arch, dtype, d, rows_total, paged, caus
         assert any(o.startswith("LDGSTS.E.BYPASS.128") for o in ops), "16-byte cp.async.cg"
     else:   # sm_90's default: tensor copies (test_attention_kvcache_tma.py looks closer)
         assert any(o.startswith("UTMALDG.4D") for o in ops), "4-D tensor copies"
+        # ... carrying the L2 evict-first policy (attention_kvcache.L2_EVICT_FIRST): a cache-policy operand
+        copies = [ln for ln in main.sass.splitlines() if "UTMALDG.4D" in ln]
+        assert cfg.l2_evict_first and all("desc[" in ln for ln in copies), copies[:2]
     assert any(o == "LDSM.16.M88.4" for o in ops) and any(o.startswith("LDSM.16.MT88") for o in ops)
     if cfg.warp_split == "keys":
         assert any(o == "STG.E.128" for o in ops), "16-byte output stores"

@@ -130,6 +130,8 @@ class AttentionDecodeConfig(AttentionShape):
         through distributed shared memory (no float32 partials in global memory, no counters, no
         cooperative launch; see CLUSTER_MERGE_SPLITS).  Only plans of exactly that many splits
         launch it.
+    l2_evict_first : loader "tma": the K/V copies carry an L2 evict-first policy (see
+        L2_EVICT_FIRST).
     """
 
     family: ClassVar[str] = FAMILY
@@ -155,6 +157,7 @@ class AttentionDecodeConfig(AttentionShape):
     lazy_rescale: bool = False
     group_merge: int = 0
     cluster_merge: int = 0
+    l2_evict_first: bool = False
 
     def __post_init__(self):
         self._check_shape()
@@ -196,6 +199,9 @@ class AttentionDecodeConfig(AttentionShape):
         if self.group_merge > group_merge_loads(self.head_dim):
             self._fail("group_merge", f"0, 2 or 4 at head_dim={self.head_dim} (at most "
                                       f"{group_merge_loads(self.head_dim)} partial loads in flight)")
+        self._check_choice("l2_evict_first", (False, True))
+        if self.l2_evict_first and self.loader != "tma":
+            self._fail("l2_evict_first", "False with loader='cp.async' (the hint rides on the tensor copies)")
         self._check_choice("cluster_merge", (0, *CLUSTER_MERGE_SPLITS))
         if self.cluster_merge and (self.schedule != "split" or self.loader != "tma" or self.group_merge):
             self._fail("cluster_merge", f"0 with schedule={self.schedule!r}, loader={self.loader!r}, "
@@ -290,7 +296,10 @@ class AttentionDecodeConfig(AttentionShape):
                                 warp_split=params.get("warp_split"), loader=params.get("loader"))
         except (ConfigError, TypeError):
             return {}   # the constructor then reports the bad field itself
-        return {f: getattr(cfg, f) for f in tile}
+        out = {f: getattr(cfg, f) for f in tile}
+        if "l2_evict_first" not in params:
+            out["l2_evict_first"] = cfg.l2_evict_first
+        return out
 
 
 # ---- the by-value argument structs (DecodePtrs / DecodeArgs in the template, same order and types)
@@ -426,6 +435,16 @@ DECODE_LOADER = os.environ.get("RTKERNELS_DECODE_LOADER") or "tma"
 # gained nothing (70.0 vs 71.6, 79.9 vs 79.7): off.  RTKERNELS_DECODE_MMA=sync switches back
 # (read at import).
 DECODE_MMA = os.environ.get("RTKERNELS_DECODE_MMA") or "wgmma"
+# The TMA loader's K/V copies carry an L2 evict-first policy: a cache is read once per step, so its
+# lines should not push out what each call re-reads (cache_seqlens, block tables, the split
+# partials) or what the kernels around it reuse (in a serving step every layer reads the same
+# lengths and block table).  Measured (H200, 2026-11-27, tools/bench_decode.py --variants
+# "ef=l2_evict_first:1", same rounds, 32/8 heads d128, % of copy contiguous / paged16, off -> on):
+# B1 S32k 84.8 / 80.8 -> 86.6 / 83.3 (per-CTA stamps: the length read after entry 0.83 -> 0.58 us,
+# now an L2 hit), B8 S8k 98.1 / 95.2 -> 98.5 / 95.9, B64 S2k 100 / 97.7 -> 101 / 98.0, B128 S1k
+# 64/8 98.3 / 94.7 -> 98.2 / 95.3, seqlen_q 16 B8 S8k 84.8 / 78.7 -> 88.1 / 81.0, seqlen_q 8 B4 S8k
+# 76.7 / 69.5 -> 80.5 / 72.0.  The cp.async loader keeps plain loads (sm_80-89, caches no map describes).
+L2_EVICT_FIRST = os.environ.get("RTKERNELS_DECODE_L2_EVICT_FIRST", "1") != "0"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
 # partials that the merge reads back: at 256 keys that traffic is 1/32 of the split's K/V
@@ -496,7 +515,13 @@ PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills 
 # d64 seqlen_q 16 B8 S8k (64 CTAs): 57.9 at 2 splits, 67.8 at 4 (71.6 fused): two CTAs per SM.
 # Paged caches keep two CTAs per SM at every head dim: one CTA's producer thread waits on each
 # page's block-table read, and at one CTA per SM paged16 fell to 58.9 / 63.2 / 53.7% at seqlen_q 16
-# B8 S8k / B16 S4k / B4 S8k (79.5 at B8 with two).
+# B8 S8k / B16 S4k / B4 S8k (79.5 at B8 with two).  That was the rows mode; the keys mode (which
+# serves paged caches of 17-32 rows per kv head: seqlen_q 5-8 at GQA 4) reads its page ids a batch
+# ahead, and on lean memory fills one CTA per SM like a contiguous cache: measured (H100,
+# 2026-11-27, `tools/bench_decode.py --variants s2=num_splits:2;...`, 32/8 heads d128 seqlen_q 8, %
+# of copy paged16 / paged64, two CTAs per SM -> forced splits): B8 S8k 87.6 / 88.9 -> 91.8 / 94.1
+# at 2 splits, B4 S8k 77.1 / 77.3 -> 80.4 / 81.1 at 4 (82.9 / 82.3 at 3), B2 S16k 77.1 / 77.7 ->
+# 84.6 / 86.5 at 6, B4 S8k seqlen_q 6 / 5 79.8 / 80.6 -> 80.3 / 80.6 at 4 (83.2 / 83.8 at 3).
 HEAVY_ROWS = 32
 COMPUTE_FILL = 1
 COMPUTE_FILL_SMALL_HEAD = 2
@@ -821,11 +846,15 @@ def tma_capable(head_dim: int, arch: str) -> bool:
 
 
 def choose_config(dtype: str, head_dim: int, rows_total: int, paged: bool, causal: bool, arch: str, *,
-                  lazy_rescale: bool = False, lean_memory: bool = False, **tile) -> AttentionDecodeConfig:
+                  lazy_rescale: bool = False, lean_memory: bool = False, l2_evict_first: bool | None = None,
+                  **tile) -> AttentionDecodeConfig:
     """The config the heuristics pick (:func:`_choose_tile`; ``tile``: its keyword overrides), with
     ``lazy_rescale`` (a tuning variant: no rescale of O in a tile where no row's maximum moved);
-    ``lean_memory``: the device's DRAM is lean per SM (:func:`lean_memory`)."""
+    ``lean_memory``: the device's DRAM is lean per SM (:func:`lean_memory`); ``l2_evict_first``:
+    the TMA copies' L2 policy (None: L2_EVICT_FIRST; cp.async configs never carry it)."""
     cfg = _choose_tile(dtype, head_dim, rows_total, paged, causal, arch, lean_memory=lean_memory, **tile)
+    if cfg.loader == "tma" and (L2_EVICT_FIRST if l2_evict_first is None else l2_evict_first):
+        cfg = cfg.replace(l2_evict_first=True)
     return cfg.replace(lazy_rescale=True) if lazy_rescale else cfg
 
 
@@ -1279,7 +1308,10 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
-    heavy_fill = compute_fill(p.head_dim, p.paged, lean, cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
+    # (the keys mode's TMA pages fill as a contiguous cache's on lean memory: see COMPUTE_FILL)
+    keys_pages = cfg.warp_split == "keys" and cfg.loader == "tma" and lean and rule != "paged"
+    heavy_fill = compute_fill(p.head_dim, p.paged and not keys_pages, lean,
+                              cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
     if heavy_fill > COMPUTE_FILL_SMALL_HEAD and head_rows >= HEAVY_ROWS:
         # no more CTAs per SM than stay resident (a second wave, and no group merge, past that); the
         # kernel without a merge is compiled for its registers even where the plan then launches the
@@ -1309,6 +1341,8 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
     rows_total = p.seqlen_q * group
     fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule", "loader",
                                 "l2_prefetch", "mma", "lazy_rescale") if f in v}
+    if "l2_evict_first" in v:   # (bench variants give 0 / 1)
+        fields["l2_evict_first"] = bool(v["l2_evict_first"])
     map_strides = tuple(tma_strides(p.cache_shape, p.strides[n]) if n in p.strides else None
                         for n in ("k_cache", "v_cache"))
     if None in map_strides:

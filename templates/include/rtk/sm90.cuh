@@ -130,6 +130,25 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const TensorMap* map, u64
                  : "memory");
 }
 
+// An L2 policy for data read once (a KV cache streamed by decoding): its lines are the first
+// evicted, so the small data every call re-reads (lengths, block tables, partials) and what the
+// next kernel reuses stay in L2 while the stream passes through.
+__device__ __forceinline__ u64 l2_evict_first_policy() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// tma_load_4d with an L2 cache policy (l2_evict_first_policy).
+__device__ __forceinline__ void tma_load_4d_hint(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2,
+                                                 int c3, u64 policy) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
+                 :: "r"(smem_u32(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(smem_u32(bar)), "l"(policy)
+                 : "memory");
+}
+
 // The same box delivered to every CTA of the cluster whose bit is set in `cta_mask`, at the same
 // shared offset, each completing on its own barrier at `bar`'s offset (operand reuse across a
 // cluster: each CTA issues a slice, all receive the whole tile).
