@@ -281,8 +281,8 @@ class AttentionDecodeConfig(AttentionShape):
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
-        """Tile fields (and the loader: TMA in keys mode on sm_90) not given come from
-        :func:`choose_config` for one decode step of a GQA group of ``rows`` (default 16) query
+        """Tile fields (and the loader: TMA in keys mode on sm_90; the TMA copies' L2 policy)
+        not given come from :func:`choose_config` for one decode step of a GQA group of ``rows`` (default 16) query
         rows of one kv head."""
         tile = ("rows", "block_n", "num_warps", "num_stages", "q_in_regs", "warp_split", "kv_heads", "loader")
         if all(f in params for f in tile):
@@ -443,7 +443,9 @@ DECODE_MMA = os.environ.get("RTKERNELS_DECODE_MMA") or "wgmma"
 # B1 S32k 84.8 / 80.8 -> 86.6 / 83.3 (per-CTA stamps: the length read after entry 0.83 -> 0.58 us,
 # now an L2 hit), B8 S8k 98.1 / 95.2 -> 98.5 / 95.9, B64 S2k 100 / 97.7 -> 101 / 98.0, B128 S1k
 # 64/8 98.3 / 94.7 -> 98.2 / 95.3, seqlen_q 16 B8 S8k 84.8 / 78.7 -> 88.1 / 81.0, seqlen_q 8 B4 S8k
-# 76.7 / 69.5 -> 80.5 / 72.0.  The cp.async loader keeps plain loads (sm_80-89, caches no map describes).
+# 76.7 / 69.5 -> 80.5 / 72.0; a second H200 run and an H100 run alike (no cell lost more than 0.1;
+# H100 seqlen_q 8 / 16 B4 S8k +4.2 / +4.7).  The cp.async loader keeps plain loads (sm_80-89, caches
+# no map describes).  RTKERNELS_DECODE_L2_EVICT_FIRST=0 turns it off (read at import).
 L2_EVICT_FIRST = os.environ.get("RTKERNELS_DECODE_L2_EVICT_FIRST", "1") != "0"
 
 # Splits: no split shorter than this many keys (each split writes rows x head_dim float32
