@@ -201,17 +201,18 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
         assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > tma.num_splits, cp_pages.num_splits
 
 
-def test_keys_mode_heavy_pages_fill_one_cta_per_sm_on_lean_memory():
+def test_keys_mode_heavy_pages_fill_one_cta_per_sm():
     """Paged caches of 32 rows per kv head (seqlen_q 8 at GQA 4: the keys mode, its page ids read a
-    batch ahead) split to one CTA per SM on lean memory, as contiguous heavy grids do (COMPUTE_FILL);
-    two on deep memory, under the bench's split_rule=paged (the rule before), and in the rows mode
-    (seqlen_q 16), whose producer waits on each page's block-table read."""
+    batch ahead) split to one CTA per SM (COMPUTE_FILL) on lean and deep memory; two under the bench's
+    split_rule=paged (the rule before), at d64, and in the rows mode (seqlen_q 16), whose producer
+    waits on each page's block-table read."""
     for batch in (1, 2, 4, 8, 16):   # 8 kv heads: 8 x batch CTAs before splitting
-        lean = _decode_plan(batch, 32768 // batch, sq=8)
-        assert lean.config.warp_split == "keys" and lean.num_splits == 132 // (8 * batch), (batch, lean.num_splits)
+        for gbs in (25.4, 37.2):   # an H100's DRAM per SM (lean), an H200's
+            one = _decode_plan(batch, 32768 // batch, sq=8, gbs_per_sm=gbs)
+            assert one.config.warp_split == "keys" and one.num_splits == 132 // (8 * batch), (batch, one.num_splits)
         two = 264 // (8 * batch)
         assert _decode_plan(batch, 32768 // batch, sq=8, variant=dict(split_rule="paged")).num_splits == two
-        assert _decode_plan(batch, 32768 // batch, sq=8, gbs_per_sm=37.2).num_splits == two
+    assert _decode_plan(4, 8192, sq=8, d=64).num_splits == 8   # d64: two per SM
     rows = _decode_plan(8, 8192, sq=16)
     assert rows.config.warp_split == "rows" and rows.num_splits == 4   # 64 CTAs x 4: two per SM
 

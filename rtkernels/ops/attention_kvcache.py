@@ -519,11 +519,13 @@ PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills 
 # page's block-table read, and at one CTA per SM paged16 fell to 58.9 / 63.2 / 53.7% at seqlen_q 16
 # B8 S8k / B16 S4k / B4 S8k (79.5 at B8 with two).  That was the rows mode; the keys mode (which
 # serves paged caches of 17-32 rows per kv head: seqlen_q 5-8 at GQA 4) reads its page ids a batch
-# ahead, and on lean memory fills one CTA per SM like a contiguous cache: measured (H100,
-# 2026-11-27, `tools/bench_decode.py --variants s2=num_splits:2;...`, 32/8 heads d128 seqlen_q 8, %
-# of copy paged16 / paged64, two CTAs per SM -> forced splits): B8 S8k 87.6 / 88.9 -> 91.8 / 94.1
-# at 2 splits, B4 S8k 77.1 / 77.3 -> 80.4 / 81.1 at 4 (82.9 / 82.3 at 3), B2 S16k 77.1 / 77.7 ->
-# 84.6 / 86.5 at 6, B4 S8k seqlen_q 6 / 5 79.8 / 80.6 -> 80.3 / 80.6 at 4 (83.2 / 83.8 at 3).
+# ahead, and at head dims above 64 fills one CTA per SM (COMPUTE_FILL) on either memory: measured
+# (2026-11-27, `tools/bench_decode.py`, 32/8 heads d128 seqlen_q 8, % of copy paged16 / paged64, two
+# CTAs per SM -> one, same rounds).  H100 (`decode_paged_keys_heavy_rule_ab_*`): B1 S32k 74.2 / 75.0 ->
+# 80.5 / 81.1, B2 S16k 76.6 / 77.8 -> 79.8 / 80.9, B4 S8k 77.1 / 77.4 -> 80.1 / 80.3, B8 S8k 86.7 / 86.8
+# -> 90.8 / 92.6, B16 S4k 91.0 -> 93.1 / 92.9.  H200 (`decode_paged_keys_heavy_one_per_sm_*`): B1 S32k
+# 68.7 / 68.5 -> 75.3 / 76.4, B2 S16k 72.0 / 72.2 -> 75.2 / 76.1, B4 S8k 72.2 / 72.4 -> 74.5 / 75.9, B8
+# S8k 83.5 / 82.9 -> 91.1 / 92.2, B16 S4k 90.1 / 91.6 -> 93.3 / 94.9.
 HEAVY_ROWS = 32
 COMPUTE_FILL = 1
 COMPUTE_FILL_SMALL_HEAD = 2
@@ -1310,10 +1312,12 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
-    # (the keys mode's TMA pages fill as a contiguous cache's on lean memory: see COMPUTE_FILL)
-    keys_pages = cfg.warp_split == "keys" and cfg.loader == "tma" and lean and rule != "paged"
-    heavy_fill = compute_fill(p.head_dim, p.paged and not keys_pages, lean,
-                              cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
+    # (the keys mode's TMA pages of the d128 tiles' head dims: one CTA per SM on any memory, see
+    # COMPUTE_FILL; the bench's split_rule "paged": two, the rule before)
+    keys_pages = (p.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and p.head_dim > 64
+                  and rule != "paged")
+    heavy_fill = COMPUTE_FILL if keys_pages else compute_fill(
+        p.head_dim, p.paged, lean, cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
     if heavy_fill > COMPUTE_FILL_SMALL_HEAD and head_rows >= HEAVY_ROWS:
         # no more CTAs per SM than stay resident (a second wave, and no group merge, past that); the
         # kernel without a merge is compiled for its registers even where the plan then launches the
