@@ -1312,8 +1312,9 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     # LEAN_GRID_BYTES_IN_FLIGHT (the bench's "fill": to every SM, as elsewhere)
     by_bytes = (lean and cfg.warp_split == "keys" and cfg.loader == "tma" and not p.paged
                 and rule not in ("fill", "fill2") and p.head_dim <= LEAN_IN_FLIGHT_HEAD_DIM_MAX)
-    # (the keys mode's TMA pages of the d128 tiles' head dims: one CTA per SM on any memory, see
-    # COMPUTE_FILL; the bench's split_rule "paged": two, the rule before)
+    # (the keys mode's TMA pages above d64: one CTA per SM on any memory, see COMPUTE_FILL - heavy
+    # rows reach the keys mode only up to d128, where 32 rows x head_dim fit its 4096; d64 and the
+    # bench's split_rule "paged", the rule before, keep two)
     keys_pages = (p.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and p.head_dim > 64
                   and rule != "paged")
     heavy_fill = COMPUTE_FILL if keys_pages else compute_fill(
