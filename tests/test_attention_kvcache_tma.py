@@ -9,6 +9,8 @@ forced cp.async ring beside it (GPU, ``-m gpu``).
 Uses test_attention_kvcache's helpers (inputs, reference check, poisoned outputs)."""
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 import re
 
@@ -199,6 +201,38 @@ def test_tma_paged_caches_split_as_contiguous_ones_on_lean_memory():
     assert plan(True, rows, gbs_per_sm=37.2, page=64).num_splits == plan(False, rows, gbs_per_sm=37.2).num_splits
     for cp_pages in (plan(True, dict(loader="cp.async")), plan(True, None, arch="sm_80")):
         assert cp_pages.config.loader == "cp.async" and cp_pages.num_splits > tma.num_splits, cp_pages.num_splits
+
+
+def test_replays_memoize_tensor_maps_per_plan_and_address_pair(monkeypatch):
+    """A replay's K / V tensor maps come from the plan's own memo of (k_cache, v_cache) addresses
+    (kvcache._plan_maps): the same objects for the same caches (rtkernels.tma's memo is not asked
+    again), new maps for moved caches, the same bytes as _tensor_maps, and a bounded memo."""
+    from rtkernels import tma
+
+    def encode(ptr, *rest):   # the driver's encoding, stood in: the map records its address
+        out = np.zeros((), tma.TENSOR_MAP_DTYPE)
+        out["opaque"][0] = ptr
+        return out[()]
+    monkeypatch.setattr(tma, "_encode", encode)
+    plan = _decode_plan(1, 32768, page=None)
+    assert plan.tma is not None and plan.maps == {}
+    base = 0x7F00_0000_0000
+    k, v = kv_mod._plan_maps(plan, base, base + (1 << 30))
+    again = kv_mod._plan_maps(plan, base, base + (1 << 30))
+    assert again[0] is k and again[1] is v
+    assert (int(k["opaque"][0]), int(v["opaque"][0])) == (base, base + (1 << 30))
+    direct = kv_mod._tensor_maps(plan.tma, base, base + (1 << 30))
+    assert k.tobytes() == direct[0].tobytes() and v.tobytes() == direct[1].tobytes()
+    moved = kv_mod._plan_maps(plan, base + (2 << 30), base + (3 << 30))
+    assert int(moved[0]["opaque"][0]) == base + (2 << 30) and moved[0] is not k
+    monkeypatch.setattr(tma, "tensor_map", lambda *a, **kw: pytest.fail("a memoized pair asked rtkernels.tma"))
+    assert kv_mod._plan_maps(plan, base, base + (1 << 30))[0] is k
+    monkeypatch.undo()
+    monkeypatch.setattr(tma, "_encode", encode)
+    for i in range(kv_mod.PLAN_MAPS_MAX + 3):
+        kv_mod._plan_maps(plan, base + (i + 8) * (1 << 30), base + (i + 200) * (1 << 30))
+    assert 0 < len(plan.maps) <= kv_mod.PLAN_MAPS_MAX
+    assert plan == dataclasses.replace(plan, maps={})   # the memo is not part of the plan's value
 
 
 def test_keys_mode_heavy_pages_fill_one_cta_per_sm():

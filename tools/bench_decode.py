@@ -351,6 +351,7 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
     and inside it the launch alone, the address struct, the stream lookup, an output allocation."""
     import cupy as cp
     import numpy as np
+    from rtkernels._env import getenv_raw
     from rtkernels.ops._arrays import default_stream, empty_as
     out = {}
     shape = (1, 256, 32, 8, 128, 1)
@@ -361,7 +362,7 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
         dt = None if t is not None else ("bfloat16" if dtype == "bfloat16" else None)
         extra = {"dtype": dt} if dt else {}
         arrays = (s.q, s.k, s.v, s.lens, None, None, None, s.out)
-        opts = (True, None, False, None, dt, os.environ.get("RTKERNELS_ARCH"), None)   # the op's plan options
+        opts = (True, None, False, None, dt, getenv_raw("RTKERNELS_ARCH"), None)   # the op's plan options
         rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra)
         key = kv._PLANS.key(arrays, opts)
         plan = kv._PLANS.get(key)
@@ -385,12 +386,12 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
             "lookup": lambda: kv._PLANS.get(key),
             "execute": lambda: kv._execute(plan, *arrays, None),
             # (a plan with TMA loads also takes the K and V tensor maps, as _execute passes them)
-            "launch": lambda: plan.split.run((ptrs, *(kv._tensor_maps(plan.tma, addr[1], addr[2])
+            "launch": lambda: plan.split.run((ptrs, *(kv._plan_maps(plan, addr[1], addr[2])
                                                       if plan.tma is not None else ())), st),
             "pack_ptrs": lambda: np.frombuffer(kv._PACK_PTRS(*addr), kv.PTRS_DTYPE)[0],
             "stream": lambda: default_stream(s.q, None),
             "empty_out": lambda: empty_as(s.q, plan.out_shape, plan.out_dtype),
-            "environ": lambda: os.environ.get("RTKERNELS_ARCH"),
+            "environ": lambda: getenv_raw("RTKERNELS_ARCH"),
         }
         for name, fn in pieces.items():
             out[f"{lib}_{name}_us"] = min(bu.time_host(fn, 2000) for _ in range(2))

@@ -199,6 +199,8 @@ def setup(rows: Rows) -> None:
     rows.add("cupy: rtk.softmax(x)", lambda: rtk.softmax(x))
     rows.add("cupy: rtk.softmax(x, out=y)", lambda: rtk.softmax(x, out=y))
 
+    decode_rows(rows)
+
     fakes = torch_fakes()
     if fakes is None:
         print("torch not installed: torch rows skipped")
@@ -278,6 +280,51 @@ def setup(rows: Rows) -> None:
 
 
 _MODEL_LIB: dict = {}
+
+
+def decode_rows(rows: Rows) -> None:
+    """rtk.attention_kvcache on CuPy arrays, a tiny decode step (tools/bench_decode.py's host
+    cases): the full path records each plan (device queries stubbed: an H100's 132 SMs, its DRAM;
+    the split workspace made once over fake memory), then the rows time the replays."""
+    import cupy
+    import rtkernels as rtk
+    from rtkernels import device
+    from rtkernels.ops import workspace
+
+    class NoDevice:   # the full path's `with cupy.cuda.Device(...)` (a driver call)
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+    real_device, cupy.cuda.Device = cupy.cuda.Device, NoDevice
+    device.dram_gbs = lambda dev=0: 3350.0
+    workspace._capturing = lambda handle: False
+    workspace._buffer = lambda like, nbytes, handle, zero: fake_array((max(nbytes, 1),), np.uint8)
+    b, sk, h, hkv, d = 1, 256, 32, 8, 128
+    q = fake_array((b, 1, h, d), np.uint16)
+    kc, vc = fake_array((b, sk, hkv, d), np.uint16), fake_array((b, sk, hkv, d), np.uint16)
+    lens = fake_array((b,), np.int32)
+    out = fake_array((b, 1, h, d), np.uint16)
+    pages = fake_array((sk // 16, 16, hkv, d), np.uint16)
+    table = fake_array((b, sk // 16), np.int32)
+    calls = {
+        "cupy: rtk.attention_kvcache(out=)": lambda: rtk.attention_kvcache(q, kc, vc, lens, out=out, dtype="bfloat16"),
+        "cupy: rtk.attention_kvcache (new output)": lambda: rtk.attention_kvcache(q, kc, vc, lens, dtype="bfloat16"),
+        "cupy: rtk.attention_kvcache paged (out=)": lambda: rtk.attention_kvcache(q, pages, pages, lens, block_table=table,
+                                                                               out=out, dtype="bfloat16"),
+        "cupy: rtk.attention_kvcache 4 splits + lse": lambda: rtk.attention_kvcache(q, kc, vc, lens, num_splits=4,
+                                                                                 return_lse=True, dtype="bfloat16"),
+    }
+    try:
+        for name, fn in calls.items():
+            fn()   # the full path: records the plan
+            rows.add(name, fn)
+    finally:
+        cupy.cuda.Device = real_device
 
 
 def cupy_arg_costs(n: int = 3000, rounds: int = 7) -> dict:

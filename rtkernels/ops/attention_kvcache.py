@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .._env import getenv
+from .._env import getenv_raw
 from ..config import register_family
 from ..errors import ConfigError, LaunchError
 from ._arrays import Launch, LaunchPlans, _is_torch, address, as_device_array, default_stream, dtype_name, empty_as
@@ -1211,6 +1211,10 @@ class Plan:
     torch: bool
     device: int
     tma: tuple | None = None   # loader "tma": the caches' (dtype, shape, strides, box, l2 promotion) for tensor maps
+    # (k_cache, v_cache addresses) -> their tensor maps: a serving loop passes each layer's caches at
+    # the same addresses every step, and two lookups in rtkernels.tma's memo (a key of eight fields
+    # each) were the largest piece of a replay's Python (host_model.py, development CPU, 2026-11-27)
+    maps: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _args(p: Problem, cfg: AttentionDecodeConfig | None, num_splits: int, row_tiles: int, order: int = 1,
@@ -1492,6 +1496,21 @@ def _tensor_maps(spec: tuple, k_addr: int, v_addr: int):
             tensor_map(v_addr, dtype, shape, v_strides, box, swizzle=128, l2_promotion=l2))
 
 
+def _plan_maps(plan: Plan, k_addr: int, v_addr: int) -> tuple:
+    """The K and V tensor maps of a replay (memoized per plan and address pair; the plan's shape,
+    strides and box are fixed, so the addresses decide the maps)."""
+    maps = plan.maps.get((k_addr, v_addr))
+    if maps is None:
+        maps = _tensor_maps(plan.tma, k_addr, v_addr)
+        if len(plan.maps) >= PLAN_MAPS_MAX:   # many cache addresses under one signature: start over
+            plan.maps.clear()
+        plan.maps[(k_addr, v_addr)] = maps
+    return maps
+
+
+PLAN_MAPS_MAX = 64
+
+
 def _append_launch(p: Problem, cfg: AttentionDecodeConfig, args, arch: str) -> Launch | None:
     """The k_new / v_new append into the cache (one thread per 16-byte chunk), or None without them."""
     if p.seqlen_new <= 0:
@@ -1565,7 +1584,7 @@ def _execute(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
     if plan.append is not None:
         plan.append.run((ptrs,), stream)
     if plan.split is not None:
-        head = (ptrs, *_tensor_maps(plan.tma, addr[1], addr[2])) if plan.tma is not None else (ptrs,)
+        head = (ptrs, *_plan_maps(plan, addr[1], addr[2])) if plan.tma is not None else (ptrs,)
         if plan.split.cooperative:
             try:
                 plan.split.run(head, stream)
@@ -1666,7 +1685,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     """
     arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
     key = _PLANS.key(arrays, (bool(causal), softmax_scale, bool(return_lse), num_splits, dtype,
-                              getenv("RTKERNELS_ARCH"), _VARIANT_KEY))
+                              getenv_raw("RTKERNELS_ARCH"), _VARIANT_KEY))
     plan = _PLANS.get(key)
     if plan is None:
         plan, arrays = _new_plan(key, arrays, causal, softmax_scale, return_lse, num_splits, dtype)
