@@ -1496,6 +1496,11 @@ def _tensor_maps(spec: tuple, k_addr: int, v_addr: int):
             tensor_map(v_addr, dtype, shape, v_strides, box, swizzle=128, l2_promotion=l2))
 
 
+# Address pairs one plan keeps maps for (a serving loop has one pair per layer's caches and plan;
+# a program that moves its caches every call starts the memo over when it is full).
+PLAN_MAPS_MAX = 64
+
+
 def _plan_maps(plan: Plan, k_addr: int, v_addr: int) -> tuple:
     """The K and V tensor maps of a replay (memoized per plan and address pair; the plan's shape,
     strides and box are fixed, so the addresses decide the maps)."""
@@ -1506,9 +1511,6 @@ def _plan_maps(plan: Plan, k_addr: int, v_addr: int) -> tuple:
             plan.maps.clear()
         plan.maps[(k_addr, v_addr)] = maps
     return maps
-
-
-PLAN_MAPS_MAX = 64
 
 
 def _append_launch(p: Problem, cfg: AttentionDecodeConfig, args, arch: str) -> Launch | None:
