@@ -1,6 +1,7 @@
 """Per-CTA timeline of a split decode call: when each CTA starts, ends its main loop, has stored its
 partial (global workspace, or its shared memory for the cluster merge) and exits, from %globaltimer
-stamps (the keys mode also: each warp's loop end, and the last CTA's merge end).
+stamps (the keys mode also: each warp's loop end, when the last CTA of a group learns it is last, and its
+merge's end).
 
     PYTHONPATH=. python3 tools/decode_timeline.py 4:8192:32:8:128:16 [--variants "off=cluster:off"] [--out DIR]
 
@@ -68,6 +69,9 @@ PATCHES = [
     ("\n            cluster_merge(p, a, smem_raw, split, b, hkv0, r0, rows_valid, tid);\n", "", "            __syncthreads();\n"
      "            if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
      " rtk_stamps[STAMPSull * blockIdx.x + 3] = rtk_now(); }\n"),
+    # the last CTA of a group knows it is last (the counter's answer is back: slot 13)
+    ("    if (!rtk::last_block_to_arrive(p.counters + merge_group(), a.num_splits, reinterpret_cast<int*>(smem_raw))) "
+     "return;\n", "", "    if (threadIdx.x == 0) rtk_stamps[STAMPSull * blockIdx.x + 13] = rtk_now();\n"),
     ("            group_merge<GM_LOADS / GM_SB, GM_SB>(p, a, 0, 1, b, hkv0, r0, rows_valid, rows_all, tid);\n", "",
      "            __syncthreads();\n            if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
      " rtk_stamps[STAMPSull * blockIdx.x + 3] = rtk_now(); }\n"),
@@ -155,6 +159,16 @@ def main():
                 if merged.any():
                     me = (st[merged, 10] - base) / 1000.0
                     print(f"  merges: {merged.sum()}, end min {me.min():.2f} max {me.max():.2f} us")
+                last = st[:, 13] > 0   # the last CTA of each group: its partial stored, its arrival answered
+                if last.any():
+                    known = (st[last, 13] - st[last, 2]) / 1000.0
+                    print(f"  last CTAs ({last.sum()}): stored -> arrival answered med {np.median(known):.2f} max "
+                          f"{known.max():.2f} us", end="")
+                    done = last & merged
+                    if done.any():
+                        work = (st[done, 10] - st[done, 13]) / 1000.0
+                        print(f"; answered -> merge end med {np.median(work):.2f} max {work.max():.2f} us", end="")
+                    print()
             store, merge = rel[:, 2] - rel[:, 1], rel[:, 3] - rel[:, 2]
             print(f"  store med {np.median(store):.2f} max {store.max():.2f} us; merge (with its waits) med "
                   f"{np.median(merge):.2f} max {merge.max():.2f} us; last loop end -> last exit "
