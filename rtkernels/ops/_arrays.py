@@ -398,6 +398,17 @@ class Launch:
 
 
 _RECENT_PER_PLAN = 8   # address sets a plan keeps converted tensor-map arguments for
+
+
+def remember(memo: dict, key, value, limit: int = _RECENT_PER_PLAN):
+    """``memo[key] = value`` in a plan's memo of recent address sets (what a replay derives from
+    its arrays' addresses: converted tensor-map arguments, tensor maps), which starts over once it
+    holds ``limit`` sets (a program moving its arrays every call); returns ``value``."""
+    if len(memo) >= limit:
+        memo.clear()
+    memo[key] = value
+    return value
+
 _HOLDER: list = []     # CuPy's pointer-argument holder (CIntptr), looked up once
 _STREAM_TYPE: list = []   # cupy.cuda.Stream, looked up once
 _STREAM_ARG: list = []    # rtkernels.kernel._stream_arg (a stream as CuPy's Function takes it)
@@ -504,11 +515,8 @@ class OutputPlan:
 
     def _convert(self, addrs, arrays, args, bound):
         """The converted arguments of an address set not in ``recent`` (the replay looked), kept there."""
-        hit = bound.convert(args(self.extra, arrays))   # (arguments, the tensor maps they point into)
-        if len(self.recent) >= _RECENT_PER_PLAN:
-            self.recent.clear()
-        self.recent[addrs] = hit
-        return hit[0]
+        # (arguments, the tensor maps they point into)
+        return remember(self.recent, addrs, bound.convert(args(self.extra, arrays)))[0]
 
     def _first_replay(self, arrays, stream, args, dev) -> None:
         """Bind, then replay; the inlined launch serves later replays where the bound launch is

@@ -40,7 +40,8 @@ import numpy as np
 from .._env import getenv_raw
 from ..config import register_family
 from ..errors import ConfigError, LaunchError
-from ._arrays import Launch, LaunchPlans, _is_torch, address, as_device_array, default_stream, dtype_name, empty_as
+from ._arrays import (Launch, LaunchPlans, _is_torch, address, as_device_array, default_stream, dtype_name,
+                      empty_as, remember)
 from .attention import AttentionShape, _device_arch, _device_of, _dtype_of, _elem_strides, _smem_limit
 from .workspace import stream_workspace
 
@@ -1351,9 +1352,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         return Plan(None, None, None, None, 1, False, out_shape, out_dtype, lse_shape, f32, 0, 0, 0, torch, p.device)
     rows_total = p.seqlen_q * group
     fields = {f: v[f] for f in ("warp_split", "kv_heads", "block_n", "num_stages", "num_warps", "schedule", "loader",
-                                "l2_prefetch", "mma", "lazy_rescale") if f in v}
-    if "l2_evict_first" in v:   # (bench variants give 0 / 1)
-        fields["l2_evict_first"] = bool(v["l2_evict_first"])
+                                "l2_prefetch", "mma", "lazy_rescale", "l2_evict_first") if f in v}
     map_strides = tuple(tma_strides(p.cache_shape, p.strides[n]) if n in p.strides else None
                         for n in ("k_cache", "v_cache"))
     if None in map_strides:
@@ -1496,8 +1495,11 @@ def _tensor_maps(spec: tuple, k_addr: int, v_addr: int):
             tensor_map(v_addr, dtype, shape, v_strides, box, swizzle=128, l2_promotion=l2))
 
 
-# Address pairs one plan keeps maps for (a serving loop has one pair per layer's caches and plan;
-# a program that moves its caches every call starts the memo over when it is full).
+# Address pairs one plan keeps maps for.  The layers of a model share one plan (their caches have
+# the same shapes), so a serving loop needs one pair per layer: 64 covers models of up to 64
+# layers; past that (or for caches that move every call) a miss asks rtkernels.tma's memo, as
+# before the per-plan memo.  More than _arrays' default for the ops' activations, which rarely
+# keep their addresses.
 PLAN_MAPS_MAX = 64
 
 
@@ -1506,10 +1508,7 @@ def _plan_maps(plan: Plan, k_addr: int, v_addr: int) -> tuple:
     strides and box are fixed, so the addresses decide the maps)."""
     maps = plan.maps.get((k_addr, v_addr))
     if maps is None:
-        maps = _tensor_maps(plan.tma, k_addr, v_addr)
-        if len(plan.maps) >= PLAN_MAPS_MAX:   # many cache addresses under one signature: start over
-            plan.maps.clear()
-        plan.maps[(k_addr, v_addr)] = maps
+        maps = remember(plan.maps, (k_addr, v_addr), _tensor_maps(plan.tma, k_addr, v_addr), PLAN_MAPS_MAX)
     return maps
 
 
