@@ -55,6 +55,10 @@ class KernelConfig:
     family: ClassVar[str] = ""
     template: ClassVar[str] = ""
     kernels: ClassVar[tuple[str, ...]] = ()
+    # True: each entry point of ``kernels`` is compiled as a module of its own (the template sees
+    # ``entry``, the kernel's name, and emits only that one), so a caller that launches one of them
+    # pays NVRTC for that one alone; False: one module holds them all.
+    module_per_kernel: ClassVar[bool] = False
     # Hopper-only instructions (wgmma, setmaxnreg) need the arch-specific target sm_90a.
     needs_arch_specific: ClassVar[bool] = False
     # The SASS a healthy build of this family must contain (checked by `rtk inspect`).

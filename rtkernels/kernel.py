@@ -1113,7 +1113,10 @@ def get_kernel(config, kernel: str | None = None, *, arch: str | None = None, op
     if output not in ("cubin", "ptx"):
         raise ConfigError.bad_value(config.family, "output", output, "'cubin' or 'ptx'")
     target = resolve_arch(arch, config.needs_arch_specific)
-    module = build_module(config.template, config.template_params(), label=config.family,
+    params = config.template_params()
+    if config.module_per_kernel:
+        params["entry"] = name
+    module = build_module(config.template, params, label=config.family,
                           config_repr=config.key(), arch=target, options=options or config.compile_options(),
                           output=output)
     k = Kernel(module, name, config)

@@ -242,10 +242,88 @@ def test_keys_mode_last_cta_merges_in_one_trip(d, splits, variant, one_trip):
     assert (cfg.group_merge > 0) == one_trip, cfg
     assert cfg.group_merge in (0, kv_mod.group_merge_batch(splits, d))
     assert int(plan.split.tail[0]["fused"]) == (3 if variant and "merge" in variant else 1)
+    assert cfg.merges == ("none" if one_trip else "units")   # the one merge it launches (merges_for)
     res = plan.split.kernel.resources
     assert res.spill_stores == 0 and res.spill_loads == 0
     # the counters release / acquire from thread 0 (rtk::last_block_to_arrive): no fence.sc per thread
     assert "MEMBAR.SC.GPU" not in plan.split.kernel.sass and "ATOMG.E.ADD.S32.STRONG.GPU" in plan.split.kernel.sass
+
+
+def _rows_problem(b, sq, d, cap, paged=False):
+    """A bf16 problem of 32 / 8 heads as check() reports it (page 16 when paged)."""
+    p = _decode_problem(b, sq, 32, 8, d, cap)
+    if not paged:
+        return p
+    nb = b * cap // 16
+    k = (16 * 8 * d, 8 * d, d, 1)
+    return p._replace(paged=True, page_size=16, num_blocks=nb, cache_shape=(nb, 16, 8, d),
+                      strides={**p.strides, "k_cache": k, "v_cache": k, "block_table": (cap // 16, 1)})
+
+
+@pytest.mark.parametrize("b,sq,d,cap,paged,splits,variant,merges,code", [
+    (64, 1, 128, 2048, False, None, None, "none", 0),            # one split: o written directly
+    (1, 1, 128, 32768, False, 16, {"cluster": "off"}, "none", 1),  # keys: the merge in one round trip
+    (1, 1, 64, 32768, False, 8, {"cluster": "off"}, "units", 1),  # ... past its loads: the unit merge
+    (1, 1, 128, 32768, False, 16, {"merge": "serial"}, "serial", 2),
+    (8, 16, 128, 8192, False, 2, {"cluster": "off"}, "regs2", 1),  # rows: the register merge of 2 splits
+    (8, 16, 128, 8192, False, 3, {"cluster": "off", "combine": "fused"}, "regs3", 1),
+    (8, 16, 128, 8192, False, 8, {"cluster": "off", "combine": "fused"}, "units", 1),
+    (8, 16, 128, 8192, False, 8, {"cluster": "off", "combine": "kernel"}, "none", 0),   # the combine launch
+    (1, 16, 128, 32768, True, 16, None, "none", 4),               # the group merge (cooperative)
+    (1, 1, 128, 32768, False, 4, None, "none", 5),                # the cluster merge
+])
+def test_plans_compile_only_the_merge_they_launch(b, sq, d, cap, paged, splits, variant, merges, code):
+    """A plan's split kernel holds the one in-kernel merge its DecodeArgs.fused selects
+    (merges_for), the template emits that one alone, and each entry point is its own module (the
+    combine kernel only where a plan launches it)."""
+    plan = kv_mod.make_plan(_rows_problem(b, sq, d, cap, paged), causal=sq > 1, return_lse=False,
+                            num_splits=splits, torch=False, out_dtype="bfloat16", f32=None, arch="sm_90", sms=132,
+                            variant=variant)
+    cfg = plan.config
+    assert (cfg.merges, int(plan.split.tail[0]["fused"])) == (merges, code), cfg
+    src = plan.split.kernel.source
+    assert "attention_decode_combine(" not in src and "attention_decode_append(" not in src
+    assert ("serial_merge(p, a, w" in src) == (merges == "serial")
+    assert ("// weights: a group of G lanes per row" in src) == (merges == "units")
+    assert re.findall(r"register_merge<(\d)>\(p, a", src) == ([merges[4:]] if merges.startswith("regs") else [])
+    assert (plan.combine is not None) == (merges == "none" and code == 0 and plan.num_splits > 1)
+    if plan.combine is not None:
+        assert "extern \"C\" __global__ void __launch_bounds__(COMBINE_THREADS)" in plan.combine.kernel.source
+        assert "attention_decode(" not in plan.combine.kernel.source
+
+
+def test_every_merge_in_one_kernel_outside_plans():
+    """A config built by name (rtk.compile, rtk report) keeps every merge behind its runtime
+    switch; a register merge outside the rows mode, or an unknown value, is refused."""
+    cfg = choose_config("bfloat16", 128, 64, False, True, "sm_90")
+    assert cfg.merges == "all" and cfg.reg_merge_splits == (2, 3, 4)
+    from rtkernels.render import render
+    src = render(cfg.template, cfg.template_params(), family=cfg.family).source
+    assert re.findall(r"register_merge<(\d)>\(p, a", src) == ["2", "3", "4"]
+    assert "serial_merge(p, a, w" in src and "attention_decode_combine(" in src   # (no entry: all three)
+    with pytest.raises(ConfigError, match="merges.*rows mode"):
+        choose_config("bfloat16", 128, 4, False, False, "sm_90").replace(merges="regs2")
+    with pytest.raises(ConfigError, match="merges"):
+        cfg.replace(merges="regs5")
+
+
+@pytest.mark.parametrize("cfg_kw,merges", [
+    (dict(d=64, rows=64, paged=True, group_merge=4), "none"),   # the d64 group merge: 130 registers unbounded
+    (dict(d=128, rows=8, paged=True), "units"),
+    (dict(d=128, rows=64, paged=False), "regs2"),
+])
+def test_specialized_merges_compile_clean_at_the_same_occupancy(cfg_kw, merges):
+    """ptxas allocates each build anew: a kernel with one merge has no spill and at least the CTAs
+    per SM of the same config with every merge (the d64 warpgroup kernels ask for four; see
+    MIN_CTAS in the template)."""
+    kw = dict(cfg_kw)
+    cfg = choose_config("bfloat16", kw.pop("d"), kw.pop("rows"), kw.pop("paged"), True, "sm_90")
+    cfg = cfg.replace(**kw)
+    one = rtk.get_kernel(cfg.replace(merges=merges), "attention_decode", arch="sm_90")
+    every = rtk.get_kernel(cfg, "attention_decode", arch="sm_90")
+    r = one.resources
+    assert not (r.spill_stores or r.spill_loads or r.stack_frame), r
+    assert kv_mod._ctas_per_sm(cfg, one, "sm_90") >= kv_mod._ctas_per_sm(cfg, every, "sm_90")
 
 
 # ---- references -----------------------------------------------------------------------------------
@@ -937,7 +1015,8 @@ def test_gpu_group_merge_refused_plans_again(monkeypatch):
         assert plan.split.cooperative, plan   # seqlen_q 16 x group 4, 6 splits: the group merge
         o, lse = _call(x, out=poison_like(x.q), num_splits=6, return_lse=True)
         _check(x, o, lse, True, None, "refused group merge")
-        assert refused and (plan.config.replace(group_merge=0), plan.device) in kv_mod._GROUP_REFUSED
+        assert refused and kv_mod._refusal_key(plan.config, plan.device) in kv_mod._GROUP_REFUSED
+        assert kv_mod._refusal_key(plan.config, plan.device)[0].merges == "all"   # the heuristics' config
         assert not _plan_for(x, 6).split.cooperative
     finally:
         monkeypatch.setattr(Kernel, "launch_cooperative", real)

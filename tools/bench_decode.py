@@ -57,6 +57,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -399,14 +400,42 @@ def host_profile(rtk, kv, dtype, torch) -> dict:
     return out
 
 
-def compile_time(dtype: str) -> dict:
-    """Cold compile (empty disk cache) and warm load of a decode config for a head dim."""
-    from rtkernels import device
-    from rtkernels.ops.attention_kvcache import choose_config
+def compile_time(dtype: str, rtk, kv) -> dict:
+    """Cold start of a new head dim (96, which nothing else here runs): the first call of a decode
+    step with an empty disk cache and nothing in memory - its plan and every kernel it compiles
+    (since 2026-11-28 only the merge the plan launches, and the combine / append kernels only
+    where it launches them), the launch waited for - and the same call again from the disk cache
+    (the plan rebuilt, the modules loaded).  keys: B1 S32k seqlen_q 1; rows: B4 S8k seqlen_q 16;
+    32/8 heads, contiguous."""
+    import cupy as cp
+    from rtkernels import cache
     res = {}
-    for name, cfg in (("keys", choose_config(dtype, 96, 8, True, False, device.current_arch())),
-                      ("rows", choose_config(dtype, 96, 64, True, True, device.current_arch()))):
-        res[name] = bu.compile_times(cfg)
+    for name, shape in (("keys", (1, 32768, 32, 8, 96, 1)), ("rows", (4, 8192, 32, 8, 96, 16))):
+        s = Set(shape, dtype, None, False, ())
+        extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        with tempfile.TemporaryDirectory(prefix="rtk-cold-") as d:
+            old = os.environ.get("RTKERNELS_CACHE_DIR")
+            os.environ["RTKERNELS_CACHE_DIR"] = d
+            try:
+                times = []
+                for _ in range(2):
+                    cache.clear_memory()
+                    kv._PLANS.clear()
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra)
+                    cp.cuda.Device().synchronize()
+                    times.append(time.perf_counter() - t0)
+                plan = next(iter(kv._PLANS._plans.values()))   # (the one plan of this call)
+            finally:
+                if old is None:
+                    del os.environ["RTKERNELS_CACHE_DIR"]
+                else:
+                    os.environ["RTKERNELS_CACHE_DIR"] = old
+                cache.clear_memory()
+                kv._PLANS.clear()
+        res[name] = {"config": plan.config.key(), "num_splits": plan.num_splits,
+                     "cold_compile_s": times[0], "warm_disk_load_s": times[1]}
     return res
 
 
@@ -488,7 +517,7 @@ def main():
         extra["host"] = host_times(rtk, args.dtype, torch)
         if args.host_profile:
             extra["host_profile"] = host_profile(rtk, kv, args.dtype, torch)
-        extra["compile"] = compile_time(args.dtype)
+        extra["compile"] = compile_time(args.dtype, rtk, kv)
     name = "bench_decode_quick" if args.quick else "bench_decode"
     path = bu.save(args.out, name, {"environment": env, "copy_GBs": copy_gbs, "events": args.events, "rows": rows,
                                     **extra})

@@ -133,11 +133,22 @@ class AttentionDecodeConfig(AttentionShape):
         launch it.
     l2_evict_first : loader "tma": the K/V copies carry an L2 evict-first policy (see
         L2_EVICT_FIRST).
+    merges : the merges of the splits by their last CTA (DecodeArgs.fused 1-3) compiled into the
+        kernel: "all" (each behind its runtime switch: the register merges of 2 to
+        REG_MERGE_MAX_SPLITS splits in the rows mode, the unit merge, the serial merge), "none",
+        "units", "serial", or "regs2" ... "regs4" (the rows mode's register merge of exactly that many
+        splits).  A plan compiles only the one it launches (see merges_for): the unused ones cost
+        NVRTC time - the unit merge ~45% of a keys kernel's compile, the register merges ~60% of a
+        rows kernel's (NVRTC 13.5, d96).  The group and cluster merges have their own fields.
     """
 
     family: ClassVar[str] = FAMILY
     template: ClassVar[str] = "attention_decode.cu.j2"
     kernels: ClassVar[tuple[str, ...]] = ("attention_decode", "attention_decode_combine", "attention_decode_append")
+    # a plan launches the combine kernel only where its splits do not merge in the launch, the
+    # append kernel only with k_new: each compiles alone (the two were ~15% of a keys kernel's
+    # NVRTC time, NVRTC 13.5)
+    module_per_kernel: ClassVar[bool] = True
     # The combine and append entry points have no MMA, so the family-wide flag stays off; the
     # tests check HMMA in the attention kernel's SASS.
     expects_tensor_cores: ClassVar[bool] = False
@@ -159,6 +170,7 @@ class AttentionDecodeConfig(AttentionShape):
     group_merge: int = 0
     cluster_merge: int = 0
     l2_evict_first: bool = False
+    merges: str = "all"
 
     def __post_init__(self):
         self._check_shape()
@@ -204,6 +216,10 @@ class AttentionDecodeConfig(AttentionShape):
         if self.l2_evict_first and self.loader != "tma":
             self._fail("l2_evict_first", "False with loader='cp.async' (the hint rides on the tensor copies)")
         self._check_choice("cluster_merge", (0, *CLUSTER_MERGE_SPLITS))
+        self._check_choice("merges", MERGES)
+        if self.merges.startswith("regs") and (self.warp_split != "rows" or self.schedule != "split"):
+            self._fail("merges", f"'all', 'none', 'units' or 'serial' with warp_split={self.warp_split!r} (the "
+                                 "register merges are the rows mode's)")
         if self.cluster_merge and (self.schedule != "split" or self.loader != "tma" or self.group_merge):
             self._fail("cluster_merge", f"0 with schedule={self.schedule!r}, loader={self.loader!r}, "
                                         f"group_merge={self.group_merge} (the cluster merge: the split schedule, "
@@ -277,8 +293,18 @@ class AttentionDecodeConfig(AttentionShape):
         p = super().template_params()
         p.update(smem_bytes=self.shared_mem_bytes, ptrs_bytes=PTRS_DTYPE.itemsize, args_bytes=ARGS_DTYPE.itemsize,
                  combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS,
-                 reg_merge_max_splits=REG_MERGE_MAX_SPLITS, group_merge_loads=group_merge_loads(self.head_dim))
+                 reg_merge_max_splits=REG_MERGE_MAX_SPLITS, group_merge_loads=group_merge_loads(self.head_dim),
+                 reg_merge_splits=self.reg_merge_splits)
         return p
+
+    @property
+    def reg_merge_splits(self) -> tuple[int, ...]:
+        """The split counts whose register merge is compiled (rows mode; see ``merges``)."""
+        if self.warp_split != "rows" or self.schedule != "split":
+            return ()
+        if self.merges == "all":
+            return tuple(range(2, REG_MERGE_MAX_SPLITS + 1))
+        return (int(self.merges[4:]),) if self.merges.startswith("regs") else ()
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
@@ -581,6 +607,8 @@ FUSED_COMBINE_MAX_BYTES_ROWS = 64 * 1024
 # 73.9 against 72.6 / 72.2 (the combine launch forced: 72.1), seqlen_q 12 74.9 against 74.3.
 # d128 keeps 167 registers; d64 goes from 119 to 124 (still 4 CTAs per SM).
 REG_MERGE_MAX_SPLITS = 4
+# AttentionDecodeConfig.merges
+MERGES = ("all", "none", "units", "serial", *(f"regs{n}" for n in range(2, REG_MERGE_MAX_SPLITS + 1)))
 
 
 # The rows mode's group merge (a cooperative split grid: every CTA of a (sequence, head group, row
@@ -633,6 +661,12 @@ def group_merge_batch(num_splits: int, head_dim: int) -> int:
 _GROUP_REFUSED: set = set()
 
 
+def _refusal_key(cfg, device) -> tuple:
+    """_GROUP_REFUSED's entry for a config as the tile heuristics gave it (no group merge, every
+    in-kernel merge) on a device."""
+    return cfg.replace(group_merge=0, merges="all"), device
+
+
 class _GroupRefused(LaunchError):
     """The device refused a group-merge plan's cooperative split grid (nothing of it launched)."""
 
@@ -648,7 +682,7 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
     # by default: the rows mode's grids of enough splits; the keys mode's where the combine launch would run
     by_default = num_splits >= (2 if p.paged else GROUP_MERGE_MIN_SPLITS) and (cfg.warp_split == "rows" or (
         combine_launch and KEYS_GROUP_MERGE and cfg.head_dim <= KEYS_GROUP_MERGE_HEAD_DIM_MAX))
-    if (cfg, p.device) in _GROUP_REFUSED:
+    if _refusal_key(cfg, p.device) in _GROUP_REFUSED:
         return None
     if want != "group" and (want is not None or merge is not None or not by_default):
         return None
@@ -657,7 +691,7 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
     grid = ctas * num_splits
     if grid > occupancy(arch, cfg.threads_per_block, 1, 0, cfg.shared_mem_bytes).blocks_per_sm * sms:
         return None
-    gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
+    gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim), merges="none")
     gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
     return (gcfg, gkernel) if grid <= _ctas_per_sm(gcfg, gkernel, arch) * sms else None
 
@@ -690,7 +724,7 @@ def _cluster_merge(v: dict, cfg, num_splits: int, ctas: int, row_tiles: int, arc
     from ..arch import occupancy
     from ..kernel import get_kernel
     from .rowwise import driver_clusters
-    ccfg = cfg.replace(cluster_merge=num_splits)
+    ccfg = cfg.replace(cluster_merge=num_splits, merges="none")
     kernel = get_kernel(ccfg, "attention_decode", arch=arch)
     threads, regs = ccfg.threads_per_block, kernel.resources.registers
     per_sm = min(_ctas_per_sm(ccfg, kernel, arch), -(-ctas * num_splits // sms))   # the even share
@@ -713,6 +747,20 @@ def _cluster_merge(v: dict, cfg, num_splits: int, ctas: int, row_tiles: int, arc
 # 97.3 / 97.3 -> 96.2 / 96.3, B1 S128k (16) 183.4 / 183.7 -> 182.1 / 182.6, B8 S8k (2) 97.0 / 97.1
 # -> 96.7 / 96.8, d64 B1 S32k (16 splits: past d64's batch of 4, so the unit merge either way)
 # level.  No kernel changed its registers' occupancy (d96 146 -> 209 registers at 2 CTAs per SM).
+def merges_for(cfg, num_splits: int, fused: bool, merge) -> str:
+    """AttentionDecodeConfig.merges of a split-schedule plan: the one in-kernel merge its
+    DecodeArgs.fused selects (``merge``: None, or the bench's variant "serial" / "units"), or
+    "none" where the splits do not merge by their last CTA (one split, the combine launch, the
+    group and cluster merges, the keys mode's one-round-trip merge of ``cfg.group_merge``)."""
+    if num_splits == 1 or not fused or merge in ("group", "cluster"):
+        return "none"
+    if merge in ("serial", "units"):
+        return merge
+    if cfg.warp_split == "rows" and num_splits <= REG_MERGE_MAX_SPLITS:
+        return f"regs{num_splits}"
+    return "none" if cfg.warp_split == "keys" and cfg.group_merge else "units"
+
+
 def _keys_merge(cfg, p, num_splits: int, merge):
     """The keys-mode config whose last CTA merges in one round trip (see above), or ``cfg`` (rows
     mode, stream-K, a variant's merge - merge:units is the baseline - or more splits than one batch)."""
@@ -1027,10 +1075,13 @@ def _old_num_splits(ctas: int, capacity: int, sms: int, paged: bool, rows: int) 
     return max(1, min(sms // ctas, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
-def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_dims=None) -> list[AttentionDecodeConfig]:
+def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_dims=None,
+                      merges: bool = False) -> list[AttentionDecodeConfig]:
     """Every config the heuristics can pick on ``arch`` (head_dim 8..256 step 8 x dtype x paged x
     causal x rows per kv head 1..128 (keys and rows mode) x kv heads 1..8 for decoding): what
-    `rtk report attention_decode` and the slow no-spill test compile."""
+    `rtk report attention_decode` and the slow no-spill test compile.  ``merges``: each also with
+    every other ``merges`` value a plan compiles (merges_for; ptxas allocates each build's
+    registers anew)."""
     head_dims = head_dims or range(8, 257, 8)
     out = []
     for d in head_dims:
@@ -1053,6 +1104,9 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
                                                      warp_split="rows"))
                     for rows_total in (32, 48, 64, 128):
                         out.append(choose_config(dt, d, rows_total, paged, causal, arch))
+    if merges:
+        out += [c.replace(merges=m) for c in out if c.schedule == "split"
+                for m in ("none", "units", *(f"regs{n}" for n in c.reg_merge_splits))]
     return list(dict.fromkeys(out))
 
 
@@ -1413,6 +1467,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         elif fused:
             cfg = _keys_merge(cfg, p, num_splits, merge)
     if kernel is None and rows_total > 0:
+        cfg = cfg.replace(merges=merges_for(cfg, num_splits, fused, merge))
         kernel = get_kernel(cfg, "attention_decode", arch=arch)
     order = 0 if merge == "cluster" else ORDER[v.get("order", DEFAULT_ORDER)]   # a cluster: one group's splits
     # a.fused: 0 none / the combine launch, 1 the merge (from registers in the rows mode's few-split
@@ -1537,6 +1592,7 @@ def _streamk_plan(p: Problem, cfg: AttentionDecodeConfig, arch: str, sms: int, o
     than the work units (key tiles of all items at full capacity); partials: two slots of rows x
     head_dim float32 (and rows lse) per CTA; a merge counter per (sequence, kv head)."""
     from ..kernel import get_kernel
+    cfg = cfg.replace(merges="none")   # (its items merge themselves)
     kernel = get_kernel(cfg, "attention_decode", arch=arch)
     per_sm = _ctas_per_sm(cfg, kernel, arch)
     units = p.batch * p.nheads_kv * max(1, -(-p.capacity // cfg.block_n))
@@ -1695,7 +1751,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
     try:
         return _launch(plan, key, arrays, stream)
     except _GroupRefused:   # plan again without the group merge (for this config from now on)
-        _GROUP_REFUSED.add((plan.config.replace(group_merge=0), plan.device))
+        _GROUP_REFUSED.add(_refusal_key(plan.config, plan.device))
         plan, arrays = _new_plan(key, arrays, causal, softmax_scale, return_lse, num_splits, dtype)
         return _launch(plan, key, arrays, stream)
 
