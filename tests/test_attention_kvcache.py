@@ -242,7 +242,7 @@ def test_keys_mode_last_cta_merges_in_one_trip(d, splits, variant, one_trip):
     assert (cfg.group_merge > 0) == one_trip, cfg
     assert cfg.group_merge in (0, kv_mod.group_merge_batch(splits, d))
     assert int(plan.split.tail[0]["fused"]) == (3 if variant and "merge" in variant else 1)
-    assert cfg.merges == ("none" if one_trip else "units")   # the one merge it launches (merges_for)
+    assert cfg.merges == ("group" if one_trip else "units")   # the one merge it launches (merges_for)
     res = plan.split.kernel.resources
     assert res.spill_stores == 0 and res.spill_loads == 0
     # the counters release / acquire from thread 0 (rtk::last_block_to_arrive): no fence.sc per thread
@@ -262,7 +262,7 @@ def _rows_problem(b, sq, d, cap, paged=False):
 
 @pytest.mark.parametrize("b,sq,d,cap,paged,splits,variant,merges,code", [
     (64, 1, 128, 2048, False, None, None, "none", 0),            # one split: o written directly
-    (1, 1, 128, 32768, False, 16, {"cluster": "off"}, "none", 1),  # keys: the merge in one round trip
+    (1, 1, 128, 32768, False, 16, {"cluster": "off"}, "group", 1),  # keys: the merge in one round trip
     (1, 1, 64, 32768, False, 8, {"cluster": "off"}, "units", 1),  # ... past its loads: the unit merge
     (1, 1, 128, 32768, False, 16, {"merge": "serial"}, "serial", 2),
     (8, 16, 128, 8192, False, 2, {"cluster": "off"}, "regs2", 1),  # rows: the register merge of 2 splits
@@ -285,6 +285,8 @@ def test_plans_compile_only_the_merge_they_launch(b, sq, d, cap, paged, splits, 
     assert "attention_decode_combine(" not in src and "attention_decode_append(" not in src
     assert ("serial_merge(p, a, w" in src) == (merges == "serial")
     assert ("// weights: a group of G lanes per row" in src) == (merges == "units")
+    assert ("group_barrier_wait(counters" in src) == (code == 4)   # the cooperative group merge
+    assert ("GM_SB, true>(p, a, 0, 1" in src) == (merges == "group")   # the keys mode's last CTA, one batch
     assert re.findall(r"register_merge<(\d)>\(p, a", src) == ([merges[4:]] if merges.startswith("regs") else [])
     assert (plan.combine is not None) == (merges == "none" and code == 0 and plan.num_splits > 1)
     if plan.combine is not None:

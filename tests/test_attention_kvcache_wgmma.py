@@ -251,17 +251,23 @@ def test_decode_timeline_patches_the_template(tmp_path, monkeypatch):
     dst = tmp_path / "templates"
     tl.patched_templates(str(render.template_dir()), str(dst))
     monkeypatch.setattr(render, "template_dir", lambda: dst)
+    def source(cfg):   # (a config renders only the merges it compiles: one of the two per config)
+        return render.render(cfg.template, cfg.template_params(), family=cfg.family).source
+
     cfg = AttentionDecodeConfig(**{**WG, "cluster_merge": 2})
-    src = render.render(cfg.template, cfg.template_params(), family=cfg.family).source
-    assert src.count("rtk_record(split);") == 2 and "rtk_stamps[65536 * %d]" % tl.STAMPS in src
+    src = source(cfg)
+    assert src.count("rtk_record(split);") == 1 and "rtk_stamps[65536 * %d]" % tl.STAMPS in src
     assert src.count("rtk_t1 = rtk_now();") == 1 and src.count("rtk_t2 = rtk_now();") == 1
     assert src.count("+ 11] = rtk_t0;") == 1   # the kernel's first instruction, either mode
+    # (the cluster call stays in the text behind its if constexpr; the group merge's is rendered where compiled)
+    assert source(cfg.replace(cluster_merge=0, group_merge=4)).count("rtk_record(split);") == 2
     # the keys mode: every warp's loop end, the CTA's, its stored partial, both merges' ends
     keys = AttentionDecodeConfig(warp_split="keys", rows=16, loader="tma", dtype="bfloat16", head_dim=128,
                                  cluster_merge=8)
-    src = render.render(keys.template, keys.template_params(), family=keys.family).source
+    src = source(keys)
     assert "rtk_s[6 + (warp & 3)] = rtk_now();" in src and "rtk_s[1] = rtk_now();" in src
-    assert src.count("+ 10] = rtk_now();") == 2 and "rtk_s[2] = rtk_now(); rtk_s[3] = rtk_s[2];" in src
+    assert src.count("+ 10] = rtk_now();") == 1 and "rtk_s[2] = rtk_now(); rtk_s[3] = rtk_s[2];" in src
+    assert source(keys.replace(cluster_merge=0, group_merge=16, merges="group")).count("+ 10] = rtk_now();") == 2
 
 
 # ---- compile (a few: CI has two cores) --------------------------------------------------------

@@ -48,7 +48,7 @@ PATCHES = [
      "        rtk_t2 = rtk_now();\n", ""),
     ("                cluster_merge(p, a, smem_raw, split, b, hkv0, r0, rows_valid, tid);\n",
      "", "                rtk_record(split);\n"),
-    ("            rtk::group_barrier_done(counters, a.num_splits, ticket);\n", "", "            rtk_record(split);\n"),
+    ("        rtk::group_barrier_done(counters, a.num_splits, ticket);\n", "", "        rtk_record(split);\n"),
     # the kernel's first instruction (11) and its sequence length read (12), both modes
     ("    const Sequence seq = sequence(p.cache_seqlens, a, b);\n    const int seqlen_k = seq.seqlen_k;\n"
      "    const int diag = seqlen_k - a.seqlen_q;\n", "",
@@ -72,8 +72,8 @@ PATCHES = [
     # the last CTA of a group knows it is last (the counter's answer is back: slot 13)
     ("    if (!rtk::last_block_to_arrive(p.counters + merge_group(), a.num_splits, reinterpret_cast<int*>(smem_raw))) "
      "return;\n", "", "    if (threadIdx.x == 0) rtk_stamps[STAMPSull * blockIdx.x + 13] = rtk_now();\n"),
-    ("            group_merge<GM_LOADS / GM_SB, GM_SB>(p, a, 0, 1, b, hkv0, r0, rows_valid, rows_all, tid);\n", "",
-     "            __syncthreads();\n            if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
+    ("        group_merge<GM_LOADS / GM_SB, GM_SB, true>(p, a, 0, 1, b, hkv0, r0, rows_valid, rows_all, tid);\n", "",
+     "        __syncthreads();\n        if (threadIdx.x == 0) { rtk_stamps[STAMPSull * blockIdx.x + 10] = rtk_now();"
      " rtk_stamps[STAMPSull * blockIdx.x + 3] = rtk_now(); }\n"),
 ]
 

@@ -135,11 +135,14 @@ class AttentionDecodeConfig(AttentionShape):
         L2_EVICT_FIRST).
     merges : the merges of the splits by their last CTA (DecodeArgs.fused 1-3) compiled into the
         kernel: "all" (each behind its runtime switch: the register merges of 2 to
-        REG_MERGE_MAX_SPLITS splits in the rows mode, the unit merge, the serial merge), "none",
-        "units", "serial", or "regs2" ... "regs4" (the rows mode's register merge of exactly that many
-        splits).  A plan compiles only the one it launches (see merges_for): the unused ones cost
-        NVRTC time - the unit merge ~45% of a keys kernel's compile, the register merges ~60% of a
-        rows kernel's (NVRTC 13.5, d96).  The group and cluster merges have their own fields.
+        REG_MERGE_MAX_SPLITS splits in the rows mode, the unit merge, the serial merge, and with
+        group_merge > 0 both group merges), "none" (with group_merge > 0: the cooperative group
+        merge), "units", "serial", "group" (the keys mode's last CTA with the group merge's loads:
+        group_merge > 0, its splits in one batch), or "regs2" ... "regs4" (the rows mode's register
+        merge of exactly that many splits).  A plan compiles only the one it launches (see
+        merges_for): the unused ones cost NVRTC time - the unit merge ~45% of a keys kernel's
+        compile, the register merges ~60% of a rows kernel's (NVRTC 13.5, d96).  The cluster merge
+        has its own field.
     """
 
     family: ClassVar[str] = FAMILY
@@ -220,6 +223,9 @@ class AttentionDecodeConfig(AttentionShape):
         if self.merges.startswith("regs") and (self.warp_split != "rows" or self.schedule != "split"):
             self._fail("merges", f"'all', 'none', 'units' or 'serial' with warp_split={self.warp_split!r} (the "
                                  "register merges are the rows mode's)")
+        if self.merges == "group" and (self.warp_split != "keys" or not self.group_merge):
+            self._fail("merges", f"not 'group' with warp_split={self.warp_split!r}, group_merge={self.group_merge} "
+                                 "(the keys mode's last-CTA merge with the group merge's loads)")
         if self.cluster_merge and (self.schedule != "split" or self.loader != "tma" or self.group_merge):
             self._fail("cluster_merge", f"0 with schedule={self.schedule!r}, loader={self.loader!r}, "
                                         f"group_merge={self.group_merge} (the cluster merge: the split schedule, "
@@ -608,7 +614,7 @@ FUSED_COMBINE_MAX_BYTES_ROWS = 64 * 1024
 # d128 keeps 167 registers; d64 goes from 119 to 124 (still 4 CTAs per SM).
 REG_MERGE_MAX_SPLITS = 4
 # AttentionDecodeConfig.merges
-MERGES = ("all", "none", "units", "serial", *(f"regs{n}" for n in range(2, REG_MERGE_MAX_SPLITS + 1)))
+MERGES = ("all", "none", "units", "serial", "group", *(f"regs{n}" for n in range(2, REG_MERGE_MAX_SPLITS + 1)))
 
 
 # The rows mode's group merge (a cooperative split grid: every CTA of a (sequence, head group, row
@@ -751,14 +757,19 @@ def merges_for(cfg, num_splits: int, fused: bool, merge) -> str:
     """AttentionDecodeConfig.merges of a split-schedule plan: the one in-kernel merge its
     DecodeArgs.fused selects (``merge``: None, or the bench's variant "serial" / "units"), or
     "none" where the splits do not merge by their last CTA (one split, the combine launch, the
-    group and cluster merges, the keys mode's one-round-trip merge of ``cfg.group_merge``)."""
+    cooperative group merge, the cluster merge)."""
     if num_splits == 1 or not fused or merge in ("group", "cluster"):
         return "none"
     if merge in ("serial", "units"):
         return merge
     if cfg.warp_split == "rows" and num_splits <= REG_MERGE_MAX_SPLITS:
         return f"regs{num_splits}"
-    return "none" if cfg.warp_split == "keys" and cfg.group_merge else "units"
+    if cfg.warp_split == "keys" and cfg.group_merge:
+        if num_splits > cfg.group_merge:   # (_keys_merge's batch holds every split: the kernel loads one batch)
+            raise RuntimeError(f"{OP}: internal: {num_splits} splits past the keys-mode merge's batch of "
+                               f"{cfg.group_merge}")
+        return "group"
+    return "units"
 
 
 def _keys_merge(cfg, p, num_splits: int, merge):
