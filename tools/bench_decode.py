@@ -57,7 +57,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -413,27 +412,18 @@ def compile_time(dtype: str, rtk, kv) -> dict:
     for name, shape in (("keys", (1, 32768, 32, 8, 96, 1)), ("rows", (4, 8192, 32, 8, 96, 16))):
         s = Set(shape, dtype, None, False, ())
         extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
-        with tempfile.TemporaryDirectory(prefix="rtk-cold-") as d:
-            old = os.environ.get("RTKERNELS_CACHE_DIR")
-            os.environ["RTKERNELS_CACHE_DIR"] = d
-            try:
-                times = []
-                for _ in range(2):
-                    cache.clear_memory()
-                    kv._PLANS.clear()
-                    cp.cuda.Device().synchronize()
-                    t0 = time.perf_counter()
-                    rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra)
-                    cp.cuda.Device().synchronize()
-                    times.append(time.perf_counter() - t0)
-                plan = next(iter(kv._PLANS._plans.values()))   # (the one plan of this call)
-            finally:
-                if old is None:
-                    del os.environ["RTKERNELS_CACHE_DIR"]
-                else:
-                    os.environ["RTKERNELS_CACHE_DIR"] = old
+        with bu.empty_disk_cache():
+            times = []
+            for _ in range(2):
                 cache.clear_memory()
                 kv._PLANS.clear()
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                rtk.attention_kvcache(s.q, s.k, s.v, s.lens, out=s.out, **extra)
+                cp.cuda.Device().synchronize()
+                times.append(time.perf_counter() - t0)
+            plan = next(iter(kv._PLANS._plans.values()))   # (the one plan of this call)
+            kv._PLANS.clear()
         res[name] = {"config": plan.config.key(), "num_splits": plan.num_splits,
                      "cold_compile_s": times[0], "warm_disk_load_s": times[1]}
     return res

@@ -11,6 +11,7 @@ the host is slower than the GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -309,27 +310,36 @@ def ratio_vs_best(row: dict, peers=("fa4", "sdpa_cudnn")) -> None:
     row["ratio_vs_best"] = row["rtk_tflops"] / ran[best] if best else None
 
 
-def compile_times(cfg) -> dict:
-    """Cold compile (an empty disk cache, nothing in memory) and warm start (the disk entry
-    read back and the module loaded into the context) of one config, in seconds."""
-    import rtkernels as rtk
+@contextlib.contextmanager
+def empty_disk_cache():
+    """For the block: RTKERNELS_CACHE_DIR an empty temporary folder and nothing compiled in memory;
+    both restored after it."""
     from rtkernels import cache
     with tempfile.TemporaryDirectory(prefix="rtk-cold-") as d:
         old = os.environ.get("RTKERNELS_CACHE_DIR")
         os.environ["RTKERNELS_CACHE_DIR"] = d
         try:
             cache.clear_memory()
-            t0 = time.perf_counter()
-            rtk.get_kernel(cfg)
-            cold = time.perf_counter() - t0
-            cache.clear_memory()
-            t0 = time.perf_counter()
-            rtk.get_kernel(cfg).function()   # module load into the context counts as part of a warm start
-            warm = time.perf_counter() - t0
+            yield d
         finally:
             if old is None:
                 del os.environ["RTKERNELS_CACHE_DIR"]
             else:
                 os.environ["RTKERNELS_CACHE_DIR"] = old
             cache.clear_memory()
+
+
+def compile_times(cfg) -> dict:
+    """Cold compile (an empty disk cache, nothing in memory) and warm start (the disk entry
+    read back and the module loaded into the context) of one config, in seconds."""
+    import rtkernels as rtk
+    from rtkernels import cache
+    with empty_disk_cache():
+        t0 = time.perf_counter()
+        rtk.get_kernel(cfg)
+        cold = time.perf_counter() - t0
+        cache.clear_memory()
+        t0 = time.perf_counter()
+        rtk.get_kernel(cfg).function()   # module load into the context counts as part of a warm start
+        warm = time.perf_counter() - t0
     return {"config": cfg.key(), "cold_compile_s": cold, "warm_disk_load_s": warm}

@@ -133,7 +133,7 @@ class AttentionDecodeConfig(AttentionShape):
         launch it.
     l2_evict_first : loader "tma": the K/V copies carry an L2 evict-first policy (see
         L2_EVICT_FIRST).
-    merges : the merges of the splits by their last CTA (DecodeArgs.fused 1-3) compiled into the
+    merges : the in-kernel merges of the splits behind DecodeArgs.fused compiled into the
         kernel: "all" (each behind its runtime switch: the register merges of 2 to
         REG_MERGE_MAX_SPLITS splits in the rows mode, the unit merge, the serial merge, and with
         group_merge > 0 both group merges), "none" (with group_merge > 0: the cooperative group
@@ -220,12 +220,13 @@ class AttentionDecodeConfig(AttentionShape):
             self._fail("l2_evict_first", "False with loader='cp.async' (the hint rides on the tensor copies)")
         self._check_choice("cluster_merge", (0, *CLUSTER_MERGE_SPLITS))
         self._check_choice("merges", MERGES)
-        if self.merges.startswith("regs") and (self.warp_split != "rows" or self.schedule != "split"):
-            self._fail("merges", f"'all', 'none', 'units' or 'serial' with warp_split={self.warp_split!r} (the "
-                                 "register merges are the rows mode's)")
-        if self.merges == "group" and (self.warp_split != "keys" or not self.group_merge):
-            self._fail("merges", f"not 'group' with warp_split={self.warp_split!r}, group_merge={self.group_merge} "
-                                 "(the keys mode's last-CTA merge with the group merge's loads)")
+        regs = self.merges.startswith("regs") and (self.warp_split != "rows" or self.schedule != "split")
+        group = self.merges == "group" and (self.warp_split != "keys" or not self.group_merge)
+        if regs or group:
+            allowed = ("all", "none", "units", "serial") + (("group",) if self.group_merge else ())
+            self._fail("merges", f"{', '.join(map(repr, allowed))} with warp_split={self.warp_split!r}, "
+                                 f"schedule={self.schedule!r}, group_merge={self.group_merge} (the register "
+                                 "merges are the rows mode's, 'group' the keys mode's with group_merge > 0)")
         if self.cluster_merge and (self.schedule != "split" or self.loader != "tma" or self.group_merge):
             self._fail("cluster_merge", f"0 with schedule={self.schedule!r}, loader={self.loader!r}, "
                                         f"group_merge={self.group_merge} (the cluster merge: the split schedule, "
@@ -753,6 +754,15 @@ def _cluster_merge(v: dict, cfg, num_splits: int, ctas: int, row_tiles: int, arc
 # 97.3 / 97.3 -> 96.2 / 96.3, B1 S128k (16) 183.4 / 183.7 -> 182.1 / 182.6, B8 S8k (2) 97.0 / 97.1
 # -> 96.7 / 96.8, d64 B1 S32k (16 splits: past d64's batch of 4, so the unit merge either way)
 # level.  No kernel changed its registers' occupancy (d96 146 -> 209 registers at 2 CTAs per SM).
+def _keys_merge(cfg, p, num_splits: int, merge):
+    """The keys-mode config whose last CTA merges in one round trip (see above), or ``cfg`` (rows
+    mode, stream-K, a variant's merge - merge:units is the baseline - or more splits than one batch)."""
+    if (cfg.warp_split != "keys" or cfg.schedule != "split" or merge is not None
+            or num_splits > group_merge_loads(p.head_dim)):
+        return cfg
+    return cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
+
+
 def merges_for(cfg, num_splits: int, fused: bool, merge) -> str:
     """AttentionDecodeConfig.merges of a split-schedule plan: the one in-kernel merge its
     DecodeArgs.fused selects (``merge``: None, or the bench's variant "serial" / "units"), or
@@ -770,15 +780,6 @@ def merges_for(cfg, num_splits: int, fused: bool, merge) -> str:
                                f"{cfg.group_merge}")
         return "group"
     return "units"
-
-
-def _keys_merge(cfg, p, num_splits: int, merge):
-    """The keys-mode config whose last CTA merges in one round trip (see above), or ``cfg`` (rows
-    mode, stream-K, a variant's merge - merge:units is the baseline - or more splits than one batch)."""
-    if (cfg.warp_split != "keys" or cfg.schedule != "split" or merge is not None
-            or num_splits > group_merge_loads(p.head_dim)):
-        return cfg
-    return cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim))
 
 
 def candidates(head_dim: int) -> tuple[Tile, ...]:
