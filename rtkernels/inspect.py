@@ -228,8 +228,8 @@ def report(kernel: Any, arch: str | None = None, *, threads_per_block: int | Non
     -------
     dict with ``family``, ``kernel``, ``params``, ``config``, ``arch``, ``resources``,
     ``threads_per_block``, ``smem_static``, ``smem_dynamic``, ``occupancy`` (None when the block
-    size is unknown), ``sass`` (:func:`sass_stats`), ``pdl`` (:attr:`rtkernels.Kernel.pdl`) and
-    ``flags``.
+    size is unknown), ``sass`` (:func:`sass_stats`), ``pdl`` (:attr:`rtkernels.Kernel.pdl`),
+    ``compile_s`` (:attr:`rtkernels.Kernel.compile_seconds`) and ``flags``.
     """
     family, params, config_repr = _config_info(kernel)
     cfg = getattr(kernel, "config", None)
@@ -256,8 +256,13 @@ def report(kernel: Any, arch: str | None = None, *, threads_per_block: int | Non
         "sass": stats,
         # launched with programmatic dependent launch on sm_90+ (its body begins with the wait)
         "pdl": bool(getattr(kernel, "pdl", False)),
+        "compile_s": _seconds(getattr(kernel, "compile_seconds", None)),
         "flags": flags(stats, res, cfg if cfg is not None else None, occupancy=occ),
     }
+
+
+def _seconds(x) -> float | None:
+    return None if x is None else round(float(x), 3)
 
 
 def _jsonable(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -288,6 +293,7 @@ def flatten(rep: Mapping[str, Any]) -> dict[str, Any]:
     stats = rep.get("sass") or {}
     for c in SASS_COLUMNS:
         row[c] = stats.get(c)
+    row["compile_s"] = rep.get("compile_s")   # NVRTC seconds of the kernel's module (issue targets: cold compile)
     row["spills"] = bool(res.get("spill_stores") or res.get("spill_loads"))
     row["flags"] = "; ".join(rep.get("flags") or [])
     if rep.get("error"):
@@ -479,6 +485,8 @@ def format_summary(rep: Mapping[str, Any]) -> str:
                  f"LDSM {s['ldsm']}; async LDGSTS {s['ldgsts']} / TMA {s['tma']}")
     lines.append(f"                 tensor HMMA {s['hmma']} / HGMMA {s['hgmma']} / IMMA {s['imma']}; "
                  f"BAR {s['bar']}; MUFU {s['mufu']}")
+    if rep.get("compile_s") is not None:
+        lines.append(f"  NVRTC          {rep['compile_s']:.3f} s (the module's compile, {rep.get('compiled_for')})")
     fl = rep.get("flags") or []
     lines.append("  flags          " + ("none" if not fl else fl[0]))
     lines += ["                 " + f for f in fl[1:]]

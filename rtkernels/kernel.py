@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from functools import cached_property
 from typing import Any, Sequence
 
@@ -198,6 +199,9 @@ class Module:
         self.code, self.resources, self.log, self.lowered = b"", {}, "", {}
         self.from_disk = False      # figures not yet checked against the loaded code
         self.generation = 0
+        # NVRTC seconds of the compile that made the code (from meta.json for a disk entry; None for
+        # entries written before it was recorded)
+        self.compile_s: float | None = None
         self._parts, self._rendered, self._exprs = parts, rendered, exprs
         self._template, self._params = template, params
         self._loaded: dict[int, Any] = {}
@@ -218,17 +222,21 @@ class Module:
                          for n, r in meta.get("resources", {}).items()}
             lowered = {str(e): str(n) for e, n in meta.get("lowered", {}).items()}
             log = str(meta.get("log", ""))
+            compile_s = meta.get("compile_s")
+            compile_s = float(compile_s) if compile_s is not None else None
         except (AttributeError, TypeError, ValueError) as exc:
             return f"malformed meta.json ({exc})"
         if set(lowered) != set(self._exprs) or not all(re.fullmatch(r"[\w$]+", n) for n in lowered.values()):
             return "meta.json's lowered names do not match the requested name expressions"
         self.code, self.resources, self.log, self.lowered = code, resources, log, lowered
+        self.compile_s = compile_s
         self.from_disk = True
         return None
 
     def _compile(self) -> None:
         """NVRTC, then write the entry (the caller has the memory level)."""
         name = re.sub(r"\W", "_", self.label) or "kernel"
+        t0 = time.perf_counter()
         try:
             res = compile_source(self._rendered, name=name, arch=self.arch, options=self.options, output=self.output,
                                  name_expressions=self._exprs, context=f"{self.label} [{self.config_repr}]")
@@ -239,13 +247,14 @@ class Module:
                     exc.note_source_path(path)
             raise
         self.code, self.resources, self.log, self.lowered = res.code, res.resources, res.log, res.lowered_names
+        self.compile_s = time.perf_counter() - t0
         self.from_disk = False
         self.__dict__.pop("sass", None)
         meta = {"family": self.label, "config": self.config_repr, "arch": self.arch, "output": self.output,
                 "nvrtc_version": ".".join(map(str, nvrtc_version())), "package_version": __version__,
                 "key_parts": {k: v for k, v in self._parts.items() if k != "source"},
                 "resources": {n: r.as_dict() for n, r in res.resources.items()}, "log": res.log,
-                "lowered": res.lowered_names}
+                "lowered": res.lowered_names, "compile_s": round(self.compile_s, 4)}
         cache.disk_put(self.key, res.code, "kernel.cubin" if self.output == "cubin" else "kernel.ptx", meta,
                        self.source)
 
@@ -401,6 +410,13 @@ class Kernel:
         if self.module.output != "cubin":
             return Resources()
         return self.module.resources.get(self.lowered_name, Resources())
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """NVRTC seconds (wall clock, this machine's NVRTC) of the compile that produced this kernel's
+        module - all its entry points - recorded in the disk entry, so a kernel loaded from the
+        cache reports the compile it saved; None for entries written before the figure was kept."""
+        return self.module.compile_s
 
     @property
     def cubin(self) -> bytes:

@@ -182,12 +182,15 @@ def test_cache_miss_then_memory_then_disk_hit(fresh_cache):
     k3 = rtk.compile(t, dtype="float32", vec=1, bias=0)
     assert cache.stats()["disk_hits"] == 1 and k3.cubin == k1.cubin
     assert k3.resources == k1.resources               # the ptxas report survives the disk round trip
+    # ... and the compile's NVRTC seconds (Kernel.compile_seconds: what a cached kernel saved)
+    assert 0 < k1.compile_seconds < 600 and k3.compile_seconds == round(k1.compile_seconds, 4)
     entries = cache.list_entries()
     assert len(entries) == 1
     d = entries[0]["path"]
     assert sorted(os.listdir(d)) == ["kernel.cubin", "meta.json", "source.cu"]
     meta = json.load(open(os.path.join(d, "meta.json")))
     assert meta["resources"]["scale"]["registers"] == k1.resources.registers
+    assert meta["compile_s"] == k3.compile_seconds
     assert oct(os.stat(fresh_cache).st_mode & 0o777) == "0o700"
 
 

@@ -180,7 +180,7 @@ def test_sass_stats_parses_nvdisasm_lines():
 
 
 # ---- reports -----------------------------------------------------------------------------
-def test_report_of_a_family_kernel():
+def test_report_of_a_family_kernel(fresh_cache):
     k = rtk.compile("vector_add", dtype="float16", block_size=256, arch="sm_90")
     rep = k.report()
     assert rep["family"] == "vector_add" and rep["params"] == {"dtype": "float16", "block_size": 256}
@@ -190,6 +190,8 @@ def test_report_of_a_family_kernel():
     assert rep["resources"]["registers"] == k.resources.registers
     assert rep["sass"]["global_loads"] >= 2 and rep["flags"] == []
     assert json.loads(inspect.to_json(rep))["kernel"] == "vector_add"
+    # the module's NVRTC seconds (a cold compile, or what the disk entry recorded), a table column too
+    assert rep["compile_s"] == round(k.compile_seconds, 3) and inspect.flatten(rep)["compile_s"] == rep["compile_s"]
     # Occupancy for another SM generation from the same build
     assert inspect.report(k, "sm_86")["occupancy"]["max_warps_per_sm"] == 48
 
