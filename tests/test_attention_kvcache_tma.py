@@ -10,7 +10,6 @@ Uses test_attention_kvcache's helpers (inputs, reference check, poisoned outputs
 from __future__ import annotations
 
 import dataclasses
-
 import importlib
 import re
 

@@ -409,6 +409,7 @@ def remember(memo: dict, key, value, limit: int = _RECENT_PER_PLAN):
     memo[key] = value
     return value
 
+
 _HOLDER: list = []     # CuPy's pointer-argument holder (CIntptr), looked up once
 _STREAM_TYPE: list = []   # cupy.cuda.Stream, looked up once
 _STREAM_ARG: list = []    # rtkernels.kernel._stream_arg (a stream as CuPy's Function takes it)

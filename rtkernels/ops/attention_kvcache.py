@@ -301,7 +301,8 @@ class AttentionDecodeConfig(AttentionShape):
         p.update(smem_bytes=self.shared_mem_bytes, ptrs_bytes=PTRS_DTYPE.itemsize, args_bytes=ARGS_DTYPE.itemsize,
                  combine_threads=COMBINE_THREADS, max_splits=MAX_SPLITS, append_threads=APPEND_THREADS,
                  reg_merge_max_splits=REG_MERGE_MAX_SPLITS, group_merge_loads=group_merge_loads(self.head_dim),
-                 reg_merge_splits=self.reg_merge_splits)
+                 cluster_merge_batch=group_merge_batch(self.cluster_merge, self.head_dim) if self.cluster_merge else 1,
+                 **self.merge_paths)
         return p
 
     @property
@@ -312,6 +313,20 @@ class AttentionDecodeConfig(AttentionShape):
         if self.merges == "all":
             return tuple(range(2, REG_MERGE_MAX_SPLITS + 1))
         return (int(self.merges[4:]),) if self.merges.startswith("regs") else ()
+
+    @property
+    def merge_paths(self) -> dict[str, Any]:
+        """What of the in-kernel merges the template emits (``merges``, ``group_merge``), by its
+        flag names: the one place that says which value compiles which path."""
+        every = self.merges == "all"
+        return {"reg_merge_splits": self.reg_merge_splits,
+                "unit_merge": every or self.merges == "units",
+                "serial_merge": every or self.merges == "serial",
+                # group_merge > 0: the cooperative group merge (DecodeArgs.fused 4), or the keys mode's
+                # last CTA with its loads, one batch (fused 1; merges "group")
+                "coop_group_merge": bool(self.group_merge) and self.merges in ("all", "none"),
+                "last_group_merge": bool(self.group_merge) and self.warp_split == "keys"
+                                    and self.merges in ("all", "group")}
 
     @classmethod
     def heuristic_defaults(cls, params: dict[str, Any], arch: str | None) -> dict[str, Any]:
