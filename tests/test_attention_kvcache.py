@@ -269,7 +269,8 @@ def _rows_problem(b, sq, d, cap, paged=False):
     (8, 16, 128, 8192, False, 3, {"cluster": "off", "combine": "fused"}, "regs3", 1),
     (8, 16, 128, 8192, False, 8, {"cluster": "off", "combine": "fused"}, "units", 1),
     (8, 16, 128, 8192, False, 8, {"cluster": "off", "combine": "kernel"}, "none", 0),   # the combine launch
-    (1, 16, 128, 32768, True, 16, None, "none", 4),               # the group merge (cooperative)
+    (1, 16, 128, 32768, True, 16, None, "coop", 4),               # the group merge (cooperative), one batch
+    (1, 16, 64, 32768, True, 8, {"combine": "group"}, "none", 4),  # ... past d64's batch of 4: its loop
     (1, 1, 128, 32768, False, 4, None, "none", 5),                # the cluster merge
 ])
 def test_plans_compile_only_the_merge_they_launch(b, sq, d, cap, paged, splits, variant, merges, code):
@@ -287,6 +288,7 @@ def test_plans_compile_only_the_merge_they_launch(b, sq, d, cap, paged, splits, 
     assert ("// weights: a group of G lanes per row" in src) == (merges == "units")
     assert ("group_barrier_wait(counters" in src) == (code == 4)   # the cooperative group merge
     assert ("GM_SB, true>(p, a, 0, 1" in src) == (merges == "group")   # the keys mode's last CTA, one batch
+    assert ("GM_SB, true>(p, a, split" in src) == (merges == "coop")   # the cooperative merge, one batch
     assert re.findall(r"register_merge<(\d)>\(p, a", src) == ([merges[4:]] if merges.startswith("regs") else [])
     assert (plan.combine is not None) == (merges == "none" and code == 0 and plan.num_splits > 1)
     if plan.combine is not None:
@@ -311,6 +313,8 @@ def test_every_merge_in_one_kernel_outside_plans():
 
 @pytest.mark.parametrize("cfg_kw,merges", [
     (dict(d=64, rows=64, paged=True, group_merge=4), "none"),   # the d64 group merge: 130 registers unbounded
+    (dict(d=64, rows=64, paged=True, group_merge=4), "coop"),
+    (dict(d=128, rows=64, paged=True, group_merge=16), "coop"),
     (dict(d=128, rows=8, paged=True), "units"),
     (dict(d=128, rows=64, paged=False), "regs2"),
 ])

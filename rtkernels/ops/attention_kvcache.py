@@ -137,7 +137,9 @@ class AttentionDecodeConfig(AttentionShape):
         kernel: "all" (each behind its runtime switch: the register merges of 2 to
         REG_MERGE_MAX_SPLITS splits in the rows mode, the unit merge, the serial merge, and with
         group_merge > 0 both group merges), "none" (with group_merge > 0: the cooperative group
-        merge), "units", "serial", "group" (the keys mode's last CTA with the group merge's loads:
+        merge, any number of batches), "coop" (the cooperative group merge of splits that fit one
+        batch, group_merge > 0: what a plan launches unless its splits pass group_merge_loads),
+        "units", "serial", "group" (the keys mode's last CTA with the group merge's loads:
         group_merge > 0, its splits in one batch), or "regs2" ... "regs4" (the rows mode's register
         merge of exactly that many splits).  A plan compiles only the one it launches (see
         merges_for): the unused ones cost NVRTC time - the unit merge ~45% of a keys kernel's
@@ -220,13 +222,15 @@ class AttentionDecodeConfig(AttentionShape):
             self._fail("l2_evict_first", "False with loader='cp.async' (the hint rides on the tensor copies)")
         self._check_choice("cluster_merge", (0, *CLUSTER_MERGE_SPLITS))
         self._check_choice("merges", MERGES)
-        regs = self.merges.startswith("regs") and (self.warp_split != "rows" or self.schedule != "split")
-        group = self.merges == "group" and (self.warp_split != "keys" or not self.group_merge)
-        if regs or group:
-            allowed = ("all", "none", "units", "serial") + (("group",) if self.group_merge else ())
+        rows_split = self.warp_split == "rows" and self.schedule == "split"
+        allowed = ("all", "none", "units", "serial") + (("coop",) if self.group_merge else ()) \
+            + (("group",) if self.group_merge and self.warp_split == "keys" else ()) \
+            + (tuple(m for m in MERGES if m.startswith("regs")) if rows_split else ())
+        if self.merges not in allowed:
             self._fail("merges", f"{', '.join(map(repr, allowed))} with warp_split={self.warp_split!r}, "
                                  f"schedule={self.schedule!r}, group_merge={self.group_merge} (the register "
-                                 "merges are the rows mode's, 'group' the keys mode's with group_merge > 0)")
+                                 "merges are the split rows mode's, 'coop' needs group_merge > 0, 'group' "
+                                 "the keys mode with group_merge > 0)")
         if self.cluster_merge and (self.schedule != "split" or self.loader != "tma" or self.group_merge):
             self._fail("cluster_merge", f"0 with schedule={self.schedule!r}, loader={self.loader!r}, "
                                         f"group_merge={self.group_merge} (the cluster merge: the split schedule, "
@@ -322,9 +326,11 @@ class AttentionDecodeConfig(AttentionShape):
         return {"reg_merge_splits": self.reg_merge_splits,
                 "unit_merge": every or self.merges == "units",
                 "serial_merge": every or self.merges == "serial",
-                # group_merge > 0: the cooperative group merge (DecodeArgs.fused 4), or the keys mode's
-                # last CTA with its loads, one batch (fused 1; merges "group")
-                "coop_group_merge": bool(self.group_merge) and self.merges in ("all", "none"),
+                # group_merge > 0: the cooperative group merge (DecodeArgs.fused 4; merges "coop": its
+                # splits in one batch, no loop for later ones), or the keys mode's last CTA with its
+                # loads, one batch (fused 1; merges "group")
+                "coop_group_merge": bool(self.group_merge) and self.merges in ("all", "none", "coop"),
+                "coop_one_batch": self.merges == "coop",
                 "last_group_merge": bool(self.group_merge) and self.warp_split == "keys"
                                     and self.merges in ("all", "group")}
 
@@ -630,7 +636,8 @@ FUSED_COMBINE_MAX_BYTES_ROWS = 64 * 1024
 # d128 keeps 167 registers; d64 goes from 119 to 124 (still 4 CTAs per SM).
 REG_MERGE_MAX_SPLITS = 4
 # AttentionDecodeConfig.merges
-MERGES = ("all", "none", "units", "serial", "group", *(f"regs{n}" for n in range(2, REG_MERGE_MAX_SPLITS + 1)))
+MERGES = ("all", "none", "coop", "units", "serial", "group",
+          *(f"regs{n}" for n in range(2, REG_MERGE_MAX_SPLITS + 1)))
 
 
 # The rows mode's group merge (a cooperative split grid: every CTA of a (sequence, head group, row
@@ -713,7 +720,12 @@ def _group_merge(want, merge, cfg, p, num_splits: int, ctas: int, arch: str, sms
     grid = ctas * num_splits
     if grid > occupancy(arch, cfg.threads_per_block, 1, 0, cfg.shared_mem_bytes).blocks_per_sm * sms:
         return None
-    gcfg = cfg.replace(group_merge=group_merge_batch(num_splits, p.head_dim), merges="none")
+    batch = group_merge_batch(num_splits, p.head_dim)
+    # One batch (merges "coop"), the usual case, compiles without the later batches' loop: the d96 rows
+    # plan's kernel 0.44 -> 0.36 s of NVRTC 13.5 here, its cold first call 1.33-1.39 -> 1.10-1.15 s on an
+    # H100 host (NVRTC 13.0); speed level, paged16 seqlen_q 4 B1 S32k 81.7-82.0 -> 82.9-83.1% of copy
+    # (H100, 2026-11-28, two alternating runs).
+    gcfg = cfg.replace(group_merge=batch, merges="coop" if num_splits <= batch else "none")
     gkernel = get_kernel(gcfg, "attention_decode", arch=arch)
     return (gcfg, gkernel) if grid <= _ctas_per_sm(gcfg, gkernel, arch) * sms else None
 
