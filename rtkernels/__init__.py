@@ -14,7 +14,7 @@ from ._version import __version__
 from .compiler import CompileOptions, Resources
 from .config import KernelConfig, families, register_family
 from .errors import CompileError, ConfigError, DeviceError, LaunchError, RtkError
-from .kernel import Kernel, get_kernel
+from .kernel import Kernel, get_kernel, get_kernels
 from .render import Template
 
 
@@ -68,6 +68,6 @@ for _mod, _names in _ops.PUBLIC.items():
         globals()[_name] = getattr(getattr(_ops, _mod), _name)
         _ops_all.append(_name)
 
-__all__ = ["compile", "get_kernel", "Kernel", "Template", "CompileOptions", "Resources", "KernelConfig",
+__all__ = ["compile", "get_kernel", "get_kernels", "Kernel", "Template", "CompileOptions", "Resources", "KernelConfig",
            "register_family", "families", "CompileError", "ConfigError", "LaunchError", "DeviceError",
            "RtkError", "arch", "cache", "device", "inspect", "__version__", *_ops_all]

@@ -31,6 +31,9 @@ from .render import Rendered, Template, render
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _memo: dict = {}
 _memo_lock = threading.Lock()
+# build_module's keys being built, each with the event its builder sets when done
+_building: dict = {}
+_building_lock = threading.Lock()
 
 
 def _clear_memo() -> None:
@@ -348,22 +351,39 @@ def build_module(template: str | Template, params: dict, *, label: str, config_r
         "headers": cache.headers_digest(), "package": __version__,
     }
     key = cache.make_key(parts)
-    hit = cache.memory_get(key)
-    if hit is not None:
-        return hit
-    module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, key=key,
-                    parts=parts, rendered=rendered, template=template, params=params, exprs=exprs)
-    found = cache.disk_get(key)
-    if found is not None:
-        why = module._from_entry(found[0], found[1])
-        if why is not None:
-            cache.discard(key, why)
-            found = None
-    if found is None:
-        cache._count("misses")
-        module._compile()
-    cache.memory_put(key, module)
-    return module
+    while True:
+        hit = cache.memory_get(key)
+        if hit is not None:
+            return hit
+        # One build per key at a time: a thread asking for a module another thread is building
+        # waits for it (get_kernels compiles a config's modules on threads; a forward may compile
+        # its backward ahead) instead of running NVRTC on the same source again.  When the builder
+        # failed, or left nothing in memory, the next waiter builds it itself (and meets the error).
+        with _building_lock:
+            done = _building.get(key)
+            if done is None:
+                done = _building[key] = threading.Event()
+                break
+        done.wait()
+    try:
+        module = Module(label=label, config_repr=config_repr, arch=arch, options=options, output=output, key=key,
+                        parts=parts, rendered=rendered, template=template, params=params, exprs=exprs)
+        found = cache.disk_get(key)
+        if found is not None:
+            why = module._from_entry(found[0], found[1])
+            if why is not None:
+                cache.discard(key, why)
+                found = None
+        if found is None:
+            cache._count("misses")
+            module._compile()
+        cache.memory_put(key, module)
+        return module
+    finally:
+        with _building_lock:
+            if _building.get(key) is done:
+                del _building[key]
+        done.set()
 
 
 # ---- kernels ---------------------------------------------------------------------------
@@ -1139,6 +1159,25 @@ def get_kernel(config, kernel: str | None = None, *, arch: str | None = None, op
     with _memo_lock:
         _memo[memo_key] = k
     return k
+
+
+def get_kernels(config, names: Sequence[str] | None = None, *, arch: str | None = None,
+                options: CompileOptions | None = None) -> tuple[Kernel, ...]:
+    """Several entry points of a family config (default: all of ``config.kernels``), as
+    :func:`get_kernel` gives each.  A family that compiles a module per kernel
+    (``module_per_kernel``) gets the modules not yet built compiled at once on threads: NVRTC
+    runs without the GIL, so a cold call waits for its slowest module instead of their sum (the
+    Hopper backward's three: 0.45 -> 0.40 s at d128 causal, NVRTC 13.5, 2 cores)."""
+    names = tuple(names or config.kernels)
+    if not config.module_per_kernel or len(names) < 2:
+        return tuple(get_kernel(config, n, arch=arch, options=options) for n in names)
+    hits = [_memo.get((config, n, arch, options, "cubin", os.environ.get("RTKERNELS_ARCH"))) for n in names]
+    if all(h is not None for h in hits):
+        return tuple(hits)
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="rtk-compile") as ex:
+        futures = [ex.submit(get_kernel, config, n, arch=arch, options=options) for n in names]
+        return tuple(f.result() for f in futures)
 
 
 def compile_template(template: Template, *, kernel: str | None, arch: str | None, options: CompileOptions | None,

@@ -348,3 +348,41 @@ def test_gpu_launch_plans_replay_per_signature_torch(monkeypatch):
             assert got.dtype == torch.bfloat16
             assert ((got.float() - r).norm() / r.norm()).item() < 2e-2
     assert len(A._BACKWARD_PLANS) == 1
+
+
+def test_compile_ahead_builds_the_backward_once_on_a_thread(monkeypatch):
+    """compile_ahead (the torch layer's hook on a forward that records for autograd) builds the
+    backward's kernels on a background thread - what the backward call then finds in the memo -
+    once per (dtype, head_dim, causal, device); RTKERNELS_COMPILE_AHEAD=0 and inputs the backward
+    refuses start nothing; a failure stays in the thread (the backward call meets it)."""
+    import threading
+    from rtkernels.ops import attention_bwd as bwd
+    monkeypatch.setattr(bwd, "_AHEAD", set())
+    monkeypatch.setattr(bwd, "_device_arch", lambda dev: "sm_90")
+    started = []
+    real_thread = threading.Thread
+
+    def tracking(*a, **kw):
+        t = real_thread(*a, **kw)
+        if kw.get("name") == "rtk-compile-ahead":   # (not get_kernels' pool threads)
+            started.append(t)
+        return t
+    monkeypatch.setattr(threading, "Thread", tracking)
+    cfg = B90.choose_config("float16", 72, True, False)
+    monkeypatch.setattr(B90, "_KERNELS", {})
+    bwd.compile_ahead("float16", 72, True, 0)
+    bwd.compile_ahead("float16", 72, True, 0)             # (the second call: nothing)
+    assert len(started) == 1 and started[0].daemon
+    started[0].join(300)
+    assert (cfg, "sm_90") in B90._KERNELS
+    assert B90.kernels_for(cfg, "sm_90") is B90._KERNELS[(cfg, "sm_90")]
+    monkeypatch.setenv("RTKERNELS_COMPILE_AHEAD", "0")
+    bwd.compile_ahead("float16", 64, True, 0)
+    monkeypatch.delenv("RTKERNELS_COMPILE_AHEAD")
+    bwd.compile_ahead("float32", 64, True, 0)
+    bwd.compile_ahead("float16", 60, True, 0)
+    assert len(started) == 1
+    monkeypatch.setattr(bwd, "_device_arch", lambda dev: 1 / 0)   # (no device: the thread swallows it)
+    bwd.compile_ahead("float16", 64, False, 1)
+    started[1].join(60)
+    assert not started[1].is_alive()

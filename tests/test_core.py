@@ -2,6 +2,7 @@
 import json
 import multiprocessing as mp
 import os
+import time
 import uuid
 import warnings
 
@@ -282,6 +283,76 @@ def _compile_in_child(args):
     import rtkernels as rtk_child
     k = rtk_child.compile(unique_template(tag), dtype="float16", vec=2, bias=1)
     return k.module.key, len(k.cubin)
+
+
+def test_threads_asking_for_one_module_build_it_once(fresh_cache, monkeypatch):
+    """Threads that ask for the same new module at once share one NVRTC compile: the others wait
+    for the first and get its Module (build_module's in-flight keys); a failed build lets the
+    next waiter build it itself, so each caller meets the error."""
+    import threading
+    import rtkernels.kernel as K
+    calls = []
+    real = K.compile_source
+    started = threading.Event()
+
+    def slow_compile(*a, **kw):
+        calls.append(threading.get_ident())
+        started.set()
+        time.sleep(0.3)          # (the other threads arrive while this one compiles)
+        return real(*a, **kw)
+    monkeypatch.setattr(K, "compile_source", slow_compile)
+    t = unique_template()
+    params = {"dtype": "float32", "vec": 1, "bias": 0}
+    out = [None] * 4
+    def build(i):
+        out[i] = build_module(t, params, label="scale", config_repr="", arch="sm_90",
+                              options=CompileOptions())
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(4)]
+    threads[0].start()
+    started.wait(60)
+    for th in threads[1:]:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(calls) == 1 and cache.stats()["misses"] == 1
+    assert all(m is out[0] for m in out) and out[0] is not None
+    assert not K._building   # nothing left in flight
+
+    def failing(*a, **kw):
+        calls.append(threading.get_ident())
+        time.sleep(0.1)
+        raise rtk.CompileError("boom")
+    monkeypatch.setattr(K, "compile_source", failing)
+    calls.clear()
+    errors = []
+    bad = unique_template()
+    def build_same():
+        try:
+            build_module(bad, params, label="scale", config_repr="", arch="sm_90", options=CompileOptions())
+        except rtk.CompileError as e:
+            errors.append(e)
+    threads = [threading.Thread(target=build_same) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(errors) == 3 and len(calls) == 3 and not K._building
+
+
+def test_get_kernels_compiles_a_module_per_kernel_at_once(fresh_cache):
+    """The Hopper backward compiles each entry point as its own module (only its own code), all
+    three at once on threads; a second call is the memo's."""
+    from rtkernels.ops import attention_bwd_sm90 as B90
+    cfg = B90.choose_config("bfloat16", 64, False, False)
+    ks = rtk.get_kernels(cfg, arch="sm_90a")
+    assert [k.name for k in ks] == list(cfg.kernels)
+    assert len({id(k.module) for k in ks}) == 3
+    for k in ks:
+        assert kernel_names(k.module.source) == [k.name]
+    assert cache.stats()["misses"] == 3
+    assert all(a is b for a, b in zip(rtk.get_kernels(cfg, arch="sm_90a"), ks))
+    assert rtk.get_kernel(cfg, cfg.kernels[1], arch="sm_90a") is ks[1]
+    assert B90.kernels_for(cfg, "sm_90a") == ks
 
 
 def test_four_processes_compile_the_same_config(fresh_cache):

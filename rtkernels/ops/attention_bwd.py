@@ -376,6 +376,41 @@ def _kernels_for(dtype: str, head_dim: int, causal: bool, deterministic: bool, a
     return hit
 
 
+# Backward configs whose kernels compile_ahead has started (or found built), by (dtype, head_dim,
+# causal, device): each is asked once per process.
+_AHEAD: set = set()
+
+
+def compile_ahead(dtype: str, head_dim: int, causal: bool, device: int) -> None:
+    """Start building the dense backward's kernels for a forward that will be differentiated (the
+    torch layer calls it as ``torch.ops.rtk.attention`` records for autograd), on a background
+    thread, so that a cold first training step compiles the forward and the backward at once
+    instead of one after the other (NVRTC runs without the GIL).  The backward then finds its
+    kernels built, or waits for the build in flight (build_module builds a key once).  Cheap once
+    per (dtype, head_dim, causal, device); nothing for inputs the backward would refuse (the call
+    itself reports them); any failure here is left for the backward call to meet.
+    ``RTKERNELS_COMPILE_AHEAD=0`` turns it off."""
+    key = (dtype, head_dim, causal, device)
+    if key in _AHEAD:
+        return
+    _AHEAD.add(key)
+    if getenv("RTKERNELS_COMPILE_AHEAD", "1") == "0" or dtype not in ("float16", "bfloat16") \
+            or not (8 <= head_dim <= 256 and head_dim % 8 == 0):
+        return
+
+    def build():
+        try:
+            arch = _device_arch(device)
+            if _sm90.is_sm90(arch) and _sm90.picks(head_dim, causal, (), dtype, False):
+                _sm90.kernels_for(_sm90.choose_config(dtype, head_dim, causal, False), arch)
+            else:
+                _kernels_for(dtype, head_dim, causal, False, arch)
+        except Exception:   # (the backward call builds again and raises it there, where it belongs)
+            pass
+    import threading
+    threading.Thread(target=build, name="rtk-compile-ahead", daemon=True).start()
+
+
 def _bad(field: str, value: Any, message: str) -> ConfigError:
     return ConfigError(f"{FAMILY}: {message}", family=FAMILY, field=field, value=value, allowed=message)
 

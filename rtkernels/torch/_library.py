@@ -62,8 +62,8 @@ REGISTERED: dict[str, "torch._ops.OpOverload"] = {}
 
 
 def op(schema: str, impl: Callable, *, fake: Callable, backward: Callable | str | None = None,
-       setup_context: Callable | None = None, lib: torch.library.Library | None = None,
-       device: str = "CUDA"):
+       setup_context: Callable | None = None, prepare: Callable | None = None,
+       lib: torch.library.Library | None = None, device: str = "CUDA"):
     """Define ``<lib namespace>::<name>`` from ``schema`` and register its kernels; returns the
     ``OpOverload`` (``torch.ops.rtk.<name>.default``).
 
@@ -81,6 +81,8 @@ def op(schema: str, impl: Callable, *, fake: Callable, backward: Callable | str 
         None: the generic "has no backward" message.
     setup_context : ``setup_context(ctx, args, output)`` saves what ``backward`` needs
         (``ctx.save_for_backward``, ``ctx.mark_non_differentiable`` for outputs such as lse).
+    prepare : ``prepare(args)``, called before ``impl`` when the call records for autograd (its
+        backward will run): attention starts compiling its backward's kernels there.
     lib : the ``torch.library.Library`` to define in (default ``rtk``; tests use their own).
     device : the dispatch key of ``impl`` ("CUDA"; "CPU" for tests).
     """
@@ -95,7 +97,7 @@ def op(schema: str, impl: Callable, *, fake: Callable, backward: Callable | str 
     lib.impl(name, _filled(impl, opov), device)
     torch.library.register_fake(f"{lib.ns}::{name}", _filled(fake, opov), lib=lib)
     lib.impl(name, _autograd_kernel(opov, name, impl, getattr(torch._C.DispatchKey, device), backward,
-                                    setup_context), "Autograd", with_keyset=True)
+                                    setup_context, prepare), "Autograd", with_keyset=True)
     REGISTERED[name] = opov
     return opov
 
@@ -153,8 +155,8 @@ def _filled(fn: Callable, opov) -> Callable:
                       getattr(fn, "__name__", "kernel"))
 
 
-def _autograd_kernel(opov, name: str, impl: Callable, dense_key, backward, setup_context):
-    fn = _function_class(opov, name, backward, setup_context)
+def _autograd_kernel(opov, name: str, impl: Callable, dense_key, backward, setup_context, prepare=None):
+    fn = _function_class(opov, name, backward, setup_context, prepare)
     returns_list = str(opov._schema.returns[0].type) == "List[Tensor]" if opov._schema.returns else False
 
     def with_grad(keyset, args):
@@ -220,9 +222,11 @@ def _unflatten(flat, spec) -> list:
     return out
 
 
-def _function_class(opov, name: str, backward, setup_context):
+def _function_class(opov, name: str, backward, setup_context, prepare=None):
     def forward(ctx, keyset, spec, *flat):
         args = _unflatten(flat, spec)
+        if prepare is not None:
+            prepare(args)
         with _below_autograd():
             out = opov.redispatch(keyset & _AFTER_AUTOGRAD, *args)
         ctx.rtk_spec = spec

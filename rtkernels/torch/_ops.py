@@ -16,6 +16,7 @@ import torch
 
 import rtkernels as _rtk
 from ..errors import ConfigError
+from ..ops.attention_bwd import compile_ahead
 from ..ops.matmul import matmul_positional
 from ._library import empty_like_contiguous as _like
 from ._library import op
@@ -83,10 +84,22 @@ def _attention_backward(ctx, do, _dlse):
     return dq, dk, dv, None, None
 
 
+def _attention_prepare(args):
+    # a forward that records for autograd will be differentiated: its backward's kernels compile
+    # on a background thread while the forward's do (a cold first training step)
+    q, causal = args[0], args[3]
+    if not isinstance(q.shape[-1], int):   # (symbolic under torch.compile's dynamic shapes: the call will tell)
+        return
+    dev = q.device.index
+    compile_ahead(str(q.dtype).rpartition(".")[2], q.shape[-1], bool(causal),
+                  torch.cuda.current_device() if dev is None else dev)
+
+
 attention_op = op("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None) "
                   "-> (Tensor, Tensor)",
                   _rtk.attention,   # its first five parameters are the schema's: no wrapper frame
-                  fake=_attention_fake, backward=_attention_backward, setup_context=_attention_save)
+                  fake=_attention_fake, backward=_attention_backward, setup_context=_attention_save,
+                  prepare=_attention_prepare)
 
 
 def _attention_backward_fake(do, q, k, v, o, lse, causal, softmax_scale, deterministic):
