@@ -26,6 +26,22 @@ def current_device() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
+def bind_context(device: int | None = None, ptr: int | None = None) -> None:
+    """Make a device's primary context current on this thread: ``device``, or the device that
+    owns ``ptr``, or the thread's runtime device.  A thread that has made no CUDA runtime call
+    has none, and the driver calls rtkernels makes itself (a tensor-map encode,
+    ``cuLaunchKernelEx``) then fail with CUDA_ERROR_INVALID_CONTEXT: torch's autograd engine runs
+    a backward on a per-device thread that sets its device lazily, so a backward whose first CUDA
+    call was rtk.matmul's tensor-map encode failed (H100, 2026-11-28, a fresh pytest worker).  The
+    callers retry once after this.  (cudaSetDevice initializes and binds the primary context
+    since CUDA 12.)"""
+    import cupy
+    rt = cupy.cuda.runtime
+    if device is None:
+        device = rt.pointerGetAttributes(ptr).device if ptr is not None else rt.getDevice()
+    rt.setDevice(device)
+
+
 @lru_cache(maxsize=None)
 def _props(device: int) -> dict:
     import cupy

@@ -480,7 +480,7 @@ class Kernel:
                 self._rebind()
             fn = mod.get_function(self.lowered_name)
             if self.pdl and pdl_mod.device_supports(device._props(dev)["major"]):
-                fn = pdl_mod.PdlFunction(fn)
+                fn = pdl_mod.PdlFunction(fn, dev)
             self._functions[dev] = fn
         return fn
 

@@ -161,11 +161,11 @@ class PdlFunction:
     what this class adds in Python is the rest.  The per-launch work is one dictionary lookup of
     the launch's dimensions and stream, one list of parameter addresses (CuPy's holders give
     theirs directly) and the binding's call."""
-    __slots__ = ("fn", "ptr", "_cufn", "_configs", "_coop_refused")
+    __slots__ = ("fn", "ptr", "_cufn", "_configs", "_coop_refused", "_device")
 
-    def __init__(self, fn):
+    def __init__(self, fn, device: int | None = None):
         _lookups()
-        self.fn, self.ptr = fn, fn.ptr
+        self.fn, self.ptr, self._device = fn, fn.ptr, device   # (device: where fn is loaded)
         self._cufn = _drv.CUfunction(fn.ptr)
         self._configs: dict = {}   # launch key -> (CUlaunchConfig, grid, block, shared_mem)
         self._coop_refused = False
@@ -199,6 +199,11 @@ class PdlFunction:
         self._send(cfg, key, args, stream)
 
     def _send(self, cfg: tuple, key: tuple, args, stream) -> None:
+        err = self._launch(cfg, args)
+        if err:
+            self._failed(err, cfg, key[4], args, stream)
+
+    def _launch(self, cfg: tuple, args):
         # kernelParams: the address of each argument's bytes - CuPy's holders (bound launches'
         # arguments, the launchers' ints) have theirs, CuPy arrays get one of their data address,
         # the rest _holder's; ``held`` keeps them alive through the call
@@ -206,11 +211,17 @@ class PdlFunction:
                 for a in args]
         ptrs = array("q", [h.ptr for h in held])
         err, = _drv.cuLaunchKernelEx(cfg[0], self._cufn, ptrs.buffer_info()[0] if args else 0, 0)
-        if err:
-            self._failed(err, cfg, key[4], args, stream)
+        return err
 
     def _failed(self, err, cfg: tuple, coop: bool, args, stream) -> None:
         _, grid, block, shared_mem = cfg
+        if err == _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            # this thread's first CUDA call (device.bind_context): once more with the context bound
+            from .device import bind_context
+            bind_context(self._device)
+            err = self._launch(cfg, args)
+            if not err:
+                return
         if coop and err in (_drv.CUresult.CUDA_ERROR_INVALID_VALUE, _drv.CUresult.CUDA_ERROR_NOT_SUPPORTED):
             # a driver that does not take both attributes: CuPy's cooperative launch from now on
             self._coop_refused = True

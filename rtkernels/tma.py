@@ -150,17 +150,24 @@ def _encode(ptr, dtype, shape, strides, box, swizzle, l2_promotion, oob_nan) -> 
     from cuda.bindings import driver as drv
     item = _ITEMSIZE[dtype]
     rank = len(shape)
-    err, tmap = drv.cuTensorMapEncodeTiled(
-        getattr(drv.CUtensorMapDataType, _ELEMENT_TYPES[dtype]), rank, ptr,
-        [drv.cuuint64_t(n) for n in reversed(shape)],
-        [drv.cuuint64_t(s * item) for s in reversed(strides[:-1])],
-        [drv.cuuint32_t(b) for b in reversed(box)],
-        [drv.cuuint32_t(1)] * rank,
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(drv.CUtensorMapSwizzle, _SWIZZLES[swizzle]),
-        getattr(drv.CUtensorMapL2promotion, _L2[l2_promotion]),
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if oob_nan
-        else drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+    def encode():
+        return drv.cuTensorMapEncodeTiled(
+            getattr(drv.CUtensorMapDataType, _ELEMENT_TYPES[dtype]), rank, ptr,
+            [drv.cuuint64_t(n) for n in reversed(shape)],
+            [drv.cuuint64_t(s * item) for s in reversed(strides[:-1])],
+            [drv.cuuint32_t(b) for b in reversed(box)],
+            [drv.cuuint32_t(1)] * rank,
+            drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            getattr(drv.CUtensorMapSwizzle, _SWIZZLES[swizzle]),
+            getattr(drv.CUtensorMapL2promotion, _L2[l2_promotion]),
+            drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if oob_nan
+            else drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    err, tmap = encode()
+    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:   # a thread without a current context (bind_context)
+        from .device import bind_context
+        bind_context(ptr=ptr)
+        err, tmap = encode()
     if err != drv.CUresult.CUDA_SUCCESS:
         _, name = drv.cuGetErrorName(err)
         raise DeviceError(f"tensor_map: cuTensorMapEncodeTiled failed with "

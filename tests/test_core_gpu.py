@@ -199,3 +199,44 @@ def test_arch_is_the_devices():
     from rtkernels import device
     k = rtk.compile("vector_add", dtype="float32")
     assert k.arch == device.device_arch()
+
+
+def test_ops_from_a_thread_without_a_context():
+    """A thread whose first CUDA call is one of rtkernels' own driver calls - torch's autograd
+    engine runs a backward on such a thread - gets the device's primary context bound by the
+    tensor-map encode and the PDL launch (device.bind_context) and the ops' results; before, the
+    encode failed with CUDA_ERROR_INVALID_CONTEXT (rtk.matmul's backward, H100, 2026-11-28)."""
+    import threading
+    import cupy as cp
+    from cuda.bindings import driver as drv
+    rng = np.random.default_rng(7)
+    a = cp.asarray(rng.standard_normal((200, 136)), dtype=cp.float16)
+    b = cp.asarray(rng.standard_normal((136, 72)), dtype=cp.float16)
+    q, k, v = (cp.asarray(rng.standard_normal((1, 80, 4, 64)), dtype=cp.float16) for _ in range(3))
+    kc, vc = (cp.asarray(rng.standard_normal((2, 300, 2, 64)), dtype=cp.float16) for _ in range(2))
+    qd = cp.asarray(rng.standard_normal((2, 1, 4, 64)), dtype=cp.float16)
+    lens = cp.asarray([300, 17], dtype=cp.int32)
+    # kernels compiled and loaded here first (a module load binds a context itself)
+    rtk.matmul(a, b), rtk.attention(q, k, v, causal=True, return_lse=False), rtk.attention_kvcache(qd, kc, vc, lens)
+    cp.cuda.Device().synchronize()
+    out = {}
+
+    def work():
+        _, ctx = drv.cuCtxGetCurrent()
+        out["had_context"] = int(ctx) != 0
+        try:
+            # new views: new tensor maps, so each op encodes again on this thread
+            out["got"] = (rtk.matmul(a[:199], b), rtk.attention(q[:, :79], k, v, causal=True, return_lse=False),
+                          rtk.attention_kvcache(qd, kc[:, :299], vc[:, :299], lens - 1))
+            cp.cuda.Stream.null.synchronize()
+        except Exception as exc:   # (reported below, on the test's thread)
+            out["error"] = exc
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(120)
+    assert "error" not in out, out.get("error")
+    assert not out["had_context"], "the thread had a context already: the case is not exercised"
+    ref = (rtk.matmul(a[:199], b), rtk.attention(q[:, :79], k, v, causal=True, return_lse=False),
+           rtk.attention_kvcache(qd, kc[:, :299], vc[:, :299], lens - 1))
+    for got, r in zip(out["got"], ref):
+        assert cp.array_equal(got, r) and got.shape == r.shape
