@@ -28,13 +28,12 @@ def current_device() -> int:
 
 def bind_context(device: int | None = None, ptr: int | None = None) -> None:
     """Make a device's primary context current on this thread: ``device``, or the device that
-    owns ``ptr``, or the thread's runtime device.  A thread that has made no CUDA runtime call
-    has none, and the driver calls rtkernels makes itself (a tensor-map encode,
-    ``cuLaunchKernelEx``) then fail with CUDA_ERROR_INVALID_CONTEXT: torch's autograd engine runs
-    a backward on a per-device thread that sets its device lazily, so a backward whose first CUDA
-    call was rtk.matmul's tensor-map encode failed (H100, 2026-11-28, a fresh pytest worker).  The
-    callers retry once after this.  (cudaSetDevice initializes and binds the primary context
-    since CUDA 12.)"""
+    owns ``ptr``, or the thread's runtime device.  For the driver calls rtkernels makes itself
+    (a tensor-map encode, ``cuLaunchKernelEx``), which, unlike CuPy's launches, bind no context:
+    on CUDA_ERROR_INVALID_CONTEXT their callers call this and retry once.  Seen once: rtk.matmul's
+    backward, on torch's autograd thread, failed its tensor-map encode so in an 8-worker GPU test
+    run (H100, 2026-11-28); not reproduced alone or from a fresh thread.  (cudaSetDevice
+    initializes and binds the primary context since CUDA 12.)"""
     import cupy
     rt = cupy.cuda.runtime
     if device is None:

@@ -1139,7 +1139,7 @@ def resolve_arch(arch: str | None, arch_specific: bool = False) -> str:
 def get_kernel(config, kernel: str | None = None, *, arch: str | None = None, options: CompileOptions | None = None,
                output: str = "cubin") -> Kernel:
     """The kernel ``kernel`` (default: the family's first) of a family config, memoized in process."""
-    memo_key = (config, kernel, arch, options, output, os.environ.get("RTKERNELS_ARCH"))
+    memo_key = _memo_key(config, kernel, arch, options, output)
     k = _memo.get(memo_key)
     if k is not None:
         return k
@@ -1161,6 +1161,10 @@ def get_kernel(config, kernel: str | None = None, *, arch: str | None = None, op
     return k
 
 
+def _memo_key(config, kernel, arch, options, output) -> tuple:
+    return config, kernel, arch, options, output, os.environ.get("RTKERNELS_ARCH")
+
+
 def get_kernels(config, names: Sequence[str] | None = None, *, arch: str | None = None,
                 options: CompileOptions | None = None) -> tuple[Kernel, ...]:
     """Several entry points of a family config (default: all of ``config.kernels``), as
@@ -1171,7 +1175,7 @@ def get_kernels(config, names: Sequence[str] | None = None, *, arch: str | None 
     names = tuple(names or config.kernels)
     if not config.module_per_kernel or len(names) < 2:
         return tuple(get_kernel(config, n, arch=arch, options=options) for n in names)
-    hits = [_memo.get((config, n, arch, options, "cubin", os.environ.get("RTKERNELS_ARCH"))) for n in names]
+    hits = [_memo.get(_memo_key(config, n, arch, options, "cubin")) for n in names]
     if all(h is not None for h in hits):
         return tuple(hits)
     import concurrent.futures as cf

@@ -216,7 +216,7 @@ class PdlFunction:
     def _failed(self, err, cfg: tuple, coop: bool, args, stream) -> None:
         _, grid, block, shared_mem = cfg
         if err == _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-            # this thread's first CUDA call (device.bind_context): once more with the context bound
+            # no usable context on this thread (device.bind_context): once more with the primary one bound
             from .device import bind_context
             bind_context(self._device)
             err = self._launch(cfg, args)

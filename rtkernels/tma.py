@@ -164,7 +164,7 @@ def _encode(ptr, dtype, shape, strides, box, swizzle, l2_promotion, oob_nan) -> 
             drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if oob_nan
             else drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     err, tmap = encode()
-    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:   # a thread without a current context (bind_context)
+    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:   # no usable context on this thread (bind_context)
         from .device import bind_context
         bind_context(ptr=ptr)
         err, tmap = encode()
