@@ -67,8 +67,12 @@ class KernelConfig:
 
     # ---- what subclasses may override -------------------------------------------------
     def template_params(self) -> dict[str, Any]:
-        """Values visible to the template: every field, plus derived values of subclasses."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Values visible to the template: every field, plus derived values of subclasses; a
+        module-per-kernel family's ``entry`` (None: every entry point; get_kernel names one)."""
+        p = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.module_per_kernel:
+            p["entry"] = None
+        return p
 
     def compile_options(self):
         """NVRTC options for this config (a :class:`rtkernels.compiler.CompileOptions`)."""

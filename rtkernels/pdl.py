@@ -198,12 +198,7 @@ class PdlFunction:
                                (min(block_max_size, size), 1, 1))
         self._send(cfg, key, args, stream)
 
-    def _send(self, cfg: tuple, key: tuple, args, stream) -> None:
-        err = self._launch(cfg, args)
-        if err:
-            self._failed(err, cfg, key[4], args, stream)
-
-    def _launch(self, cfg: tuple, args):
+    def _send(self, cfg: tuple, key: tuple, args, stream, retried: bool = False) -> None:
         # kernelParams: the address of each argument's bytes - CuPy's holders (bound launches'
         # arguments, the launchers' ints) have theirs, CuPy arrays get one of their data address,
         # the rest _holder's; ``held`` keeps them alive through the call
@@ -211,17 +206,17 @@ class PdlFunction:
                 for a in args]
         ptrs = array("q", [h.ptr for h in held])
         err, = _drv.cuLaunchKernelEx(cfg[0], self._cufn, ptrs.buffer_info()[0] if args else 0, 0)
-        return err
+        if err:
+            self._failed(err, cfg, key, args, stream, retried)
 
-    def _failed(self, err, cfg: tuple, coop: bool, args, stream) -> None:
+    def _failed(self, err, cfg: tuple, key: tuple, args, stream, retried: bool) -> None:
         _, grid, block, shared_mem = cfg
-        if err == _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        coop = key[4]
+        if err == _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and not retried:
             # no usable context on this thread (device.bind_context): once more with the primary one bound
             from .device import bind_context
             bind_context(self._device)
-            err = self._launch(cfg, args)
-            if not err:
-                return
+            return self._send(cfg, key, args, stream, True)
         if coop and err in (_drv.CUresult.CUDA_ERROR_INVALID_VALUE, _drv.CUresult.CUDA_ERROR_NOT_SUPPORTED):
             # a driver that does not take both attributes: CuPy's cooperative launch from now on
             self._coop_refused = True

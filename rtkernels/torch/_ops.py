@@ -16,6 +16,7 @@ import torch
 
 import rtkernels as _rtk
 from ..errors import ConfigError
+from ..ops._arrays import dtype_name
 from ..ops.attention_bwd import compile_ahead
 from ..ops.matmul import matmul_positional
 from ._library import empty_like_contiguous as _like
@@ -88,11 +89,11 @@ def _attention_prepare(args):
     # a forward that records for autograd will be differentiated: its backward's kernels compile
     # on a background thread while the forward's do (a cold first training step)
     q, causal = args[0], args[3]
-    if not isinstance(q.shape[-1], int):   # (symbolic under torch.compile's dynamic shapes: the call will tell)
+    # (a symbolic head dim under torch.compile's dynamic shapes, or a dtype the op refuses: the call tells)
+    if not isinstance(q.shape[-1], int) or q.dtype not in _HALF:
         return
     dev = q.device.index
-    compile_ahead(str(q.dtype).rpartition(".")[2], q.shape[-1], bool(causal),
-                  torch.cuda.current_device() if dev is None else dev)
+    compile_ahead(dtype_name(q), q.shape[-1], bool(causal), torch.cuda.current_device() if dev is None else dev)
 
 
 attention_op = op("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None) "
