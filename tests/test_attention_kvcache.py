@@ -202,6 +202,11 @@ def test_num_splits_heuristic():
     assert [kv_mod.compute_fill(d, wgmma=True) for d in (128, 96, 64, 32)] == [2, 2, 4, 4]
     assert kv_mod.compute_fill(64, paged=True, wgmma=True) == 2 and kv_mod.compute_fill(64, wgmma=True, **lean) == 2
     assert kv_mod.compute_fill(64) == 2   # mma.sync rows mode / keys mode
+    # lean memory, wgmma rows mode: two below d112 (COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), one from d112 and
+    # for grids with a CTA for every SM unsplit
+    assert [kv_mod.compute_fill(d, wgmma=True, **lean) for d in (128, 112, 104, 96, 72, 64)] == [1, 1, 2, 2, 2, 2]
+    assert kv_mod.compute_fill(96, wgmma=True, full_wave=True, **lean) == 1
+    assert kv_mod.compute_fill(96, paged=True, wgmma=True, **lean) == 2
     assert choose_num_splits(64, 8192, sms, rows=64, heavy_fill=1) == 2   # B8 S8k 32/8 d128, seqlen_q 16: 128 CTAs
     assert choose_num_splits(64, 8192, sms, rows=64) == 4          # two per SM (the default): 256 CTAs
     assert choose_num_splits(128, 8192, sms, rows=64, heavy_fill=1) == 1  # B16 S4k: one CTA per SM already

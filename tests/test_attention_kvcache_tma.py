@@ -250,6 +250,24 @@ def test_keys_mode_heavy_pages_fill_one_cta_per_sm():
     assert rows.config.warp_split == "rows" and rows.num_splits == 4   # 64 CTAs x 4: two per SM
 
 
+def test_lean_memory_wgmma_rows_small_heads_fill_two_ctas_per_sm():
+    """COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM: on lean memory the wgmma rows mode (seqlen_q 16 at GQA 4, a
+    contiguous cache) splits grids below one CTA per SM to two per SM under d112, one from d112; a
+    grid with a CTA for every SM stays unsplit, and the bench's split_rule=one is the rule before.
+    LEAN_WGMMA_SHALLOW_STAGES: d96-d104's two-per-SM grids take three stages."""
+    def plan(batch, d, sq=16, **kw):
+        pl = _decode_plan(batch, 32768 // batch, sq=sq, d=d, page=None, **kw)
+        assert pl.config.warp_split == "rows" and pl.config.mma == "wgmma", pl.config
+        return pl.num_splits, pl.config.num_stages
+    # LEAN_WGMMA_SHALLOW_STAGES: three stages for d96-d104 at two CTAs per SM, four elsewhere
+    assert [plan(4, d) for d in (80, 96, 104, 112, 128)] == [(8, 4), (8, 3), (8, 3), (4, 4), (4, 4)]   # 32 CTAs
+    assert plan(8, 96) == (4, 3) and plan(16, 96) == (1, 4)            # 64 CTAs; 128: unsplit
+    assert plan(2, 96, sq=8) == (16, 3)                                # 32 rows per kv head: heavy too
+    assert plan(4, 96, variant=dict(split_rule="one")) == (4, 4)       # the rule before
+    assert plan(4, 96, variant=dict(num_stages=4)) == (8, 4)           # a variant's ring stays
+    assert plan(4, 96, gbs_per_sm=37.2) == (8, 4)                      # deep memory: two per SM already
+
+
 def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring():
     """LEAN_PAGED_UNSPLIT_CTAS_PER_SM / LEAN_PAGED_STAGES: on lean memory a keys-mode paged grid (TMA,
     d128) of >= 0.45 CTA per SM is not split and takes 4 stages while it holds <= one CTA per SM;

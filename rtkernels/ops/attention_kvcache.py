@@ -558,7 +558,8 @@ LEAN_PAGED_HEAD_DIMS = (64, 128)   # (lo, hi]: the keys mode's 16-key d128 tiles
 PAGED_FILL = 2        # paged caches: CTAs per SM below which a grid that fills every SM once still splits
 # CTAs of many query rows (>= HEAVY_ROWS per kv head: speculative decoding, chunked prefill) are
 # compute-heavy: ~rows x 4 FLOP per K/V byte (64 FLOP/B at 64 rows).  Their grids split until every
-# SM holds compute_fill(head_dim) CTAs: on lean memory COMPUTE_FILL (one) above d64, else
+# SM holds compute_fill(head_dim) CTAs: on lean memory COMPUTE_FILL (one) above d64 (the wgmma rows
+# mode from d112, or at one CTA per SM unsplit: COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), else
 # COMPUTE_FILL_SMALL_HEAD (two; d <= 64's CTAs do the same softmax work per key for half the bytes).
 # Their partials are heavier too (rows x head_dim float32 per split against keys x head_dim x 4
 # bytes of K/V): at least HEAVY_KEYS_PER_ROW x rows keys per split keeps them <= 1/16 of the K/V bytes.
@@ -597,13 +598,50 @@ HEAVY_KEYS_PER_ROW = 16
 # with more splits there (paged16 B8 S8k 52.5 at 4, 41.4 at 8; B16 S4k 52.4 at 2, 43.6 at 4): they
 # keep COMPUTE_FILL_SMALL_HEAD; d96 (75.3 at 4, 52.4 at 8) too.
 COMPUTE_FILL_DEEP_SMALL_HEAD = 4
+# Lean memory, the wgmma rows mode over a contiguous cache below this head dim, grids of fewer CTAs
+# than SMs: two CTAs per SM (COMPUTE_FILL_SMALL_HEAD), not one.  One 64-row CTA per SM is latency-
+# bound there (fewer K/V bytes per key to hide its softmax behind; 3 CTAs of these tiles fit an SM).
+# Measured (H100, 2026-11-28, `tools/bench_decode.py`, 32/8 heads, % of copy, one CTA per SM -> two,
+# two alternating runs, `decode_lean_wgmma_fill_ab_session29_*`): seqlen_q 16 B4 S8k (32 CTAs) d72
+# 53.0 / 53.1 -> 64.4 / 64.8, d80 58.0 / 58.5 -> 68.1 / 68.3, d96 68.1 / 68.5 -> 72.3 / 72.4, B2 S16k
+# d96 68.0 / 68.7 -> 72.8 / 72.5, B1 S32k d96 68.3 / 68.5 -> 71.1 / 70.9, B8 S8k (64) d96 76.7 / 77.7 ->
+# 78.1 / 78.3; seqlen_q 8 B2 S16k d96 70.0 / 70.5 -> 74.6 / 74.7.  d112 lost (B4 S8k 75.7 / 76.5 ->
+# 73.3 / 73.6, seqlen_q 8 B2 S16k 78.8 / 79.3 -> 76.5 / 77.1) and d128 was level (81.3): from d112 one
+# CTA per SM (d104 measured level either way with LEAN_WGMMA_SHALLOW_STAGES: 70.1 / 70.8 -> 70.0 /
+# 70.6).  A grid of at least LEAN_WGMMA_UNSPLIT_CTAS_PER_SM keeps one CTA per SM (unsplit): B16 S4k d96
+# (128 CTAs, 0.97 per SM) 78.6 / 78.4 unsplit -> 75.6 / 75.7 at two splits, where 64 CTAs (0.48)
+# gained; between, unmeasured.  With LEAN_WGMMA_SHALLOW_STAGES, against the tree before (the same
+# runs' numbers, `decode_lean_wgmma_rules_ab_session29_*`): d72 52.5 / 52.8 -> 63.8 / 63.3, d80 58.2
+# / 58.5 -> 67.9 / 67.9, d96 B4 S8k 68.4 / 68.7 -> 74.0 / 74.2, B2 S16k 68.2 / 68.5 -> 74.2 / 74.4, B8
+# S8k 77.2 / 77.6 -> 83.1 / 83.1, B1 S32k 68.4 / 68.1 -> 72.7 / 73.1, seqlen_q 8 B2 S16k 70.6 / 70.2
+# -> 76.2 / 76.7; paged16, d64, d128 and seqlen_q 1 keep their plans (level).
+COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM = 112
+LEAN_WGMMA_UNSPLIT_CTAS_PER_SM = 0.9
+# Those two-per-SM grids (at least LEAN_WGMMA_SHALLOW_CTAS_PER_SM) at head dims in
+# LEAN_WGMMA_SHALLOW_HEAD_DIMS [lo, hi) take a ring of LEAN_WGMMA_SHALLOW_STAGES: one tile in
+# flight per CTA, ~3 MB over the grid instead of ~6 (an H100's DRAM streamed best at ~4 MB in flight
+# in the keys mode too, see LEAN_GRID_BYTES_IN_FLIGHT).  Measured (H100, 2026-11-28,
+# `tools/bench_decode.py --variants "s3=num_stages:3;s5=num_stages:5"`, 32/8 heads, % of copy, two
+# runs, 4 -> 3 stages, `decode_lean_wgmma_stages_session29_*`): seqlen_q 16 d96 B4 S8k 72.8 / 72.8 ->
+# 74.5 / 74.7, B2 S16k 72.6 / 72.9 -> 74.8 / 74.8, B8 S8k 78.5 / 78.1 -> 83.9 / 83.4, B1 S32k 71.5 /
+# 71.7 -> 73.5 / 73.8, d104 B4 S8k 67.5 / 67.5 -> 71.0 / 71.0; seqlen_q 8 B2 S16k d96 75.0 / 75.1 ->
+# 76.9 / 76.9.  Not taken: d80 (67.3 / 67.4 -> 65.3 / 65.5), d72 (63.6 / 64.1 -> 65.6 / 66.1, next to
+# d80's loss), d64's four CTAs per SM (B4 S8k 73.1 / 73.2 -> 69.3 / 68.8), one CTA per SM (B16 S4k
+# d96 unsplit 78.1 / 78.5 -> 70.6 / 70.8; d112 / d128 lost 5-8 points at 3 stages), and 5 stages
+# (level to -2 at two per SM; +0.5-1.5 at d128 seqlen_q 8, one per SM, not taken either).
+LEAN_WGMMA_SHALLOW_HEAD_DIMS = (96, 112)
+LEAN_WGMMA_SHALLOW_CTAS_PER_SM = 1.8
+LEAN_WGMMA_SHALLOW_STAGES = 3
 
 
-def compute_fill(head_dim: int, paged: bool = False, lean: bool = False, wgmma: bool = False) -> int:
+def compute_fill(head_dim: int, paged: bool = False, lean: bool = False, wgmma: bool = False,
+                 full_wave: bool = False) -> int:
     """CTAs per SM a compute-heavy decode grid is split to (see COMPUTE_FILL; one CTA per SM only on
     lean memory, see LEAN_MEMORY_GBS_PER_SM; four for the wgmma rows mode's small heads on deep
-    memory, see COMPUTE_FILL_DEEP_SMALL_HEAD)."""
-    if lean and head_dim > 64 and not paged:
+    memory, see COMPUTE_FILL_DEEP_SMALL_HEAD; two for its heads below d112 on lean memory unless the
+    grid unsplit already nearly fills the SMs once, ``full_wave``, see COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM)."""
+    lean_wgmma_small = wgmma and head_dim < COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM and not full_wave
+    if lean and head_dim > 64 and not paged and not lean_wgmma_small:
         return COMPUTE_FILL
     if wgmma and not lean and head_dim <= 64 and not paged:
         return COMPUTE_FILL_DEEP_SMALL_HEAD
@@ -1361,7 +1399,8 @@ DEFAULT_ORDER = "heads"
 # forced splits the two were 71.9 / 75.5 - the default for TMA-read pages on lean memory or of LONG_PAGE
 # keys since, and for the keys mode's TMA-read pages on any memory since 2026-11-27; "paged": PAGED_FILL for every paged cache, the rule before; "fill": on lean memory too, small
 # keys-mode grids split to one CTA per SM, the rule before LEAN_GRID_BYTES_IN_FLIGHT; "two": heavy grids at most two CTAs
-# per SM, the rule before COMPUTE_FILL_DEEP_SMALL_HEAD), memory ("lean" / "deep": the
+# per SM, the rule before COMPUTE_FILL_DEEP_SMALL_HEAD; "one": lean memory's heavy grids one CTA per SM
+# above d64 at every size, the rule before COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), memory ("lean" / "deep": the
 # rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
@@ -1385,6 +1424,14 @@ def _lean_pages(cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_r
     return (lean and cfg.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and head_rows < HEAVY_ROWS
             and LEAN_PAGED_HEAD_DIMS[0] < cfg.head_dim <= LEAN_PAGED_HEAD_DIMS[1]
             and rule not in ("fill", "fill2", "paged", "contig"))
+
+
+def _lean_wgmma_shallow(p: Problem, cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> bool:
+    """A contiguous cache's heavy wgmma rows grid of ``grid`` CTAs that LEAN_WGMMA_SHALLOW_STAGES
+    serves on lean memory (the caller checks the memory)."""
+    lo, hi = LEAN_WGMMA_SHALLOW_HEAD_DIMS
+    return (cfg.mma == "wgmma" and not p.paged and head_rows >= HEAVY_ROWS and lo <= p.head_dim < hi
+            and grid >= LEAN_WGMMA_SHALLOW_CTAS_PER_SM * sms)
 
 
 def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_rows: int, lean: bool,
@@ -1416,7 +1463,8 @@ def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_ro
     keys_pages = (p.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and p.head_dim > 64
                   and rule != "paged")
     heavy_fill = COMPUTE_FILL if keys_pages else compute_fill(
-        p.head_dim, p.paged, lean, cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two")
+        p.head_dim, p.paged, lean, cfg.mma == "wgmma" and cfg.warp_split == "rows" and rule != "two",
+        ctas >= LEAN_WGMMA_UNSPLIT_CTAS_PER_SM * sms or rule == "one")
     if heavy_fill > COMPUTE_FILL_SMALL_HEAD and head_rows >= HEAVY_ROWS:
         # no more CTAs per SM than stay resident (a second wave, and no group merge, past that); the
         # kernel without a merge is compiled for its registers even where the plan then launches the
@@ -1479,6 +1527,9 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         # LEAN_PAGED_STAGES); the tile heuristics fall back if its stages do not fit
         cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                             lean_memory=lean, **fields, num_stages=LEAN_PAGED_STAGES)
+    if (lean and "num_stages" not in fields and _lean_wgmma_shallow(p, cfg, head_rows, ctas * num_splits, sms)
+            and v.get("split_rule") != "one"):
+        cfg = cfg.replace(num_stages=LEAN_WGMMA_SHALLOW_STAGES)   # see LEAN_WGMMA_SHALLOW_HEAD_DIMS
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
