@@ -41,9 +41,11 @@ the same places as ``rtk_contig``).  ``--variants name=field:value+field:value;.
 variants (attention_kvcache.set_variant: warp_split, kv_heads, block_n, num_stages, num_warps,
 order splits|heads, combine fused|kernel, merge serial|units (the session-10 fused merge; the unit merge
 where the rows mode merges from registers), split_rule
-decode|old|fill|fill2|contig|paged (fill: lean memory's keys-mode grids split to one CTA per SM
+decode|old|fill|fill2|contig|paged|two|one (fill: lean memory's keys-mode grids split to one CTA per SM
 as before LEAN_GRID_BYTES_IN_FLIGHT; contig: paged caches split as contiguous ones, cp.async pages too;
-paged: PAGED_FILL for TMA-read pages too, the rule before 2026-11-26), memory lean|deep (the
+paged: PAGED_FILL for TMA-read pages too, the rule before 2026-11-26; two: heavy grids at most two CTAs
+per SM, the rule before COMPUTE_FILL_DEEP_SMALL_HEAD; one: lean memory's heavy wgmma grids one CTA per
+SM above d64 with 4 stages, the rule before COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), memory lean|deep (the
 lean-memory rules of attention_kvcache.LEAN_MEMORY_GBS_PER_SM, or the others, whatever the device),
 schedule streamk, loader tma|cp.async (tma: the default in both modes on
 sm_90), l2_prefetch 64|128|256, mma wgmma (the rows mode's warpgroup MMAs; implies warp_split rows);
