@@ -254,18 +254,24 @@ def test_lean_memory_wgmma_rows_small_heads_fill_two_ctas_per_sm():
     """COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM: on lean memory the wgmma rows mode (seqlen_q 16 at GQA 4, a
     contiguous cache) splits grids below one CTA per SM to two per SM under d112, one from d112; a
     grid with a CTA for every SM stays unsplit, and the bench's split_rule=one is the rule before.
-    LEAN_WGMMA_SHALLOW_STAGES: d96-d104's two-per-SM grids take three stages."""
+    LEAN_WGMMA_SHALLOW_STAGES: d96-d104's two-per-SM grids take three stages; LEAN_WGMMA_DEEP_STAGES:
+    grids of at most one CTA per SM five."""
     def plan(batch, d, sq=16, **kw):
         pl = _decode_plan(batch, 32768 // batch, sq=sq, d=d, page=None, **kw)
         assert pl.config.warp_split == "rows" and pl.config.mma == "wgmma", pl.config
         return pl.num_splits, pl.config.num_stages
-    # LEAN_WGMMA_SHALLOW_STAGES: three stages for d96-d104 at two CTAs per SM, four elsewhere
-    assert [plan(4, d) for d in (80, 96, 104, 112, 128)] == [(8, 4), (8, 3), (8, 3), (4, 4), (4, 4)]   # 32 CTAs
-    assert plan(8, 96) == (4, 3) and plan(16, 96) == (1, 4)            # 64 CTAs; 128: unsplit
+    # LEAN_WGMMA_SHALLOW_STAGES: three stages for d96-d104 at two CTAs per SM; LEAN_WGMMA_DEEP_STAGES:
+    # five for grids of at most one CTA per SM; four elsewhere
+    assert [plan(4, d) for d in (80, 96, 104, 112, 128)] == [(8, 4), (8, 3), (8, 3), (4, 5), (4, 5)]   # 32 CTAs
+    assert plan(8, 96) == (4, 3) and plan(16, 96) == (1, 5)            # 64 CTAs; 128: unsplit
     assert plan(2, 96, sq=8) == (16, 3)                                # 32 rows per kv head: heavy too
-    assert plan(4, 96, variant=dict(split_rule="one")) == (4, 4)       # the rule before
+    assert plan(8, 128, sq=8) == (2, 5) and plan(16, 128, sq=8) == (1, 5)   # 128 CTAs, split in two or not
+    assert plan(4, 128, sq=5) == (4, 5)                                # 20 rows per kv head
+    assert plan(2, 64, sq=5) == (8, 4)                                 # d64: not measured
+    assert plan(4, 96, variant=dict(split_rule="one")) == (4, 4)       # the rules before
     assert plan(4, 96, variant=dict(num_stages=4)) == (8, 4)           # a variant's ring stays
-    assert plan(4, 96, gbs_per_sm=37.2) == (8, 4)                      # deep memory: two per SM already
+    assert plan(4, 96, gbs_per_sm=37.2) == (8, 4) and plan(4, 128, gbs_per_sm=37.2) == (8, 4)   # deep memory
+    assert _decode_plan(4, 8192, sq=16, d=128, page=16).config.num_stages == 4   # paged: not measured
 
 
 def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring():

@@ -632,6 +632,17 @@ LEAN_WGMMA_UNSPLIT_CTAS_PER_SM = 0.9
 LEAN_WGMMA_SHALLOW_HEAD_DIMS = (96, 112)
 LEAN_WGMMA_SHALLOW_CTAS_PER_SM = 1.8
 LEAN_WGMMA_SHALLOW_STAGES = 3
+# And its grids of at most one CTA per SM (d112+ by COMPUTE_FILL, or unsplit ones) from d96 take
+# LEAN_WGMMA_DEEP_STAGES: three tiles in flight per CTA instead of two.  Measured (H100, 2026-11-28,
+# variants in the same rounds, two runs, 4 -> 5 stages, `decode_lean_wgmma_deep_stages_session29_*`,
+# % of copy): d128 seqlen_q 8 B4 S8k 85.0 / 85.4 -> 85.4 / 86.2, B2 S16k 85.7 / 85.4 -> 86.5 / 86.4, B1
+# S32k 84.9 / 84.9 -> 85.7 / 85.8, B16 S4k 97.0 / 97.2 -> 97.5 / 97.9; seqlen_q 6 B4 S8k 84.9 / 85.7 ->
+# 86.1 / 86.8; seqlen_q 5 B2 S16k 86.2 / 83.4 -> 86.7 / 85.0; seqlen_q 16 B4 S8k 82.5 / 82.3 -> 83.5 /
+# 83.4, B1 S32k 83.5 / 83.5 -> 84.3 / 84.5; d120 seqlen_q 8 B4 S8k 77.9 / 76.7 -> 78.2 / 78.4; d112 B1
+# S32k 77.6 / 77.6 -> 77.9 / 78.2; d96 seqlen_q 16 B16 S4k (unsplit) 78.1 / 78.5 -> 79.3 / 79.8.  Lost:
+# d128 B8 S8k (2 splits, 128 CTAs) seqlen_q 8 96.0 / 95.8 -> 95.5 / 95.5, seqlen_q 16 94.0 / 93.9 ->
+# 93.6 / 93.8.  Six stages: between the two.
+LEAN_WGMMA_DEEP_STAGES = 5
 
 
 def compute_fill(head_dim: int, paged: bool = False, lean: bool = False, wgmma: bool = False,
@@ -1400,7 +1411,7 @@ DEFAULT_ORDER = "heads"
 # keys since, and for the keys mode's TMA-read pages on any memory since 2026-11-27; "paged": PAGED_FILL for every paged cache, the rule before; "fill": on lean memory too, small
 # keys-mode grids split to one CTA per SM, the rule before LEAN_GRID_BYTES_IN_FLIGHT; "two": heavy grids at most two CTAs
 # per SM, the rule before COMPUTE_FILL_DEEP_SMALL_HEAD; "one": lean memory's heavy grids one CTA per SM
-# above d64 at every size, the rule before COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), memory ("lean" / "deep": the
+# above d64 at every size and 4 stages, the rules before COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), memory ("lean" / "deep": the
 # rule set of LEAN_MEMORY_GBS_PER_SM whatever the device) overriding the
 # heuristics; part of every plan's key.  None in normal use.
 _VARIANT: dict | None = None
@@ -1426,12 +1437,18 @@ def _lean_pages(cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_r
             and rule not in ("fill", "fill2", "paged", "contig"))
 
 
-def _lean_wgmma_shallow(p: Problem, cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> bool:
-    """A contiguous cache's heavy wgmma rows grid of ``grid`` CTAs that LEAN_WGMMA_SHALLOW_STAGES
-    serves on lean memory (the caller checks the memory)."""
+def _lean_wgmma_stages(p: Problem, cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> int | None:
+    """The ring depth of a contiguous cache's wgmma rows grid of ``grid`` CTAs on lean memory (the
+    caller checks the memory), one warpgroup per CTA (where it was measured):
+    LEAN_WGMMA_SHALLOW_STAGES for the heavy two-per-SM grids of LEAN_WGMMA_SHALLOW_HEAD_DIMS,
+    LEAN_WGMMA_DEEP_STAGES for grids of at most one CTA per SM from the same low head dim (d96, where
+    it was measured); None: the config's own."""
+    if cfg.mma != "wgmma" or p.paged or cfg.num_warps != 4:   # (measured with one warpgroup)
+        return None
     lo, hi = LEAN_WGMMA_SHALLOW_HEAD_DIMS
-    return (cfg.mma == "wgmma" and not p.paged and head_rows >= HEAVY_ROWS and lo <= p.head_dim < hi
-            and grid >= LEAN_WGMMA_SHALLOW_CTAS_PER_SM * sms)
+    if head_rows >= HEAVY_ROWS and lo <= p.head_dim < hi and grid >= LEAN_WGMMA_SHALLOW_CTAS_PER_SM * sms:
+        return LEAN_WGMMA_SHALLOW_STAGES
+    return LEAN_WGMMA_DEEP_STAGES if grid <= sms and p.head_dim >= lo else None
 
 
 def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_rows: int, lean: bool,
@@ -1527,9 +1544,10 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         # LEAN_PAGED_STAGES); the tile heuristics fall back if its stages do not fit
         cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                             lean_memory=lean, **fields, num_stages=LEAN_PAGED_STAGES)
-    if (lean and "num_stages" not in fields and _lean_wgmma_shallow(p, cfg, head_rows, ctas * num_splits, sms)
-            and v.get("split_rule") != "one"):
-        cfg = cfg.replace(num_stages=LEAN_WGMMA_SHALLOW_STAGES)   # see LEAN_WGMMA_SHALLOW_HEAD_DIMS
+    stages = _lean_wgmma_stages(p, cfg, head_rows, ctas * num_splits, sms) if lean else None
+    if stages and "num_stages" not in fields and v.get("split_rule") != "one":
+        # see LEAN_WGMMA_SHALLOW_HEAD_DIMS / LEAN_WGMMA_DEEP_STAGES (a ring's depth changes no split)
+        cfg = cfg.replace(num_stages=stages)
     if ctas * num_splits > _GRID_X_MAX:
         raise _bad("q", out_shape, f"batch x nheads_kv x seqlen_q x group = {ctas} CTAs x {num_splits} splits "
                                    f"exceeds a grid's {_GRID_X_MAX}")
