@@ -1,7 +1,6 @@
 """elementwise: expression parsing and code generation (CPU); numerics on the GPU (gpu marker)."""
 import re
 
-import numpy as np
 import pytest
 
 import rtkernels as rtk

@@ -6,7 +6,6 @@ GPU tests: tests/test_ring_gpu.py (simulated ranks on one GPU), tests/test_ring_
 """
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
