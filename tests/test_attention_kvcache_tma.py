@@ -271,7 +271,8 @@ def test_lean_memory_wgmma_rows_small_heads_fill_two_ctas_per_sm():
     assert plan(4, 96, variant=dict(split_rule="one")) == (4, 4)       # the rules before
     assert plan(4, 96, variant=dict(num_stages=4)) == (8, 4)           # a variant's ring stays
     assert plan(4, 96, gbs_per_sm=37.2) == (8, 4) and plan(4, 128, gbs_per_sm=37.2) == (8, 4)   # deep memory
-    assert _decode_plan(4, 8192, sq=16, d=128, page=16).config.num_stages == 4   # paged: not measured
+    paged = [_decode_plan(4, 8192, sq=16, d=d, page=16).config.num_stages for d in (80, 96, 128)]
+    assert paged == [4, 3, 4]   # paged: three stages at d96-d104 only (five lost there)
 
 
 def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring():

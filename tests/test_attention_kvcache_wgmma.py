@@ -316,6 +316,7 @@ WGMMA_CASES = [
     (3, 16, 32, 8, 96, "float16", None, 1, 800, None, True, dict(block_n=64, num_stages=5)),
     (3, 16, 32, 8, 128, "bfloat16", 16, 4, 1000, None, True, dict(num_stages=6)),           # deeper ring
     (4, 16, 32, 8, 96, "bfloat16", None, 2, 3000, 8, True, dict(num_stages=3)),  # LEAN_WGMMA_SHALLOW_STAGES' ring
+    (4, 16, 32, 8, 96, "bfloat16", 16, 2, 3000, 8, True, dict(num_stages=3)),    # ... over pages
 ]
 
 

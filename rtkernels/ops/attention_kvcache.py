@@ -628,7 +628,12 @@ LEAN_WGMMA_UNSPLIT_CTAS_PER_SM = 0.9
 # 76.9 / 76.9.  Not taken: d80 (67.3 / 67.4 -> 65.3 / 65.5), d72 (63.6 / 64.1 -> 65.6 / 66.1, next to
 # d80's loss), d64's four CTAs per SM (B4 S8k 73.1 / 73.2 -> 69.3 / 68.8), one CTA per SM (B16 S4k
 # d96 unsplit 78.1 / 78.5 -> 70.6 / 70.8; d112 / d128 lost 5-8 points at 3 stages), and 5 stages
-# (level to -2 at two per SM; +0.5-1.5 at d128 seqlen_q 8, one per SM, not taken either).
+# (level to -2 at two per SM; +0.5-1.5 at d128 seqlen_q 8, one per SM: LEAN_WGMMA_DEEP_STAGES).
+# Paged caches (two CTAs per SM at every head dim, PAGED_FILL) take the same three stages at d96-d104
+# (paged16, same rounds, two runs, `decode_lean_wgmma_paged_stages_session29_*`): seqlen_q 16 d96 B4
+# S8k 70.6 / 70.7 -> 71.6 / 71.8, B8 S8k 77.4 / 77.9 -> 79.5 / 79.6, B1 S32k 69.1 / 69.6 -> 70.3 / 70.7,
+# B16 S4k (2 splits) 77.5 / 76.9 -> 82.1 / 82.7; d64 (66.2 / 66.6 -> 63.3) and d80 (68.5 -> 66.7 / 66.9)
+# lost, d128 was level; five stages lost 0.5-2.5 on paged caches.
 LEAN_WGMMA_SHALLOW_HEAD_DIMS = (96, 112)
 LEAN_WGMMA_SHALLOW_CTAS_PER_SM = 1.8
 LEAN_WGMMA_SHALLOW_STAGES = 3
@@ -1438,17 +1443,17 @@ def _lean_pages(cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_r
 
 
 def _lean_wgmma_stages(p: Problem, cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> int | None:
-    """The ring depth of a contiguous cache's wgmma rows grid of ``grid`` CTAs on lean memory (the
-    caller checks the memory), one warpgroup per CTA (where it was measured):
-    LEAN_WGMMA_SHALLOW_STAGES for the heavy two-per-SM grids of LEAN_WGMMA_SHALLOW_HEAD_DIMS,
-    LEAN_WGMMA_DEEP_STAGES for grids of at most one CTA per SM from the same low head dim (d96, where
-    it was measured); None: the config's own."""
-    if cfg.mma != "wgmma" or p.paged or cfg.num_warps != 4:   # (measured with one warpgroup)
+    """The ring depth of a wgmma rows grid of ``grid`` CTAs on lean memory (the caller checks the
+    memory), one warpgroup per CTA (where it was measured): LEAN_WGMMA_SHALLOW_STAGES for the heavy
+    two-per-SM grids of LEAN_WGMMA_SHALLOW_HEAD_DIMS (contiguous or paged caches),
+    LEAN_WGMMA_DEEP_STAGES for a contiguous cache's grids of at most one CTA per SM from the same low
+    head dim (d96, where it was measured); None: the config's own."""
+    if cfg.mma != "wgmma" or cfg.num_warps != 4:   # (measured with one warpgroup)
         return None
     lo, hi = LEAN_WGMMA_SHALLOW_HEAD_DIMS
     if head_rows >= HEAVY_ROWS and lo <= p.head_dim < hi and grid >= LEAN_WGMMA_SHALLOW_CTAS_PER_SM * sms:
-        return LEAN_WGMMA_SHALLOW_STAGES
-    return LEAN_WGMMA_DEEP_STAGES if grid <= sms and p.head_dim >= lo else None
+        return LEAN_WGMMA_SHALLOW_STAGES   # contiguous or paged
+    return LEAN_WGMMA_DEEP_STAGES if grid <= sms and p.head_dim >= lo and not p.paged else None
 
 
 def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_rows: int, lean: bool,
