@@ -614,7 +614,7 @@ COMPUTE_FILL_DEEP_SMALL_HEAD = 4
 # runs' numbers, `decode_lean_wgmma_rules_ab_session29_*`): d72 52.5 / 52.8 -> 63.8 / 63.3, d80 58.2
 # / 58.5 -> 67.9 / 67.9, d96 B4 S8k 68.4 / 68.7 -> 74.0 / 74.2, B2 S16k 68.2 / 68.5 -> 74.2 / 74.4, B8
 # S8k 77.2 / 77.6 -> 83.1 / 83.1, B1 S32k 68.4 / 68.1 -> 72.7 / 73.1, seqlen_q 8 B2 S16k 70.6 / 70.2
-# -> 76.2 / 76.7; paged16, d64, d128 and seqlen_q 1 keep their plans (level).
+# -> 76.2 / 76.7; paged16, d64, d128 and seqlen_q 1 kept their plans in that tree (level).
 COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM = 112
 LEAN_WGMMA_UNSPLIT_CTAS_PER_SM = 0.9
 # Those two-per-SM grids (at least LEAN_WGMMA_SHALLOW_CTAS_PER_SM) at head dims in
