@@ -273,6 +273,10 @@ def test_lean_memory_wgmma_rows_small_heads_fill_two_ctas_per_sm():
     assert plan(4, 96, gbs_per_sm=37.2) == (8, 4) and plan(4, 128, gbs_per_sm=37.2) == (8, 4)   # deep memory
     paged = [_decode_plan(4, 8192, sq=16, d=d, page=16).config.num_stages for d in (80, 96, 128)]
     assert paged == [4, 3, 4]   # paged: three stages at d96-d104 only (five lost there)
+    # what `rtk report attention_decode` and the slow no-spill test compile includes those rings
+    listed = {(c.head_dim, c.num_stages, c.paged) for c in kv_mod.heuristic_configs("sm_90", ("bfloat16",), (96, 128))
+              if c.mma == "wgmma"}
+    assert {(96, 3, False), (96, 3, True), (96, 5, False), (128, 5, False)} <= listed, listed
 
 
 def test_lean_memory_pages_from_half_the_sms_stream_unsplit_with_a_deeper_ring():

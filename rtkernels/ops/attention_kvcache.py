@@ -1196,7 +1196,10 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
                             out.append(choose_config(dt, d, rows_total, paged, causal, arch, nheads_kv=nkv,
                                                      warp_split="rows"))
                     for rows_total in (32, 48, 64, 128):
-                        out.append(choose_config(dt, d, rows_total, paged, causal, arch))
+                        cfg = choose_config(dt, d, rows_total, paged, causal, arch)
+                        out.append(cfg)
+                        # the lean-memory ring depths a plan sets (_lean_wgmma_stages)
+                        out += [cfg.replace(num_stages=n) for n in _lean_wgmma_ring_depths(cfg)]
     if merges:
         out += [c.replace(merges=m) for c in out if c.schedule == "split"
                 for m in ("none", "units", *(f"regs{n}" for n in c.reg_merge_splits))]
@@ -1440,6 +1443,15 @@ def _lean_pages(cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_r
     return (lean and cfg.paged and cfg.warp_split == "keys" and cfg.loader == "tma" and head_rows < HEAVY_ROWS
             and LEAN_PAGED_HEAD_DIMS[0] < cfg.head_dim <= LEAN_PAGED_HEAD_DIMS[1]
             and rule not in ("fill", "fill2", "paged", "contig"))
+
+
+def _lean_wgmma_ring_depths(cfg: AttentionDecodeConfig) -> tuple[int, ...]:
+    """The ring depths _lean_wgmma_stages can give this config's plans (for heuristic_configs)."""
+    if cfg.mma != "wgmma" or cfg.num_warps != 4:
+        return ()
+    lo, hi = LEAN_WGMMA_SHALLOW_HEAD_DIMS
+    return ((LEAN_WGMMA_SHALLOW_STAGES,) if lo <= cfg.head_dim < hi else ()) + \
+        ((LEAN_WGMMA_DEEP_STAGES,) if cfg.head_dim >= lo and not cfg.paged else ())
 
 
 def _lean_wgmma_stages(p: Problem, cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> int | None:
