@@ -1199,7 +1199,7 @@ def heuristic_configs(arch: str = "sm_90", dtypes=("float16", "bfloat16"), head_
                         cfg = choose_config(dt, d, rows_total, paged, causal, arch)
                         out.append(cfg)
                         # the lean-memory ring depths a plan sets (_lean_wgmma_stages)
-                        out += [cfg.replace(num_stages=n) for n in _lean_wgmma_ring_depths(cfg)]
+                        out += [cfg.replace(num_stages=n) for n in _lean_wgmma_rings(cfg) if n]
     if merges:
         out += [c.replace(merges=m) for c in out if c.schedule == "split"
                 for m in ("none", "units", *(f"regs{n}" for n in c.reg_merge_splits))]
@@ -1445,27 +1445,26 @@ def _lean_pages(cfg: AttentionDecodeConfig, lean: bool, rule: str | None, head_r
             and rule not in ("fill", "fill2", "paged", "contig"))
 
 
-def _lean_wgmma_ring_depths(cfg: AttentionDecodeConfig) -> tuple[int, ...]:
-    """The ring depths _lean_wgmma_stages can give this config's plans (for heuristic_configs)."""
+def _lean_wgmma_rings(cfg: AttentionDecodeConfig) -> tuple[int | None, int | None]:
+    """(shallow, deep): the ring depths a lean-memory plan may give this config (one warpgroup per
+    CTA, where they were measured): LEAN_WGMMA_SHALLOW_STAGES for its heavy two-per-SM grids in
+    LEAN_WGMMA_SHALLOW_HEAD_DIMS (contiguous or paged caches), LEAN_WGMMA_DEEP_STAGES for a
+    contiguous cache's grids of at most one CTA per SM from the same low head dim (d96); None where
+    neither applies.  heuristic_configs lists both."""
     if cfg.mma != "wgmma" or cfg.num_warps != 4:
-        return ()
+        return None, None
     lo, hi = LEAN_WGMMA_SHALLOW_HEAD_DIMS
-    return ((LEAN_WGMMA_SHALLOW_STAGES,) if lo <= cfg.head_dim < hi else ()) + \
-        ((LEAN_WGMMA_DEEP_STAGES,) if cfg.head_dim >= lo and not cfg.paged else ())
+    return (LEAN_WGMMA_SHALLOW_STAGES if lo <= cfg.head_dim < hi else None,
+            LEAN_WGMMA_DEEP_STAGES if cfg.head_dim >= lo and not cfg.paged else None)
 
 
-def _lean_wgmma_stages(p: Problem, cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> int | None:
+def _lean_wgmma_stages(cfg: AttentionDecodeConfig, head_rows: int, grid: int, sms: int) -> int | None:
     """The ring depth of a wgmma rows grid of ``grid`` CTAs on lean memory (the caller checks the
-    memory), one warpgroup per CTA (where it was measured): LEAN_WGMMA_SHALLOW_STAGES for the heavy
-    two-per-SM grids of LEAN_WGMMA_SHALLOW_HEAD_DIMS (contiguous or paged caches),
-    LEAN_WGMMA_DEEP_STAGES for a contiguous cache's grids of at most one CTA per SM from the same low
-    head dim (d96, where it was measured); None: the config's own."""
-    if cfg.mma != "wgmma" or cfg.num_warps != 4:   # (measured with one warpgroup)
-        return None
-    lo, hi = LEAN_WGMMA_SHALLOW_HEAD_DIMS
-    if head_rows >= HEAVY_ROWS and lo <= p.head_dim < hi and grid >= LEAN_WGMMA_SHALLOW_CTAS_PER_SM * sms:
-        return LEAN_WGMMA_SHALLOW_STAGES   # contiguous or paged
-    return LEAN_WGMMA_DEEP_STAGES if grid <= sms and p.head_dim >= lo and not p.paged else None
+    memory; see _lean_wgmma_rings); None: the config's own."""
+    shallow, deep = _lean_wgmma_rings(cfg)
+    if shallow and head_rows >= HEAVY_ROWS and grid >= LEAN_WGMMA_SHALLOW_CTAS_PER_SM * sms:
+        return shallow
+    return deep if deep and grid <= sms else None
 
 
 def _heuristic_splits(p: Problem, cfg: AttentionDecodeConfig, ctas: int, head_rows: int, lean: bool,
@@ -1561,7 +1560,7 @@ def make_plan(p: Problem, *, causal: bool, return_lse: bool, num_splits, torch: 
         # LEAN_PAGED_STAGES); the tile heuristics fall back if its stages do not fit
         cfg = choose_config(p.dtype, p.head_dim, max(rows_total, 1), p.paged, causal, arch, nheads_kv=p.nheads_kv,
                             lean_memory=lean, **fields, num_stages=LEAN_PAGED_STAGES)
-    stages = _lean_wgmma_stages(p, cfg, head_rows, ctas * num_splits, sms) if lean else None
+    stages = _lean_wgmma_stages(cfg, head_rows, ctas * num_splits, sms) if lean else None
     if stages and "num_stages" not in fields and v.get("split_rule") != "one":
         # see LEAN_WGMMA_SHALLOW_HEAD_DIMS / LEAN_WGMMA_DEEP_STAGES (a ring's depth changes no split)
         cfg = cfg.replace(num_stages=stages)
