@@ -94,6 +94,61 @@ def test_plan_width_classes(n, dtype, arch, row_class):
         assert cfg.chunk_elements >= n          # the whole row fits the register array
 
 
+# ---- widths between powers of two (rowwise.fit_width) --------------------------------------------
+@pytest.mark.parametrize("n, op, shape", [
+    # measured picks (H200, 2026-11-28, rowwise.py's widths section): (threads per row, vectors per thread)
+    (5120, "rmsnorm", (128, 5)), (5120, "layernorm", (128, 5)), (5120, "softmax", (128, 5)),
+    (1280, "layernorm", (32, 5)), (2560, "softmax", (64, 5)), (4608, "rmsnorm", (128, 5)),
+    (6144, "rmsnorm", (256, 3)), (6144, "layernorm", (128, 6)), (6144, "softmax", (128, 6)),
+    (12288, "rmsnorm", (512, 3)), (12288, "softmax", (256, 6)), (768, "layernorm", (32, 3)),
+    # rows at least 7/8 full and powers of two keep the table's config
+    (3584, "rmsnorm", (128, 4)), (7168, "softmax", (256, 4)), (4096, "layernorm", (128, 4)),
+    (16384, "softmax", (512, 4)),
+    # rows in shared memory (smem_rows) may take up to 16 vectors per thread
+    (18944, "softmax", (128, 10)), (151936, "softmax", (256, 10)), (50264, "layernorm", (128, 13)),
+    (65536, "softmax", (256, 8)),
+])
+def test_plan_refits_rows_between_powers_of_two(n, op, shape):
+    fam, layer = ("softmax", False) if op == "softmax" else ("norm", op == "layernorm")
+    cfg = rw.plan(fam, n, "bfloat16", 8, "sm_90", weight_dtype="bfloat16", layer=layer)
+    table = rw.plan(fam, n, "bfloat16", 8, "sm_90", weight_dtype="bfloat16", layer=layer, fit=False)
+    assert (cfg.threads_per_row, cfg.vecs_per_thread) == shape
+    assert cfg.chunk_elements >= n
+    if cfg != table:   # the refit keeps everything but the row's shape (and the cap's threads per SM)
+        assert cfg.replace(threads_per_row=table.threads_per_row, block_size=table.block_size,
+                           vecs_per_thread=table.vecs_per_thread, min_blocks=table.min_blocks) == table
+        # the register cap never asks for more threads per SM than the table's (fewer when a thread
+        # holds more vectors, or when shared-memory slices fit fewer blocks)
+        assert cfg.min_blocks * cfg.block_size <= max(table.min_blocks * table.block_size, cfg.block_size)
+        assert not cfg.smem_rows or cfg.min_blocks * cfg.shared_mem_bytes <= rw._SMEM_MAX
+
+
+def test_refit_never_fills_a_row_worse_and_stays_within_its_cap():
+    for threads, vecs in ((32, 4), (64, 4), (128, 4), (256, 4), (512, 4), (256, 8), (512, 2)):
+        for fewest in (False, True):
+            for share in range(threads * vecs // 2 + 1, threads * vecs + 1):
+                t, v = rw.fit_choice(share, threads, vecs, fewest)
+                assert t * v >= share and t <= threads and t & (t - 1) == 0
+                assert v <= max(vecs, min(6, vecs * 3 // 2))
+                ts, vs = rw.fit_choice(share, threads, vecs, fewest, smem_rows=True)
+                assert ts * vs >= share and vs <= 16 and share / (ts * vs) >= share / (t * v) - 1e-12
+                assert share / (t * v) >= share / (threads * vecs) - 1e-12
+
+
+def test_heuristic_configs_list_every_refit_plan_can_return():
+    listed = {cfg for _, cfg, _ in rw.heuristic_configs("sm_90")}
+    for fam, layer in (("softmax", False), ("norm", False), ("norm", True)):
+        for dtype, vec in (("bfloat16", 8), ("float32", 4)):
+            for wdt in ((dtype, "float32") if fam == "norm" else (None,)):
+                for n in list(range(vec, 70000, 24 * vec)) + [5120, 4608, 18944, 151936]:
+                    assert rw.plan(fam, n, dtype, vec, "sm_90", weight_dtype=wdt, layer=layer) in listed, (fam, n)
+    # unmeasured: sm_80 and rows read in narrower vectors keep the table's config
+    assert rw.plan("softmax", 5120, "bfloat16", 8, "sm_80") == rw.plan("softmax", 5120, "bfloat16", 8, "sm_80",
+                                                                       fit=False)
+    assert rw.plan("softmax", 5121, "bfloat16", 1, "sm_90") == rw.plan("softmax", 5121, "bfloat16", 1, "sm_90",
+                                                                       fit=False)
+
+
 def test_plan_measured_sm90_choices():
     sm = rw.plan("softmax", 4096, "bfloat16", 8, "sm_90")
     assert (sm.block_size, sm.vecs_per_thread, sm.streaming) == (128, 4, False)       # plain hints won
@@ -406,6 +461,34 @@ def test_norms_gpu(dtype, n, rows):
     x, x64 = random_array(rng, (r, n), dtype, scale=2.0)
     w, w64 = random_array(rng, (n,), dtype)
     b, b64 = random_array(rng, (n,), dtype)
+    y = rw.rmsnorm(x, w, eps=1e-6, out=poison(cp.empty_like(x)), dtype=dtype)
+    _check(y, rw.rmsnorm_reference(x64, w64, 1e-6), dtype, _TOL[dtype], to_f64)
+    y = rw.layernorm(x, w, b, eps=1e-5, out=poison(cp.empty_like(x)), dtype=dtype)
+    _check(y, rw.layernorm_reference(x64, w64, b64, 1e-5), dtype, 4 * _TOL[dtype], to_f64)
+
+
+# Widths whose configs are refitted (rowwise.fit_width): 4-6 vectors per thread at half the
+# table's threads, 3 at its threads, and a cluster row of 5 per thread.
+MODEL_WIDTHS = (768, 1280, 1536, 2560, 4608, 5120, 6144, 12288, 18944)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", MODEL_WIDTHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_refitted_widths_gpu(dtype, n):
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n * 13)
+    r = _rows_for(1000, n) | 1    # an odd row count: lane groups and blocks end mid-block
+    x, x64 = random_array(rng, (r, n), dtype, scale=3.0)
+    w, w64 = random_array(rng, (n,), dtype)
+    b, b64 = random_array(rng, (n,), dtype)
+    for fam, layer in (("softmax", False), ("norm", False), ("norm", True)):
+        cfg = rw.plan(fam, n, dtype, 8, "sm_90", weight_dtype=dtype, layer=layer)
+        assert cfg != rw.plan(fam, n, dtype, 8, "sm_90", weight_dtype=dtype, layer=layer, fit=False) or \
+            n * 8 // 7 >= cfg.chunk_elements, "the case no longer exercises a refit"
+    for log in (False, True):
+        y = rw.softmax(x, out=poison(cp.empty_like(x)), log_softmax=log, dtype=dtype)
+        _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
     y = rw.rmsnorm(x, w, eps=1e-6, out=poison(cp.empty_like(x)), dtype=dtype)
     _check(y, rw.rmsnorm_reference(x64, w64, 1e-6), dtype, _TOL[dtype], to_f64)
     y = rw.layernorm(x, w, b, eps=1e-5, out=poison(cp.empty_like(x)), dtype=dtype)

@@ -156,6 +156,27 @@ def test_ring_copies_by_cp_async(compiled):
                 assert "SYNCS" in k.sass, (label, name)
 
 
+@pytest.mark.parametrize("n, shape", [
+    (4608, (1, 256, 3)), (5120, (1, 256, 3)), (6144, (1, 256, 3)), (12288, (2, 256, 3)), (20480, (4, 256, 3)),
+    (14336, (2, 256, 4)), (16384, (2, 256, 4)), (3072, (1, 128, 4)), (1280, (1, 64, 4)),   # kept: full, or < 256
+])
+def test_plan_bwd_refits_softmax_rows(n, shape):
+    cfg = rb.plan_bwd("softmax_bwd", n, "bfloat16", 8, "sm_90")
+    assert (cfg.cluster_size, cfg.threads_per_row, cfg.vecs_per_thread) == shape
+    assert cfg.chunk_elements >= n
+    assert rb.plan_bwd("softmax_bwd", n, "bfloat16", 8, "sm_80") == \
+        rb.plan_bwd("softmax_bwd", n, "bfloat16", 8, "sm_80", fit=False)       # measured on sm_90 only
+    assert rb.plan_bwd("norm_bwd", n, "bfloat16", 8, "sm_90") == \
+        rb.plan_bwd("norm_bwd", n, "bfloat16", 8, "sm_90", fit=False)          # norm_bwd keeps its table
+
+
+def test_bwd_heuristic_configs_list_every_softmax_refit():
+    listed = {cfg for _, cfg in rb.heuristic_configs("sm_90")}
+    for dtype, vec in (("bfloat16", 8), ("float16", 8), ("float32", 4)):
+        for n in list(range(vec, 300000, 56 * vec)) + [4608, 5120, 12288, 151936]:
+            assert rb.plan_bwd("softmax_bwd", n, dtype, vec, "sm_90") in listed, (dtype, n)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL_SWEEP, reason="~300 configs; RTKERNELS_TEST_FULL_SWEEP=1 compiles every one")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

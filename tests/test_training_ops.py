@@ -69,6 +69,15 @@ def test_cross_entropy_plan_and_vector_access():
     assert ce._vector_access(2, 50257, 8, (256, (1 << 20) + 2), (50257, 50257)) == (1, False)   # grad offset
     assert ce._vector_access(2, 128256, 8, (256, 512), (128256, 128256)) == (8, False)
     assert ce._vector_access(4, 7, 3, (256,), (7,)) == (1, False)                              # too short
+    # vocabularies between powers of two refit their slices (rowwise.fit_width): 151936 fills 8 x 256 x 10
+    qwen = ce.plan(151936, "bfloat16", 8, "sm_90", grad=True)
+    assert (qwen.cluster_size, qwen.threads_per_row, qwen.vecs_per_thread, qwen.min_blocks) == (8, 256, 10, 4)
+    assert qwen.chunk_elements >= 151936 and qwen.smem_rows
+    assert ce.plan(151936, "bfloat16", 8, "sm_90", grad=True, fit=False).vecs_per_thread == 8
+    gpt2 = ce.plan(50257, "bfloat16", 8, "sm_90", grad=True, ragged=True)
+    assert (gpt2.cluster_size, gpt2.threads_per_row, gpt2.vecs_per_thread) == (4, 128, 13)
+    assert ce.plan(151936, "bfloat16", 8, "sm_80", grad=True) == ce.plan(151936, "bfloat16", 8, "sm_80", grad=True,
+                                                                         fit=False)
 
 
 def test_adamw_config_chunks():
@@ -90,6 +99,10 @@ REPRESENTATIVE = [
                                                        ragged=True), ("cross_entropy_rows",)),
     ("ce 1000 fp32 groups", lambda: ce.plan(1000, "float32", 4, "sm_90", grad=True, target_dtype="int32"),
      ("cross_entropy_rows",)),
+    ("ce 151936 bf16 refitted slices", lambda: ce.plan(151936, "bfloat16", 8, "sm_90", grad=True),
+     ("cross_entropy_rows",)),
+    ("softmax_bwd 12288 bf16 refitted cluster", lambda: rb.plan_bwd("softmax_bwd", 12288, "bfloat16", 8, "sm_90"),
+     ("softmax_bwd_rows", "log_softmax_bwd_rows")),
     ("adamw bf16 master", lambda: aw.plan("bfloat16", "bfloat16", "float32", True), ("adamw_multi",)),
     ("adamw fp32", lambda: aw.plan("float32", "float32", "float32", False), ("adamw_multi",)),
 ]
@@ -321,10 +334,12 @@ def _rmsnorm_dx_scale(dy64, x64, w64, ref_dx, eps=1e-6):
 
 
 NORM_WIDTHS = (1, 7, 33, 1000, 4097, 6000, 65536)   # 4097 and 6000: the 512-thread block rows (sm_90)
+# softmax_backward's rows refitted to 3 vectors per thread (rowwise_bwd.plan_bwd): a block, a cluster
+SOFTMAX_BWD_REFIT_WIDTHS = (5120, 12288)
 
 
 def _rows_for(n):
-    return {1: 300, 7: 257, 33: 513, 1000: 700, 4097: 97, 6000: 131, 65536: 13}[n]
+    return {1: 300, 7: 257, 33: 513, 1000: 700, 4097: 97, 6000: 131, 65536: 13, 5120: 101, 12288: 67}[n]
 
 
 @pytest.mark.gpu
@@ -457,7 +472,7 @@ def test_row_backward_every_row_class_gpu(n, fields):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", NORM_WIDTHS)
+@pytest.mark.parametrize("n", NORM_WIDTHS + SOFTMAX_BWD_REFIT_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_backward_gpu(dtype, n):
     cp, random_array, to_f64, poison = _gpu()
@@ -500,11 +515,11 @@ def test_norm_backward_matches_torch_autograd_float64_gpu():
 
 
 # ---- cross-entropy -----------------------------------------------------------------------------------
-VOCABS = (1, 1000, 50257, 128256, 256000)
+VOCABS = (1, 1000, 50257, 128256, 151936, 256000)   # 50257, 151936: refitted slices (cross_entropy.plan)
 
 
 def _ce_rows(v):
-    return {1: 33, 1000: 300, 50257: 9, 128256: 5, 256000: 3}[v]
+    return {1: 33, 1000: 300, 50257: 9, 128256: 5, 151936: 4, 256000: 3}[v]
 
 
 def _targets(rng, rows, v, ignore_frac=0.25):

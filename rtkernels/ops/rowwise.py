@@ -398,16 +398,122 @@ def _arch_number(arch: str) -> int:
     return int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()))
 
 
+# ---- widths between powers of two ---------------------------------------------------------------
+# The tables above are per power of two of vectors; a row of 5120 16-bit elements (640 vectors)
+# took the 8k config (256 threads x 4 vectors = 1024 slots) and left 38% of its slots empty: fewer
+# bytes in flight per thread for the same registers and blocks per SM.  The configs are therefore
+# refitted to the row (fit_width) where another shape fills it better: power-of-two thread counts
+# from the table's down to a warp (the table's own if narrower), at most 1.5x the table's vectors
+# per thread and at most 6 (4 -> 6: 48 16-bit elements; 8 stays 8); among the best filled, RMSNorm
+# takes the most threads and softmax / LayerNorm / cross-entropy the fewest (their two reductions
+# per row cost per thread of the row).  Measured (H200, 2026-11-28, bf16, 64 MiB of x, % of the 1
+# GiB copy, table config -> refit, threads x vectors; `row_widths_survey_session30_*`):
+#   width    RMSNorm               LayerNorm             softmax
+#   1280     87.8 -> 89.7 (32x5)   66.1 -> 85.0          80.9 -> 89.3
+#   1536     89.9 -> 89.7 (64x3)   73.4 -> 81.9 (32x6)   87.7 -> 89.7 (32x6)
+#   2560     85.8 -> 89.0 (64x5)   69.8 -> 86.0          79.3 -> 89.7
+#   3072     90.0 -> 90.7 (128x3)  77.8 -> 83.6 (64x6)   86.6 -> 89.1 (64x6)
+#   4608     72.1 -> 88.9 (128x5)  63.1 -> 74.2          73.1 -> 89.8
+#   5120     76.4 -> 89.7 (128x5)  66.9 -> 80.0          76.1 -> 88.9
+#   6144     82.1 -> 89.6 (256x3)  71.9 -> 82.2 (128x6)  83.9 -> 88.6 (128x6)
+#   12288    82.2 -> 83.5 (512x3)  70.7 -> 75.9 (256x6)  79.1 -> 88.2 (256x6)
+# (the other tie-break lost up to 12 points: LayerNorm 1280 at 64 x 3 73.1, softmax 12288 at
+# 512 x 3 80.2).  Rows at least 7/8 full keep the table's config (3584, 7168, 14336: 7 vectors per
+# thread at half the threads lost 1-15 points), as do the powers of two themselves, rows read in
+# vectors under 16 bytes (misaligned inputs) and sm_80 (neither measured).
+_FIT_MAX_VECS = 6
+# Rows in shared memory (smem_rows: each block's slice lands by one bulk copy and registers never hold
+# it) may take up to 16 vectors per thread, as cross_entropy's widest slices.  Measured (H200,
+# 2026-11-28, bf16, % of the 1 GiB copy, `smem_refit_*`): the refit at the table's threads against
+# half of them with twice the vectors: softmax 18944 (2 x 256 x 5 / 2 x 128 x 10) 75.9 / 81.1,
+# 151936 (8 x 512 x 5 / 8 x 256 x 10) 68.1 / 75.2, 50264 (4 x 256 x 7 / 4 x 128 x 13) 71.9 / 77.2;
+# cross-entropy (loss + grad, 4096 tokens) 151936 65.9 / 83.8, 200064 (8 x 512 x 7 / 8 x 256 x 13)
+# 69.7 / 85.8, 50264 74.4 / 83.9.  Blocks per SM (2-11) moved these by under a point.
+_FIT_MAX_VECS_SMEM = 16
+_FIT_FEWEST_THREADS = ("softmax", "layernorm", "cross_entropy")
+
+
+def _fit_cap(vecs: int, smem_rows: bool = False) -> int:
+    """Most vectors per thread a refit may take: 1.5x the table's, at most 6 (the table's 8 stays);
+    16 for rows in shared memory."""
+    return _FIT_MAX_VECS_SMEM if smem_rows else max(vecs, min(_FIT_MAX_VECS, vecs * 3 // 2))
+
+
+def _fit_candidates(share: int, threads: int, cap: int):
+    t = threads
+    while t >= min(32, threads):
+        v = -(-share // t)
+        if v <= cap:
+            yield share / (t * v), t, v
+        t //= 2
+
+
+def fit_choice(share: int, threads: int, vecs: int, fewest: bool = False, smem_rows: bool = False) -> tuple[int, int]:
+    """(threads, vectors per thread) for a block's ``share`` of a row's vectors, refitted from a
+    config of ``threads`` x ``vecs`` (see above): the table's pair unless another fills the row
+    better; among the best filled, the fewest threads (``fewest``) or the most."""
+    cands = list(_fit_candidates(share, threads, _fit_cap(vecs, smem_rows)))
+    best = max(u for u, _, _ in cands)
+    if best <= share / (threads * vecs) + 1e-9:
+        return threads, vecs
+    ties = [(t, v) for u, t, v in cands if u >= best - 1e-9]
+    return min(ties) if fewest else max(ties)
+
+
+def fit_choices(lo: int, hi: int, threads: int, vecs: int, fewest: bool = False,
+                smem_rows: bool = False) -> set[tuple[int, int]]:
+    """Every :func:`fit_choice` over shares lo..hi: between two shares where some candidate's
+    vector count steps (k * t + 1) every candidate's fill scales alike, so one share per interval
+    decides (heuristic_configs lists the refitted configs without walking every width)."""
+    cap = _fit_cap(vecs, smem_rows)
+    points = {lo, hi}
+    t = threads
+    while t >= min(32, threads):
+        points.update(k * t + 1 for k in range(1, cap + 1) if lo < k * t + 1 <= hi)
+        t //= 2
+    return {fit_choice(p, threads, vecs, fewest, smem_rows) for p in points}
+
+
+def refit(cfg: KernelConfig, threads: int, vecs: int) -> KernelConfig:
+    """``cfg`` with ``threads`` per row and ``vecs`` per thread (and as many threads per block for
+    block and cluster rows).  A register cap (min_blocks) keeps its threads per SM, fewer where a
+    thread holds more vectors in registers - the same vectors per SM - so that the larger row
+    still fits (LayerNorm 4k's 7 x 128 threads at 72 registers: 64 x 6 per row spilled 36 B at 14
+    blocks of 64, none at 9); rows in shared memory keep the threads per SM that their slices fit."""
+    if (threads, vecs) == (cfg.threads_per_row, cfg.vecs_per_thread):
+        return cfg
+    fields = dict(threads_per_row=threads, vecs_per_thread=vecs)
+    if cfg.row_class != "group":
+        fields["block_size"] = threads
+        if cfg.min_blocks > 1:
+            per_sm = cfg.min_blocks * cfg.block_size
+            held = _SMEM_MAX // (16 * threads * vecs) if cfg.smem_rows else \
+                per_sm * cfg.vecs_per_thread // (vecs * threads)
+            fields["min_blocks"] = max(1, min(2048 // threads, per_sm // threads, held))
+    return cfg.replace(**fields)
+
+
+def fit_width(cfg: KernelConfig, nvec: int, fewest: bool) -> KernelConfig:
+    """``cfg`` (a power-of-two table's row config) refitted to rows of ``nvec`` vectors."""
+    if cfg.family == "reduce" or cfg.two_pass or cfg.vec * dtypes.itemsize(cfg.dtype) != 16:
+        return cfg
+    share = -(-nvec // cfg.cluster_size)
+    return refit(cfg, *fit_choice(share, cfg.threads_per_row, cfg.vecs_per_thread, fewest, cfg.smem_rows))
+
+
 def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 << 20, sms: int = 132,
-         weight_dtype: str | None = None, layer: bool = False) -> KernelConfig:
+         weight_dtype: str | None = None, layer: bool = False, fit: bool = True) -> KernelConfig:
     """The heuristic config for rows of ``n`` elements accessed ``vec`` at a time.
 
-    Depends on n only through the power of two >= n / vec (so a finite set of configs covers
-    every width; tests compile them all).  ``rows`` and ``sms`` matter only to ``reduce``, which
-    spreads a few wide rows over a cluster on sm_90.
+    The tables pick a config per power of two >= n / vec; ``fit`` (the default) then refits its
+    threads and vectors per thread to the row's own vector count (:func:`fit_width`), so widths
+    between powers of two fill their registers; ``fit=False`` gives the table's config (the
+    benches' A/B).  ``rows`` and ``sms`` matter only to ``reduce``, which spreads a few wide rows
+    over a cluster on sm_90.
     """
     size = dtypes.itemsize(dtype)
-    nvec = _pow2_ceil(-(-n // vec))
+    exact = -(-n // vec)
+    nvec = _pow2_ceil(exact)
     vmax = min(_MAX_VECS_PER_THREAD, max(1, _ELEMS_PER_THREAD[family][size] // vec))
     need = _pow2_ceil(-(-nvec // vmax))          # threads if every thread holds vmax vectors
     hopper = _arch_number(arch) >= 90
@@ -418,6 +524,8 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     op = "layernorm" if layer else ("rmsnorm" if family == "norm" else family)
     if hopper and size == 2 and op in _PLAIN_HINTS_SM90_16BIT and not getattr(cfg, "two_pass", False):
         cfg = cfg.replace(streaming=False)
+    if fit and hopper:
+        cfg = fit_width(cfg, exact, op in _FIT_FEWEST_THREADS)
     return cfg
 
 
@@ -480,7 +588,8 @@ def _make(family: str, common: dict, **fields) -> KernelConfig:
 
 
 def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...]]]:
-    """Every (family, config, kernels it runs) that :func:`plan` can return for ``arch``.
+    """Every (family, config, kernels it runs) that :func:`plan` can return for ``arch``: each
+    power of two's table config and its refits to the widths below it (:func:`fit_width`).
 
     Widths beyond 2**20 add nothing: they all take the same two_pass configs.
     """
@@ -498,13 +607,28 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...
                         for layer in ((False, True) if family == "norm" else (False,)):
                             for rows in ((1, 2, 4, 8, 16, 32, 64, 128, 1 << 20) if family == "reduce"
                                          else (1 << 20,)):
-                                cfg = plan(family, n, dtype, vec, arch, rows=rows, weight_dtype=wdt, layer=layer)
+                                base = plan(family, n, dtype, vec, arch, rows=rows, weight_dtype=wdt, layer=layer,
+                                            fit=False)
                                 names = (("layernorm_rows",) if layer else ("rmsnorm_rows",)) \
-                                    if family == "norm" else cfg.kernels
-                                seen.setdefault((family, cfg), set()).update(names)
+                                    if family == "norm" else base.kernels
+                                for cfg in _refits(base, k, family, layer, arch):
+                                    seen.setdefault((family, cfg), set()).update(names)
                     k += 1
                 vec //= 2
     return [(family, cfg, tuple(sorted(names))) for (family, cfg), names in seen.items()]
+
+
+def _refits(base: KernelConfig, k: int, family: str, layer: bool, arch: str) -> list[KernelConfig]:
+    """``base`` (the table's config for rows of 2**k vectors) as :func:`plan` refits it for every
+    row of 2**(k-1) + 1 .. 2**k vectors."""
+    if family == "reduce" or base.two_pass or base.vec * dtypes.itemsize(base.dtype) != 16 or \
+            _arch_number(arch) < 90:
+        return [base]
+    cl = base.cluster_size
+    lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)
+    op = "layernorm" if layer else ("rmsnorm" if family == "norm" else family)
+    return [refit(base, t, v) for t, v in sorted(fit_choices(lo, hi, base.threads_per_row, base.vecs_per_thread,
+                                                             op in _FIT_FEWEST_THREADS, base.smem_rows))]
 
 
 # ---- array plumbing -------------------------------------------------------------------------
@@ -614,9 +738,9 @@ def _arch_info() -> tuple[str, int]:
 
 
 @lru_cache(maxsize=4096)
-def _planned(family: str, n_bucket: int, dtype: str, vec: int, arch: str, rows_bucket: int, sms: int,
+def _planned(family: str, n_padded: int, dtype: str, vec: int, arch: str, rows_bucket: int, sms: int,
              weight_dtype: str | None, layer: bool) -> KernelConfig:
-    return plan(family, n_bucket, dtype, vec, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
+    return plan(family, n_padded, dtype, vec, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
                 layer=layer)
 
 
@@ -626,7 +750,7 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, rows: int, op
     if config is None:
         # Only reduce looks at rows (fewer rows than SMs); bucket them so the memo stays small.
         rows_bucket = _pow2_floor(max(rows, 1)) if family == "reduce" and rows < sms else 1 << 20
-        return _planned(family, _pow2_ceil(-(-n // vec)) * vec, dtype, vec, arch, rows_bucket, sms,
+        return _planned(family, -(-n // vec) * vec, dtype, vec, arch, rows_bucket, sms,
                         weight_dtype, layer)
     if not isinstance(config, _CONFIG_CLASS[family]):
         raise ConfigError(f"{op}: config must be a {_CONFIG_CLASS[family].__name__}, got {type(config).__name__}",

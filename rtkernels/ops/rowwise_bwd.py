@@ -291,12 +291,40 @@ _NORM_BWD_FOLD = {"group": False, "block": True, "cluster": True}
 _NORM_BWD_BIG_BLOCK = 512
 
 
+# softmax_bwd rows between powers of two (sm_90, 16-byte vectors, rows of >= 256 threads): the
+# table's threads, as few vectors per thread as hold the row (rowwise.py's widths section says why).
+# Measured (H200, 2026-11-28, bf16, 64 MiB of x, % of the 1 GiB copy; `row_widths_survey_session30_*`):
+# 4608 83.6 -> 93.5 (256 x 3), 5120 87.1 -> 94.0, 6144 90.3 -> 92.1, 12288 (2 x 256 x 3) 85.1 -> 90.0.
+# Narrower rows were level either way (1280-3072, 64-128 threads: within 1 point) and half the
+# threads with more vectors was no better; norm_bwd (its register caps and partial rows sized per
+# table config) lost or tied with either refit at most widths (2560: +3 to +6) and keeps its table.
+_SOFTMAX_BWD_FIT_MIN_THREADS = 256
+
+
+def _softmax_bwd_fit(cfg: KernelConfig, share: int) -> KernelConfig:
+    return rw.refit(cfg, cfg.threads_per_row, -(-share // cfg.threads_per_row))
+
+
+def _fits_softmax_bwd(cfg: KernelConfig, arch: str) -> bool:
+    return (cfg.family == "softmax_bwd" and rw._arch_number(arch) >= 90 and not cfg.two_pass
+            and cfg.vec * dtypes.itemsize(cfg.dtype) == 16
+            and cfg.threads_per_row * cfg.cluster_size >= _SOFTMAX_BWD_FIT_MIN_THREADS)
+
+
 def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dtype: str | None = None,
-             layer: bool = False) -> KernelConfig:
+             layer: bool = False, fit: bool = True) -> KernelConfig:
     """The heuristic config of ``family`` ("norm_bwd" or "softmax_bwd") for rows of ``n`` elements
-    accessed ``vec`` at a time; like :func:`rowwise.plan`, n matters only through the power of two
-    >= n / vec.  ``layer``: the config for layernorm_backward (norm_bwd's occupancy knobs differ
-    by op where measured)."""
+    accessed ``vec`` at a time: per power of two >= n / vec, and for softmax_bwd (``fit``, sm_90)
+    refitted to the row's own vector count.  ``layer``: the config for layernorm_backward
+    (norm_bwd's occupancy knobs differ by op where measured)."""
+    cfg = _plan_bwd(family, n, dtype, vec, arch, weight_dtype, layer)
+    if fit and _fits_softmax_bwd(cfg, arch):
+        nvec = -(-n // vec)
+        cfg = _softmax_bwd_fit(cfg, -(-nvec // cfg.cluster_size))
+    return cfg
+
+
+def _plan_bwd(family, n, dtype, vec, arch, weight_dtype, layer):
     size = dtypes.itemsize(dtype)
     nvec = rw._pow2_ceil(-(-n // vec))
     vmax = min(8, max(1, _BWD_ELEMS_PER_THREAD[family][size] // vec))
@@ -345,8 +373,8 @@ def plan_bwd(family: str, n: int, dtype: str, vec: int, arch: str, *, weight_dty
 
 
 @lru_cache(maxsize=1024)
-def _planned(family, n_bucket, dtype, vec, arch, weight_dtype, layer):
-    return plan_bwd(family, n_bucket, dtype, vec, arch, weight_dtype=weight_dtype, layer=layer)
+def _planned(family, n_padded, dtype, vec, arch, weight_dtype, layer):
+    return plan_bwd(family, n_padded, dtype, vec, arch, weight_dtype=weight_dtype, layer=layer)
 
 
 def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
@@ -363,8 +391,14 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
                         break
                     for wdt in wdts:
                         for layer in ((False, True) if family == "norm_bwd" else (False,)):
-                            seen.setdefault(plan_bwd(family, (1 << k) * vec, dtype, vec, arch, weight_dtype=wdt,
-                                                     layer=layer), family)
+                            base = plan_bwd(family, (1 << k) * vec, dtype, vec, arch, weight_dtype=wdt, layer=layer,
+                                            fit=False)
+                            seen.setdefault(base, family)
+                            if _fits_softmax_bwd(base, arch):   # every refit of the rows below 2**k vectors
+                                cl, t = base.cluster_size, base.threads_per_row
+                                lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)
+                                for v in range(-(-lo // t), -(-hi // t) + 1):
+                                    seen.setdefault(_softmax_bwd_fit(base, v * t), family)
                 vec //= 2
     return [(family, cfg) for cfg, family in seen.items()]
 
@@ -373,7 +407,7 @@ def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weig
     arch, _ = rw._arch_info()
     cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
     if config is None:
-        return _planned(family, rw._pow2_ceil(-(-n // vec)) * vec, dtype, vec, arch, weight_dtype,
+        return _planned(family, -(-n // vec) * vec, dtype, vec, arch, weight_dtype,
                         op == "layernorm_backward")
     if not isinstance(config, cls):
         raise ConfigError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}", family=op,

@@ -1,0 +1,146 @@
+"""Row ops at the widths models use: each op's config refitted to the row against the power-of-two
+table's config, torch eager in the same rounds.
+
+The row families pick a config per power of two of 16-byte vectors per row and then refit its
+threads and vectors per thread to the row's own count (``rowwise.fit_width``, softmax backward:
+``rowwise_bwd.plan_bwd``); ``table`` times the config before that refit (``fit=False``) on the
+same arrays.  Ops: rms / ln / sm (RMSNorm, LayerNorm, softmax forward: x read, y written) and rmsB /
+lnB / smB (their backward from saved statistics or y: dy and x or y read, dx written; the norms'
+dweight / dbias too, as torch's autograd peer computes them).  64 MiB of
+x per case (x and y exceed the 50 MiB L2), bf16, candidates interleaved over rounds (median),
+calls queued back to back between two events (``benchutil.time_queued``); GB/s as % of the same
+run's 1 GiB device copy.  Widths default to hidden and FFN sizes of common models (GPT-2 768 / 1280
+/ 1600, Llama-2 5120 / 11008 / 13824, Llama-3 14336, Qwen2.5 3584 / 18944, Gemma-2 2304 / 3584 /
+4608, DeepSeek-V3 7168) and the powers of two beside them.
+
+    PYTHONPATH=. python tools/bench_row_widths.py [--widths 768,5120,...] [--ops rms,ln,sm,rmsB,lnB,smB]
+        [--out DIR] [--rounds 3]
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchutil  # noqa: E402
+
+WIDTHS = (768, 1024, 1280, 1600, 2048, 2304, 2560, 3072, 3584, 4096, 4608, 5120, 6144, 7168, 8192, 11008,
+          13824, 14336, 16384, 18944)
+OPS = ("rms", "ln", "sm", "rmsB", "lnB", "smB")
+X_BYTES = 64 << 20
+
+
+def _configs(op: str, n: int, arch: str):
+    """(the op's default config, the power-of-two table's config) for contiguous bf16 rows of n
+    (vectors of the largest power of two <= 8 elements dividing n, as the op picks them)."""
+    from rtkernels.ops import rowwise as rw
+    from rtkernels.ops import rowwise_bwd as rb
+    vec = next(v for v in (8, 4, 2, 1) if n % v == 0)
+    if op in ("rms", "ln", "sm"):
+        fam, layer = ("softmax", False) if op == "sm" else ("norm", op == "ln")
+        return tuple(rw.plan(fam, n, "bfloat16", vec, arch, weight_dtype="bfloat16", layer=layer, fit=f)
+                     for f in (True, False))
+    fam = "softmax_bwd" if op == "smB" else "norm_bwd"
+    return tuple(rb.plan_bwd(fam, n, "bfloat16", vec, arch, weight_dtype="bfloat16", layer=op == "lnB", fit=f)
+                 for f in (True, False))
+
+
+def _shape(cfg) -> str:
+    s = f"{cfg.cluster_size}x{cfg.threads_per_row}x{cfg.vecs_per_thread}" if cfg.cluster_size > 1 else \
+        f"{cfg.threads_per_row}x{cfg.vecs_per_thread}"
+    return s + (f" (vec {cfg.vec})" if cfg.vec * 2 != 16 else "") + (" 2-pass" if getattr(cfg, "two_pass", False) else "")
+
+
+def bench(args, torch, rtk):
+    from rtkernels.ops import rowwise as rw
+    F = torch.nn.functional
+    arch = rw._arch_info()[0]
+    copy_gbs = benchutil.copy_bandwidth()
+    rows_out = []
+    for n in args.widths:
+        rows = X_BYTES // (2 * n)
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        dy, y, dx = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        _, rstd = rtk.rmsnorm(x, w, 1e-6, return_stats=True)
+        _, mean, lrstd = rtk.layernorm(x, w, b, 1e-5, return_stats=True)
+        ys = rtk.softmax(x)
+        for op in args.ops:
+            call = {"rms": lambda c: rtk.rmsnorm(x, w, 1e-6, out=y, config=c),
+                    "ln": lambda c: rtk.layernorm(x, w, b, 1e-5, out=y, config=c),
+                    "sm": lambda c: rtk.softmax(x, out=y, config=c),
+                    "rmsB": lambda c: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, config=c),
+                    "lnB": lambda c: rtk.layernorm_backward(dy, x, w, b, mean, lrstd, out=dx, config=c),
+                    "smB": lambda c: rtk.softmax_backward(dy, ys, out=dx, config=c)}[op]
+            fitted, table = _configs(op, n, arch)
+            fns = {"rtk": lambda: call(None)}
+            if table != fitted:
+                fns["table"] = lambda: call(table)
+            if op in ("rms", "ln", "sm"):
+                fns["torch"] = {"rms": lambda: F.rms_norm(x, (n,), w, 1e-6),
+                                "ln": lambda: F.layer_norm(x, (n,), w, b, 1e-5),
+                                "sm": lambda: torch.softmax(x, -1)}[op]
+                nbytes = 2 * rows * n * 2
+            else:   # torch's autograd computes what rtk's backward returns (dx, and dweight / dbias)
+                xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+                yt, leaves = {"rmsB": lambda: (F.rms_norm(xr, (n,), wr, 1e-6), (xr, wr)),
+                              "lnB": lambda: (F.layer_norm(xr, (n,), wr, br, 1e-5), (xr, wr, br)),
+                              "smB": lambda: (torch.softmax(xr, -1), (xr,))}[op]()
+                fns["torch"] = lambda yt=yt, leaves=leaves: torch.autograd.grad(yt, leaves, dy, retain_graph=True)
+                nbytes = 3 * rows * n * 2
+            t0 = time.perf_counter()
+            for fn in fns.values():   # compile / warm outside the timing
+                fn()
+            torch.cuda.synchronize()
+            warm_s = time.perf_counter() - t0
+            times = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, fn in fns.items():
+                    times[k].append(benchutil.time_queued(fn, [()], warmup=2, repeat=20)[0])
+            row = {"op": op, "n": n, "rows": rows, "config": _shape(fitted), "table_config": _shape(table),
+                   "warm_s": round(warm_s, 2)}
+            for k, ts in times.items():
+                ms = statistics.median(ts)
+                row[f"{k}_us"] = round(ms * 1e3, 2)
+                row[f"{k}_%copy"] = round(100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs, 1)
+            if "table_%copy" in row:
+                row["rtk/table"] = round(row["rtk_%copy"] / row["table_%copy"], 3)
+            row["rtk/torch"] = round(row["rtk_%copy"] / row["torch_%copy"], 2)
+            rows_out.append(row)
+            print(row, flush=True)
+    return rows_out, copy_gbs
+
+
+def main():
+    p = benchutil.parser(__doc__)
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    args.widths = [int(v) for v in args.widths.split(",")]
+    args.ops = args.ops.split(",")
+    for op in args.ops:
+        if op not in OPS:
+            p.error(f"--ops: {op!r} is not one of {', '.join(OPS)}")
+    import torch
+
+    import rtkernels as rtk
+    env = benchutil.environment()
+    rows, copy_gbs = bench(args, torch, rtk)
+    cols = ["op", "n", "config", "rtk_%copy", "table_config", "table_%copy", "rtk/table", "torch_%copy", "rtk/torch"]
+    text = benchutil.table(rows, cols)
+    print(f"\n{env.get('gpu')} ({env.get('date')}): 1 GiB copy {copy_gbs:.0f} GB/s, bf16, {X_BYTES >> 20} MiB of x")
+    print(text)
+    if args.out:
+        benchutil.save(args.out, "bench_row_widths", {"env": env, "copy_gbs": copy_gbs, "rows": rows})
+        with open(os.path.join(args.out, "bench_row_widths.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
