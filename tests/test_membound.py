@@ -16,6 +16,7 @@ import rtkernels as rtk
 from rtkernels.errors import ConfigError
 from rtkernels.inspect import sass_stats
 from rtkernels.ops import rowwise as rw
+from rtkernels.ops import rowwise_bwd as rb
 from rtkernels.ops.rowwise import NormConfig, ReduceConfig, SoftmaxConfig
 
 ARCHS = ("sm_80", "sm_90")
@@ -246,6 +247,47 @@ def test_narrow_vectors_when_alignment_forbids_16_bytes():
     assert rw._pick_vec(2, 4100, (256, 512), (4100,)) == 4          # 4100 = 4 * 1025
     assert rw._pick_vec(4, 1000, (256,), (1002,)) == 2              # the row stride allows pairs only
     assert rw._pick_vec(4, 7, (256,), ()) == 1
+
+
+@pytest.mark.parametrize("family, n", [("softmax", 50257), ("softmax", 4001), ("softmax", 1001), ("softmax", 300001),
+                                       ("softmax_bwd", 4001), ("softmax_bwd", 300001)])
+def test_ragged_rows_keep_128_bit_bodies(family, n):
+    """Odd widths read ragged (rowwise.vector_access) keep 16-byte loads (or the bulk copy) and
+    stores in the body; the edges are the only 16-bit accesses."""
+    plan = rw.plan if family == "softmax" else rb.plan_bwd
+    cfg = rw.as_ragged(plan(family, -(-n // 8) * 8, "bfloat16", 8, "sm_90"))
+    assert cfg.ragged
+    k = rtk.get_kernel(cfg, cfg.kernels[0], arch="sm_90")
+    stats = sass_stats(k.sass)
+    assert stats["ldl"] == 0 and stats["stl"] == 0
+    assert stats["stg_128"] >= 1 and stats["stg_16"] >= 1 and stats["global_stores"] == stats["stg_128"] + stats["stg_16"]
+    assert "UBLKCP" in k.sass if cfg.smem_rows else stats["ldg_128"] >= cfg.vecs_per_thread
+
+
+def test_vector_access_reads_odd_widths_ragged():
+    assert rw.vector_access(2, 50257, 8, (256, 1 << 20), (50257, 50257)) == (8, True)
+    assert rw.vector_access(2, 50257, 8, (256, (1 << 20) + 2), (50257, 50257)) == (1, False)   # out's phase differs
+    assert rw.vector_access(2, 4096, 8, (256, 512), (4096, 4096)) == (8, False)                # aligned: not ragged
+    assert rw.vector_access(2, 31, 8, (256, 512), (31, 31)) == (1, False)                      # < 4 vectors: narrow
+    assert rw.vector_access(4, 4001, 1, (260, 1028), ()) == (4, True)                           # one row, same phase
+    sm = rw.as_ragged(rw.plan("softmax", 50264, "bfloat16", 8, "sm_90"))
+    assert sm.ragged and sm.smem_rows
+    with pytest.raises(ConfigError, match="ragged"):
+        rw.SoftmaxConfig(dtype="bfloat16", vec=4, ragged=True)
+    with pytest.raises(ConfigError, match="ragged"):
+        rw.SoftmaxConfig(dtype="bfloat16", vec=8, threads_per_row=128, block_size=128, prefetch=True, ragged=True)
+    with pytest.raises(ConfigError, match="ragged"):   # a ragged config on aligned rows
+        rw.check_config_ragged(rw.as_ragged(rw.plan("softmax", 50264, "bfloat16", 8, "sm_90")), False, "softmax")
+    # a caller's config without ragged gets the narrow vectors on ragged rows
+    assert rw.rows_access(2, 50257, 8, (256, 1 << 20), (50257, 50257), rw.plan("softmax", 50257, "bfloat16", 1,
+                                                                               "sm_90")) == (1, False)
+    assert rw.rows_access(2, 50257, 8, (256, 1 << 20), (50257, 50257)) == (8, True)
+    with pytest.raises(ConfigError, match="ragged"):
+        rb.SoftmaxBwdConfig(dtype="float32", vec=2, ragged=True)
+    listed = {cfg for _, cfg, _ in rw.heuristic_configs("sm_90")}
+    assert rw.as_ragged(rw.plan("softmax", 50264, "bfloat16", 8, "sm_90")) in listed
+    assert rw.as_ragged(rb.plan_bwd("softmax_bwd", 50264, "bfloat16", 8, "sm_90")) in \
+        {cfg for _, cfg in rb.heuristic_configs("sm_90")}
 
 
 def test_row_layout_collapses_leading_dims():
@@ -493,6 +535,51 @@ def test_refitted_widths_gpu(dtype, n):
     _check(y, rw.rmsnorm_reference(x64, w64, 1e-6), dtype, _TOL[dtype], to_f64)
     y = rw.layernorm(x, w, b, eps=1e-5, out=poison(cp.empty_like(x)), dtype=dtype)
     _check(y, rw.layernorm_reference(x64, w64, b64, 1e-5), dtype, 4 * _TOL[dtype], to_f64)
+
+
+# Odd widths: rows start at every 2- (4-) byte offset, so softmax reads them ragged (16-byte body,
+# scalar head and tail per row, rowwise.vector_access): lane groups (33, 1001), a block (4001), shared-
+# memory cluster slices (50257, 151643) and two passes (300001).
+RAGGED_WIDTHS = (33, 1001, 4001, 50257, 151643, 300001)
+
+
+def _flat_rows(cp, flat, off, rows, n):
+    """rows x n contiguous rows starting `off` elements into `flat`."""
+    return flat[off:off + rows * n].reshape(rows, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", RAGGED_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_ragged_rows_gpu(dtype, n):
+    cp, random_array, to_f64, poison, _ = _gpu()
+    rng = np.random.default_rng(n + 5)
+    rows = max(3, min(37, MAX_ELEMENTS // n)) | 1
+    size = rtk.dtypes.itemsize(dtype)
+    for off, out_off in ((0, None), (3, 3), (5, 5), (0, 1)):   # (0, 1): phases differ -> narrow vectors
+        host = rng.standard_normal(rows * n + 16) * 3.0
+        rows64 = host[off:off + rows * n].reshape(rows, n)   # a view: edits land in `host`
+        rows64[0] = -np.inf                                  # all -inf: 0 (log: -inf)
+        rows64[1, 0] = 40.0                                  # the row's max in its first element (a head)
+        rows64[2, -1] = 40.0                                 # ... in its last (a tail)
+        flat, flat64 = _store(cp, host, dtype)
+        x = _flat_rows(cp, flat, off, rows, n)
+        x64 = flat64[off:off + rows * n].reshape(rows, n)
+        obig = poison(cp.empty(rows * n + 16, dtype=flat.dtype))
+        out = None if out_off is None else _flat_rows(cp, obig, out_off, rows, n)
+        optr = out.data.ptr if out is not None else 256 * 1024   # a new array: a 256-byte aligned base
+        vec, ragged = rw.vector_access(size, n, rows, (x.data.ptr, optr), (n, n))
+        assert ragged == (out_off != 1), (off, out_off, vec)
+        for log in (False, True):
+            y = rw.softmax(x, out=None if out is None else poison(out), log_softmax=log, dtype=dtype)
+            _check(y, rw.softmax_reference(x64, log_softmax=log), dtype, 1e-6 if not log else 1e-5, to_f64)
+            if out is not None:   # nothing outside the output's rows was written
+                assert np.all(np.isnan(to_f64(obig[:out_off], dtype)))
+                assert np.all(np.isnan(to_f64(obig[out_off + rows * n:], dtype)))
+        if out_off is None:   # a caller's narrow-vector config still reads these rows narrow
+            narrow = rw.plan("softmax", n, dtype, 1, "sm_90")
+            y = rw.softmax(x, dtype=dtype, config=narrow)
+            _check(y, rw.softmax_reference(x64), dtype, 1e-6, to_f64)
 
 
 @pytest.mark.gpu

@@ -65,10 +65,10 @@ def test_cross_entropy_plan_and_vector_access():
     assert ce.plan(1000, "bfloat16", 8, "sm_90").row_class == "group"
     assert ce.plan(1, "float32", 1, "sm_90").chunk_elements >= 1
     # 50257 bfloat16: rows start at every 2-byte offset; logits and a contiguous grad share them
-    assert ce._vector_access(2, 50257, 8, (256, 1 << 20), (50257, 50257)) == (8, True)
-    assert ce._vector_access(2, 50257, 8, (256, (1 << 20) + 2), (50257, 50257)) == (1, False)   # grad offset
-    assert ce._vector_access(2, 128256, 8, (256, 512), (128256, 128256)) == (8, False)
-    assert ce._vector_access(4, 7, 3, (256,), (7,)) == (1, False)                              # too short
+    assert rw.vector_access(2, 50257, 8, (256, 1 << 20), (50257, 50257)) == (8, True)
+    assert rw.vector_access(2, 50257, 8, (256, (1 << 20) + 2), (50257, 50257)) == (1, False)   # grad offset
+    assert rw.vector_access(2, 128256, 8, (256, 512), (128256, 128256)) == (8, False)
+    assert rw.vector_access(4, 7, 3, (256,), (7,)) == (1, False)                              # too short
     # vocabularies between powers of two refit their slices (rowwise.fit_width): 151936 fills 8 x 256 x 10
     qwen = ce.plan(151936, "bfloat16", 8, "sm_90", grad=True)
     assert (qwen.cluster_size, qwen.threads_per_row, qwen.vecs_per_thread, qwen.min_blocks) == (8, 256, 10, 4)
@@ -487,6 +487,41 @@ def test_softmax_backward_gpu(dtype, n):
         assert rtk.softmax_backward(dy, y, log=log, out=dx, dtype=dtype) is dx
         ref = rb.softmax_backward_reference(dy64, y64, log=log)
         _close(to_f64(dx, dtype), ref, dtype, f"softmax_backward log={log}", row_scale=_row_rms(ref), atol=1e-7)
+
+
+@pytest.mark.gpu
+# lane groups, a block, a cluster, a cluster of 1024-thread rows taken as 512 x 6 (rowwise.as_ragged), two passes
+@pytest.mark.parametrize("n", (33, 4001, 50257, 151643, 300001))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_backward_ragged_rows_gpu(dtype, n):
+    """Odd widths: dy, y and dx rows share their addresses mod 16, so the rows are read ragged
+    (16-byte body, scalar head and tail; rowwise.vector_access) - or, where dx's differ, narrow."""
+    cp, _, to_f64, poison = _gpu()
+    rng = np.random.default_rng(n + 11)
+    rows = max(3, min(29, (1 << 21) // n)) | 1
+    size = rtk.dtypes.itemsize(dtype)
+    for off, out_off in ((0, None), (3, 3), (0, 1)):
+        x64 = rng.standard_normal((rows, n)) * 2.0
+        d_host = np.zeros(rows * n + 16)
+        y_host = np.zeros(rows * n + 16)
+        d_host[off:off + rows * n] = rng.standard_normal(rows * n)
+        for log in (False, True):
+            y_host[off:off + rows * n] = rw.softmax_reference(x64, log_softmax=log).ravel()
+            dflat, dflat64 = _stored(cp, d_host, dtype)
+            yflat, yflat64 = _stored(cp, y_host, dtype)
+            dy, y = (a[off:off + rows * n].reshape(rows, n) for a in (dflat, yflat))
+            dy64, y64 = (a[off:off + rows * n].reshape(rows, n) for a in (dflat64, yflat64))
+            obig = poison(cp.empty(rows * n + 16, dtype=dflat.dtype))
+            out = None if out_off is None else obig[out_off:out_off + rows * n].reshape(rows, n)
+            optr = out.data.ptr if out is not None else 256 * 1024   # a new array: a 256-byte aligned base
+            assert rw.vector_access(size, n, rows, (y.data.ptr, dy.data.ptr, optr), (n, n, n))[1] == (out_off != 1)
+            dx = rtk.softmax_backward(dy, y, log=log, out=out, dtype=dtype)
+            ref = rb.softmax_backward_reference(dy64, y64, log=log)
+            _close(to_f64(dx, dtype), ref, dtype, f"softmax_backward ragged log={log} off={off}/{out_off}",
+                   row_scale=_row_rms(ref), atol=1e-7)
+            if out is not None:
+                assert np.all(np.isnan(to_f64(obig[:out_off], dtype)))
+                assert np.all(np.isnan(to_f64(obig[out_off + rows * n:], dtype)))
 
 
 @pytest.mark.gpu

@@ -3,15 +3,17 @@ table's config, torch eager in the same rounds.
 
 The row families pick a config per power of two of 16-byte vectors per row and then refit its
 threads and vectors per thread to the row's own count (``rowwise.fit_width``, softmax backward:
-``rowwise_bwd.plan_bwd``); ``table`` times the config before that refit (``fit=False``) on the
-same arrays.  Ops: rms / ln / sm (RMSNorm, LayerNorm, softmax forward: x read, y written) and rmsB /
-lnB / smB (their backward from saved statistics or y: dy and x or y read, dx written; the norms'
-dweight / dbias too, as torch's autograd peer computes them).  64 MiB of
-x per case (x and y exceed the 50 MiB L2), bf16, candidates interleaved over rounds (median),
-calls queued back to back between two events (``benchutil.time_queued``); GB/s as % of the same
-run's 1 GiB device copy.  Widths default to hidden and FFN sizes of common models (GPT-2 768 / 1280
-/ 1600, Llama-2 5120 / 11008 / 13824, Llama-3 14336, Qwen2.5 3584 / 18944, Gemma-2 2304 / 3584 /
-4608, DeepSeek-V3 7168) and the powers of two beside them.
+``rowwise_bwd.plan_bwd``); ``table`` times the config before that refit (``fit=False``) on the same
+arrays - and at widths that are not a multiple of 8, for softmax and its backward, the
+narrow-vector config those rows took before they were read ragged (16-byte body, scalar edges).
+Ops: rms / ln / sm (RMSNorm, LayerNorm, softmax forward: x read, y written) and rmsB / lnB / smB
+(their backward from saved statistics or y: dy and x or y read, dx written; the norms' dweight /
+dbias too, as torch's autograd peer computes them).  64 MiB of x per case (x and y exceed the 50
+MiB L2), bf16, candidates interleaved over rounds (median), calls queued back to back between two
+events (``benchutil.time_queued``); GB/s as % of the same run's 1 GiB device copy.  Widths default
+to hidden and FFN sizes of common models (GPT-2 768 / 1280 / 1600, Llama-2 5120 / 11008 / 13824,
+Llama-3 14336, Qwen2.5 3584 / 18944, Gemma-2 2304 / 3584 / 4608, DeepSeek-V3 7168) and the powers of
+two beside them.
 
     PYTHONPATH=. python tools/bench_row_widths.py [--widths 768,5120,...] [--ops rms,ln,sm,rmsB,lnB,smB]
         [--out DIR] [--rounds 3]
@@ -35,24 +37,32 @@ X_BYTES = 64 << 20
 
 
 def _configs(op: str, n: int, arch: str):
-    """(the op's default config, the power-of-two table's config) for contiguous bf16 rows of n
-    (vectors of the largest power of two <= 8 elements dividing n, as the op picks them)."""
+    """(the op's default config, the one before, what "before" was) for contiguous bf16 rows of n:
+    before = the power-of-two table's config (``fit=False``); for softmax and its backward at
+    widths that are not a multiple of 8 (rows read ragged since 2026-11-28) the narrow-vector
+    config those rows took before (vectors of the largest power of two dividing n)."""
     from rtkernels.ops import rowwise as rw
     from rtkernels.ops import rowwise_bwd as rb
-    vec = next(v for v in (8, 4, 2, 1) if n % v == 0)
+    narrow = next(v for v in (8, 4, 2, 1) if n % v == 0)
+    ragged = narrow < 8 and n >= 32 and op in ("sm", "smB")
     if op in ("rms", "ln", "sm"):
         fam, layer = ("softmax", False) if op == "sm" else ("norm", op == "ln")
-        return tuple(rw.plan(fam, n, "bfloat16", vec, arch, weight_dtype="bfloat16", layer=layer, fit=f)
-                     for f in (True, False))
-    fam = "softmax_bwd" if op == "smB" else "norm_bwd"
-    return tuple(rb.plan_bwd(fam, n, "bfloat16", vec, arch, weight_dtype="bfloat16", layer=op == "lnB", fit=f)
-                 for f in (True, False))
+        plan = lambda nn, v, f: rw.plan(fam, nn, "bfloat16", v, arch, weight_dtype="bfloat16",  # noqa: E731
+                                        layer=layer, fit=f)
+    else:
+        fam = "softmax_bwd" if op == "smB" else "norm_bwd"
+        plan = lambda nn, v, f: rb.plan_bwd(fam, nn, "bfloat16", v, arch, weight_dtype="bfloat16",  # noqa: E731
+                                            layer=op == "lnB", fit=f)
+    if ragged and rw.as_ragged(plan(-(-n // 8) * 8, 8, True)) is not None:
+        return rw.as_ragged(plan(-(-n // 8) * 8, 8, True)), plan(n, narrow, True), "narrow"
+    return plan(n, narrow, True), plan(n, narrow, False), "table"
 
 
 def _shape(cfg) -> str:
     s = f"{cfg.cluster_size}x{cfg.threads_per_row}x{cfg.vecs_per_thread}" if cfg.cluster_size > 1 else \
         f"{cfg.threads_per_row}x{cfg.vecs_per_thread}"
-    return s + (f" (vec {cfg.vec})" if cfg.vec * 2 != 16 else "") + (" 2-pass" if getattr(cfg, "two_pass", False) else "")
+    return s + (f" (vec {cfg.vec})" if cfg.vec * 2 != 16 else "") + (" 2-pass" if getattr(cfg, "two_pass", False) else "") \
+        + (" ragged" if getattr(cfg, "ragged", False) else "")
 
 
 def bench(args, torch, rtk):
@@ -77,7 +87,7 @@ def bench(args, torch, rtk):
                     "rmsB": lambda c: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, config=c),
                     "lnB": lambda c: rtk.layernorm_backward(dy, x, w, b, mean, lrstd, out=dx, config=c),
                     "smB": lambda c: rtk.softmax_backward(dy, ys, out=dx, config=c)}[op]
-            fitted, table = _configs(op, n, arch)
+            fitted, table, before = _configs(op, n, arch)
             fns = {"rtk": lambda: call(None)}
             if table != fitted:
                 fns["table"] = lambda: call(table)
@@ -103,7 +113,7 @@ def bench(args, torch, rtk):
                 for k, fn in fns.items():
                     times[k].append(benchutil.time_queued(fn, [()], warmup=2, repeat=20)[0])
             row = {"op": op, "n": n, "rows": rows, "config": _shape(fitted), "table_config": _shape(table),
-                   "warm_s": round(warm_s, 2)}
+                   "before": before, "warm_s": round(warm_s, 2)}
             for k, ts in times.items():
                 ms = statistics.median(ts)
                 row[f"{k}_us"] = round(ms * 1e3, 2)

@@ -155,20 +155,6 @@ def _config_for(config, n, dtype, vec, ragged, target_dtype, grad, smoothing):
     return config
 
 
-def _vector_access(size: int, n: int, rows: int, ptrs, strides) -> tuple[int, bool]:
-    """(vec, ragged): 16-byte vectors when n, the strides and the pointers allow; else, when every
-    row of every array has the same address mod 16 as the logits' row (equal row strides mod 16
-    bytes, equal bases mod 16), 16-byte vectors with a scalar head and tail per row; else the
-    widest narrower vector (rowwise._pick_vec)."""
-    full = 16 // size
-    strides = strides if rows > 1 else ()
-    vec = rw._pick_vec(size, n, ptrs, strides)
-    if vec == full or n < 4 * full:
-        return vec, False
-    same = all((p - ptrs[0]) % 16 == 0 for p in ptrs) and all(((s - strides[0]) * size) % 16 == 0 for s in strides)
-    return (full, True) if same else (vec, False)
-
-
 # ---- the op -------------------------------------------------------------------------------------
 def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
                   return_grad: bool = False, grad_out=None, dtype: str | None = None, stream=None,
@@ -243,7 +229,7 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     size = dtypes.itemsize(dt)
     ptrs = (rw._ptr(lv),) + ((rw._ptr(gv),) if return_grad else ())
     strides = (ls,) + ((gs,) if return_grad else ())
-    vec, ragged = _vector_access(size, n, rows, ptrs, strides)
+    vec, ragged = rw.vector_access(size, n, rows, ptrs, strides)
     smoothing = float(label_smoothing)
     cfg = _config_for(config, n, dt, vec, ragged, tdt, bool(return_grad), smoothing > 0.0)
     # 1/N of the mean (with the gradient) from per-block counts of non-ignored targets: 4096 targets

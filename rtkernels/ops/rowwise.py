@@ -231,14 +231,30 @@ class SoftmaxConfig(_RowConfig):
     ring_rows: int = 0        # > 0: loads this many rows per thread ahead through shared memory
     bulk_stages: int = 0      # > 0 (sm_90): row stages per block filled by cp.async.bulk
     streaming: bool = True    # evict-first (.cs) loads and stores of x and y
+    # rows not starting on 16 bytes (an odd width): 16-byte vectors from each row's first 16-byte
+    # boundary, the head and tail elements as scalars (vector_access decides; x and y rows share
+    # their addresses mod 16)
+    ragged: bool = False
 
     def __post_init__(self):
-        for name in ("two_pass", "recompute", "prefetch", "streaming"):
+        for name in ("two_pass", "recompute", "prefetch", "streaming", "ragged"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
         self._check_int("bulk_stages", 0, 8)
         super().__post_init__()
+        check_ragged(self)
+
+
+def check_ragged(cfg) -> None:
+    """``ragged`` rows (softmax and its backward) need 16-byte vectors and no rows loaded ahead."""
+    if not cfg.ragged:
+        return
+    if cfg.vec * dtypes.itemsize(cfg.dtype) != 16:
+        cfg._fail("ragged", f"False unless vec * itemsize == 16 (vec={cfg.vec}, {cfg.dtype})")
+    ahead = [f for f in ("prefetch", "ring_rows", "bulk_stages") if getattr(cfg, f, 0)]
+    if ahead:
+        cfg._fail("ragged", f"False with {', '.join(ahead)} (ragged rows are resident, two-pass or smem_rows)")
 
 
 @register_family
@@ -613,6 +629,9 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...
                                     if family == "norm" else base.kernels
                                 for cfg in _refits(base, k, family, layer, arch):
                                     seen.setdefault((family, cfg), set()).update(names)
+                                    if family == "softmax" and vec * size == 16 and n >= 4 * vec \
+                                            and as_ragged(cfg) is not None:   # odd widths
+                                        seen.setdefault((family, as_ragged(cfg)), set()).update(names)
                     k += 1
                 vec //= 2
     return [(family, cfg, tuple(sorted(names))) for (family, cfg), names in seen.items()]
@@ -726,6 +745,30 @@ def _pick_vec(size: int, n: int, ptrs, strides) -> int:
     return vec
 
 
+def vector_access(size: int, n: int, rows: int, ptrs, strides) -> tuple[int, bool]:
+    """(vec, ragged): 16-byte vectors when n, the strides and the pointers allow; else, when every
+    row of every array has the address mod 16 of the first array's row (equal bases mod 16, row
+    strides equal mod 16 bytes), 16-byte vectors from each row's first 16-byte boundary with its
+    head and tail as scalars (``ragged``); else the widest narrower vector (:func:`_pick_vec`).
+    Rows under 4 vectors keep the narrow access (their edges would be most of the row)."""
+    full = 16 // size
+    strides = strides if rows > 1 else ()
+    vec = _pick_vec(size, n, ptrs, strides)
+    if vec == full or n < 4 * full:
+        return vec, False
+    same = all((p - ptrs[0]) % 16 == 0 for p in ptrs) and all(((s - strides[0]) * size) % 16 == 0 for s in strides)
+    return (full, True) if same else (vec, False)
+
+
+def rows_access(size: int, n: int, rows: int, ptrs, strides, config=None) -> tuple[int, bool]:
+    """:func:`vector_access` for an op that reads ragged rows (softmax and its backward), where a
+    caller's config without ``ragged`` asks for the narrow vectors instead."""
+    vec, ragged = vector_access(size, n, rows, ptrs, strides)
+    if ragged and config is not None and not getattr(config, "ragged", False):
+        return _pick_vec(size, n, ptrs, strides if rows > 1 else ()), False
+    return vec, ragged
+
+
 def _ptr(v) -> int:
     return int(v.data.ptr)
 
@@ -739,22 +782,56 @@ def _arch_info() -> tuple[str, int]:
 
 @lru_cache(maxsize=4096)
 def _planned(family: str, n_padded: int, dtype: str, vec: int, arch: str, rows_bucket: int, sms: int,
-             weight_dtype: str | None, layer: bool) -> KernelConfig:
-    return plan(family, n_padded, dtype, vec, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
-                layer=layer)
+             weight_dtype: str | None, layer: bool, ragged: bool = False) -> KernelConfig:
+    cfg = plan(family, n_padded, dtype, vec, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
+               layer=layer)
+    return as_ragged(cfg) if ragged else cfg
+
+
+# Ragged rows' edges cost registers: 1024-thread blocks (64 registers) spilled 8-116 B with them
+# (softmax_bwd 8 x 1024 x 4 on sm_90, softmax float32 1024 x 8 on sm_80), and softmax_bwd's 512 x 8
+# did too.  Such rows take 512 threads with twice the vectors where that stays within 6 per thread
+# (softmax_bwd 8 x 1024 x 3, 151936 columns), else narrow vectors.
+RAGGED_MAX_BLOCK = 512
+
+
+def as_ragged(cfg: KernelConfig) -> KernelConfig | None:
+    """A planned softmax (or backward) config for ragged rows (:func:`vector_access`): the same
+    shape - the row's body has at most the aligned row's vectors - reading no rows ahead; None
+    where no such shape fits the registers (see RAGGED_MAX_BLOCK)."""
+    if cfg.block_size > RAGGED_MAX_BLOCK:
+        if cfg.two_pass or cfg.vecs_per_thread * 2 > _FIT_MAX_VECS or cfg.row_class == "group":
+            return None
+        cfg = refit(cfg, RAGGED_MAX_BLOCK, cfg.vecs_per_thread * cfg.block_size // RAGGED_MAX_BLOCK)
+    fields = {f: 0 if f != "prefetch" else False for f in ("prefetch", "ring_rows", "bulk_stages")
+              if getattr(cfg, f, 0)}
+    return cfg.replace(ragged=True, **fields)
+
+
+def check_config_ragged(config, ragged: bool, op: str) -> None:
+    """A caller's ragged config needs rows that :func:`vector_access` reads ragged (a config
+    without it gets narrow vectors on such rows: :func:`rows_access`)."""
+    if getattr(config, "ragged", False) and not ragged:
+        raise ConfigError(f"{op}: config.ragged=True but these rows are 16-byte aligned, or do not share their "
+                          "addresses mod 16 across the arrays", family=op, field="config", value=config,
+                          allowed="ragged=False")
 
 
 def _config_for(family: str, config, n: int, dtype: str, vec: int, rows: int, op: str,
-                weight_dtype: str | None = None, layer: bool = False) -> KernelConfig:
+                weight_dtype: str | None = None, layer: bool = False, ragged: bool = False) -> KernelConfig | None:
+    """The caller's config checked against these rows, or the heuristic's; None for ragged rows
+    whose heuristic config cannot read them ragged (:func:`as_ragged`)."""
     arch, sms = _arch_info()
     if config is None:
         # Only reduce looks at rows (fewer rows than SMs); bucket them so the memo stays small.
         rows_bucket = _pow2_floor(max(rows, 1)) if family == "reduce" and rows < sms else 1 << 20
         return _planned(family, -(-n // vec) * vec, dtype, vec, arch, rows_bucket, sms,
-                        weight_dtype, layer)
+                        weight_dtype, layer, ragged)
     if not isinstance(config, _CONFIG_CLASS[family]):
         raise ConfigError(f"{op}: config must be a {_CONFIG_CLASS[family].__name__}, got {type(config).__name__}",
                           family=op, field="config", value=config)
+    if family == "softmax":
+        check_config_ragged(config, ragged, op)
     if config.dtype != dtype or (weight_dtype and config.weight_dtype != weight_dtype):
         raise ConfigError(f"{op}: config.dtype={config.dtype!r} does not match the input ({dtype})",
                           family=op, field="config", value=config)
@@ -901,8 +978,11 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
     if rows == 0 or n == 0:
         return out
     size = dtypes.itemsize(dt)
-    vec = _pick_vec(size, n, (_ptr(xv), _ptr(ov)), (xs, ys) if rows > 1 else ())
-    cfg = _config_for("softmax", config, n, dt, vec, rows, op)
+    ptrs, strides = (_ptr(xv), _ptr(ov)), (xs, ys)
+    vec, ragged = rows_access(size, n, rows, ptrs, strides, config)
+    cfg = _config_for("softmax", config, n, dt, vec, rows, op, ragged=ragged)
+    if cfg is None:   # ragged rows this row class cannot take (as_ragged): narrow vectors
+        cfg = _config_for("softmax", None, n, dt, _pick_vec(size, n, ptrs, strides if rows > 1 else ()), rows, op)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
     _launch(key, Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
                         (rows, n, xs, ys)), (xv, ov), (x, out), stream)

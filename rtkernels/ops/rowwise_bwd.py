@@ -174,6 +174,13 @@ class SoftmaxBwdConfig(_BwdRowConfig):
     kernels: ClassVar[tuple[str, ...]] = ("softmax_bwd_rows", "log_softmax_bwd_rows")
     two_pass: bool = False
     streaming: bool = True    # evict-first (.cs) loads of dy, y and stores of dx
+    ragged: bool = False      # rows not starting on 16 bytes: rowwise.SoftmaxConfig.ragged
+
+    def __post_init__(self):
+        if not isinstance(self.ragged, bool):
+            self._fail("ragged", "True or False")
+        super().__post_init__()
+        rw.check_ragged(self)
 
 
 # ---- heuristics -------------------------------------------------------------------------------
@@ -373,8 +380,9 @@ def _plan_bwd(family, n, dtype, vec, arch, weight_dtype, layer):
 
 
 @lru_cache(maxsize=1024)
-def _planned(family, n_padded, dtype, vec, arch, weight_dtype, layer):
-    return plan_bwd(family, n_padded, dtype, vec, arch, weight_dtype=weight_dtype, layer=layer)
+def _planned(family, n_padded, dtype, vec, arch, weight_dtype, layer, ragged=False):
+    cfg = plan_bwd(family, n_padded, dtype, vec, arch, weight_dtype=weight_dtype, layer=layer)
+    return rw.as_ragged(cfg) if ragged else cfg
 
 
 def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
@@ -393,25 +401,31 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
                         for layer in ((False, True) if family == "norm_bwd" else (False,)):
                             base = plan_bwd(family, (1 << k) * vec, dtype, vec, arch, weight_dtype=wdt, layer=layer,
                                             fit=False)
-                            seen.setdefault(base, family)
+                            cfgs = [base]
                             if _fits_softmax_bwd(base, arch):   # every refit of the rows below 2**k vectors
                                 cl, t = base.cluster_size, base.threads_per_row
                                 lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)
-                                for v in range(-(-lo // t), -(-hi // t) + 1):
-                                    seen.setdefault(_softmax_bwd_fit(base, v * t), family)
+                                cfgs += [_softmax_bwd_fit(base, v * t) for v in range(-(-lo // t), -(-hi // t) + 1)]
+                            if family == "softmax_bwd" and vec * size == 16 and k >= 2:   # odd widths (ragged)
+                                cfgs += [r for r in map(rw.as_ragged, cfgs) if r is not None]
+                            for cfg in cfgs:
+                                seen.setdefault(cfg, family)
                 vec //= 2
     return [(family, cfg) for cfg, family in seen.items()]
 
 
-def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weight_dtype: str | None = None):
+def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weight_dtype: str | None = None,
+                ragged: bool = False):
     arch, _ = rw._arch_info()
     cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
     if config is None:
         return _planned(family, -(-n // vec) * vec, dtype, vec, arch, weight_dtype,
-                        op == "layernorm_backward")
+                        op == "layernorm_backward", ragged)
     if not isinstance(config, cls):
         raise ConfigError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}", family=op,
                           field="config", value=config)
+    if family == "softmax_bwd":
+        rw.check_config_ragged(config, ragged, op)
     if config.dtype != dtype or (weight_dtype and config.weight_dtype != weight_dtype):
         raise ConfigError(f"{op}: config dtypes ({config.dtype}"
                           + (f", weight {config.weight_dtype}" if weight_dtype else "")
@@ -752,7 +766,9 @@ def softmax_backward(dy, y, *, log: bool = False, out=None, dtype: str | None = 
 
     ``dx = y * (dy - sum(dy * y))``; with ``log=True`` (y from ``softmax(..., log_softmax=True)``)
     ``dx = dy - exp(y) * sum(dy)``.  dy, y: one shape and dtype (float16 / bfloat16 / float32);
-    out: optional dx (may be dy); dtype, stream, config as in :func:`rtkernels.softmax`.
+    out: optional dx (may be dy); dtype, stream, config as in :func:`rtkernels.softmax`.  Rows of
+    an odd width keep 16-byte loads when dy, y and dx rows share their addresses mod 16 (the
+    usual case: contiguous arrays of one shape), as the forward's do.
     """
     op = "softmax_backward"
     key = _PLANS.key((dy, y, out), (op, bool(log), dtype, config))
@@ -766,9 +782,12 @@ def softmax_backward(dy, y, *, log: bool = False, out=None, dtype: str | None = 
     out, ov, (_, _, dxs) = rw._out_rows(out, y, yv.shape, dt, op)
     if rows == 0 or n == 0:
         return out
-    vec = rw._pick_vec(dtypes.itemsize(dt), n, (rw._ptr(yv), rw._ptr(dyv), rw._ptr(ov)),
-                       (ys, dys, dxs) if rows > 1 else ())
-    cfg = _config_for("softmax_bwd", config, n, dt, vec, op)
+    size = dtypes.itemsize(dt)
+    ptrs, strides = (rw._ptr(yv), rw._ptr(dyv), rw._ptr(ov)), (ys, dys, dxs)
+    vec, ragged = rw.rows_access(size, n, rows, ptrs, strides, config)
+    cfg = _config_for("softmax_bwd", config, n, dt, vec, op, ragged=ragged)
+    if cfg is None:   # ragged rows this row class cannot take (rowwise.as_ragged): narrow vectors
+        cfg = _config_for("softmax_bwd", None, n, dt, rw._pick_vec(size, n, ptrs, strides if rows > 1 else ()), op)
     k = get_kernel(cfg, "log_softmax_bwd_rows" if log else "softmax_bwd_rows")
     launch = Launch(k, (cfg.grid(rows),), (cfg.block_size,), 0, (rows, n, dys, ys, dxs))
     views = (dyv, yv, ov)

@@ -68,11 +68,19 @@ __device__ __forceinline__ void store_cs(T* __restrict__ p, const Vec<T, N>& v) 
     else __stcs(reinterpret_cast<unsigned short*>(p), *reinterpret_cast<const unsigned short*>(&v));
 }
 
-// kStream: evict-first (st.global.cs); otherwise a plain store.
-template <typename T, int N, bool kStream>
+// kStream: evict-first (st.global.cs); otherwise a plain store.  kOffset: p is offset from an
+// aligned pointer by a runtime element count (ragged rows' head), through which nvcc split the
+// plain store's struct copy into 2- or 4-byte stores: one st.global.v4 instead (16-byte vectors).
+template <typename T, int N, bool kStream, bool kOffset = false>
 __device__ __forceinline__ void store_y(T* __restrict__ p, const Vec<T, N>& v) {
-    if constexpr (kStream) store_cs<T, N>(p, v);
-    else *reinterpret_cast<Vec<T, N>*>(p) = v;
+    if constexpr (kStream) {
+        store_cs<T, N>(p, v);
+    } else if constexpr (kOffset && sizeof(T) * N == 16) {
+        const int4 w = *reinterpret_cast<const int4*>(&v);
+        asm("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w));
+    } else {
+        *reinterpret_cast<Vec<T, N>*>(p) = v;
+    }
 }
 
 // The N elements of a loaded vector as floats; `fill` for a slot past the row end (one select
@@ -610,6 +618,31 @@ struct SmemRow {
         V v;
         *reinterpret_cast<int4*>(&v) = lds16(base + 16u * unsigned(i * kBlock));
         return v;
+    }
+};
+
+// ---- rows whose start is not 16-byte aligned (ragged rows: an odd width, a vocabulary) -----------
+// Per row: the head up to the first 16-byte boundary, whole 16-byte vectors, and the tail after
+// them (head + tail <= 2 * (kVec - 1) elements).  The body keeps 16-byte vectors (and bulk copies);
+// the edge elements are spread over the row's kThreads threads, edge j = rank + q * kThreads in
+// the thread's q-th register, loaded with the body (one lane walking them would serialize a dozen
+// load latencies in front of the row's reduction).  Every array of a row must share its address
+// mod 16 (the host's check), so one split serves them all.
+template <typename T, int kVec, int kThreads>
+struct RaggedRow {
+    static constexpr int kEdges = (2 * (kVec - 1) + kThreads - 1) / kThreads;   // per thread
+    int head = 0, nvec = 0, tail = 0;
+    RaggedRow() = default;
+    __device__ __forceinline__ RaggedRow(const T* row, int n) {
+        const unsigned mis = unsigned(reinterpret_cast<unsigned long long>(row)) & 15u;
+        head = min(n, int(((16u - mis) & 15u) / unsigned(sizeof(T))));
+        nvec = (n - head) / kVec;
+        tail = n - head - nvec * kVec;
+    }
+    // The row's element index of this thread's q-th edge, or -1 when it has none.
+    __device__ __forceinline__ int edge(int rank, int q) const {
+        const int j = rank + q * kThreads;
+        return j >= head + tail ? -1 : j < head ? j : head + nvec * kVec + (j - head);
     }
 };
 
