@@ -8,7 +8,9 @@ arrays - and at widths that are not a multiple of 8, for softmax and its backwar
 narrow-vector config those rows took before they were read ragged (16-byte body, scalar edges).
 Ops: rms / ln / sm (RMSNorm, LayerNorm, softmax forward: x read, y written) and rmsB / lnB / smB
 (their backward from saved statistics or y: dy and x or y read, dx written; the norms' dweight /
-dbias too, as torch's autograd peer computes them).  64 MiB of x per case (x and y exceed the 50
+dbias too, as torch's autograd peer computes them); ``--ops ce --widths 50257,151936``: cross-entropy
+loss + gradient over rows of n logits (read once, dlogits written), torch F.cross_entropy forward +
+backward beside it.  64 MiB of x per case (x and y exceed the 50
 MiB L2), bf16, candidates interleaved over rounds (median), calls queued back to back between two
 events (``benchutil.time_queued``); GB/s as % of the same run's 1 GiB device copy.  Widths default
 to hidden and FFN sizes of common models (GPT-2 768 / 1280 / 1600, Llama-2 5120 / 11008 / 13824,
@@ -32,7 +34,8 @@ import benchutil  # noqa: E402
 
 WIDTHS = (768, 1024, 1280, 1600, 2048, 2304, 2560, 3072, 3584, 4096, 4608, 5120, 6144, 7168, 8192, 11008,
           13824, 14336, 16384, 18944)
-OPS = ("rms", "ln", "sm", "rmsB", "lnB", "smB")
+OPS = ("rms", "ln", "sm", "rmsB", "lnB", "smB", "ce")
+DEFAULT_OPS = OPS[:-1]
 X_BYTES = 64 << 20
 
 
@@ -44,6 +47,10 @@ def _configs(op: str, n: int, arch: str):
     from rtkernels.ops import rowwise as rw
     from rtkernels.ops import rowwise_bwd as rb
     narrow = next(v for v in (8, 4, 2, 1) if n % v == 0)
+    if op == "ce":   # cross-entropy has read odd vocabularies ragged all along
+        from rtkernels.ops import cross_entropy as ce
+        return tuple(ce.plan(n, "bfloat16", 8, arch, grad=True, ragged=narrow < 8, fit=f) for f in (True, False)) \
+            + ("table",)
     ragged = narrow < 8 and n >= 32 and op in ("sm", "smB")
     if op in ("rms", "ln", "sm"):
         fam, layer = ("softmax", False) if op == "sm" else ("norm", op == "ln")
@@ -80,18 +87,29 @@ def bench(args, torch, rtk):
         _, rstd = rtk.rmsnorm(x, w, 1e-6, return_stats=True)
         _, mean, lrstd = rtk.layernorm(x, w, b, 1e-5, return_stats=True)
         ys = rtk.softmax(x)
+        target = torch.randint(0, n, (rows,), device="cuda")
+        target[::17] = -100
         for op in args.ops:
             call = {"rms": lambda c: rtk.rmsnorm(x, w, 1e-6, out=y, config=c),
                     "ln": lambda c: rtk.layernorm(x, w, b, 1e-5, out=y, config=c),
                     "sm": lambda c: rtk.softmax(x, out=y, config=c),
                     "rmsB": lambda c: rtk.rmsnorm_backward(dy, x, w, rstd, out=dx, config=c),
                     "lnB": lambda c: rtk.layernorm_backward(dy, x, w, b, mean, lrstd, out=dx, config=c),
-                    "smB": lambda c: rtk.softmax_backward(dy, ys, out=dx, config=c)}[op]
+                    "smB": lambda c: rtk.softmax_backward(dy, ys, out=dx, config=c),
+                    "ce": lambda c: rtk.cross_entropy(x, target, return_grad=True, grad_out=dx, config=c)}[op]
             fitted, table, before = _configs(op, n, arch)
             fns = {"rtk": lambda: call(None)}
             if table != fitted:
                 fns["table"] = lambda: call(table)
-            if op in ("rms", "ln", "sm"):
+            if op == "ce":   # loss + gradient: the logits read, dlogits written
+                xr = x.detach().requires_grad_()
+
+                def torch_ce(xr=xr):
+                    xr.grad = None
+                    F.cross_entropy(xr, target).backward()
+                fns["torch"] = torch_ce
+                nbytes = 2 * rows * n * 2
+            elif op in ("rms", "ln", "sm"):
                 fns["torch"] = {"rms": lambda: F.rms_norm(x, (n,), w, 1e-6),
                                 "ln": lambda: F.layer_norm(x, (n,), w, b, 1e-5),
                                 "sm": lambda: torch.softmax(x, -1)}[op]
@@ -129,7 +147,7 @@ def bench(args, torch, rtk):
 def main():
     p = benchutil.parser(__doc__)
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", default=",".join(DEFAULT_OPS))
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     args.widths = [int(v) for v in args.widths.split(",")]
