@@ -21,13 +21,16 @@ for anything else.  bfloat16 travels as torch tensors or as uint16 CuPy arrays w
 How a row is processed (one config field each, chosen on the host by :func:`plan`):
 
 * ``vec`` - elements per global access: 16 bytes when n, the row strides and every base pointer
-  allow, else the widest narrower vector that divides them all (down to scalar).
+  allow, else the widest narrower vector that divides them all (down to scalar).  Softmax (and
+  its backward) keep 16 bytes for rows that do not start on 16 (an odd width) when the arrays'
+  rows share their addresses mod 16: ``ragged`` rows, a vector body between scalar head and tail.
 * ``threads_per_row`` <= 32 - a group of lanes owns a row, several rows per block, no barriers
   (short rows); ``threads_per_row == block_size`` - a block owns a row (warp shuffles + one shared
   memory round); ``cluster_size`` > 1 (sm_90) - a cluster of blocks owns a row and combines the
   block results through distributed shared memory.
 * ``vecs_per_thread`` - a compile-time count, so the row lives in a register array indexed only
-  by constants: 1 read + 1 write per element.  ``two_pass`` - rows too wide for the registers
+  by constants: 1 read + 1 write per element.  The tables pick threads and vectors per power of
+  two of the row's vectors; on sm_90 they are refitted to the row's own count (:func:`fit_width`).  ``two_pass`` - rows too wide for the registers
   of a block (and, on sm_80, of a cluster) take 2 reads + 1 write: softmax keeps an online
   (max, sum) over the first pass, the norms their statistics.
 * ``cluster_push`` (clusters) - each block sends its total to every block of the cluster with
@@ -446,7 +449,7 @@ _FIT_MAX_VECS = 6
 # cross-entropy (loss + grad, 4096 tokens) 151936 65.9 / 83.8, 200064 (8 x 512 x 7 / 8 x 256 x 13)
 # 69.7 / 85.8, 50264 74.4 / 83.9.  Blocks per SM (2-11) moved these by under a point.
 _FIT_MAX_VECS_SMEM = 16
-_FIT_FEWEST_THREADS = ("softmax", "layernorm", "cross_entropy")
+_FIT_FEWEST_THREADS = ("softmax", "layernorm")   # (cross_entropy.plan passes fewest=True itself)
 
 
 def _fit_cap(vecs: int, smem_rows: bool = False) -> int:
@@ -456,6 +459,7 @@ def _fit_cap(vecs: int, smem_rows: bool = False) -> int:
 
 
 def _fit_candidates(share: int, threads: int, cap: int):
+    """(fill, threads, vectors) of each power-of-two thread count from ``threads`` down to a warp."""
     t = threads
     while t >= min(32, threads):
         v = -(-share // t)
@@ -509,9 +513,14 @@ def refit(cfg: KernelConfig, threads: int, vecs: int) -> KernelConfig:
     return cfg.replace(**fields)
 
 
+def _refittable(cfg: KernelConfig) -> bool:
+    """Measured only for 16-byte vectors of rows held whole (not reduce's chunks, not two passes)."""
+    return cfg.family != "reduce" and not cfg.two_pass and cfg.vec * dtypes.itemsize(cfg.dtype) == 16
+
+
 def fit_width(cfg: KernelConfig, nvec: int, fewest: bool) -> KernelConfig:
     """``cfg`` (a power-of-two table's row config) refitted to rows of ``nvec`` vectors."""
-    if cfg.family == "reduce" or cfg.two_pass or cfg.vec * dtypes.itemsize(cfg.dtype) != 16:
+    if not _refittable(cfg):
         return cfg
     share = -(-nvec // cfg.cluster_size)
     return refit(cfg, *fit_choice(share, cfg.threads_per_row, cfg.vecs_per_thread, fewest, cfg.smem_rows))
@@ -640,8 +649,7 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...
 def _refits(base: KernelConfig, k: int, family: str, layer: bool, arch: str) -> list[KernelConfig]:
     """``base`` (the table's config for rows of 2**k vectors) as :func:`plan` refits it for every
     row of 2**(k-1) + 1 .. 2**k vectors."""
-    if family == "reduce" or base.two_pass or base.vec * dtypes.itemsize(base.dtype) != 16 or \
-            _arch_number(arch) < 90:
+    if not _refittable(base) or _arch_number(arch) < 90:
         return [base]
     cl = base.cluster_size
     lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)
