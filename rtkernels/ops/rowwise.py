@@ -768,13 +768,18 @@ def vector_access(size: int, n: int, rows: int, ptrs, strides) -> tuple[int, boo
     return (full, True) if same else (vec, False)
 
 
-def rows_access(size: int, n: int, rows: int, ptrs, strides, config=None) -> tuple[int, bool]:
-    """:func:`vector_access` for an op that reads ragged rows (softmax and its backward), where a
-    caller's config without ``ragged`` asks for the narrow vectors instead."""
+def rows_access(size: int, n: int, rows: int, ptrs, strides, config=None) -> tuple[int, int]:
+    """(vec, narrow) for an op that reads ragged rows (softmax and its backward): narrow is 0, or
+    for ragged rows (:func:`vector_access`) the narrow vector their plan falls back to where its
+    config cannot read them ragged (:func:`as_ragged`); a caller's config without ``ragged`` gets
+    the narrow vectors (narrow 0)."""
     vec, ragged = vector_access(size, n, rows, ptrs, strides)
-    if ragged and config is not None and not getattr(config, "ragged", False):
-        return _pick_vec(size, n, ptrs, strides if rows > 1 else ()), False
-    return vec, ragged
+    if not ragged:
+        return vec, 0
+    narrow = _pick_vec(size, n, ptrs, strides if rows > 1 else ())
+    if config is not None and not getattr(config, "ragged", False):
+        return narrow, 0
+    return vec, narrow
 
 
 def _ptr(v) -> int:
@@ -790,10 +795,21 @@ def _arch_info() -> tuple[str, int]:
 
 @lru_cache(maxsize=4096)
 def _planned(family: str, n_padded: int, dtype: str, vec: int, arch: str, rows_bucket: int, sms: int,
-             weight_dtype: str | None, layer: bool, ragged: bool = False) -> KernelConfig:
-    cfg = plan(family, n_padded, dtype, vec, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
-               layer=layer)
-    return as_ragged(cfg) if ragged else cfg
+             weight_dtype: str | None, layer: bool, narrow: int = 0) -> KernelConfig:
+    """:func:`plan` memoized; ``narrow`` > 0: ragged rows (:func:`rows_access`), read ragged where the
+    config can be, else in ``narrow`` vectors (n_padded is then a multiple of narrow too, and of the
+    same power-of-two bucket as n)."""
+    def planned(v):
+        return plan(family, n_padded, dtype, v, arch, rows=rows_bucket, sms=sms, weight_dtype=weight_dtype,
+                    layer=layer)
+    cfg = planned(vec)
+    return ragged_or_narrow(cfg, lambda: planned(narrow)) if narrow else cfg
+
+
+def ragged_or_narrow(cfg: KernelConfig, narrow_plan) -> KernelConfig:
+    """``cfg`` for ragged rows (:func:`as_ragged`), or ``narrow_plan()`` where it cannot be."""
+    ragged = as_ragged(cfg)
+    return ragged if ragged is not None else narrow_plan()
 
 
 # Ragged rows' edges cost registers: 1024-thread blocks (64 registers) spilled 8-116 B with them
@@ -819,27 +835,27 @@ def as_ragged(cfg: KernelConfig) -> KernelConfig | None:
 def check_config_ragged(config, ragged: bool, op: str) -> None:
     """A caller's ragged config needs rows that :func:`vector_access` reads ragged (a config
     without it gets narrow vectors on such rows: :func:`rows_access`)."""
-    if getattr(config, "ragged", False) and not ragged:
+    if getattr(config, "ragged", False) and not ragged:   # ragged: rows_access's narrow > 0
         raise ConfigError(f"{op}: config.ragged=True but these rows are 16-byte aligned, or do not share their "
                           "addresses mod 16 across the arrays", family=op, field="config", value=config,
                           allowed="ragged=False")
 
 
 def _config_for(family: str, config, n: int, dtype: str, vec: int, rows: int, op: str,
-                weight_dtype: str | None = None, layer: bool = False, ragged: bool = False) -> KernelConfig | None:
-    """The caller's config checked against these rows, or the heuristic's; None for ragged rows
-    whose heuristic config cannot read them ragged (:func:`as_ragged`)."""
+                weight_dtype: str | None = None, layer: bool = False, narrow: int = 0) -> KernelConfig:
+    """The caller's config checked against these rows, or the heuristic's (``narrow``: see
+    :func:`rows_access`)."""
     arch, sms = _arch_info()
     if config is None:
         # Only reduce looks at rows (fewer rows than SMs); bucket them so the memo stays small.
         rows_bucket = _pow2_floor(max(rows, 1)) if family == "reduce" and rows < sms else 1 << 20
         return _planned(family, -(-n // vec) * vec, dtype, vec, arch, rows_bucket, sms,
-                        weight_dtype, layer, ragged)
+                        weight_dtype, layer, narrow)
     if not isinstance(config, _CONFIG_CLASS[family]):
         raise ConfigError(f"{op}: config must be a {_CONFIG_CLASS[family].__name__}, got {type(config).__name__}",
                           family=op, field="config", value=config)
     if family == "softmax":
-        check_config_ragged(config, ragged, op)
+        check_config_ragged(config, bool(narrow), op)
     if config.dtype != dtype or (weight_dtype and config.weight_dtype != weight_dtype):
         raise ConfigError(f"{op}: config.dtype={config.dtype!r} does not match the input ({dtype})",
                           family=op, field="config", value=config)
@@ -987,10 +1003,8 @@ def softmax(x, axis: int = -1, out=None, log_softmax: bool = False, *, dtype: st
         return out
     size = dtypes.itemsize(dt)
     ptrs, strides = (_ptr(xv), _ptr(ov)), (xs, ys)
-    vec, ragged = rows_access(size, n, rows, ptrs, strides, config)
-    cfg = _config_for("softmax", config, n, dt, vec, rows, op, ragged=ragged)
-    if cfg is None:   # ragged rows this row class cannot take (as_ragged): narrow vectors
-        cfg = _config_for("softmax", None, n, dt, _pick_vec(size, n, ptrs, strides if rows > 1 else ()), rows, op)
+    vec, narrow = rows_access(size, n, rows, ptrs, strides, config)
+    cfg = _config_for("softmax", config, n, dt, vec, rows, op, narrow=narrow)
     k = get_kernel(cfg, "log_softmax_rows" if log_softmax else "softmax_rows")
     _launch(key, Launch(k, (cfg.grid(rows, _resident_blocks(k, cfg)),), (cfg.block_size,), cfg.shared_mem_bytes,
                         (rows, n, xs, ys)), (xv, ov), (x, out), stream)

@@ -380,9 +380,12 @@ def _plan_bwd(family, n, dtype, vec, arch, weight_dtype, layer):
 
 
 @lru_cache(maxsize=1024)
-def _planned(family, n_padded, dtype, vec, arch, weight_dtype, layer, ragged=False):
-    cfg = plan_bwd(family, n_padded, dtype, vec, arch, weight_dtype=weight_dtype, layer=layer)
-    return rw.as_ragged(cfg) if ragged else cfg
+def _planned(family, n_padded, dtype, vec, arch, weight_dtype, layer, narrow=0):
+    """:func:`plan_bwd` memoized; ``narrow``: as rowwise._planned's."""
+    def planned(v):
+        return plan_bwd(family, n_padded, dtype, v, arch, weight_dtype=weight_dtype, layer=layer)
+    cfg = planned(vec)
+    return rw.ragged_or_narrow(cfg, lambda: planned(narrow)) if narrow else cfg
 
 
 def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
@@ -415,17 +418,17 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
 
 
 def _config_for(family: str, config, n: int, dtype: str, vec: int, op: str, weight_dtype: str | None = None,
-                ragged: bool = False):
+                narrow: int = 0):
     arch, _ = rw._arch_info()
     cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
     if config is None:
         return _planned(family, -(-n // vec) * vec, dtype, vec, arch, weight_dtype,
-                        op == "layernorm_backward", ragged)
+                        op == "layernorm_backward", narrow)
     if not isinstance(config, cls):
         raise ConfigError(f"{op}: config must be a {cls.__name__}, got {type(config).__name__}", family=op,
                           field="config", value=config)
     if family == "softmax_bwd":
-        rw.check_config_ragged(config, ragged, op)
+        rw.check_config_ragged(config, bool(narrow), op)
     if config.dtype != dtype or (weight_dtype and config.weight_dtype != weight_dtype):
         raise ConfigError(f"{op}: config dtypes ({config.dtype}"
                           + (f", weight {config.weight_dtype}" if weight_dtype else "")
@@ -784,10 +787,8 @@ def softmax_backward(dy, y, *, log: bool = False, out=None, dtype: str | None = 
         return out
     size = dtypes.itemsize(dt)
     ptrs, strides = (rw._ptr(yv), rw._ptr(dyv), rw._ptr(ov)), (ys, dys, dxs)
-    vec, ragged = rw.rows_access(size, n, rows, ptrs, strides, config)
-    cfg = _config_for("softmax_bwd", config, n, dt, vec, op, ragged=ragged)
-    if cfg is None:   # ragged rows this row class cannot take (rowwise.as_ragged): narrow vectors
-        cfg = _config_for("softmax_bwd", None, n, dt, rw._pick_vec(size, n, ptrs, strides if rows > 1 else ()), op)
+    vec, narrow = rw.rows_access(size, n, rows, ptrs, strides, config)
+    cfg = _config_for("softmax_bwd", config, n, dt, vec, op, narrow=narrow)
     k = get_kernel(cfg, "log_softmax_bwd_rows" if log else "softmax_bwd_rows")
     launch = Launch(k, (cfg.grid(rows),), (cfg.block_size,), 0, (rows, n, dys, ys, dxs))
     views = (dyv, yv, ov)
