@@ -636,11 +636,11 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...
                                             fit=False)
                                 names = (("layernorm_rows",) if layer else ("rmsnorm_rows",)) \
                                     if family == "norm" else base.kernels
-                                for cfg in _refits(base, k, family, layer, arch):
+                                cfgs = _refits(base, k, family, layer, arch)
+                                if family == "softmax":
+                                    cfgs += ragged_variants(cfgs, k)
+                                for cfg in cfgs:
                                     seen.setdefault((family, cfg), set()).update(names)
-                                    if family == "softmax" and vec * size == 16 and n >= 4 * vec \
-                                            and as_ragged(cfg) is not None:   # odd widths
-                                        seen.setdefault((family, as_ragged(cfg)), set()).update(names)
                     k += 1
                 vec //= 2
     return [(family, cfg, tuple(sorted(names))) for (family, cfg), names in seen.items()]
@@ -830,6 +830,13 @@ def as_ragged(cfg: KernelConfig) -> KernelConfig | None:
     fields = {f: 0 if f != "prefetch" else False for f in ("prefetch", "ring_rows", "bulk_stages")
               if getattr(cfg, f, 0)}
     return cfg.replace(ragged=True, **fields)
+
+
+def ragged_variants(cfgs, k: int) -> list[KernelConfig]:
+    """The configs rows between 2**(k-1) and 2**k vectors read ragged with (odd widths; rows of
+    at least 4 vectors, 16-byte ones), for heuristic_configs."""
+    wide = [c for c in cfgs if k >= 2 and c.vec * dtypes.itemsize(c.dtype) == 16]
+    return [r for r in map(as_ragged, wide) if r is not None]
 
 
 def check_config_ragged(config, ragged: bool, op: str) -> None:

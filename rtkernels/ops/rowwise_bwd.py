@@ -409,8 +409,8 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig]]:
                                 cl, t = base.cluster_size, base.threads_per_row
                                 lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)
                                 cfgs += [_softmax_bwd_fit(base, v * t) for v in range(-(-lo // t), -(-hi // t) + 1)]
-                            if family == "softmax_bwd" and vec * size == 16 and k >= 2:   # odd widths (ragged)
-                                cfgs += [r for r in map(rw.as_ragged, cfgs) if r is not None]
+                            if family == "softmax_bwd":   # odd widths
+                                cfgs += rw.ragged_variants(cfgs, k)
                             for cfg in cfgs:
                                 seen.setdefault(cfg, family)
                 vec //= 2
