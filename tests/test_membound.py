@@ -544,8 +544,8 @@ def test_refitted_widths_gpu(dtype, n):
 RAGGED_WIDTHS = (33, 1001, 4001, 50257, 151643, 300001)
 
 
-def _flat_rows(cp, flat, off, rows, n):
-    """rows x n contiguous rows starting `off` elements into `flat`."""
+def _flat_rows(flat, off, rows, n):
+    """rows x n contiguous rows starting `off` elements into `flat` (a device or host array)."""
     return flat[off:off + rows * n].reshape(rows, n)
 
 
@@ -553,21 +553,21 @@ def _flat_rows(cp, flat, off, rows, n):
 @pytest.mark.parametrize("n", RAGGED_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_ragged_rows_gpu(dtype, n):
-    cp, random_array, to_f64, poison, _ = _gpu()
+    cp, _, to_f64, poison, _ = _gpu()
     rng = np.random.default_rng(n + 5)
     rows = max(3, min(37, MAX_ELEMENTS // n)) | 1
     size = rtk.dtypes.itemsize(dtype)
     for off, out_off in ((0, None), (3, 3), (5, 5), (0, 1)):   # (0, 1): phases differ -> narrow vectors
         host = rng.standard_normal(rows * n + 16) * 3.0
-        rows64 = host[off:off + rows * n].reshape(rows, n)   # a view: edits land in `host`
+        rows64 = _flat_rows(host, off, rows, n)              # a view: edits land in `host`
         rows64[0] = -np.inf                                  # all -inf: 0 (log: -inf)
         rows64[1, 0] = 40.0                                  # the row's max in its first element (a head)
         rows64[2, -1] = 40.0                                 # ... in its last (a tail)
         flat, flat64 = _store(cp, host, dtype)
-        x = _flat_rows(cp, flat, off, rows, n)
-        x64 = flat64[off:off + rows * n].reshape(rows, n)
+        x = _flat_rows(flat, off, rows, n)
+        x64 = _flat_rows(flat64, off, rows, n)
         obig = poison(cp.empty(rows * n + 16, dtype=flat.dtype))
-        out = None if out_off is None else _flat_rows(cp, obig, out_off, rows, n)
+        out = None if out_off is None else _flat_rows(obig, out_off, rows, n)
         optr = out.data.ptr if out is not None else 256 * 1024   # a new array: a 256-byte aligned base
         vec, ragged = rw.vector_access(size, n, rows, (x.data.ptr, optr), (n, n))
         assert ragged == (out_off != 1), (off, out_off, vec)
