@@ -509,7 +509,67 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                           m_tiles=m_tiles, row_tiles=row_tiles, unroll=unroll, num_warps=warps,
                           warps_k=warps_k, split_k=split, ctas_per_sm=ctas, persistent=True,
                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
-    return _nmajor_sm90(cfg, n, k, sm_count) if n_major and sm90 else cfg
+    if n_major:
+        return _nmajor_sm90(cfg, n, k, sm_count) if sm90 else cfg
+    if m_tiles == 2 and not dense and group_size == 0 and not has_zeros and w_vec == 16 and split == 1:
+        return _two_row_tiles(cfg, n, sm_count)
+    return cfg
+
+
+# Quantized weights with per-row scales at M = 9..16 (two m tiles): two row tiles per warp where the
+# grid stays as balanced.  Each lane's x fragments (32 registers at two m tiles) then serve two row
+# tiles' weights, half the x loads and conversions per weight byte.  Measured (H200, 2026-11-28,
+# .gpu/w31g.py, int8 M = 9 / 16, % of the 1 GiB copy, interleaved rounds; docs/data/
+# gemv_m16_row_tiles_session31_*), r1u2 (this rule's base) against the winner:
+#   14336x4096 47.3 / 46.3 -> 55.6 / 55.4 (r2, 4 warps along K)   28672x8192 61.9 / 60.8 -> 71.8 / 70.5 (same)
+#   8192x28672 65.1 / 64.0 -> 75.3 / 74.0 (r2)                      8192x8192  55.5 / 54.6 -> 60.5 / 58.7 (r2)
+#   10240x8192 50.2 / 49.4 -> 58.3 / 57.1 (r2, 4 CTAs of 4 warps)   6144x4096  37.5 / 37.2 -> 40.5 / 40.5 (r2)
+#   4096x4096 and 4096x14336: r1u2 (41.1 / 56.4; r2 34.1 / 50.2: one CTA per SM of 128 32-row tiles)
+# float8 e4m3 alike (14336x4096 M = 16 46.4 -> 55.6, 8192x28672 63.8 -> 75.0).  H100 (session 18's sweep,
+# r2 with 8 warps along K): 8192x28672 +3.0, 14336x4096 +2.5, 8192^2 +0.8, 28672x8192 -0.9.  One row tile
+# stays only where two would leave fewer than _TWO_ROW_TILES_MIN_WARPS of its resident warps (4096
+# rows as 32-row tiles: 128 CTAs, one per SM).  Among the two-row-tile shapes the busiest SM decides: its
+# CTAs (rounded up) x tiles per CTA x rows per tile - 10240 rows as 320 32-row tiles on 2 x 132 CTA slots
+# run 160 CTAs of 2 tiles (28 SMs with two: 128 rows; 47.1) where 4 CTAs of 4 warps per SM run 320 CTAs of
+# one (96 rows; 58.3).  Against one row tile that count does not decide: 28672 rows leave r1u2's busiest SM
+# 224 rows and the 64-row tiles' 256, and the 64-row tiles win by 10 points.  Registers: 128 of 128 (NVRTC
+# 13.5, sm_90a), no spill in any dtype / weight / epilogue but the 64-row tiles with bias + SiLU in bfloat16
+# (4 bytes): those take the 64-row tiles without an activation only.  None has the compile test's 16
+# registers of headroom (16-28 bytes of spill at 112), so it checks them at their own cap, as the group
+# configs' 4 slots.
+_TWO_ROW_TILES = (dict(row_tiles=2, unroll=2, warps_k=4),                                    # 64-row tiles
+                  dict(row_tiles=2, unroll=2),                                               # 32-row tiles
+                  dict(row_tiles=2, unroll=2, num_warps=4, warps_k=4, ctas_per_sm=4))        # 4 CTAs per SM
+_TWO_ROW_TILES_MIN_WARPS = 0.7
+
+
+def busiest_sm_rows(cfg: QuantGemvConfig, n: int, sm_count: int) -> int:
+    """Weight rows that the busiest SM walks under ``cfg``'s persistent grid: CTAs per SM (rounded
+    up) x tiles per CTA x rows per tile."""
+    t = cfg.tiles(n)
+    g = cfg.grid(n, sm_count)[0]
+    return -(-g // sm_count) * -(-t // g) * cfg.cta_rows
+
+
+def resident_warps(cfg: QuantGemvConfig, n: int, sm_count: int) -> int:
+    return cfg.grid(n, sm_count)[0] * cfg.num_warps
+
+
+def _two_row_tiles(cfg: QuantGemvConfig, n: int, sm_count: int) -> QuantGemvConfig:
+    """Of _TWO_ROW_TILES, those keeping _TWO_ROW_TILES_MIN_WARPS of ``cfg``'s resident warps, the one
+    whose busiest SM walks the fewest rows (the first of a tie); ``cfg`` where none does."""
+    floor = _TWO_ROW_TILES_MIN_WARPS * resident_warps(cfg, n, sm_count)
+    best, best_rows = cfg, None
+    shapes = _TWO_ROW_TILES if cfg.activation == "none" else _TWO_ROW_TILES[1:]   # (the 64-row tiles' spill)
+    for v in shapes:
+        try:
+            c = cfg.replace(**v)
+        except ConfigError:
+            continue
+        rows = busiest_sm_rows(c, n, sm_count)
+        if resident_warps(c, n, sm_count) >= floor and (best_rows is None or rows < best_rows):
+            best, best_rows = c, rows
+    return best
 
 
 def candidate_configs(base: QuantGemvConfig) -> list[QuantGemvConfig]:
