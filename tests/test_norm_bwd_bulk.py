@@ -213,9 +213,10 @@ def test_template_arms_and_waits_only_rows_in_range():
 
 def test_bulk_table_switches_one_class_and_op(monkeypatch):
     """_NORM_BWD_BULK's entry replaces the tables' loads and occupancy knobs for its class and op
-    only, on sm_90 with 16-byte vectors (LayerNorm's block class since 2026-11-26)."""
+    only, on sm_90 with 16-byte vectors (LayerNorm's block class since 2026-11-26, RMSNorm's and
+    LayerNorm's 256-thread cluster rows since 2026-11-28)."""
     from rtkernels.ops import rowwise_bwd as rb
-    assert rb._NORM_BWD_BULK["block"] == (None, (2, False, 0))
+    assert rb._NORM_BWD_BULK["block"] == ((2, False, 0), (2, False, 0))   # RMSNorm's too since 2026-11-28
     monkeypatch.setitem(rb._NORM_BWD_BULK, "block", (None, None))
     direct = {k: rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90", layer=k) for k in (False, True)}
     assert all(c.bulk_rows == 0 for c in direct.values())
@@ -226,4 +227,6 @@ def test_bulk_table_switches_one_class_and_op(monkeypatch):
     assert rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90") == direct[False]
     assert rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_80", layer=True).bulk_rows == 0
     assert rb.plan_bwd("norm_bwd", 2048, "bfloat16", 4, "sm_90", layer=True).bulk_rows == 0   # 8-byte vectors
-    assert rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).bulk_rows == 0  # cluster class
+    assert rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").bulk_rows == 0              # cluster class
+    assert rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).bulk_rows == 2  # LayerNorm's (256)
+    assert rb.plan_bwd("norm_bwd", 65536, "bfloat16", 8, "sm_90", layer=True).bulk_rows == 0  # 512-thread clusters

@@ -36,6 +36,9 @@ from sweep import FULL_SWEEP
      "merge_cluster"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, two_pass=True, acc_smem=True), "acc_smem"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, split_stats=0), "split_stats"),
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, two_pass=True, hold_weight=True),
+     "hold_weight"),                                                                    # many columns per thread
+    (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, hold_weight=1), "hold_weight"),
     (dict(dtype="bfloat16", vec=4, threads_per_row=256, block_size=256, bulk_rows=2), "bulk_rows"),  # 8-byte vectors
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=2, ring_rows=2), "bulk_rows"),
     (dict(dtype="bfloat16", vec=8, threads_per_row=256, block_size=256, bulk_rows=2, two_pass=True), "bulk_rows"),
@@ -81,12 +84,36 @@ def test_plan_bwd_occupancy_knobs(n, arch, layer, acc, merge, min_blocks):
 ])
 def test_plan_bwd_loads_directly(n, dtype, vec):
     # measured: loading ahead (ring or prefetch) lost to direct loads at every row class (rowwise_bwd.py),
-    # but on sm_90 with 16-byte vectors: lane groups take one bulk stage, LayerNorm's block rows two
+    # but on sm_90 with 16-byte vectors: lane groups take one bulk stage, block rows two, and so do
+    # LayerNorm's 256-thread cluster rows (the 512-thread block and cluster rows load directly)
     for layer in (False, True):
         cfg = rb.plan_bwd("norm_bwd", n, dtype, vec, "sm_90", layer=layer)
         wide = vec * 2 == 16 and dtype == "bfloat16"
-        bulk = 0 if not wide else 1 if cfg.row_class == "group" else 2 if layer and cfg.row_class == "block" else 0
+        staged = cfg.row_class == "block" and cfg.block_size <= 256 or \
+            layer and cfg.row_class == "cluster" and cfg.block_size == 256
+        bulk = 0 if not wide else 1 if cfg.row_class == "group" else 2 if staged else 0
         assert (cfg.ring_rows, cfg.prefetch, cfg.blocks_per_sm, cfg.bulk_rows) == (0, False, 0, bulk)
+
+
+@pytest.mark.parametrize("n", [1024, 4096, 8192, 16384, 65536, 1 << 20])
+def test_plan_bwd_holds_the_weight_on_resident_rows(n):
+    # measured +2 to +8% at every resident row class (rowwise_bwd.py, _NORM_BWD_HOLD_W); two_pass rows load it
+    for layer in (False, True):
+        cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, "sm_90", layer=layer)
+        assert cfg.hold_weight == (not cfg.two_pass), cfg.key()
+        # float32 weights beside 16-bit rows (32 bytes a slot) stay loaded; float32 rows hold theirs
+        assert not rb.plan_bwd("norm_bwd", n, "bfloat16", 8, "sm_90", weight_dtype="float32", layer=layer).hold_weight
+        f32 = rb.plan_bwd("norm_bwd", n, "float32", 4, "sm_90", layer=layer)
+        assert f32.hold_weight == (not f32.two_pass)
+
+
+def test_held_weight_costs_its_packed_registers_only():
+    # 2 x 16 bytes of bfloat16 weight per thread: 8 registers at 4k RMSNorm (3 blocks of 256 per SM stay),
+    # not the 16 float32 conversions ptxas would hoist out of the row loop without rtk::forget
+    cfg = rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(bulk_rows=0)   # direct loads
+    held = rtk.get_kernel(cfg, "rmsnorm_bwd_rows", arch="sm_90").resources.registers
+    loaded = rtk.get_kernel(cfg.replace(hold_weight=False), "rmsnorm_bwd_rows", arch="sm_90").resources.registers
+    assert held <= loaded + 8 and held * 256 * 3 <= 65536, (held, loaded)
 
 
 # ---- a few configs compile without spills (CPU) ------------------------------------------------------
@@ -97,13 +124,13 @@ COMPILED = [   # (label, config, arch): the ring knob at each row class, prefetc
     ("16k cluster ring", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90").replace(ring_rows=2), "sm_90"),
     ("64k 512-thread cluster ring (128-register cap), float32 weights",
      rb.plan_bwd("norm_bwd", 65536, "bfloat16", 8, "sm_90", weight_dtype="float32").replace(ring_rows=2), "sm_90"),
-    ("4k block prefetch", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(prefetch=True, min_blocks=1),
-     "sm_90"),
+    ("4k block prefetch", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(
+        prefetch=True, min_blocks=1, bulk_rows=0), "sm_90"),
     ("16k cluster, the heuristic's direct loads", rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90"), "sm_90"),
     ("sm_80 8k 512-thread block ring", rb.plan_bwd("norm_bwd", 8192, "bfloat16", 8, "sm_80").replace(ring_rows=2),
      "sm_80"),
     ("4k block, merged clusters", rb.plan_bwd("norm_bwd", 4096, "bfloat16", 8, "sm_90").replace(
-        acc_smem=True, merge_cluster=4, min_blocks=4), "sm_90"),
+        acc_smem=True, merge_cluster=4, min_blocks=4, bulk_rows=0), "sm_90"),
     ("1k group bulk stages", rb.plan_bwd("norm_bwd", 1024, "bfloat16", 8, "sm_90").replace(bulk_rows=2), "sm_90"),
     ("16k cluster bulk stages, sums in shared memory",
      rb.plan_bwd("norm_bwd", 16384, "bfloat16", 8, "sm_90", layer=True).replace(bulk_rows=2), "sm_90"),

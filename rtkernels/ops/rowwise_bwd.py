@@ -114,9 +114,14 @@ class NormBwdConfig(_BwdRowConfig):
     # fold_colsum: drop each summed 128-byte line of partial rows from L2 (discard.global.L2) so
     # that the partial rows are never written back to DRAM.
     discard_partials: bool = True
+    # Resident rows: each thread's weight vectors loaded once before the row loop and held packed in
+    # registers (vecs_per_thread x 16 bytes), instead of loaded from L1 twice per row (_NORM_BWD_HOLD_W:
+    # the heuristic's choice for resident rows).
+    hold_weight: bool = False
 
     def __post_init__(self):
-        for name in ("prefetch", "balance", "acc_smem", "split_stats", "fold_colsum", "discard_partials"):
+        for name in ("prefetch", "balance", "acc_smem", "split_stats", "fold_colsum", "discard_partials",
+                     "hold_weight"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "True or False")
         self._check_int("ring_rows", 0, 8)
@@ -134,6 +139,8 @@ class NormBwdConfig(_BwdRowConfig):
         if self.merge_cluster > 1 and (not self.acc_smem or self.cluster_size > 1 or self.two_pass):
             self._fail("merge_cluster", f"1 unless acc_smem=True with lane-group or block rows (acc_smem="
                                         f"{self.acc_smem}, cluster_size={self.cluster_size}, two_pass={self.two_pass})")
+        if self.hold_weight and self.two_pass:
+            self._fail("hold_weight", "False with two_pass (a two-pass thread walks many columns)")
         if self.acc_smem and self.two_pass:
             self._fail("acc_smem", "False with two_pass (its chunk's sums are in registers already)")
         if self.shared_mem_bytes > rw._SMEM_MAX:
@@ -266,7 +273,17 @@ _NORM_BWD_THREADS_PER_SM = {"group": (0, 0), "block": (0, 1024), "cluster": (102
 # 66.1 - adopted for LayerNorm's block class; RMSNorm 2k 73.7 (bulk 2) vs 73.7, 4k 74.1 vs 74.9:
 # not.  Lane groups (1k): one stage per team (bulk 1, the tables' sums) 78.5 / 74.0 vs direct 76.3
 # / 71.8, and 77.8 / 74.3 vs 76.5 / 72.4 in the run before - adopted for both ops.
-_NORM_BWD_BULK = {"group": ((1, False, 0), (1, False, 0)), "block": (None, (2, False, 0)), "cluster": (None, None)}
+# With the weight held in registers (hold_weight, below), RMSNorm's block rows gain from the stages too,
+# and LayerNorm's 256-thread cluster rows (H200, 2026-11-28, bench_training.py --quick --variants bulk2 /
+# direct, 64 MiB of x, GB/s, direct / bulk 2, two runs each; docs/data/norm_bwd_bulk_{variants,direct}_*_session31_*):
+#   RMSNorm    1536 3240-3250 / 3470-3500   2048 3380-3390 / 3380-3410   2560 3070-3090 / 3350-3380
+#              3072 3230-3240 / 3520-3530   3584 3370 / 3520-3530        4096 3350-3370 / 3340-3400
+#   LayerNorm  16k 2940-2980 / 3030-3050    32k 2890-2900 / 2890-2910    64k (512-thread clusters: one
+#              block per SM with the stages) 2310-2320 / 2060: direct there
+# RMSNorm 16k 3320-3340 / 3280-3310: direct.  The 512-thread block rows (4608-8192) were mixed (8192 +2 /
+# +4%, 4608 and 5120 -1 to -2%): direct.
+_NORM_BWD_BULK = {"group": ((1, False, 0), (1, False, 0)), "block": ((2, False, 0), (2, False, 0)),
+                  "cluster": (None, (2, True, 1024))}
 # The column sums folded into the rows kernel (fold_colsum, a cooperative launch: a grid barrier
 # after the partial rows, then every block sums column tiles of them from L2, _fold_tile4) instead
 # of the second kernel norm_bwd_colsum.  Measured (H200, 2026-11-26, bench_training.py --quick
@@ -286,6 +303,18 @@ _NORM_BWD_BULK = {"group": ((1, False, 0), (1, False, 0)), "block": (None, (2, F
 # cluster 8); where a driver refuses, the op falls back to the two kernels once and remembers
 # (_FOLD_REFUSED).
 _NORM_BWD_FOLD = {"group": False, "block": True, "cluster": True}
+# Each thread's weight vectors held packed in registers across its rows (hold_weight) instead of loaded
+# from L1 at both uses of every row: the loads no longer sit between a row's arrival and its math.
+# Measured (H200, 2026-11-28, bench_training.py --quick --variants hold, bf16, 64 MiB of x, GB/s of the
+# heuristic / with hold_weight, two alternations; docs/data/norm_bwd_hold_weight_*_session31_*):
+#   RMSNorm    1k 3500 / 3580   4k 3250 / 3330   5120 3080 / 3160   8k 3270 / 3360   16k 3060 / 3300
+#   LayerNorm  1k 3280 / 3460   4k 3070 / 3230   5120 2750 / 2810   8k 2910 / 2960   16k 2760 / 2970
+# (+2 to +8%, every row class: lane groups with bulk stages, blocks, 512-thread blocks, clusters).  The
+# packed words cost 8 registers per 16 elements once rtk::forget stops ptxas from hoisting their float
+# conversions out of the row loop (4k RMSNorm 72 -> 80, still 3 blocks of 256 per SM; 96 without it).
+# float32 weights beside 16-bit rows (32 bytes a slot) stay loaded: under the 64-register caps of 8k /
+# 16k they spilled 4-12 bytes (NVRTC 13.5, sm_90a).
+_NORM_BWD_HOLD_W = True
 
 
 # norm_bwd rows of 512 threads' worth (8k 16-bit elements, 16 per thread) on sm_90: one block of
@@ -350,13 +379,16 @@ def _plan_bwd(family, n, dtype, vec, arch, weight_dtype, layer):
             cls_ = cfg.row_class
             wide = vec * size == 16
             bulk = _NORM_BWD_BULK[cls_][int(layer)] if wide and hopper else None
+            if cls_ == "cluster" and block > _BWD_BLOCK_PREFERRED:
+                bulk = None   # 512-thread cluster rows: the stages leave one block per SM (above)
             stages, acc, threads = bulk or (0, _NORM_BWD_ACC_SMEM[cls_][int(layer)],
                                             _NORM_BWD_THREADS_PER_SM[cls_][int(layer)])
             cfg = cfg.replace(ring_rows=_NORM_BWD_RING_ROWS[cls_] if wide and not stages else 0,
                               blocks_per_sm=_NORM_BWD_BLOCKS_PER_SM[cls_], acc_smem=acc,
                               merge_cluster=_NORM_BWD_MERGE[cls_] if acc and hopper else 1,
                               bulk_rows=stages, fold_colsum=_NORM_BWD_FOLD[cls_],
-                              min_blocks=max(1, threads // cfg.block_size))
+                              min_blocks=max(1, threads // cfg.block_size),
+                              hold_weight=_NORM_BWD_HOLD_W and vec * dtypes.itemsize(common["weight_dtype"]) <= 16)
         return cfg
 
     gmax = min(8, max(1, _BWD_GROUP_ELEMS[family][size] // vec))

@@ -18,6 +18,15 @@ __device__ __forceinline__ Sum2 shfl_xor(Sum2 v, int mask) { return {shfl_xor(v.
 struct Sum2Op {
     __device__ Sum2 operator()(Sum2 x, Sum2 y) const { return {x.a + y.a, x.b + y.b}; }
 };
+// One sum (RMSNorm with the forward's rstd: sum g*x alone - sum x^2 would only recompute rstd),
+// named b as Sum2's second so that both read it the same way.
+struct Sum1 {
+    float b;
+};
+__device__ __forceinline__ Sum1 shfl_xor(Sum1 v, int mask) { return {shfl_xor(v.b, mask)}; }
+struct Sum1Op {
+    __device__ Sum1 operator()(Sum1 x, Sum1 y) const { return {x.b + y.b}; }
+};
 
 // LayerNorm backward without saved statistics, in one reduction: count n, mean and M2 of x (Chan's
 // pairwise update, as MeanM2), and for g = dy * w the sums G = sum g and T = sum g * (x - mean)
