@@ -83,7 +83,8 @@ NORM_VARIANTS = {
     # the weight loaded from L1 at both uses of every row (hold_weight=False, the default before 2026-11-28)
     "nohold": dict(hold_weight=False),
     # 256-thread block rows with the sums in shared memory under a 64-register cap: 4 blocks per SM
-    # instead of 3 (RMSNorm 4k with the weight held: 80 registers)
+    # instead of 3 (RMSNorm 4k with the weight held: 80 registers).  H200, 2026-11-28: RMSNorm 2560 / 4096
+    # 3300 / 3230 GB/s against bulk stages' 3370 / 3390 - not taken (rowwise_bwd._NORM_BWD_BULK)
     "acc4blk": dict(acc_smem=True, min_blocks=4, bulk_rows=0, only=(2048, 2560, 3072, 4096)),
     "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2, prefetch=False),

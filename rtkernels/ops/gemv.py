@@ -463,7 +463,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                      x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None) -> QuantGemvConfig:
     """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
     ``sm90``: the sm_90 N-major rule (:func:`_nmajor_sm90`); default: the target arch is sm_90 and
-    RTKERNELS_GEMV_SM90 is not 0."""
+    RTKERNELS_GEMV_SM90 is not 0.  Quantized weights with per-row scales at M = 9..16 take two row
+    tiles per warp where the grid allows (:func:`_two_row_tiles`)."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
     if sm90 is None:
@@ -518,8 +519,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
 
 # Quantized weights with per-row scales at M = 9..16 (two m tiles): two row tiles per warp where the
 # grid stays as balanced.  Each lane's x fragments (32 registers at two m tiles) then serve two row
-# tiles' weights, half the x loads and conversions per weight byte.  Measured (H200, 2026-11-28,
-# .gpu/w31g.py, int8 M = 9 / 16, % of the 1 GiB copy, interleaved rounds; docs/data/
+# tiles' weights, half the x loads and conversions per weight byte.  Measured (H200, 2026-11-28, int8
+# M = 9 / 16 through config=, % of the 1 GiB copy, interleaved rounds; docs/data/
 # gemv_m16_row_tiles_session31_*), r1u2 (this rule's base) against the winner:
 #   14336x4096 47.3 / 46.3 -> 55.6 / 55.4 (r2, 4 warps along K)   28672x8192 61.9 / 60.8 -> 71.8 / 70.5 (same)
 #   8192x28672 65.1 / 64.0 -> 75.3 / 74.0 (r2)                      8192x8192  55.5 / 54.6 -> 60.5 / 58.7 (r2)
@@ -552,6 +553,7 @@ def busiest_sm_rows(cfg: QuantGemvConfig, n: int, sm_count: int) -> int:
 
 
 def resident_warps(cfg: QuantGemvConfig, n: int, sm_count: int) -> int:
+    """Warps of ``cfg``'s grid for N = ``n`` (split-K CTAs not counted: the rule runs unsplit)."""
     return cfg.grid(n, sm_count)[0] * cfg.num_warps
 
 
