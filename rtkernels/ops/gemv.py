@@ -538,9 +538,10 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
 # (4 bytes): those take the 64-row tiles without an activation only.  None has the compile test's 16
 # registers of headroom (16-28 bytes of spill at 112), so it checks them at their own cap, as the group
 # configs' 4 slots.
-_TWO_ROW_TILES = (dict(row_tiles=2, unroll=2, warps_k=4),                                    # 64-row tiles
-                  dict(row_tiles=2, unroll=2),                                               # 32-row tiles
-                  dict(row_tiles=2, unroll=2, num_warps=4, warps_k=4, ctas_per_sm=4))        # 4 CTAs per SM
+_TWO_ROW_TILES = (   # (fields, taken with an activation)
+    (dict(row_tiles=2, unroll=2, warps_k=4), False),                                     # 64-row tiles
+    (dict(row_tiles=2, unroll=2), True),                                                 # 32-row tiles
+    (dict(row_tiles=2, unroll=2, num_warps=4, warps_k=4, ctas_per_sm=4), True))          # 4 CTAs per SM
 _TWO_ROW_TILES_MIN_WARPS = 0.7
 
 
@@ -562,8 +563,9 @@ def _two_row_tiles(cfg: QuantGemvConfig, n: int, sm_count: int) -> QuantGemvConf
     whose busiest SM walks the fewest rows (the first of a tie); ``cfg`` where none does."""
     floor = _TWO_ROW_TILES_MIN_WARPS * resident_warps(cfg, n, sm_count)
     best, best_rows = cfg, None
-    shapes = _TWO_ROW_TILES if cfg.activation == "none" else _TWO_ROW_TILES[1:]   # (the 64-row tiles' spill)
-    for v in shapes:
+    for v, with_activation in _TWO_ROW_TILES:
+        if cfg.activation != "none" and not with_activation:
+            continue
         try:
             c = cfg.replace(**v)
         except ConfigError:

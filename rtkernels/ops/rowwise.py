@@ -526,6 +526,11 @@ def fit_width(cfg: KernelConfig, nvec: int, fewest: bool) -> KernelConfig:
     return refit(cfg, *fit_choice(share, cfg.threads_per_row, cfg.vecs_per_thread, fewest, cfg.smem_rows))
 
 
+def _op_name(family: str, layer: bool) -> str:
+    """The op a family's config serves (the norm family serves two, by ``layer``)."""
+    return "layernorm" if layer else ("rmsnorm" if family == "norm" else family)
+
+
 def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 << 20, sms: int = 132,
          weight_dtype: str | None = None, layer: bool = False, fit: bool = True) -> KernelConfig:
     """The heuristic config for rows of ``n`` elements accessed ``vec`` at a time.
@@ -546,7 +551,7 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     if family == "norm":
         common["weight_dtype"] = weight_dtype or dtype
     cfg = _plan(family, size, nvec, vmax, need, hopper, common, rows, sms, layer, vec)
-    op = "layernorm" if layer else ("rmsnorm" if family == "norm" else family)
+    op = _op_name(family, layer)
     if hopper and size == 2 and op in _PLAIN_HINTS_SM90_16BIT and not getattr(cfg, "two_pass", False):
         cfg = cfg.replace(streaming=False)
     if fit and hopper:
@@ -653,7 +658,7 @@ def _refits(base: KernelConfig, k: int, family: str, layer: bool, arch: str) -> 
         return [base]
     cl = base.cluster_size
     lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)
-    op = "layernorm" if layer else ("rmsnorm" if family == "norm" else family)
+    op = _op_name(family, layer)
     return [refit(base, t, v) for t, v in sorted(fit_choices(lo, hi, base.threads_per_row, base.vecs_per_thread,
                                                              op in _FIT_FEWEST_THREADS, base.smem_rows))]
 
@@ -753,19 +758,26 @@ def _pick_vec(size: int, n: int, ptrs, strides) -> int:
     return vec
 
 
-def vector_access(size: int, n: int, rows: int, ptrs, strides) -> tuple[int, bool]:
-    """(vec, ragged): 16-byte vectors when n, the strides and the pointers allow; else, when every
-    row of every array has the address mod 16 of the first array's row (equal bases mod 16, row
-    strides equal mod 16 bytes), 16-byte vectors from each row's first 16-byte boundary with its
-    head and tail as scalars (``ragged``); else the widest narrower vector (:func:`_pick_vec`).
-    Rows under 4 vectors keep the narrow access (their edges would be most of the row)."""
+def _access(size: int, n: int, rows: int, ptrs, strides) -> tuple[int, bool]:
+    """(the widest vector every row allows (:func:`_pick_vec`), whether the rows can be read ragged
+    instead): ragged when that vector is under 16 bytes, the row holds at least 4 16-byte vectors
+    (else its edges would be most of it) and every row of every array has the address mod 16 of
+    the first array's row (equal bases mod 16, row strides equal mod 16 bytes)."""
     full = 16 // size
     strides = strides if rows > 1 else ()
     vec = _pick_vec(size, n, ptrs, strides)
     if vec == full or n < 4 * full:
         return vec, False
     same = all((p - ptrs[0]) % 16 == 0 for p in ptrs) and all(((s - strides[0]) * size) % 16 == 0 for s in strides)
-    return (full, True) if same else (vec, False)
+    return vec, same
+
+
+def vector_access(size: int, n: int, rows: int, ptrs, strides) -> tuple[int, bool]:
+    """(vec, ragged): 16-byte vectors when n, the strides and the pointers allow; else 16-byte
+    vectors from each row's first 16-byte boundary with its head and tail as scalars (``ragged``,
+    see :func:`_access`); else the widest narrower vector (:func:`_pick_vec`)."""
+    vec, ragged = _access(size, n, rows, ptrs, strides)
+    return (16 // size if ragged else vec), ragged
 
 
 def rows_access(size: int, n: int, rows: int, ptrs, strides, config=None) -> tuple[int, int]:
@@ -773,13 +785,12 @@ def rows_access(size: int, n: int, rows: int, ptrs, strides, config=None) -> tup
     for ragged rows (:func:`vector_access`) the narrow vector their plan falls back to where its
     config cannot read them ragged (:func:`as_ragged`); a caller's config without ``ragged`` gets
     the narrow vectors (narrow 0)."""
-    vec, ragged = vector_access(size, n, rows, ptrs, strides)
+    narrow, ragged = _access(size, n, rows, ptrs, strides)
     if not ragged:
-        return vec, 0
-    narrow = _pick_vec(size, n, ptrs, strides if rows > 1 else ())
+        return narrow, 0
     if config is not None and not getattr(config, "ragged", False):
         return narrow, 0
-    return vec, narrow
+    return 16 // size, narrow
 
 
 def _ptr(v) -> int:
