@@ -20,9 +20,11 @@ AdamW.  The launch here costs more host time than CuPy's (Python around the same
 +2.2-2.9 us per launch in the H100 / H200 hosts' microbenchmark, 2026-11-27, where the driver's
 own cuLaunchKernelEx with the attribute took 0.5-1.2 us less than cuLaunchKernel), which a small
 call issued by a waiting host pays in full, while a kernel that runs for milliseconds gains
-nothing measurable from starting 1 us earlier.  rtkernels' kernels do not signal their
-dependents early (``griddepcontrol.launch_dependents``), so a PDL launch never
-shares SMs with the kernel before it; the whole gain is the shorter hand-over.
+nothing measurable from starting 1 us earlier.  One kernel signals its dependents early
+(``griddepcontrol.launch_dependents``): the GEMV's x conversion (``quant_gemv_xhalf``), right after
+its own wait, so the GEMV behind it is resident, waiting, when it ends.  No other kernel signals, so
+every other PDL launch never shares SMs with the kernel before it; the whole gain is the shorter
+hand-over.
 
 :class:`PdlFunction` wraps CuPy's loaded ``Function`` with the same launch interface, so every
 launch path (``Kernel.launch``, bound launches, cooperative launches, the ops' replays) takes it

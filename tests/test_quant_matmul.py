@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from rtkernels.errors import ConfigError
+from rtkernels.ops import gemv
 from rtkernels.ops import quant_matmul as qm
 from rtkernels.ops.quant_matmul import QuantGemvConfig
 
@@ -110,7 +111,7 @@ def test_heuristic_two_row_tiles_at_two_m_tiles(n, k, tag):
     warps, the shape whose busiest SM walks the fewest rows (gemv.py, measured on the H200)."""
     for m, wd in ((16, "int8"), (9, "float8_e4m3")):
         c = qm.heuristic_config("bfloat16", m, n, k, weight_dtype=wd, sm_count=132)
-        assert c.tag() == tag, (m, wd, c.key())
+        assert c.replace(x_half=False).tag() == tag, (m, wd, c.key())
     # the 64-row tiles only without an activation (bias + SiLU spilled 4 bytes); group scales and zero
     # points keep one row tile (their slots do not fit two); M <= 8 keeps one
     act = qm.heuristic_config("bfloat16", 16, n, k, has_bias=True, activation="silu", sm_count=132)
@@ -145,6 +146,86 @@ def test_vec_width():
     assert qm._vec_width(4096, 258, 4096, 2, 8) == 1        # x base 2 bytes off 16
     assert qm._vec_width(4096, 256, 4100, 2, 8) == 4        # row stride 4100 elements
     assert qm._vec_width(72, 256, 0, 2, 8) == 8             # broadcast rows (stride 0)
+
+
+def test_x_half_config_and_rule(monkeypatch):
+    """x_half: bfloat16 x and quantized weights only (ConfigError naming x_half otherwise); the
+    heuristic takes it for integer weights on sm_90 where the H200 measured a gain (gemv.py's
+    table), not before sm_90, nor for float16 x, float8 or dense weights."""
+    with pytest.raises(ConfigError) as e:
+        QuantGemvConfig(dtype="float16", x_half=True)
+    assert e.value.field == "x_half" and "bfloat16" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        QuantGemvConfig(dtype="bfloat16", weight_dtype="bfloat16", x_half=True)
+    assert e.value.field == "x_half"
+    monkeypatch.setenv("RTKERNELS_ARCH", "sm_90a")
+    h = qm.heuristic_config
+    # (x_half, x_shared): a CTA's own copy at M = 1, M <= 4 with zero points (gemv.X_SHARED_*); the
+    # conversion kernel's by gemv.X_HALF_MIN_N otherwise
+    for m, n, k, kw, want in (
+            (1, 28672, 8192, {}, (True, True)), (1, 6144, 4096, {}, (True, True)), (1, 8192, 8192, {}, (True, True)),
+            (1, 4096, 4096, {}, (False, False)), (1, 4096, 14336, {}, (False, False)),
+            (1, 8192, 28672, {}, (False, False)), (1, 10240, 14336, {}, (True, False)),
+            (4, 10240, 8192, {}, (True, False)), (4, 8192, 8192, {}, (False, False)),
+            (8, 8192, 28672, {}, (False, False)), (8, 10240, 8192, {}, (True, False)),
+            (16, 14336, 4096, {}, (True, False)), (16, 8192, 28672, {}, (True, False)),
+            (9, 6144, 4096, {}, (True, False)), (16, 4096, 14336, {}, (False, False)),
+            (1, 8192, 8192, dict(group_size=128), (True, True)), (4, 8192, 8192, dict(group_size=128), (True, False)),
+            (16, 8192, 8192, dict(group_size=128), (False, False)), (16, 28672, 8192, dict(group_size=128), (True, False)),
+            (16, 14336, 4096, dict(group_size=128), (False, False)),
+            (16, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (True, False)),
+            (1, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (True, True)),
+            (4, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (True, True)),
+            (8, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (False, False)),
+            (1, 28672, 8192, dict(weight_dtype="float8_e4m3", group_size=128), (False, False)),
+            (1, 28672, 8192, dict(weight_dtype="bfloat16"), (False, False))):
+        c = h("bfloat16", m, n, k, sm_count=132, **kw)
+        assert (c.x_half, c.x_shared) == want, (m, n, k, kw, c.tag())
+    assert gemv.x_shared_fits(h("bfloat16", 1, 8192, 8192, sm_count=132), 1, 50000)
+    assert not gemv.x_shared_fits(h("bfloat16", 4, 8192, 8192, sm_count=132), 4, 14336)   # 2 x 115 KiB
+    assert not h("float16", 1, 28672, 8192, sm_count=132).x_half
+    assert not h("bfloat16", 1, 28672, 8192, sm_count=132, x_half=False).x_shared
+    c = h("bfloat16", 1, 8192, 8192, sm_count=132, x_shared=False)
+    assert c.x_half and not c.x_shared
+    with pytest.raises(ConfigError) as e:
+        QuantGemvConfig(dtype="bfloat16", m_tiles=2, unroll=2, x_half=True, x_shared=True)
+    assert e.value.field == "x_shared"
+    monkeypatch.setenv("RTKERNELS_ARCH", "sm_80")
+    assert not h("bfloat16", 1, 28672, 8192, sm_count=132).x_half
+
+
+def test_x_half_workspace_layout():
+    """The conversion's copy (rows of K rounded up to 8 halves) and its multipliers share the stream
+    workspace with split-K's partials, each 256-byte aligned and apart."""
+    cfg = qm.heuristic_config("bfloat16", 3, 129, 4100, sm_count=132, x_half=True, x_shared=False)
+    assert cfg.split_k > 1 and not cfg.cluster
+    ws = gemv.workspace(cfg, 3, 129, 4100)
+    part, ctr = gemv.workspace_bytes(cfg, 3, 129)
+    assert ws.counter_bytes == ctr and ws.offsets[0] == 0
+    assert gemv.half_row_stride(4100) == 4104 and ws.offsets[1] >= part and ws.offsets[1] % 256 == 0
+    assert ws.offsets[2] >= ws.offsets[1] + 2 * 3 * 4104 and ws.offsets[2] % 256 == 0
+    assert ws.part_bytes >= ws.offsets[2] + 4 * 3
+    assert gemv.workspace(cfg.replace(x_half=False, split_k=1), 3, 129, 4100) is None
+    assert gemv.workspace(cfg.replace(x_shared=True, split_k=1), 3, 129, 4100) is None   # a CTA's own copy
+
+
+def test_x_half_kernels_compile():
+    """The x_half GEMV runs float16 MMAs and waits first (PDL) like the plain one; the conversion
+    waits, then signals its dependents."""
+    import rtkernels as rtk
+    cfg = qm.heuristic_config("bfloat16", 16, 28672, 8192, sm_count=132, x_half=True)
+    main = rtk.get_kernel(cfg, "quant_gemv", arch="sm_90")
+    conv = rtk.get_kernel(cfg, "quant_gemv_xhalf", arch="sm_90")
+    for k in (main, conv):
+        r = k.resources
+        assert r.spill_stores == 0 and r.spill_loads == 0, (k.name, r)
+        assert k.pdl and k.ptx.index("griddepcontrol.wait") < k.ptx.index("ld.global"), k.name
+    # 256 threads of at most 128 registers: one of the GEMV's 8-warp CTAs fits beside it on its SM
+    assert conv.resources.registers * gemv.X_HALF_THREADS + 128 * 256 <= 65536
+    assert "HMMA.16816.F32" in main.sass and "HMMA.16816.F32.BF16" not in main.sass
+    assert conv.ptx.index("griddepcontrol.wait") < conv.ptx.index("griddepcontrol.launch_dependents")
+    plain = rtk.get_kernel(cfg.replace(x_half=False), "quant_gemv", arch="sm_90")
+    assert "HMMA.16816.F32.BF16" in plain.sass
 
 
 # ---- compile: the heuristic's configs, no spills, with register headroom --------------------------
@@ -209,6 +290,9 @@ def test_heuristic_configs_compile_clean(compiled):
             # the slots' 2 * row_tiles weight loads (prologue and refill) and 2 * m_tiles x loads per
             # block (prologue and the next item's), all 16 bytes wide
             want = 2 * (2 * cfg.row_tiles * cfg.unroll) + 2 * cfg.m_tiles * (cfg.unroll + 1)
+            if cfg.x_shared:   # x from the CTA's copy: 16-byte shared loads instead
+                want = 2 * (2 * cfg.row_tiles * cfg.unroll)
+                assert main.sass.count("LDS.128") >= 2 * cfg.m_tiles * (cfg.unroll + 1), cfg.key()
             assert s["ldg_128"] >= want, (cfg.key(), s["ldg_128"], want)
             assert "LDG.E.128.CONSTANT" in main.sass or "L1::no_allocate" in main.ptx
 
@@ -420,7 +504,12 @@ TILINGS = [dict(), dict(ctas_per_sm=1, unroll=3), dict(num_warps=8, warps_k=4, u
            dict(row_tiles=2, unroll=2, ctas_per_sm=1), dict(split_k=3, ctas_per_sm=1, unroll=4),
            # staged slots (shared memory, cp.async), with a cluster split (sm_90), padded groups of 12
            dict(staged=True, unroll=8), dict(staged=True, unroll=4, split_k=3, cluster=True),
-           dict(staged=True, unroll=12, ctas_per_sm=1, split_k=2)]
+           dict(staged=True, unroll=12, ctas_per_sm=1, split_k=2),
+           # the 4-CTA shape of two row tiles; x_half (bfloat16 kinds) through a cluster split and a
+           # global split
+           dict(row_tiles=2, unroll=2, num_warps=4, warps_k=4, ctas_per_sm=4),
+           dict(x_half=True, staged=True, unroll=4, split_k=3, cluster=True),
+           dict(x_half=True, split_k=3, ctas_per_sm=1, unroll=4)]
 TILING_KINDS = [("int8", 128, True, "bfloat16"), ("float8_e4m3", None, False, "float16"),
                 ("uint8", 64, True, "bfloat16")]
 
@@ -585,3 +674,148 @@ def test_torch_inputs_gpu(m):
         qn = qm.quantize_weight(w.float().cpu().numpy(), dtype=kind, group_size=group)
         np.testing.assert_array_equal(qh, qn[0])
         np.testing.assert_array_equal(s.cpu().numpy(), qn[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [16, 8])
+def test_x_half_extreme_rows_gpu(m):
+    """x_half's per-row power of two: rows near bfloat16's largest and smallest normal values, a zero
+    row, a row spanning 2^40, rows with inf and NaN, through the float16 copy (the conversion
+    kernel's at M = 16, a CTA's own at M = 8) and without it (config=): finite rows agree with the
+    float64 reference; inf / NaN land where the bfloat16 MMAs put them."""
+    import cupy as cp
+    from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits, poison, to_f64
+    import rtkernels as rtk
+    rng = np.random.default_rng(77)
+    n, k = 520, 1096
+    xf = rng.standard_normal((m, k)).astype(np.float32)
+    xf[0] *= 2.0 ** 100   # (2^120 overflows the bfloat16 MMAs' float32 sums: the baseline's limit)
+    xf[1] *= 2.0 ** -120
+    xf[2] = 0
+    xf[3, ::2] *= 2.0 ** 20
+    xf[3, 1::2] *= 2.0 ** -20
+    xf[4, 5] = np.inf
+    xf[5, 7] = np.nan
+    xf[6, 9] = -np.inf
+    xf[7] *= 60000.0
+    bits = bf16_bits_from_f32(xf)
+    x64 = f32_from_bf16_bits(bits).astype(np.float64)
+    x = cp.asarray(bits)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q, sc = qm.quantize_weight(w, dtype="int8")
+    qd, sd = cp.asarray(q), cp.asarray(sc)
+    base = qm.heuristic_config("bfloat16", m, n, k, sm_count=132, x_half=True, x_shared=m <= 8)
+    assert base.x_shared == (m <= 8)   # m = 8: each CTA's own copy
+    outs = {}
+    for xh in (True, False):
+        out = poison(cp.empty((m, n), cp.uint16))
+        rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16",
+                             config=base if xh else base.replace(x_half=False, x_shared=False))
+        outs[xh] = to_f64(out, "bfloat16")
+    finite = [r for r in range(m) if np.isfinite(x64[r]).all()]
+    for xh, got in outs.items():
+        big = [r for r in finite if np.abs(x64[r]).max() > 2.0 ** 90]
+        _check(got[finite], x64[finite], q, sc, None, None, "int8", "bfloat16", what=f"x_half={xh} finite rows")
+        assert np.isfinite(got[big]).all()
+    a, b = outs[True], outs[False]
+    for r in range(m):
+        np.testing.assert_array_equal(np.isnan(a[r]), np.isnan(b[r]), err_msg=f"row {r}: NaN positions")
+        np.testing.assert_array_equal(np.isinf(a[r]), np.isinf(b[r]), err_msg=f"row {r}: inf positions")
+    assert np.isnan(a[5]).all() and np.isinf(a[4]).sum() + np.isnan(a[4]).sum() == n
+    assert (a[2] == 0).all() and np.abs(a[1]).max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_x_half_graph_replay_gpu(lib):
+    """Captured in a CUDA graph (the conversion and the GEMV), replayed with new x contents: the
+    replay equals the eager call bit for bit and the reference."""
+    import cupy as cp
+    from gpu_util import capture_cupy, refill
+    import rtkernels as rtk
+    rng = np.random.default_rng(5)
+    m, n, k = 9, 10240, 4160
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, "bfloat16", "int8", None, False)
+    assert qm.heuristic_config("bfloat16", m, n, k).x_half
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        xt = torch.from_dlpack(x).view(torch.bfloat16)
+        qt, st = torch.from_dlpack(qd), torch.from_dlpack(sd)
+        out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        rtk.quantized_matmul(xt, qt, st, out=out)   # plan, workspace
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            rtk.quantized_matmul(xt, qt, st, out=out)
+        for step in range(2):
+            (xh2,) = refill(rng, (x,), "bfloat16")
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+            got = out.float().cpu().numpy().astype(np.float64)
+            _check(got, xh2, q, s, z, None, "int8", "bfloat16", what=f"torch replay {step}")
+            eager = rtk.quantized_matmul(xt, qt, st)
+            torch.cuda.synchronize()
+            assert torch.equal(eager, out), f"torch replay {step} != eager"
+        return
+    out = cp.empty((m, n), cp.uint16)
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16")
+        graph = capture_cupy(st, lambda: rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16"))
+        for step in range(2):
+            (xh2,) = refill(rng, (x,), "bfloat16")
+            st.synchronize()
+            graph.launch(st)
+            st.synchronize()
+            _check(out, xh2, q, s, z, None, "int8", "bfloat16", what=f"cupy replay {step}")
+            eager = rtk.quantized_matmul(x, qd, sd, dtype="bfloat16")
+            st.synchronize()
+            assert cp.array_equal(eager, out), f"cupy replay {step} != eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, shift, shared", [(4104, 1, False), (40000, 0, False), (1000, 3, False), (4104, 1, True),
+                                              (1000, 3, True), (20000, 0, True)])
+def test_x_half_row_lengths_gpu(k, shift, shared):
+    """The conversion kernel's two ways through a row: held in registers (up to 8 vectors per
+    thread), or read twice (longer rows: 4104 scalar elements of a misaligned slice, 5000 16-byte
+    vectors); and a CTA's own copy (x_shared) of such rows."""
+    import cupy as cp
+    from gpu_util import poison
+    import rtkernels as rtk
+    rng = np.random.default_rng(k + shift)
+    m, n = 5, 300
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k + shift, "bfloat16", "int8", None, False)
+    w = qm.dequantize_reference(q, s)
+    q, s = qm.quantize_weight(w[:, shift:].astype(np.float32), dtype="int8")
+    qd, sd = cp.asarray(q), cp.asarray(s)
+    xs, xs64 = x[:, shift:], x64[:, shift:]
+    out = poison(cp.empty((m, n), cp.uint16))
+    cfg = qm.heuristic_config("bfloat16", m, n, k, x_vec=qm._vec_width(k, xs.data.ptr, xs.strides[0] // 2, 2, 8),
+                              x_half=True, x_shared=shared)
+    assert cfg.x_shared == shared
+    rtk.quantized_matmul(xs, qd, sd, out=out, dtype="bfloat16", config=cfg)
+    assert cfg.x_vec == (8 if shift == 0 else 1), cfg.x_vec
+    _check(out, xs64, q, s, None, None, "int8", "bfloat16", what=f"K={k} shift={shift} x_vec={cfg.x_vec}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("m, n, k, kind, group, zeros", [c for c in CASES if c[3] != "float8_e4m3" and c[0] <= 16])
+def test_x_half_shapes_gpu(m, n, k, kind, group, zeros, shared):
+    """The awkward shapes of test_quantized_matmul_gpu through x_half (config=), the conversion
+    kernel's copy and a CTA's own (M <= 8): bfloat16 x, integer weights, split-K included."""
+    if shared and m > 8:
+        pytest.skip("x_shared: M <= 8")
+    import cupy as cp
+    from gpu_util import poison
+    import rtkernels as rtk
+    rng = np.random.default_rng(m * 7 + n * 13 + k)
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, "bfloat16", kind, group, zeros)
+    cfg = qm.heuristic_config("bfloat16", m, n, k, weight_dtype=kind, group_size=group or 0, has_zeros=zd is not None,
+                              x_half=True, x_shared=shared)
+    assert cfg.x_shared == shared
+    out = poison(cp.empty((m, n), dtype=x.dtype))
+    rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, dtype="bfloat16", config=cfg)
+    _check(out, x64, q, s, z, group, kind, "bfloat16", what=f"x_half M={m} N={n} K={k} {kind} group={group} ({cfg.tag()})")

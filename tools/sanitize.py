@@ -532,11 +532,17 @@ QUANT_VARIANTS = (
     ("bf16 fp8 1x40x200 g64 silu", "bfloat16", 1, 40, 200, "float8_e4m3", 64, False, True, "silu", False),
     ("f16 int8 20x33x72 g64 zeros dequantized + matmul", "float16", 20, 33, 72, "int8", 64, True, True, "relu",
      True),
+    # x_half: a CTA's own float16 copy of x (M = 1), the conversion kernel's (M = 12, and ragged K)
+    ("bf16 int8 1x6144x1000 per-row x_shared", "bfloat16", 1, 6144, 1000, "int8", None, False, True, None, True),
+    ("bf16 int8 12x6144x520 per-row x_half copy", "bfloat16", 12, 6144, 520, "int8", None, False, False, None, True),
+    ("bf16 uint8 3x10240x200 g64 zeros x_half copy", "bfloat16", 3, 10240, 200, "uint8", 64, True, False, "silu",
+     False),
 )
 
 
 @case("quant_gemv", families=("quant_gemv", "matmul_sm90", "matmul"), ops=("quantized_matmul",),
-      note="the GEMV (per-row / group scales, zeros, split-K, narrow loads) and the M > 16 dequantize path")
+      note="the GEMV (per-row / group scales, zeros, split-K, narrow loads, bfloat16 x through float16 copies) and "
+           "the M > 16 dequantize path")
 def _quant_gemv(ctx: Ctx):
     import rtkernels as rtk
     from rtkernels.ops import quant_matmul as qm

@@ -4,22 +4,23 @@ Two ops run it: :func:`rtkernels.quantized_matmul` (int8 / uint8 / float8 e4m3 w
 in registers) and :func:`rtkernels.matmul` for M <= 16 rows (float16 / bfloat16 weights in x's
 dtype, K-major as ``w.T`` of an nn.Linear weight or N-major as a row-major (K, N) ``b``; see
 ``matmul._plan_gemv``).  This module holds what both share: the config, its heuristic, the
-candidate tilings of the benchmark's sweep, the load widths, and the launch (one kernel, split-K included) with its launch plan.  It imports no op, so both ops import it.
+candidate tilings of the benchmark's sweep, the load widths, and the launch (one kernel, split-K
+included; x_half's conversion before it) with its launch plan.  It imports no op, so both ops import it.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from .. import device
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
-from ._arrays import Launch, OutputPlan, _is_torch, default_stream, same_memory
+from ._arrays import Launch, OutputPlan, _is_torch, default_stream, remember, same_memory
 from .matmul_sm90 import ACTIVATIONS
-from .workspace import stream_workspace
+from .workspace import carve, stream_workspace
 
 WEIGHT_DTYPES = ("int8", "uint8", "float8_e4m3")   # quantized weights
 DENSE_DTYPES = ("float16", "bfloat16")             # unquantized weights: x's dtype
@@ -92,11 +93,17 @@ class QuantGemvConfig(KernelConfig):
     (``num_warps * unroll * loads_per_slot * 512`` bytes), so the bytes in flight are not bounded
     by registers; needs ``w_vec`` >= 4 (measured slower than register slots: no heuristic picks it).  ``cluster`` (sm_90): the ``split_k`` (2..8) CTAs of a tile
     form a cluster and add their sums through distributed shared memory (no workspace).
+    ``x_half`` (bfloat16 x, quantized weights): a first kernel (quant_gemv_xhalf) writes x as float16
+    scaled by a power of two per row into the stream's workspace, and the GEMV runs its float16
+    MMAs on that copy (float16's dequantization costs 1 instruction per weight, bfloat16's 2.5; the
+    template's header has the numerics and the PDL hand-over).  ``x_shared`` (with ``x_half``, M <= 8):
+    each CTA makes that copy in its own shared memory instead (:meth:`x_shared_bytes` more per CTA,
+    no conversion kernel).
     """
 
     family: ClassVar[str] = "quant_gemv"
     template: ClassVar[str] = "quant_gemv.cu.j2"
-    kernels: ClassVar[tuple[str, ...]] = ("quant_gemv", "quant_dequantize")
+    kernels: ClassVar[tuple[str, ...]] = ("quant_gemv", "quant_dequantize", "quant_gemv_xhalf")
     dtype: str = "bfloat16"
     weight_dtype: str = "int8"
     scale_dtype: str = "float32"
@@ -118,6 +125,8 @@ class QuantGemvConfig(KernelConfig):
     x_vec: int = 8
     staged: bool = False
     cluster: bool = False
+    x_half: bool = False
+    x_shared: bool = False
 
     expects_tensor_cores: ClassVar[bool] = True
     # (no expected_global_width: inspect holds loads and stores to it, and the outputs are M x N
@@ -135,7 +144,7 @@ class QuantGemvConfig(KernelConfig):
             self._check_choice("weight_dtype", WEIGHT_DTYPES + DENSE_DTYPES)
         self._check_dtype("scale_dtype", SCALE_DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster"):
+        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster", "x_half", "x_shared"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         if self.group_size != 0:
@@ -160,6 +169,11 @@ class QuantGemvConfig(KernelConfig):
                 self._fail("has_zeros", "False for an unquantized weight")
             if self.w_vec == 1:
                 self._fail("w_vec", "2, 4, 8 or 16 bytes for a 16-bit weight (whole elements)")
+        if self.x_half and (self.dtype != "bfloat16" or self.dense):
+            self._fail("x_half", "False unless x is bfloat16 and the weight quantized (x_half converts a bfloat16 x "
+                                 "to float16 for the float16 dequantization)")
+        if self.x_shared and not (self.x_half and self.m_tiles == 1):
+            self._fail("x_shared", "False unless x_half=True and m_tiles=1 (a CTA's own float16 copy of at most 8 rows)")
         if self.n_major:
             if not self.dense:
                 self._fail("n_major", f"False for {self.weight_dtype} weights (N-major is for unquantized "
@@ -253,11 +267,17 @@ class QuantGemvConfig(KernelConfig):
         stages = self.num_warps * self.unroll * self.loads_per_slot * 512 if self.staged else 0
         return red + xch + stages
 
+    def x_shared_bytes(self, m: int, k: int) -> int:
+        """Shared memory x_shared adds to a CTA for M x K: the warps' row maxima, the rows'
+        multipliers and the float16 rows (K rounded up to 8); 0 without x_shared."""
+        return (self.num_warps * 8 + 8) * 4 + 2 * m * (-(-k // 8) | 1) * 8 if self.x_shared else 0
+
     def template_params(self):
         p = super().template_params()
         p.update(weight_kind_id=3 if self.dense else WEIGHT_DTYPES.index(self.weight_dtype),
                  zero_ctype="signed char" if self.weight_dtype == "int8" else "unsigned char",
-                 activation_id=ACTIVATIONS.index(self.activation), register_cap=self.register_cap)
+                 activation_id=ACTIVATIONS.index(self.activation), register_cap=self.register_cap,
+                 xhalf_threads=X_HALF_THREADS)
         return p
 
     def tiles(self, n: int) -> int:
@@ -282,7 +302,7 @@ class QuantGemvConfig(KernelConfig):
         """Short name of the tiling (benchmark tables)."""
         return (f"{'n' if self.n_major else ''}r{self.row_tiles}u{self.unroll}w{self.num_warps}k{self.warps_k}"
                 f"s{self.split_k}c{self.ctas_per_sm}{'p' if self.persistent else ''}{'m' if self.staged else ''}"
-                f"{'x' if self.cluster else ''}")
+                f"{'x' if self.cluster else ''}{'h' if self.x_half else ''}{'s' if self.x_shared else ''}")
 
 
 # ---- heuristics ---------------------------------------------------------------------------------
@@ -306,7 +326,7 @@ class QuantGemvConfig(KernelConfig):
 #   every warp keeps two 64-element blocks: the partials cost a second launch and
 #   4 * split_k * M * N bytes.
 _TILE_FIELDS = ("row_tiles", "unroll", "num_warps", "warps_k", "split_k", "ctas_per_sm", "persistent",
-                "max_registers", "staged", "cluster")   # what config= overrides
+                "max_registers", "staged", "cluster", "x_half", "x_shared")   # what config= overrides
 _WARPS = 8
 _WARPS_K = 8
 _CTAS_PER_SM = 2
@@ -460,11 +480,14 @@ def _nmajor_sm90(cfg: QuantGemvConfig, n: int, k: int, sm_count: int) -> QuantGe
 def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = "int8",
                      scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
-                     x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None) -> QuantGemvConfig:
+                     x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None,
+                     x_half: bool | None = None, x_shared: bool | None = None) -> QuantGemvConfig:
     """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
     ``sm90``: the sm_90 N-major rule (:func:`_nmajor_sm90`); default: the target arch is sm_90 and
     RTKERNELS_GEMV_SM90 is not 0.  Quantized weights with per-row scales at M = 9..16 take two row
-    tiles per warp where the grid allows (:func:`_two_row_tiles`)."""
+    tiles per warp where the grid allows (:func:`_two_row_tiles`).  ``x_half`` / ``x_shared``: convert a
+    bfloat16 x to float16 (QuantGemvConfig.x_half), in each CTA's shared memory (x_shared); default:
+    :func:`x_half_mode`."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
     if sm90 is None:
@@ -512,9 +535,102 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
     if n_major:
         return _nmajor_sm90(cfg, n, k, sm_count) if sm90 else cfg
+    auto_half, auto_shared = x_half_mode(cfg, m, n, k)
+    x_half = auto_half if x_half is None else x_half
+    x_shared = (auto_shared if x_shared is None else x_shared) and x_half and m_tiles == 1
+    cfg = cfg.replace(x_half=x_half, x_shared=x_shared)
     if m_tiles == 2 and not dense and group_size == 0 and not has_zeros and w_vec == 16 and split == 1:
         return _two_row_tiles(cfg, n, sm_count)
     return cfg
+
+
+# RTKERNELS_GEMV_XHALF=0: bfloat16 x runs the bfloat16 MMAs (the A/B baseline of x_half).
+# The conversion's CTA: 256 threads (~100 registers each: a row of up to 16k elements held in
+# registers) leave room on their SM for one of the GEMV's 8-warp CTAs, which 512 did not.
+X_HALF_THREADS = 256
+USE_X_HALF = os.environ.get("RTKERNELS_GEMV_XHALF", "1") != "0"
+# Where x_half pays: the float16 path's gain against the conversion's ~2 us (the template's header).
+# Measured (H200, 2026-11-28, bfloat16 x, the same weights, % of the 1 GiB copy, interleaved rounds,
+# bf16 MMAs -> x_half (this kernel pair) -> float16 x; docs/data/gemv_xhalf_late_variant_session32_*,
+# its "late" column; the other runs of gemv_xhalf_*session32_* agree within ~1.5 points):
+#   per-row scales, M = 1 / 4 / 16:
+#     28672x8192 84.5 -> 90.2 / 82.6 -> 88.3 / 70.4 -> 81.6 (fp16 93.1 / 92.2 / 85.0)
+#     14336x4096 64.4 -> 68.7 / 62.8 -> 66.8 / 55.8 -> 59.8    10240x8192 67.6 -> 73.8 / 65.7 -> 71.7 / 57.2 -> 63.3
+#     8192x28672 86.7 -> 84.1 / 84.9 -> 80.0 / 74.3 -> 79.7    8192x8192  72.9 -> 70.6 / 71.0 -> 66.7 / 59.4 -> 62.2
+#     6144x4096  49.2 -> 49.9 / 48.8 -> 47.0 / 40.9 -> 40.6    4096x14336 73.3 -> 68.0 / 70.0 -> 62.1 / 56.1 -> 56.0
+#     4096x4096  50.3 -> 43.6 / 46.1 -> 40.3 / 40.9 -> 35.9
+#   int8 group 128, M = 1 / 16: 28672x8192 69.9 -> 86.5 / 61.8 -> 64.5, 8192^2 61.4 -> 66.6 / 55.2 -> 52.4,
+#     4096^2 45.8 -> 40.9 / 38.0 -> 33.0
+#   uint8 group 128 with zero points, M = 1 / 16: 28672x8192 65.2 -> 68.2 / 54.0 -> 59.7, 8192^2 59.2 -> 56.0 /
+#     50.6 -> 52.4, 4096^2 43.7 -> 38.8 / 38.9 -> 35.2
+#   the conversion alone, queued: 1.8-2.0 us at K <= 8192, 2.3 at 14336, 4.2-4.5 at 28672
+#   bench_quant_matmul (separate processes, RTKERNELS_GEMV_XHALF=0 / 1) also: int8 g128 M = 4 14336x4096
+#     54 -> 61, 10240x8192 56 -> 63, 28672x8192 69 -> 83, 8192x28672 70 -> 68; M = 16 10240x8192 49 -> 50.
+# So the smallest N that takes it, by scales and m tiles (one: M <= 8, two: M = 9..16); the rest lose up
+# to 6 points (small weights, where 2 us is a large share; 8192 x 28672 at one m tile, whose bfloat16
+# path is least issue-bound; group scales at two m tiles, whose per-block scaling dilutes the gain).
+X_HALF_MIN_N = {   # (scales: "row" / "group" / "zeros", m tiles) -> N
+    ("row", 1): 10240, ("row", 2): 6144, ("group", 1): 8192, ("group", 2): 28672,
+    ("zeros", 1): 10240, ("zeros", 2): 8192}
+
+
+def x_shared_fits(cfg: QuantGemvConfig, m: int, k: int) -> bool:
+    """Whether ``cfg``'s CTAs per SM each fit their own float16 copy of M x K x (x_shared)."""
+    per_cta = cfg.shared_mem_bytes + cfg.replace(x_shared=True, x_half=True).x_shared_bytes(m, k)
+    return per_cta <= _SM90_SMEM_MAX and cfg.ctas_per_sm * (per_cta + 1024) <= _SM90_SMEM_PER_SM
+
+
+# x_shared (each CTA's own copy: no conversion kernel, no 2 us) from N = 6144 up to K = 8192, at M = 1
+# (M <= 4 with zero points).
+# Measured (H200, 2026-11-28, % of the 1 GiB copy, M = 1, bf16 MMAs / conversion kernel / CTA's own
+# copy / float16 x; docs/data/gemv_xshared_ab_session32_*):
+#   per-row int8: 6144x4096 49.1 / 49.5 / 52.7 / 57.2, 14336x4096 64.8 / 68.9 / 71.0 / 74.6, 8192^2
+#     72.7 / 70.8 / 73.0 / 76.5, 10240x8192 67.4 / 73.4 / 76.6 / 78.5, 28672x8192 84.4 / 90.3 / 91.0 / 93.2
+#   int8 g128: 14336x4096 56.0 / 63.8 / 70.1 / 69.0, 8192^2 61.5 / 66.9 / 72.6 / 72.7, 28672x8192 70.2 /
+#     86.9 / 91.4 / 89.6
+#   uint8 g128 + zero points: 14336x4096 51.9 / 54.0 / 68.0 / 58.5, 8192^2 59.0 / 55.9 / 71.0 / 59.6,
+#     28672x8192 65.3 / 68.4 / 90.5 / 68.8 (x from shared memory frees the zero-point path's registers)
+# and it loses where each CTA's copy weighs more: 4096 rows (one tile per CTA: 4096^2 50.1 / 44.4,
+# 4096x14336 73.0 / 65.7, the bf16 MMAs against the CTA's copy) and K = 28672 (8192x28672 86.6 / 81.1).
+# At M = 4 / 8 the copy's rows, staged one after another, cost more than the conversion kernel (int8
+# per-row M = 4, bf16 / kernel's copy / CTA's copy: 28672x8192 82.8 / 88.4 / 83.9, 8192^2 69.2 / 66.4 /
+# 58.3; M = 8 14336x4096 62.6 / 64.2 / 49.4; rows padded to an odd number of 16-byte units, so a
+# quarter warp's loads of 2 rows x 4 lanes hit distinct banks: +0-6 points), but zero points gain at
+# M = 4 as at M = 1 (uint8 g128 M = 4: 28672x8192 63.7 / 66.1 / 81.7, 14336x4096 51.1 / 52.2 / 56.8,
+# 8192^2 55.6 / 52.5 / 55.8; M = 8 14336x4096 50.6 / 50.5 / 47.0).
+X_SHARED_MIN_N = 6144
+X_SHARED_MAX_K = 8192
+X_SHARED_MAX_M = {"row": 1, "group": 1, "zeros": 4}   # by scales
+
+
+def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, bool]:
+    """(x_half, x_shared) for ``cfg`` (its x_half fields ignored) on (M, N, K): a CTA's own copy
+    by the table above (where it fits); else the conversion kernel's where :func:`x_half_pays`."""
+    if not x_half_pays(cfg.dtype, cfg.weight_dtype, m, n, cfg.group_size, cfg.has_zeros, table=False):
+        return False, False
+    scales = "zeros" if cfg.has_zeros else "group" if cfg.group_size else "row"
+    if m <= X_SHARED_MAX_M[scales] and n >= X_SHARED_MIN_N and k <= X_SHARED_MAX_K and x_shared_fits(cfg, m, k):
+        return True, True
+    return x_half_pays(cfg.dtype, cfg.weight_dtype, m, n, cfg.group_size, cfg.has_zeros), False
+
+
+def x_half_pays(dtype: str, weight_dtype: str, m: int, n: int, group_size: int = 0, has_zeros: bool = False,
+                table: bool = True) -> bool:
+    """Whether a bfloat16 x goes through the float16 copy (QuantGemvConfig.x_half): integer
+    weights on sm_90+ (the conversion's kernel hands over to the GEMV with PDL), from N =
+    X_HALF_MIN_N of the scales and M.  float8 e4m3 weights dequantize to bfloat16 as cheaply as to
+    float16 (bits moved under the exponent, one multiply): the copy only adds its kernel there
+    (H200, 2026-11-28, g128, % of copy, bf16 -> x_half: 28672 x 8192 M = 1 67.6 -> 66.3, 8192^2
+    59.6 -> 55.5)."""
+    if not USE_X_HALF or dtype != "bfloat16" or weight_dtype not in ("int8", "uint8"):
+        return False
+    arch = device.current_arch()   # "sm_90a" -> 90
+    if int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit())) < 90:
+        return False
+    if not table:
+        return True
+    scales = "zeros" if has_zeros else "group" if group_size else "row"
+    return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)]
 
 
 # Quantized weights with per-row scales at M = 9..16 (two m tiles): two row tiles per warp where the
@@ -629,28 +745,89 @@ def workspace_bytes(cfg: QuantGemvConfig, m: int, n: int) -> tuple[int, int]:
     return 4 * cfg.split_k * m * n, 4 * cfg.tiles(n) * cfg.warps_n
 
 
-def _split_workspace(sizes, like, stream):
-    """(partials, counters) of ``stream``: ops/workspace.py's buffers, of ``like``'s kind."""
+def half_row_stride(k: int) -> int:
+    """Elements between the rows of x_half's float16 copy: K rounded up to 8 (16-byte rows)."""
+    return -(-k // 8) * 8
+
+
+class Workspace(NamedTuple):
+    """What a launch keeps in its stream's workspace (ops/workspace.py): byte offsets in the
+    partials buffer of the split-K partials, x_half's float16 copy of x and its row multipliers
+    (None: not used), that buffer's bytes and the counters' bytes."""
+    offsets: tuple
+    part_bytes: int
+    counter_bytes: int
+
+
+def workspace(cfg: QuantGemvConfig, m: int, n: int, k: int) -> Workspace | None:
+    """The stream workspace of a launch of ``cfg`` on (M, N, K); None where it needs none."""
+    part, ctr = workspace_bytes(cfg, m, n)
+    copy = cfg.x_half and not cfg.x_shared
+    xh = 2 * m * half_row_stride(k) if copy else 0
+    offsets, total = carve((part, xh, 4 * m if copy else 0))
+    return Workspace(offsets, total, ctr) if total or ctr else None
+
+
+def _workspace_arrays(ws: Workspace, like, stream, memo: dict | None = None) -> tuple:
+    """(partials, counters, x_half's copy, its multipliers): arrays of ``like``'s kind in
+    ``stream``'s workspace (None where ``ws`` has none).  ``memo`` keeps the views made of one
+    buffer (a plan's replays: the stream's buffers change only when they grow)."""
     dev = like.get_device() if _is_torch(like) else device.current_device()
-    return stream_workspace(like, dev, stream, *sizes)
+    parts, counters = stream_workspace(like, dev, stream, ws.part_bytes, ws.counter_bytes)
+    key = (id(parts), id(counters))
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None:
+        return hit
+    views_ = [None if o is None or parts is None else parts[o:] for o in ws.offsets]
+    out = (views_[0], counters, views_[1], views_[2])
+    if memo is not None:
+        remember(memo, key, out)
+    return out
+
+
+class GemvExtra(NamedTuple):
+    """A GEMV plan's workspace and, with x_half, the conversion's plan (its arrays: x, the copy,
+    the multipliers) and the views of the workspace its replays made."""
+    workspace: Workspace | None
+    convert: OutputPlan | None
+    views: dict
 
 
 def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stream):
-    """Launch ``cfg`` on the views (w, x, scales, zeros, bias, out) with the scalars ``ints``; returns
-    the launch plan (for :func:`replay`), or None when a view is a copy of its array (``arrays``: the
-    caller's, same order), so that replaying would read the wrong memory.  Split-K runs in the same
-    launch (the last split of a tile to arrive sums the partials) on the stream's workspace."""
-    m, n = ints[0], ints[1]
+    """Launch ``cfg`` on the views (w, x, scales, zeros, bias, out) with the scalars ``ints`` (M, N, K,
+    ldw, ldx, ldo, ngroups); returns the launch plan (for :func:`replay`), or None when a view is a
+    copy of its array (``arrays``: the caller's, same order), so that replaying would read the wrong
+    memory.  Split-K runs in the same launch (the last split of a tile to arrive sums the partials)
+    on the stream's workspace; with x_half the conversion runs first, into that workspace, and the
+    GEMV reads its copy (row stride :func:`half_row_stride`)."""
+    m, n, k = ints[0], ints[1], ints[2]
+    smem = cfg.shared_mem_bytes + cfg.x_shared_bytes(m, k)
+    if smem > _SM90_SMEM_MAX:
+        raise ConfigError(f"quant_gemv: x_shared=True needs {smem} bytes of shared memory per CTA for M = {m}, K = {k} "
+                          f"(at most {_SM90_SMEM_MAX}); pass x_shared=False (the conversion kernel's copy)",
+                          field="x_shared", value=True)
     kern = get_kernel(cfg, "quant_gemv")
     grid, block = cfg.grid(n, device.sm_count()), (cfg.threads_per_block, 1, 1)
     keep = same_memory(views_, arrays)
-    sizes = workspace_bytes(cfg, m, n)
-    ws = _split_workspace(sizes, arrays[1], stream) if sizes[0] else (None, None)
-    main = Launch(kern, grid, block, cfg.shared_mem_bytes, ints)
-    main.run((*views_, *ws), stream)
+    ws = workspace(cfg, m, n, k)
+    parts, counters, xh, xscale = (_workspace_arrays(ws, arrays[1], stream) if ws is not None
+                                   else (None, None, None, None))
+    convert = None
+    x = views_[1]
+    if cfg.x_half and not cfg.x_shared:
+        ldh = half_row_stride(k)
+        convert = Launch(get_kernel(cfg, "quant_gemv_xhalf"), (m, 1, 1), (X_HALF_THREADS, 1, 1), 0,
+                         (k, ints[4], ldh))
+        convert.run((x, xh, xscale), stream)
+        x, ints = xh, (*ints[:4], ldh, *ints[5:])
+    main = Launch(kern, grid, block, smem, ints)
+    main.run((views_[0], x, *views_[2:], parts, counters, xscale), stream)
     if not keep:
         return None
-    return OutputPlan.of(main, arrays[5], extra=sizes if sizes[0] else None, like=arrays[1])
+    conv_plan = OutputPlan.of(convert, arrays[1]) if convert is not None else None
+    return OutputPlan.of(main, arrays[5], extra=GemvExtra(ws, conv_plan, {}), like=arrays[1])
+
+
 
 
 def replay(plan: OutputPlan, inputs: tuple, out, stream):
@@ -658,6 +835,13 @@ def replay(plan: OutputPlan, inputs: tuple, out, stream):
     x = inputs[1]
     out = plan.output(x, out)
     stream = default_stream(x, stream) if plan.torch else stream
-    ws = (None, None) if plan.extra is None else _split_workspace(plan.extra, x, stream)
-    plan.replay((*inputs, out, *ws), stream)
+    extra = plan.extra
+    if extra.workspace is None:
+        plan.replay((*inputs, out, None, None, None), stream)
+        return out
+    parts, counters, xh, xscale = _workspace_arrays(extra.workspace, x, stream, extra.views)
+    if extra.convert is not None:
+        extra.convert.replay((x, xh, xscale), stream)
+        inputs = (inputs[0], xh, *inputs[2:])
+    plan.replay((*inputs, out, parts, counters, xscale), stream)
     return out

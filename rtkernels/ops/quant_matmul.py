@@ -298,7 +298,13 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
         tuning); the rest follows the inputs.
 
     M <= 16 runs the quant_gemv kernel (fp32 accumulation on tensor cores, the weight read once;
-    float32 partials and a second small kernel when N is too small to fill the GPU).  M > 16
+    float32 partials and a second small kernel when N is too small to fill the GPU).  With a
+    bfloat16 x and integer weights on sm_90 it may multiply a float16 copy of x instead (each row
+    scaled by a power of two that puts its largest finite |x| in [2^14, 2^15), undone in float32 on
+    the sums): float16's dequantization is cheaper than bfloat16's.  The copy holds every value of
+    x exactly except those below 2^-28 of their row's largest (which lose bits, and flush to zero
+    below 2^-38 of it); inf and NaN stay inf and NaN.  ``QuantGemvConfig.x_half`` /
+    ``x_shared`` (or RTKERNELS_GEMV_XHALF=0) choose.  M > 16
     dequantizes w_q into an (N, K) workspace of x's dtype and runs :func:`rtkernels.matmul` on its
     transpose: a correctness path, not tuned (and the dequantized weight is rounded to x's dtype).
     """

@@ -21,6 +21,16 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// Lets the driver start the kernel after this one in the stream (PDL) before this one ends: its
+// blocks become resident and sit in their own grid_dependency_wait(), which still returns only
+// once this kernel has completed.  rtkernels calls it only in the GEMV's x conversion
+// (templates/quant_gemv.cu.j2), right after that kernel's own wait.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
