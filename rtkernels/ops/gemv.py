@@ -828,8 +828,6 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
     return OutputPlan.of(main, arrays[5], extra=GemvExtra(ws, conv_plan, {}), like=arrays[1])
 
 
-
-
 def replay(plan: OutputPlan, inputs: tuple, out, stream):
     """Replay a plan of :func:`launch` on ``inputs`` (w, x, scales, zeros, bias) and ``out``."""
     x = inputs[1]
