@@ -59,7 +59,10 @@ def _opted_in_sm90():
             (MatmulSm90Config(stream_k=True), "matmul_sm90"),
             (MatmulSm90Config(block_n=64, cluster_k=2, b_kmajor=True), "matmul_sm90"),
             (matmul_fp8.MatmulFp8Config(), "matmul_fp8_sm90"), (PadRowsConfig(), "pad_rows"),
-            (gemv.QuantGemvConfig(), "quant_gemv"), (gemv.QuantGemvConfig(), "quant_dequantize")]
+            (gemv.QuantGemvConfig(), "quant_gemv"), (gemv.QuantGemvConfig(), "quant_dequantize"),
+            (gemv.QuantGemvConfig(x_half=True), "quant_gemv"), (gemv.QuantGemvConfig(x_half=True), "quant_gemv_xhalf"),
+            (gemv.QuantGemvConfig(x_half=True, x_shared=True, group_size=128, has_zeros=True, weight_dtype="uint8"),
+             "quant_gemv")]
     for n in (1024, 4096, 16384, 262144):
         out += [(rb.plan_bwd("softmax_bwd", n, "bfloat16", 8, "sm_90"), name)
                 for name in ("softmax_bwd_rows", "log_softmax_bwd_rows")]
