@@ -276,6 +276,11 @@ class Waves(NamedTuple):
     tail_efficiency: float
 
 
+def arch_number(arch: str) -> int:
+    """The SM version of a target name as one number: "sm_90a" -> 90, "sm_80" -> 80."""
+    return int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()))
+
+
 def waves(num_tiles: int, sm_count: int, blocks_per_sm: int = 1) -> Waves:
     """Rounds needed to run ``num_tiles`` blocks with ``sm_count * blocks_per_sm`` slots.
 

@@ -13,6 +13,7 @@ import pytest
 from sweep import FULL_SWEEP
 
 import rtkernels as rtk
+from rtkernels.arch import arch_number
 from rtkernels.errors import ConfigError
 from rtkernels.inspect import sass_stats
 from rtkernels.ops import rowwise as rw
@@ -743,7 +744,7 @@ ROW_CLASS_CONFIGS = [   # every row class at widths the heuristics would not giv
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_row_class_gpu(dtype, n, fields):
     from rtkernels import device
-    if fields.get("cluster_size", 1) > 1 and rw._arch_number(device.current_arch()) < 90:
+    if fields.get("cluster_size", 1) > 1 and arch_number(device.current_arch()) < 90:
         pytest.skip("clusters need sm_90")
     cp, random_array, to_f64, poison, _ = _gpu()
     rng = np.random.default_rng(n)
@@ -996,7 +997,7 @@ def test_staged_rows_gpu(dtype, case, monkeypatch):
     n, rows, fields = case
     monkeypatch.setattr(rw, "_resident_blocks", lambda k, cfg: 16)   # many rows per block
     if (fields.get("cluster_size", 1) > 1 or fields.get("bulk_stages")) and \
-            rw._arch_number(device.current_arch()) < 90:
+            arch_number(device.current_arch()) < 90:
         pytest.skip("clusters / bulk copies need sm_90")
     # row stride n + 8 (still 16-byte rows) except at 4096, where the rows are contiguous
     _three_ops_on_strided_rows(dtype, n, rows, fields, seed=n + rows, norm_fields=dict(param_slots=1, **fields),
@@ -1018,7 +1019,7 @@ def test_staged_special_rows_gpu():
         cfg = SoftmaxConfig(dtype="bfloat16", vec=8, **fields)
         if cfg.min_arch > 80:
             from rtkernels import device
-            if rw._arch_number(device.current_arch()) < 90:
+            if arch_number(device.current_arch()) < 90:
                 continue
         y = rw.softmax(x, out=poison(cp.empty_like(x)), dtype="bfloat16", config=cfg)
         got = to_f64(y, "bfloat16")
@@ -1145,7 +1146,7 @@ def _three_ops_case_gpu(dtype, case, monkeypatch, why, seed_offset):
     """A (width, rows, fields, grid) case through _three_ops_on_strided_rows (skipped below sm_90),
     the grid shrunk by _shrink_grid (persistent configs: their resident wave)."""
     from rtkernels import device
-    if rw._arch_number(device.current_arch()) < 90:
+    if arch_number(device.current_arch()) < 90:
         pytest.skip(why)
     n, rows, fields, grid = case
     _shrink_grid(monkeypatch, fields, grid)
@@ -1158,7 +1159,7 @@ def test_cluster_push_special_rows_gpu(variant, monkeypatch):
     """-inf / all-equal / huge / offset / NaN rows through pushed cluster totals, one cluster per row
     or 2 clusters walking 15 rows each."""
     from rtkernels import device
-    if rw._arch_number(device.current_arch()) < 90:
+    if arch_number(device.current_arch()) < 90:
         pytest.skip("clusters need sm_90")
     extra, grid = _SPECIAL_VARIANTS[variant]
     fields = dict(threads_per_row=256, block_size=256, vecs_per_thread=4, cluster_size=8, **extra)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import rtkernels as rtk
+from rtkernels.arch import arch_number
 from rtkernels.errors import ConfigError
 from rtkernels.ops import rowwise_bwd as rb
 from rtkernels.ops._arrays import Launch
@@ -384,9 +385,8 @@ FOLD_KNOBS = [
 def test_fold_knob_classes_gpu(n, rows, fields):
     from test_rowwise_bwd import _check_config
     from rtkernels import device
-    from rtkernels.ops import rowwise as rw
     cfg = NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, fold_colsum=True, **fields)
-    if cfg.min_arch > rw._arch_number(device.current_arch()):
+    if cfg.min_arch > arch_number(device.current_arch()):
         pytest.skip(f"needs sm_{cfg.min_arch}")
     _check_config(cfg, n, rows, f"fold {fields}")
     refused = cfg in rb._FOLD_REFUSED

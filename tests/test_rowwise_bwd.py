@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import rtkernels as rtk
+from rtkernels.arch import arch_number
 from rtkernels.errors import ConfigError
 from rtkernels.inspect import sass_stats
 from rtkernels.ops import rowwise_bwd as rb
@@ -275,9 +276,8 @@ BULK_EDGE_CASES = [(n, r) for n in (1024, 4096) for r in (1, 7, 33, 4097)] + [(1
 @pytest.mark.parametrize("n, rows", BULK_EDGE_CASES)
 def test_norm_backward_bulk_edges_gpu(n, rows, variant):
     from rtkernels import device
-    from rtkernels.ops import rowwise as rw
     arch = device.current_arch()
-    if rw._arch_number(arch) < 90:
+    if arch_number(arch) < 90:
         pytest.skip("bulk copies need sm_90")
     cfgs = dict.fromkeys(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
                          .replace(**BULK_EDGE_VARIANTS[variant]) for layer in (False, True))
@@ -290,9 +290,8 @@ def test_norm_backward_bulk_edges_gpu(n, rows, variant):
 @pytest.mark.parametrize("n, rows", LOAD_AHEAD_CASES)
 def test_norm_backward_load_ahead_gpu(n, rows, variant):
     from rtkernels import device
-    from rtkernels.ops import rowwise as rw
     arch = device.current_arch()
-    if LOAD_AHEAD[variant].get("bulk_rows") and rw._arch_number(arch) < 90:
+    if LOAD_AHEAD[variant].get("bulk_rows") and arch_number(arch) < 90:
         pytest.skip("bulk copies need sm_90")
     # the heuristic's tile per op (its occupancy knobs differ at 4k): each distinct config once
     cfgs = dict.fromkeys(rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=layer)
@@ -305,8 +304,7 @@ def test_norm_backward_load_ahead_gpu(n, rows, variant):
 @pytest.mark.parametrize("n, rows, fields", BULK_CLASSES)
 def test_norm_backward_bulk_row_classes_gpu(n, rows, fields):
     from rtkernels import device
-    from rtkernels.ops import rowwise as rw
-    if rw._arch_number(device.current_arch()) < 90:
+    if arch_number(device.current_arch()) < 90:
         pytest.skip("bulk copies need sm_90")
     _check_config(NormBwdConfig(dtype="bfloat16", weight_dtype="bfloat16", vec=8, **fields), n, rows, str(fields))
 
@@ -342,10 +340,9 @@ def test_norm_backward_ring_row_classes_gpu(n, rows, fields):
 def _check_config(cfg, n, rows, variant):
     from test_training_ops import _close, _gpu, _rmsnorm_dx_scale, _row_rms
     from rtkernels import device
-    from rtkernels.ops import rowwise as rw
     cp, random_array, to_f64, poison = _gpu()
     dtype = "bfloat16"
-    if cfg.launch_cluster > 1 and rw._arch_number(device.current_arch()) < 90:
+    if cfg.launch_cluster > 1 and arch_number(device.current_arch()) < 90:
         pytest.skip("clusters need sm_90")
     rng = np.random.default_rng(n + rows)
     x, x64 = random_array(rng, (rows, n), dtype, scale=2.0)
@@ -384,7 +381,7 @@ def test_cluster_workers_fit_the_device_gpu():
     from rtkernels import device
     from rtkernels.ops import rowwise as rw
     arch = device.current_arch()
-    if rw._arch_number(arch) < 90:
+    if arch_number(arch) < 90:
         pytest.skip("clusters need sm_90")
     for n in (16384, 65536):   # (8k rows run one 512-thread block per row on sm_90: _NORM_BWD_BIG_BLOCK)
         cfg = rb.plan_bwd("norm_bwd", n, "bfloat16", 8, arch, weight_dtype="bfloat16", layer=True)

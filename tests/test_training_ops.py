@@ -15,6 +15,7 @@ from rtkernels.errors import ConfigError
 from rtkernels.inspect import sass_stats
 from rtkernels.ops import adamw as aw
 from rtkernels.ops import cross_entropy as ce
+from rtkernels.arch import arch_number
 from rtkernels.ops import rowwise as rw
 from rtkernels.ops import rowwise_bwd as rb
 from rtkernels.ops.adamw import AdamWConfig
@@ -447,7 +448,7 @@ NORM_CLASS_CONFIGS = [   # every row class at widths the heuristics would not gi
 @pytest.mark.parametrize("n, fields", NORM_CLASS_CONFIGS)
 def test_row_backward_every_row_class_gpu(n, fields):
     from rtkernels import device
-    if fields.get("cluster_size", 1) > 1 and rw._arch_number(device.current_arch()) < 90:
+    if fields.get("cluster_size", 1) > 1 and arch_number(device.current_arch()) < 90:
         pytest.skip("clusters need sm_90")
     cp, random_array, to_f64, poison = _gpu()
     dtype, rows = "bfloat16", 37
@@ -693,7 +694,7 @@ CE_CLASS_CONFIGS = [   # row classes at vocabularies the heuristics would not gi
 def test_cross_entropy_every_row_class_gpu(v, fields):
     from rtkernels import device
     if (fields.get("cluster_size", 1) > 1 or fields.get("smem_rows")) and \
-            rw._arch_number(device.current_arch()) < 90:
+            arch_number(device.current_arch()) < 90:
         pytest.skip("clusters / bulk copies need sm_90")
     cp, random_array, to_f64, poison = _gpu()
     rng = np.random.default_rng(v)

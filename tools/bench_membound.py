@@ -305,6 +305,7 @@ def _sweep_configs(op, dtype, n, arch):
     then every block size x vectors per thread (2, 4, 8) x cluster that holds the row, with and
     without prefetch (single blocks) and softmax's recompute (4+ vectors where registers bind),
     and a two-pass config.  Candidates that spill are compiled, reported and skipped."""
+    from rtkernels import arch as _arch
     from rtkernels import dtypes
     from rtkernels.ops import rowwise as rw
     size = dtypes.itemsize(dtype)
@@ -316,7 +317,7 @@ def _sweep_configs(op, dtype, n, arch):
     old = new.replace(prefetch=False) if getattr(new, "prefetch", False) else new
     out = [("old", old), ("new", new)]
     nvec = n // vec
-    hopper = rw._arch_number(arch) >= 90
+    hopper = _arch.arch_number(arch) >= 90
     for block in (128, 256, 512, 1024):
         for v in (2, 4, 8):
             if nvec % (block * v):

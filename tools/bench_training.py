@@ -79,13 +79,13 @@ NORM_VARIANTS = {
     "bulk1_accreg": dict(bulk_rows=1, acc_smem=False, min_blocks=1, only=(2048, 4096, 8192, 16384, 32768, 65536)),
     "bulk3_accreg": dict(bulk_rows=3, acc_smem=False, min_blocks=1, only=(2048, 4096, 8192, 16384, 32768, 65536)),
     "bulk2_accreg_3blk": dict(bulk_rows=2, acc_smem=False, min_blocks=3, only=(2048, 4096, 8192)),
-    # earlier load-ahead variants (rejected 2026-11-25), now on the new kernel
     # the weight loaded from L1 at both uses of every row (hold_weight=False, the default before 2026-11-28)
     "nohold": dict(hold_weight=False),
     # 256-thread block rows with the sums in shared memory under a 64-register cap: 4 blocks per SM
     # instead of 3 (RMSNorm 4k with the weight held: 80 registers).  H200, 2026-11-28: RMSNorm 2560 / 4096
     # 3300 / 3230 GB/s against bulk stages' 3370 / 3390 - not taken (rowwise_bwd._NORM_BWD_BULK)
     "acc4blk": dict(acc_smem=True, min_blocks=4, bulk_rows=0, only=(2048, 2560, 3072, 4096)),
+    # earlier load-ahead variants (rejected 2026-11-25), now on the new kernel
     "prefetch": dict(ring_rows=0, prefetch=True, min_blocks=1),   # a second register set: no 64-register cap
     "ring2": dict(ring_rows=2, prefetch=False),
     # the column sums: the two-kernel path (norm_bwd_colsum) against the heuristic's fold into a

@@ -31,6 +31,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import dtypes
+from ..arch import arch_number
 from ..config import register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
@@ -98,7 +99,7 @@ def plan(n: int, dtype: str, vec: int, arch: str, *, target_dtype: str = "int64"
     """The heuristic config for rows of ``n`` logits accessed ``vec`` at a time: per power of two
     >= n / vec, refitted to the row's own vector count on sm_90 (``fit``, see above)."""
     cfg = _plan(n, dtype, vec, arch, target_dtype, grad, smoothing, ragged)
-    if fit and rw._arch_number(arch) >= 90:
+    if fit and arch_number(arch) >= 90:
         cfg = rw.fit_width(cfg, -(-n // vec), fewest=True)
     return cfg
 
@@ -115,7 +116,7 @@ def _plan(n, dtype, vec, arch, target_dtype, grad, smoothing, ragged):
     if need <= _CE_BLOCK_MAX:
         return CrossEntropyConfig(**common, threads_per_row=need, block_size=need,
                                   vecs_per_thread=rw._pow2_ceil(-(-nvec // need)))
-    if rw._arch_number(arch) >= 90 and vec * size == 16:
+    if arch_number(arch) >= 90 and vec * size == 16:
         for block, vecs, min_blocks in _CE_SLICES:
             per_block = block * vecs
             if nvec <= 8 * per_block:

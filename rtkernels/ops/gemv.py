@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from .. import device
+from ..arch import arch_number
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
 from ..kernel import get_kernel
@@ -268,9 +269,8 @@ class QuantGemvConfig(KernelConfig):
         return red + xch + stages
 
     def x_shared_bytes(self, m: int, k: int) -> int:
-        """Shared memory x_shared adds to a CTA for M x K: the warps' row maxima, the rows'
-        multipliers and the float16 rows (K rounded up to 8); 0 without x_shared."""
-        return (self.num_warps * 8 + 8) * 4 + 2 * m * (-(-k // 8) | 1) * 8 if self.x_shared else 0
+        """Shared memory x_shared adds to a CTA for M x K (:func:`shared_copy_bytes`); 0 without it."""
+        return shared_copy_bytes(self.num_warps, m, k) if self.x_shared else 0
 
     def template_params(self):
         p = super().template_params()
@@ -549,7 +549,7 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
 # registers) leave room on their SM for one of the GEMV's 8-warp CTAs, which 512 did not.
 X_HALF_THREADS = 256
 USE_X_HALF = os.environ.get("RTKERNELS_GEMV_XHALF", "1") != "0"
-# Where x_half pays: the float16 path's gain against the conversion's ~2 us (the template's header).
+# Where the conversion kernel's copy pays: the float16 path's gain against its ~2 us (the template's header).
 # Measured (H200, 2026-11-28, bfloat16 x, the same weights, % of the 1 GiB copy, interleaved rounds,
 # bf16 MMAs -> x_half (this kernel pair) -> float16 x; docs/data/gemv_xhalf_late_variant_session32_*,
 # its "late" column; the other runs of gemv_xhalf_*session32_* agree within ~1.5 points):
@@ -574,9 +574,16 @@ X_HALF_MIN_N = {   # (scales: "row" / "group" / "zeros", m tiles) -> N
     ("zeros", 1): 10240, ("zeros", 2): 8192}
 
 
+def shared_copy_bytes(num_warps: int, m: int, k: int) -> int:
+    """A CTA's own float16 copy of M x K (x_shared): the warps' row maxima, the rows' multipliers and
+    the rows, each an odd number of 16-byte units long (the template's ldxs: a quarter warp's loads
+    of two rows hit distinct banks)."""
+    return (num_warps * 8 + 8) * 4 + 2 * m * (-(-k // 8) | 1) * 8
+
+
 def x_shared_fits(cfg: QuantGemvConfig, m: int, k: int) -> bool:
-    """Whether ``cfg``'s CTAs per SM each fit their own float16 copy of M x K x (x_shared)."""
-    per_cta = cfg.shared_mem_bytes + cfg.replace(x_shared=True, x_half=True).x_shared_bytes(m, k)
+    """Whether ``cfg``'s CTAs per SM each fit their own float16 copy of M x K (x_shared)."""
+    per_cta = cfg.shared_mem_bytes + shared_copy_bytes(cfg.num_warps, m, k)
     return per_cta <= _SM90_SMEM_MAX and cfg.ctas_per_sm * (per_cta + 1024) <= _SM90_SMEM_PER_SM
 
 
@@ -605,32 +612,28 @@ X_SHARED_MAX_M = {"row": 1, "group": 1, "zeros": 4}   # by scales
 
 def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, bool]:
     """(x_half, x_shared) for ``cfg`` (its x_half fields ignored) on (M, N, K): a CTA's own copy
-    by the table above (where it fits); else the conversion kernel's where :func:`x_half_pays`."""
-    if not x_half_pays(cfg.dtype, cfg.weight_dtype, m, n, cfg.group_size, cfg.has_zeros, table=False):
+    by the table above (where it fits); else the conversion kernel's by X_HALF_MIN_N."""
+    if not x_half_applies(cfg.dtype, cfg.weight_dtype):
         return False, False
-    scales = "zeros" if cfg.has_zeros else "group" if cfg.group_size else "row"
+    scales = _scales_kind(cfg.group_size, cfg.has_zeros)
     if m <= X_SHARED_MAX_M[scales] and n >= X_SHARED_MIN_N and k <= X_SHARED_MAX_K and x_shared_fits(cfg, m, k):
         return True, True
-    return x_half_pays(cfg.dtype, cfg.weight_dtype, m, n, cfg.group_size, cfg.has_zeros), False
+    return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)], False
 
 
-def x_half_pays(dtype: str, weight_dtype: str, m: int, n: int, group_size: int = 0, has_zeros: bool = False,
-                table: bool = True) -> bool:
-    """Whether a bfloat16 x goes through the float16 copy (QuantGemvConfig.x_half): integer
-    weights on sm_90+ (the conversion's kernel hands over to the GEMV with PDL), from N =
-    X_HALF_MIN_N of the scales and M.  float8 e4m3 weights dequantize to bfloat16 as cheaply as to
-    float16 (bits moved under the exponent, one multiply): the copy only adds its kernel there
-    (H200, 2026-11-28, g128, % of copy, bf16 -> x_half: 28672 x 8192 M = 1 67.6 -> 66.3, 8192^2
-    59.6 -> 55.5)."""
-    if not USE_X_HALF or dtype != "bfloat16" or weight_dtype not in ("int8", "uint8"):
-        return False
-    arch = device.current_arch()   # "sm_90a" -> 90
-    if int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit())) < 90:
-        return False
-    if not table:
-        return True
-    scales = "zeros" if has_zeros else "group" if group_size else "row"
-    return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)]
+def _scales_kind(group_size: int, has_zeros: bool) -> str:
+    """The rule tables' key for a weight's scales: "row", "group" or "zeros"."""
+    return "zeros" if has_zeros else "group" if group_size else "row"
+
+
+def x_half_applies(dtype: str, weight_dtype: str) -> bool:
+    """Whether a float16 copy of x can pay at all (QuantGemvConfig.x_half): a bfloat16 x, integer
+    weights, sm_90+ (the conversion's kernel hands over to the GEMV with PDL).  float8 e4m3 weights
+    dequantize to bfloat16 as cheaply as to float16 (bits moved under the exponent, one multiply): the
+    copy only adds its kernel there (H200, 2026-11-28, g128, % of copy, bf16 -> x_half: 28672 x 8192
+    M = 1 67.6 -> 66.3, 8192^2 59.6 -> 55.5)."""
+    return (USE_X_HALF and dtype == "bfloat16" and weight_dtype in ("int8", "uint8")
+            and arch_number(device.current_arch()) >= 90)
 
 
 # Quantized weights with per-row scales at M = 9..16 (two m tiles): two row tiles per warp where the

@@ -54,6 +54,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import arch as _arch
+from ..arch import arch_number
 from .. import device, dtypes
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError
@@ -413,10 +414,6 @@ def _pow2_ceil(v: int) -> int:
     return 1 if v <= 1 else 1 << (int(v) - 1).bit_length()
 
 
-def _arch_number(arch: str) -> int:
-    return int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()))
-
-
 # ---- widths between powers of two ---------------------------------------------------------------
 # The tables above are per power of two of vectors; a row of 5120 16-bit elements (640 vectors)
 # took the 8k config (256 threads x 4 vectors = 1024 slots) and left 38% of its slots empty: fewer
@@ -546,7 +543,7 @@ def plan(family: str, n: int, dtype: str, vec: int, arch: str, *, rows: int = 1 
     nvec = _pow2_ceil(exact)
     vmax = min(_MAX_VECS_PER_THREAD, max(1, _ELEMS_PER_THREAD[family][size] // vec))
     need = _pow2_ceil(-(-nvec // vmax))          # threads if every thread holds vmax vectors
-    hopper = _arch_number(arch) >= 90
+    hopper = arch_number(arch) >= 90
     common = dict(dtype=dtype, vec=vec)
     if family == "norm":
         common["weight_dtype"] = weight_dtype or dtype
@@ -654,7 +651,7 @@ def heuristic_configs(arch: str) -> list[tuple[str, KernelConfig, tuple[str, ...
 def _refits(base: KernelConfig, k: int, family: str, layer: bool, arch: str) -> list[KernelConfig]:
     """``base`` (the table's config for rows of 2**k vectors) as :func:`plan` refits it for every
     row of 2**(k-1) + 1 .. 2**k vectors."""
-    if not _refittable(base) or _arch_number(arch) < 90:
+    if not _refittable(base) or arch_number(arch) < 90:
         return [base]
     cl = base.cluster_size
     lo, hi = -(-((1 << k) // 2 + 1) // cl), -(-(1 << k) // cl)

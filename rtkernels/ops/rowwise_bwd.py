@@ -39,6 +39,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import dtypes
+from ..arch import arch_number
 from ..config import KernelConfig, register_family
 from ..errors import ConfigError, LaunchError
 from ..kernel import get_kernel
@@ -342,7 +343,7 @@ def _softmax_bwd_fit(cfg: KernelConfig, share: int) -> KernelConfig:
 
 
 def _fits_softmax_bwd(cfg: KernelConfig, arch: str) -> bool:
-    return (cfg.family == "softmax_bwd" and rw._arch_number(arch) >= 90 and not cfg.two_pass
+    return (cfg.family == "softmax_bwd" and arch_number(arch) >= 90 and not cfg.two_pass
             and cfg.vec * dtypes.itemsize(cfg.dtype) == 16
             and cfg.threads_per_row * cfg.cluster_size >= _SOFTMAX_BWD_FIT_MIN_THREADS)
 
@@ -365,7 +366,7 @@ def _plan_bwd(family, n, dtype, vec, arch, weight_dtype, layer):
     nvec = rw._pow2_ceil(-(-n // vec))
     vmax = min(8, max(1, _BWD_ELEMS_PER_THREAD[family][size] // vec))
     need = rw._pow2_ceil(-(-nvec // vmax))
-    hopper = rw._arch_number(arch) >= 90
+    hopper = arch_number(arch) >= 90
     cls = NormBwdConfig if family == "norm_bwd" else SoftmaxBwdConfig
     common = dict(dtype=dtype, vec=vec)
     if family == "norm_bwd":
