@@ -1,6 +1,8 @@
 """quantized_matmul / quantize_weight: config validation, the heuristic, compile without spills, a
 NumPy model of the kernel's dequantization bit tricks, quantization against brute-force references,
 and on a GPU the op against the float64 dequantized product over awkward shapes."""
+import re
+
 import numpy as np
 import pytest
 
@@ -160,27 +162,41 @@ def test_x_half_config_and_rule(monkeypatch):
     assert e.value.field == "x_half"
     monkeypatch.setenv("RTKERNELS_ARCH", "sm_90a")
     h = qm.heuristic_config
-    # (x_half, x_shared): a CTA's own copy at M = 1, M <= 4 with zero points (gemv.X_SHARED_*); the
-    # conversion kernel's by gemv.X_HALF_MIN_N otherwise
+    # (x_half, x_shared, x_grid): a CTA's own copy at M = 1 (M <= 4 with zero points from N = 28672),
+    # the grid's for zero points and (large) group-scaled weights, the conversion kernel's by
+    # gemv.X_HALF_MIN_N otherwise (gemv.X_SHARED_RULES, X_GRID_RULES)
+    z = dict(weight_dtype="uint8", group_size=128, has_zeros=True)
+    g = dict(group_size=128)
     for m, n, k, kw, want in (
-            (1, 28672, 8192, {}, (True, True)), (1, 6144, 4096, {}, (True, True)), (1, 8192, 8192, {}, (True, True)),
-            (1, 4096, 4096, {}, (False, False)), (1, 4096, 14336, {}, (False, False)),
-            (1, 8192, 28672, {}, (False, False)), (1, 10240, 14336, {}, (True, False)),
-            (4, 10240, 8192, {}, (True, False)), (4, 8192, 8192, {}, (False, False)),
-            (8, 8192, 28672, {}, (False, False)), (8, 10240, 8192, {}, (True, False)),
-            (16, 14336, 4096, {}, (True, False)), (16, 8192, 28672, {}, (True, False)),
-            (9, 6144, 4096, {}, (True, False)), (16, 4096, 14336, {}, (False, False)),
-            (1, 8192, 8192, dict(group_size=128), (True, True)), (4, 8192, 8192, dict(group_size=128), (True, False)),
-            (16, 8192, 8192, dict(group_size=128), (False, False)), (16, 28672, 8192, dict(group_size=128), (True, False)),
-            (16, 14336, 4096, dict(group_size=128), (False, False)),
-            (16, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (True, False)),
-            (1, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (True, True)),
-            (4, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (True, True)),
-            (8, 8192, 8192, dict(weight_dtype="uint8", group_size=128, has_zeros=True), (False, False)),
-            (1, 28672, 8192, dict(weight_dtype="float8_e4m3", group_size=128), (False, False)),
-            (1, 28672, 8192, dict(weight_dtype="bfloat16"), (False, False))):
+            (1, 28672, 8192, {}, (True, True, False)), (1, 6144, 4096, {}, (True, True, False)),
+            (1, 8192, 8192, {}, (True, True, False)), (1, 4096, 4096, {}, (False, False, False)),
+            (1, 4096, 14336, {}, (False, False, False)), (1, 8192, 28672, {}, (False, False, False)),
+            (1, 10240, 14336, {}, (True, False, False)), (4, 10240, 8192, {}, (True, False, False)),
+            (4, 8192, 8192, {}, (False, False, False)), (8, 8192, 28672, {}, (False, False, False)),
+            (8, 10240, 8192, {}, (True, False, False)), (16, 14336, 4096, {}, (True, False, False)),
+            (16, 8192, 28672, {}, (True, False, False)), (9, 6144, 4096, {}, (True, False, False)),
+            (16, 4096, 14336, {}, (False, False, False)),
+            (1, 8192, 8192, g, (True, True, False)), (4, 8192, 8192, g, (True, False, False)),
+            (16, 8192, 8192, g, (False, False, False)), (16, 28672, 8192, g, (True, False, True)),
+            (16, 14336, 4096, g, (False, False, False)), (16, 10240, 8192, g, (True, False, True)),
+            (4, 8192, 28672, g, (True, False, True)), (1, 8192, 28672, g, (True, False, False)),
+            (4, 4096, 14336, g, (False, False, False)),
+            (16, 8192, 8192, z, (True, False, True)), (1, 8192, 8192, z, (True, True, False)),
+            (4, 8192, 8192, z, (True, False, True)), (4, 28672, 8192, z, (True, True, False)),
+            (8, 8192, 8192, z, (True, False, True)), (1, 8192, 28672, z, (True, False, True)),
+            (4, 4096, 4096, z, (False, False, False)),
+            (16, 129, 4096, z, (False, False, False)),   # split-K: no grid copy, and too small for the kernel's
+            (1, 28672, 8192, dict(weight_dtype="float8_e4m3", group_size=128), (False, False, False)),
+            (1, 28672, 8192, dict(weight_dtype="bfloat16"), (False, False, False))):
         c = h("bfloat16", m, n, k, sm_count=132, **kw)
-        assert (c.x_half, c.x_shared) == want, (m, n, k, kw, c.tag())
+        assert (c.x_half, c.x_shared, c.x_grid) == want, (m, n, k, kw, c.tag())
+    with pytest.raises(ConfigError) as e:
+        QuantGemvConfig(dtype="bfloat16", x_half=True, split_k=2, x_grid=True)
+    assert e.value.field == "x_grid"
+    with pytest.raises(ConfigError) as e:
+        QuantGemvConfig(dtype="bfloat16", x_half=True, x_shared=True, x_grid=True)
+    assert e.value.field == "x_grid"
+    assert not h("bfloat16", 16, 28672, 8192, sm_count=132, group_size=128, x_grid=False).x_grid
     assert gemv.x_shared_fits(h("bfloat16", 1, 8192, 8192, sm_count=132), 1, 50000)
     assert not gemv.x_shared_fits(h("bfloat16", 4, 8192, 8192, sm_count=132), 4, 14336)   # 2 x 115 KiB
     assert not h("float16", 1, 28672, 8192, sm_count=132).x_half
@@ -207,6 +223,8 @@ def test_x_half_workspace_layout():
     assert ws.part_bytes >= ws.offsets[2] + 4 * 3
     assert gemv.workspace(cfg.replace(x_half=False, split_k=1), 3, 129, 4100) is None
     assert gemv.workspace(cfg.replace(x_shared=True, split_k=1), 3, 129, 4100) is None   # a CTA's own copy
+    wg = gemv.workspace(cfg.replace(split_k=1, x_grid=True), 3, 129, 4100)   # the grid's copy and its count
+    assert wg.counter_bytes == 8 and wg.offsets[1] is not None and wg.offsets[2] is not None
 
 
 def test_x_half_kernels_compile():
@@ -226,6 +244,16 @@ def test_x_half_kernels_compile():
     assert conv.ptx.index("griddepcontrol.wait") < conv.ptx.index("griddepcontrol.launch_dependents")
     plain = rtk.get_kernel(cfg.replace(x_half=False), "quant_gemv", arch="sm_90")
     assert "HMMA.16816.F32.BF16" in plain.sass
+    # x_grid: the GEMV's first CTAs convert, release a count, every CTA acquires it; the copy is read
+    # with plain loads (the read-only path may miss writes made during the kernel), the weights not
+    grid = rtk.get_kernel(cfg.replace(x_grid=True), "quant_gemv", arch="sm_90")
+    r = grid.resources
+    assert r.spill_stores == 0 and r.spill_loads == 0, r
+    assert "red.release.gpu.global.add" in grid.ptx and "ld.acquire.gpu.global" in grid.ptx
+    assert grid.ptx.index("griddepcontrol.wait") < grid.ptx.index("red.release.gpu")
+    assert re.search(r"ld\.global\.v4\.u32", grid.ptx) and re.search(r"ld\.global\.nc\.v4\.u32", grid.ptx)
+    assert not re.search(r"ld\.global\.v4\.u32", main.ptx)   # the conversion kernel's copy: read-only path
+    assert "HMMA.16816.F32" in grid.sass and "HMMA.16816.F32.BF16" not in grid.sass
 
 
 # ---- compile: the heuristic's configs, no spills, with register headroom --------------------------
@@ -243,6 +271,8 @@ def _compiled_configs():
           sm_count=132),                                                                     # 4 CTAs of 4 warps
         h("bfloat16", 4, 4096, 4096, weight_dtype="uint8", has_zeros=True, has_bias=True, activation="silu",
           sm_count=132),
+        h("bfloat16", 8, 10240, 8192, weight_dtype="uint8", group_size=128, has_zeros=True, has_bias=True,
+          activation="silu", sm_count=132),                                                  # x_grid
         h("float16", 1, 6144, 4096, weight_dtype="float8_e4m3", scale_dtype="float16", activation="relu",
           sm_count=132),
         h("bfloat16", 3, 129, 4096, weight_dtype="int8", w_vec=1, x_vec=1, group_size=64, has_zeros=True,
@@ -677,12 +707,13 @@ def test_torch_inputs_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [16, 8])
-def test_x_half_extreme_rows_gpu(m):
+@pytest.mark.parametrize("m, grid", [(16, False), (8, False), (16, True)])
+def test_x_half_extreme_rows_gpu(m, grid):
     """x_half's per-row power of two: rows near bfloat16's largest and smallest normal values, a zero
     row, a row spanning 2^40, rows with inf and NaN, through the float16 copy (the conversion
-    kernel's at M = 16, a CTA's own at M = 8) and without it (config=): finite rows agree with the
-    float64 reference; inf / NaN land where the bfloat16 MMAs put them."""
+    kernel's at M = 16, a CTA's own at M = 8, the grid's own at M = 16 with grid) and without it
+    (config=): finite rows agree with the float64 reference; inf / NaN land where the bfloat16 MMAs
+    put them."""
     import cupy as cp
     from gpu_util import bf16_bits_from_f32, f32_from_bf16_bits, poison, to_f64
     import rtkernels as rtk
@@ -706,11 +737,13 @@ def test_x_half_extreme_rows_gpu(m):
     qd, sd = cp.asarray(q), cp.asarray(sc)
     base = qm.heuristic_config("bfloat16", m, n, k, sm_count=132, x_half=True, x_shared=m <= 8)
     assert base.x_shared == (m <= 8)   # m = 8: each CTA's own copy
+    if grid:
+        base = base.replace(x_grid=True)
     outs = {}
     for xh in (True, False):
         out = poison(cp.empty((m, n), cp.uint16))
         rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16",
-                             config=base if xh else base.replace(x_half=False, x_shared=False))
+                             config=base if xh else base.replace(x_half=False, x_shared=False, x_grid=False))
         outs[xh] = to_f64(out, "bfloat16")
     finite = [r for r in range(m) if np.isfinite(x64[r]).all()]
     for xh, got in outs.items():
@@ -726,9 +759,10 @@ def test_x_half_extreme_rows_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lib", ["cupy", "torch"])
-def test_x_half_graph_replay_gpu(lib):
-    """Captured in a CUDA graph (the conversion and the GEMV), replayed with new x contents: the
+@pytest.mark.parametrize("lib, grid", [("cupy", False), ("torch", False), ("cupy", True), ("torch", True)])
+def test_x_half_graph_replay_gpu(lib, grid):
+    """Captured in a CUDA graph (the conversion and the GEMV; with grid, the GEMV whose own CTAs
+    convert, whose count must read zero again for every replay), replayed with new x contents: the
     replay equals the eager call bit for bit and the reference."""
     import cupy as cp
     from gpu_util import capture_cupy, refill
@@ -736,17 +770,19 @@ def test_x_half_graph_replay_gpu(lib):
     rng = np.random.default_rng(5)
     m, n, k = 9, 10240, 4160
     x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, "bfloat16", "int8", None, False)
-    assert qm.heuristic_config("bfloat16", m, n, k).x_half
+    cfg = qm.heuristic_config("bfloat16", m, n, k)
+    assert cfg.x_half
+    kw = dict(config=cfg.replace(x_grid=grid))
     if lib == "torch":
         torch = pytest.importorskip("torch")
         xt = torch.from_dlpack(x).view(torch.bfloat16)
         qt, st = torch.from_dlpack(qd), torch.from_dlpack(sd)
         out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-        rtk.quantized_matmul(xt, qt, st, out=out)   # plan, workspace
+        rtk.quantized_matmul(xt, qt, st, out=out, **kw)   # plan, workspace
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            rtk.quantized_matmul(xt, qt, st, out=out)
+            rtk.quantized_matmul(xt, qt, st, out=out, **kw)
         for step in range(2):
             (xh2,) = refill(rng, (x,), "bfloat16")
             torch.cuda.synchronize()
@@ -754,38 +790,41 @@ def test_x_half_graph_replay_gpu(lib):
             torch.cuda.synchronize()
             got = out.float().cpu().numpy().astype(np.float64)
             _check(got, xh2, q, s, z, None, "int8", "bfloat16", what=f"torch replay {step}")
-            eager = rtk.quantized_matmul(xt, qt, st)
+            eager = rtk.quantized_matmul(xt, qt, st, **kw)
             torch.cuda.synchronize()
             assert torch.equal(eager, out), f"torch replay {step} != eager"
         return
     out = cp.empty((m, n), cp.uint16)
     st = cp.cuda.Stream(non_blocking=True)
     with st:
-        rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16")
-        graph = capture_cupy(st, lambda: rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16"))
+        rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16", **kw)
+        graph = capture_cupy(st, lambda: rtk.quantized_matmul(x, qd, sd, out=out, dtype="bfloat16", **kw))
         for step in range(2):
             (xh2,) = refill(rng, (x,), "bfloat16")
             st.synchronize()
             graph.launch(st)
             st.synchronize()
             _check(out, xh2, q, s, z, None, "int8", "bfloat16", what=f"cupy replay {step}")
-            eager = rtk.quantized_matmul(x, qd, sd, dtype="bfloat16")
+            eager = rtk.quantized_matmul(x, qd, sd, dtype="bfloat16", **kw)
             st.synchronize()
             assert cp.array_equal(eager, out), f"cupy replay {step} != eager"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k, shift, shared", [(4104, 1, False), (40000, 0, False), (1000, 3, False), (4104, 1, True),
-                                              (1000, 3, True), (20000, 0, True)])
-def test_x_half_row_lengths_gpu(k, shift, shared):
-    """The conversion kernel's two ways through a row: held in registers (up to 8 vectors per
-    thread), or read twice (longer rows: 4104 scalar elements of a misaligned slice, 5000 16-byte
-    vectors); and a CTA's own copy (x_shared) of such rows."""
+@pytest.mark.parametrize("k, shift, mode, m", [(4104, 1, "kernel", 5), (40000, 0, "kernel", 5), (1000, 3, "kernel", 5),
+                                               (4104, 1, "shared", 5), (1000, 3, "shared", 2), (8192, 0, "shared", 8),
+                                               (4104, 1, "grid", 5), (40000, 0, "grid", 3), (8200, 0, "grid", 16)])
+def test_x_half_row_lengths_gpu(k, shift, mode, m):
+    """The conversion's two ways through a row: held in registers (up to 8 vectors per thread in the
+    kernel, 4 in the grid's CTAs), or read twice (longer rows: 4104 scalar elements of a misaligned
+    slice, 5000 16-byte vectors, 1025 of them over 256 threads); and a CTA's own copy (x_shared) of
+    such rows (M = 2, 5, 8)."""
+    shared = mode == "shared"
     import cupy as cp
     from gpu_util import poison
     import rtkernels as rtk
-    rng = np.random.default_rng(k + shift)
-    m, n = 5, 300
+    rng = np.random.default_rng(k + shift + m)
+    n = 300
     x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k + shift, "bfloat16", "int8", None, False)
     w = qm.dequantize_reference(q, s)
     q, s = qm.quantize_weight(w[:, shift:].astype(np.float32), dtype="int8")
@@ -793,7 +832,9 @@ def test_x_half_row_lengths_gpu(k, shift, shared):
     xs, xs64 = x[:, shift:], x64[:, shift:]
     out = poison(cp.empty((m, n), cp.uint16))
     cfg = qm.heuristic_config("bfloat16", m, n, k, x_vec=qm._vec_width(k, xs.data.ptr, xs.strides[0] // 2, 2, 8),
-                              x_half=True, x_shared=shared)
+                              x_half=True, x_shared=shared, x_grid=False)
+    if mode == "grid":
+        cfg = cfg.replace(split_k=1, cluster=False, x_grid=True)
     assert cfg.x_shared == shared
     rtk.quantized_matmul(xs, qd, sd, out=out, dtype="bfloat16", config=cfg)
     assert cfg.x_vec == (8 if shift == 0 else 1), cfg.x_vec
@@ -801,11 +842,13 @@ def test_x_half_row_lengths_gpu(k, shift, shared):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("mode", ["kernel", "shared", "grid"])
 @pytest.mark.parametrize("m, n, k, kind, group, zeros", [c for c in CASES if c[3] != "float8_e4m3" and c[0] <= 16])
-def test_x_half_shapes_gpu(m, n, k, kind, group, zeros, shared):
-    """The awkward shapes of test_quantized_matmul_gpu through x_half (config=), the conversion
-    kernel's copy and a CTA's own (M <= 8): bfloat16 x, integer weights, split-K included."""
+def test_x_half_shapes_gpu(m, n, k, kind, group, zeros, mode):
+    """The awkward shapes of test_quantized_matmul_gpu through x_half (config=): the conversion
+    kernel's copy, a CTA's own (M <= 8) and the grid's own (split-K 1; grids smaller than M
+    included, whose CTAs convert several rows): bfloat16 x, integer weights, split-K included."""
+    shared = mode == "shared"
     if shared and m > 8:
         pytest.skip("x_shared: M <= 8")
     import cupy as cp
@@ -814,8 +857,10 @@ def test_x_half_shapes_gpu(m, n, k, kind, group, zeros, shared):
     rng = np.random.default_rng(m * 7 + n * 13 + k)
     x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, "bfloat16", kind, group, zeros)
     cfg = qm.heuristic_config("bfloat16", m, n, k, weight_dtype=kind, group_size=group or 0, has_zeros=zd is not None,
-                              x_half=True, x_shared=shared)
+                              x_half=True, x_shared=shared, x_grid=False)
     assert cfg.x_shared == shared
+    if mode == "grid":
+        cfg = cfg.replace(split_k=1, cluster=False, x_grid=True)
     out = poison(cp.empty((m, n), dtype=x.dtype))
     rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, dtype="bfloat16", config=cfg)
     _check(out, x64, q, s, z, group, kind, "bfloat16", what=f"x_half M={m} N={n} K={k} {kind} group={group} ({cfg.tag()})")

@@ -99,7 +99,9 @@ class QuantGemvConfig(KernelConfig):
     MMAs on that copy (float16's dequantization costs 1 instruction per weight, bfloat16's 2.5; the
     template's header has the numerics and the PDL hand-over).  ``x_shared`` (with ``x_half``, M <= 8):
     each CTA makes that copy in its own shared memory instead (:meth:`x_shared_bytes` more per CTA,
-    no conversion kernel).
+    no conversion kernel).  ``x_grid`` (with ``x_half``, ``split_k`` 1): the GEMV's own first CTAs
+    make the copy in the workspace for the whole grid while every CTA's first weight blocks load (no
+    conversion kernel; the template's header says why the wait cannot deadlock).
     """
 
     family: ClassVar[str] = "quant_gemv"
@@ -128,6 +130,7 @@ class QuantGemvConfig(KernelConfig):
     cluster: bool = False
     x_half: bool = False
     x_shared: bool = False
+    x_grid: bool = False
 
     expects_tensor_cores: ClassVar[bool] = True
     # (no expected_global_width: inspect holds loads and stores to it, and the outputs are M x N
@@ -145,7 +148,7 @@ class QuantGemvConfig(KernelConfig):
             self._check_choice("weight_dtype", WEIGHT_DTYPES + DENSE_DTYPES)
         self._check_dtype("scale_dtype", SCALE_DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster", "x_half", "x_shared"):
+        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster", "x_half", "x_shared", "x_grid"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         if self.group_size != 0:
@@ -175,6 +178,9 @@ class QuantGemvConfig(KernelConfig):
                                  "to float16 for the float16 dequantization)")
         if self.x_shared and not (self.x_half and self.m_tiles == 1):
             self._fail("x_shared", "False unless x_half=True and m_tiles=1 (a CTA's own float16 copy of at most 8 rows)")
+        if self.x_grid and not (self.x_half and not self.x_shared and self.split_k == 1):
+            self._fail("x_grid", "False unless x_half=True, x_shared=False and split_k=1 (the grid's first CTAs make "
+                                 "the copy for CTAs that each hold a whole row of K)")
         if self.n_major:
             if not self.dense:
                 self._fail("n_major", f"False for {self.weight_dtype} weights (N-major is for unquantized "
@@ -302,7 +308,8 @@ class QuantGemvConfig(KernelConfig):
         """Short name of the tiling (benchmark tables)."""
         return (f"{'n' if self.n_major else ''}r{self.row_tiles}u{self.unroll}w{self.num_warps}k{self.warps_k}"
                 f"s{self.split_k}c{self.ctas_per_sm}{'p' if self.persistent else ''}{'m' if self.staged else ''}"
-                f"{'x' if self.cluster else ''}{'h' if self.x_half else ''}{'s' if self.x_shared else ''}")
+                f"{'x' if self.cluster else ''}{'h' if self.x_half else ''}{'s' if self.x_shared else ''}"
+                f"{'g' if self.x_grid else ''}")
 
 
 # ---- heuristics ---------------------------------------------------------------------------------
@@ -326,7 +333,7 @@ class QuantGemvConfig(KernelConfig):
 #   every warp keeps two 64-element blocks: the partials cost a second launch and
 #   4 * split_k * M * N bytes.
 _TILE_FIELDS = ("row_tiles", "unroll", "num_warps", "warps_k", "split_k", "ctas_per_sm", "persistent",
-                "max_registers", "staged", "cluster", "x_half", "x_shared")   # what config= overrides
+                "max_registers", "staged", "cluster", "x_half", "x_shared", "x_grid")   # what config= overrides
 _WARPS = 8
 _WARPS_K = 8
 _CTAS_PER_SM = 2
@@ -481,13 +488,14 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                      scale_dtype: str = "float32", group_size: int = 0, has_zeros: bool = False,
                      has_bias: bool = False, activation: str = "none", n_major: bool = False, w_vec: int = 16,
                      x_vec: int = 8, sm_count: int | None = None, sm90: bool | None = None,
-                     x_half: bool | None = None, x_shared: bool | None = None) -> QuantGemvConfig:
+                     x_half: bool | None = None, x_shared: bool | None = None,
+                     x_grid: bool | None = None) -> QuantGemvConfig:
     """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
     ``sm90``: the sm_90 N-major rule (:func:`_nmajor_sm90`); default: the target arch is sm_90 and
     RTKERNELS_GEMV_SM90 is not 0.  Quantized weights with per-row scales at M = 9..16 take two row
-    tiles per warp where the grid allows (:func:`_two_row_tiles`).  ``x_half`` / ``x_shared``: convert a
-    bfloat16 x to float16 (QuantGemvConfig.x_half), in each CTA's shared memory (x_shared); default:
-    :func:`x_half_mode`."""
+    tiles per warp where the grid allows (:func:`_two_row_tiles`).  ``x_half`` / ``x_shared`` /
+    ``x_grid``: convert a bfloat16 x to float16 (QuantGemvConfig.x_half), in each CTA's shared memory
+    (x_shared) or by the grid's first CTAs (x_grid, where split_k is 1); default: :func:`x_half_mode`."""
     if sm_count is None:
         sm_count = device.sm_count() if device.has_gpu() else 132
     if sm90 is None:
@@ -535,10 +543,11 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
     if n_major:
         return _nmajor_sm90(cfg, n, k, sm_count) if sm90 else cfg
-    auto_half, auto_shared = x_half_mode(cfg, m, n, k)
+    auto_half, auto_shared, auto_grid = x_half_mode(cfg, m, n, k)
     x_half = auto_half if x_half is None else x_half
     x_shared = (auto_shared if x_shared is None else x_shared) and x_half and m_tiles == 1
-    cfg = cfg.replace(x_half=x_half, x_shared=x_shared)
+    x_grid = (auto_grid if x_grid is None else x_grid) and x_half and not x_shared and split == 1
+    cfg = cfg.replace(x_half=x_half, x_shared=x_shared, x_grid=x_grid)
     if m_tiles == 2 and not dense and group_size == 0 and not has_zeros and w_vec == 16 and split == 1:
         return _two_row_tiles(cfg, n, sm_count)
     return cfg
@@ -605,20 +614,56 @@ def x_shared_fits(cfg: QuantGemvConfig, m: int, k: int) -> bool:
 # quarter warp's loads of 2 rows x 4 lanes hit distinct banks: +0-6 points), but zero points gain at
 # M = 4 as at M = 1 (uint8 g128 M = 4: 28672x8192 63.7 / 66.1 / 81.7, 14336x4096 51.1 / 52.2 / 56.8,
 # 8192^2 55.6 / 52.5 / 55.8; M = 8 14336x4096 50.6 / 50.5 / 47.0).
+# Zero points at M = 2..4 now take the grid's copy below N = 28672 (below).  Staging all of a CTA's rows
+# at once (4 per pass) instead of one after another was level (int8 M = 4 28672x8192 83.4, 8192^2
+# 58.1; H200, 2026-11-28, docs/data/gemv_xshared_batched_session33_*): the copy's cost is the L2 reads
+# of M x K x 2 bytes per CTA, not the rows' latency.
 X_SHARED_MIN_N = 6144
 X_SHARED_MAX_K = 8192
-X_SHARED_MAX_M = {"row": 1, "group": 1, "zeros": 4}   # by scales
+X_SHARED_RULES = (("row", 1, X_SHARED_MIN_N), ("group", 1, X_SHARED_MIN_N), ("zeros", 1, X_SHARED_MIN_N),
+                  ("zeros", 4, 28672))   # (scales, largest M, smallest N)
+
+# x_grid (the GEMV's first CTAs make the copy for the grid: no conversion kernel, no copy per CTA) where
+# it beat the conversion kernel, the bf16 MMAs and (M <= 4) a CTA's own copy.  Measured (H200,
+# 2026-11-28, two runs, % of the 1 GiB copy, bf16 MMAs / conversion kernel / grid / CTA's own copy;
+# docs/data/gemv_xgrid_ab_session33_*, gemv_xgrid_variants_session33_*):
+#   uint8 g128 + zero points: M = 4 14336x4096 51.0 / 52.3 / 60.7 / 56.7, 8192^2 55.5 / 52.1 / 59.7 / 55.6,
+#     10240x8192 53.1 / 54.0 / 60.5 / 56.5, 6144x4096 41.9 / 39.1 / 42.3 / 36.3, 28672x8192 63.8 / 65.9 /
+#     77.7 / 81.8 (the CTA's copy keeps N = 28672); M = 16 28672x8192 54.0 / 59.6 / 62.2, 8192x28672 53.4 /
+#     57.7 / 61.5, 14336x4096 44.6 / 46.9 / 47.6, 10240x8192 44.7 / 47.4 / 48.8; K = 28672 (no CTA copy)
+#     M = 1 8192x28672 64.3 / 61.9 / 73.8;
+#   int8 g128, M = 16: 28672x8192 61.6 / 64.4 / 66.7, 8192x28672 60.3 / 63.6 / 65.0, 10240x8192 48.2 / 49.7 /
+#     51.6, but 8192^2 54.1 / 52.3 / 52.7 and 14336x4096 47.9 / 46.0 / 47.5 (hence the weight-size bound);
+#     M = 4 8192x28672 71.8 / 68.6 / 72.9 (K > 8192: the conversion kernel reads each row twice), where at
+#     K = 8192 the conversion kernel won (28672x8192 83.3 / 78.2, 10240x8192 62.7 / 60.8);
+#   per-row int8 lost to the conversion kernel (28672x8192 M = 1 / 4 / 16 90.3 / 89.8, 88.9 / 89.2, 81.5 /
+#     77.4; 10240x8192 M = 16 63.4 / 60.1): the converting CTAs start their weights later, a tail the
+#     leanest path feels most.
+# (A variant whose converting CTAs issued their first weight blocks before converting lost 5-12 points
+# everywhere; one that read the conversion kernel's copy with ld.global instead of the read-only path
+# was level.)
+USE_X_GRID = os.environ.get("RTKERNELS_GEMV_XGRID", "1") != "0"   # 0: the rule never takes x_grid (A/B)
+X_GRID_RULES = (   # (scales, M range, smallest N, smallest K, smallest N x K)
+    ("zeros", (1, 16), 6144, 0, 0),
+    ("group", (2, 8), 8192, X_SHARED_MAX_K + 1, 0),
+    ("group", (9, 16), 0, 0, 10240 * 8192),
+)
 
 
-def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, bool]:
-    """(x_half, x_shared) for ``cfg`` (its x_half fields ignored) on (M, N, K): a CTA's own copy
-    by the table above (where it fits); else the conversion kernel's by X_HALF_MIN_N."""
+def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, bool, bool]:
+    """(x_half, x_shared, x_grid) for ``cfg`` (its x_half fields ignored) on (M, N, K): a CTA's own
+    copy by X_SHARED_RULES (where it fits); else the grid's by X_GRID_RULES (one CTA along K); else
+    the conversion kernel's by X_HALF_MIN_N."""
     if not x_half_applies(cfg.dtype, cfg.weight_dtype):
-        return False, False
+        return False, False, False
     scales = _scales_kind(cfg.group_size, cfg.has_zeros)
-    if m <= X_SHARED_MAX_M[scales] and n >= X_SHARED_MIN_N and k <= X_SHARED_MAX_K and x_shared_fits(cfg, m, k):
-        return True, True
-    return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)], False
+    if (k <= X_SHARED_MAX_K and any(s == scales and m <= top and n >= low for s, top, low in X_SHARED_RULES)
+            and x_shared_fits(cfg, m, k)):
+        return True, True, False
+    if USE_X_GRID and cfg.split_k == 1 and any(s == scales and lo <= m <= hi and n >= min_n and k >= min_k and n * k >= min_nk
+                                for s, (lo, hi), min_n, min_k, min_nk in X_GRID_RULES):
+        return True, False, True
+    return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)], False, False
 
 
 def _scales_kind(group_size: int, has_zeros: bool) -> str:
@@ -742,7 +787,9 @@ def vec_width(k: int, ptr: int, stride: int | None, itemsize: int, widest: int) 
 def workspace_bytes(cfg: QuantGemvConfig, m: int, n: int) -> tuple[int, int]:
     """(partial bytes, counter bytes) of a launch of ``cfg`` on M x N outputs: (split_k, M, N)
     float32 partials and one counter per (tile, warp along N); (0, 0) without split-K or with a
-    cluster split (its sums meet in shared memory)."""
+    cluster split (its sums meet in shared memory); x_grid: the copy's counter pair."""
+    if cfg.x_grid:
+        return 0, 8
     if cfg.split_k == 1 or cfg.cluster:
         return 0, 0
     return 4 * cfg.split_k * m * n, 4 * cfg.tiles(n) * cfg.warps_n
@@ -790,10 +837,12 @@ def _workspace_arrays(ws: Workspace, like, stream, memo: dict | None = None) -> 
 
 class GemvExtra(NamedTuple):
     """A GEMV plan's workspace and, with x_half, the conversion's plan (its arrays: x, the copy,
-    the multipliers) and the views of the workspace its replays made."""
+    the multipliers), the views of the workspace its replays made, and whether the GEMV makes the
+    copy itself (x_grid)."""
     workspace: Workspace | None
     convert: OutputPlan | None
     views: dict
+    grid: bool = False
 
 
 def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stream):
@@ -817,18 +866,18 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
                                    else (None, None, None, None))
     convert = None
     x = views_[1]
-    if cfg.x_half and not cfg.x_shared:
-        ldh = half_row_stride(k)
+    ldh = half_row_stride(k) if cfg.x_half and not cfg.x_shared else 0
+    if ldh and not cfg.x_grid:
         convert = Launch(get_kernel(cfg, "quant_gemv_xhalf"), (m, 1, 1), (X_HALF_THREADS, 1, 1), 0,
                          (k, ints[4], ldh))
         convert.run((x, xh, xscale), stream)
         x, ints = xh, (*ints[:4], ldh, *ints[5:])
-    main = Launch(kern, grid, block, smem, ints)
-    main.run((views_[0], x, *views_[2:], parts, counters, xscale), stream)
+    main = Launch(kern, grid, block, smem, (*ints, ldh))
+    main.run((views_[0], x, *views_[2:], parts, counters, *_x_copies(cfg.x_grid, xh, xscale)), stream)
     if not keep:
         return None
     conv_plan = OutputPlan.of(convert, arrays[1]) if convert is not None else None
-    return OutputPlan.of(main, arrays[5], extra=GemvExtra(ws, conv_plan, {}), like=arrays[1])
+    return OutputPlan.of(main, arrays[5], extra=GemvExtra(ws, conv_plan, {}, cfg.x_grid), like=arrays[1])
 
 
 def replay(plan: OutputPlan, inputs: tuple, out, stream):
@@ -838,11 +887,17 @@ def replay(plan: OutputPlan, inputs: tuple, out, stream):
     stream = default_stream(x, stream) if plan.torch else stream
     extra = plan.extra
     if extra.workspace is None:
-        plan.replay((*inputs, out, None, None, None), stream)
+        plan.replay((*inputs, out, None, None, None, None, None), stream)
         return out
     parts, counters, xh, xscale = _workspace_arrays(extra.workspace, x, stream, extra.views)
     if extra.convert is not None:
         extra.convert.replay((x, xh, xscale), stream)
         inputs = (inputs[0], xh, *inputs[2:])
-    plan.replay((*inputs, out, parts, counters, xscale), stream)
+    plan.replay((*inputs, out, parts, counters, *_x_copies(extra.grid, xh, xscale)), stream)
     return out
+
+
+def _x_copies(x_grid: bool, xh, xscale) -> tuple:
+    """The kernel's (xscale, xcopy, xmul) arrays: the conversion kernel's multipliers (read-only in
+    the GEMV), or with x_grid the copy and multipliers the GEMV writes itself."""
+    return (None, xh, xscale) if x_grid else (xscale, None, None)

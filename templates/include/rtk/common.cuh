@@ -124,12 +124,17 @@ __device__ __forceinline__ bool last_block_to_arrive(int* counter, int count, in
 // waiting for the answer: the block goes on, and group_barrier_done (every thread calls it once the
 // block no longer needs the barrier, e.g. at its end) reads it - one L2 round trip off the
 // critical path.  group_barrier: both at once.
-__device__ __forceinline__ int group_barrier_wait(int* counters, int count) {
+// flag_wait is the pair one way: the `producers` blocks that pass producer = true release their
+// global stores, and each of the `count` blocks (producers among them) waits for all of them; the
+// pair reads zero between launches as above (group_barrier_done with `count`).  It needs no
+// cooperative launch where every producer can become resident while the others wait (e.g. the
+// producers have the lowest block indices, which the block scheduler dispatches first).
+__device__ __forceinline__ int flag_wait(int* counters, int producers, int count, bool producer) {
     __syncthreads();   // the block's stores before thread 0's release
     int ticket = 0;
     if (threadIdx.x == 0) {
-        red_release_gpu_add(counters, 1);
-        while (ld_acquire_gpu(counters) < count) __nanosleep(32);
+        if (producer) red_release_gpu_add(counters, 1);
+        while (ld_acquire_gpu(counters) < producers) __nanosleep(32);
         // atom.inc wraps to 0 past count - 1: the last block out zeroes counters[1] itself.  Its
         // answer is read in group_barrier_done (an atomicAdd of 1 is warp-aggregated by ptxas,
         // which shuffles the answer out - waiting for it - before the barrier)
@@ -138,6 +143,10 @@ __device__ __forceinline__ int group_barrier_wait(int* counters, int count) {
     }
     __syncthreads();
     return ticket;
+}
+
+__device__ __forceinline__ int group_barrier_wait(int* counters, int count) {
+    return flag_wait(counters, count, count, true);
 }
 
 __device__ __forceinline__ void group_barrier_done(int* counters, int count, int ticket) {
