@@ -71,6 +71,7 @@ TOOL_FLAGS = {
     "initcheck": [],
 }
 QUICK_TOOLS = ("racecheck",)
+VARIANTS_ENV = "RTK_SANITIZE_VARIANTS"   # --variants, for the worker processes
 # Tools whose workers log every allocation and free none, so that each report's address names the
 # array it fell in (initcheck: which buffer was read before anything wrote it).
 ALLOCATION_LOG_TOOLS = ("initcheck",)
@@ -213,6 +214,9 @@ class Ctx:
     # variants ---------------------------------------------------------------------------------
     def variant(self, label: str, quick: bool = False) -> bool:
         if self.quick and not quick:
+            return False
+        wanted = [w for w in os.environ.get(VARIANTS_ENV, "").split(",") if w]
+        if wanted and not any(w in label for w in wanted):
             return False
         self.label = label
         if _ALLOCS is not None:
@@ -532,11 +536,13 @@ QUANT_VARIANTS = (
     ("bf16 fp8 1x40x200 g64 silu", "bfloat16", 1, 40, 200, "float8_e4m3", 64, False, True, "silu", False),
     ("f16 int8 20x33x72 g64 zeros dequantized + matmul", "float16", 20, 33, 72, "int8", 64, True, True, "relu",
      True),
-    # x_half: a CTA's own float16 copy of x (M = 1), the conversion kernel's (M = 12, and ragged K)
+    # x_half: a CTA's own float16 copy of x (M = 1), the conversion kernel's (M = 12, and ragged K), the
+    # grid's own (zero points, M = 3 and 16: CTAs release the copy, every CTA acquires it)
     ("bf16 int8 1x6144x1000 per-row x_shared", "bfloat16", 1, 6144, 1000, "int8", None, False, True, None, True),
     ("bf16 int8 12x6144x520 per-row x_half copy", "bfloat16", 12, 6144, 520, "int8", None, False, False, None, True),
-    ("bf16 uint8 3x10240x200 g64 zeros x_half copy", "bfloat16", 3, 10240, 200, "uint8", 64, True, False, "silu",
+    ("bf16 uint8 3x10240x200 g64 zeros x_grid", "bfloat16", 3, 10240, 200, "uint8", 64, True, False, "silu",
      False),
+    ("bf16 uint8 16x6144x1000 g128 zeros x_grid", "bfloat16", 16, 6144, 1000, "uint8", 128, True, True, None, True),
 )
 
 
@@ -1940,6 +1946,9 @@ def parse_args(argv=None):
                    help=f"comma-separated subset of {','.join(TOOLS)}; empty: the plain run only")
     p.add_argument("--only", default="", help="comma-separated case names (or families); default every case")
     p.add_argument("--full", action="store_true", help="every variant under racecheck too (slow)")
+    p.add_argument("--variants", default="",
+                   help="comma-separated substrings: only the variants whose label holds one (every tool and the "
+                        "plain run; e.g. one slow variant under synccheck)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--sanitizer", default=None, help="path of compute-sanitizer (default: found on PATH / CUDA)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per tool and environment group")
@@ -1964,6 +1973,8 @@ def parse_args(argv=None):
         if t not in TOOLS:
             p.error(f"--tools: {t!r} is not one of {', '.join(TOOLS)}")
     args.only = [c for c in args.only.split(",") if c]
+    if args.variants:   # the workers (subprocesses) read it from the environment
+        os.environ[VARIANTS_ENV] = args.variants
     return args
 
 
