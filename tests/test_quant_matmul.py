@@ -842,6 +842,34 @@ def test_x_half_row_lengths_gpu(k, shift, mode, m):
 
 
 @pytest.mark.gpu
+def test_x_grid_oversubscribed_gpu():
+    """The grid's copy with more CTAs than the SMs hold at once (one CTA per 16-row tile, not
+    persistent: 1792 CTAs for 264 slots), twice in a row on one stream and once on a second stream
+    at the same time: the waiting CTAs never hold the slots the converting ones (the lowest
+    indices) need, every call finishes, and each stream's count reads zero for the next."""
+    import cupy as cp
+    from gpu_util import poison
+    import rtkernels as rtk
+    rng = np.random.default_rng(11)
+    m, n, k = 16, 28672, 1024
+    x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, "bfloat16", "uint8", 128, True)
+    cfg = qm.heuristic_config("bfloat16", m, n, k, weight_dtype="uint8", group_size=128, has_zeros=True,
+                              x_grid=True).replace(persistent=False)
+    assert cfg.x_grid and cfg.grid(n, 132)[0] == cfg.tiles(n) > 2 * 132
+    outs = [poison(cp.empty((m, n), dtype=x.dtype)) for _ in range(3)]
+    other = cp.cuda.Stream(non_blocking=True)
+    rtk.quantized_matmul(x, qd, sd, group_size=128, zeros=zd, out=outs[0], dtype="bfloat16", config=cfg)
+    with other:
+        rtk.quantized_matmul(x, qd, sd, group_size=128, zeros=zd, out=outs[2], dtype="bfloat16", config=cfg)
+    rtk.quantized_matmul(x, qd, sd, group_size=128, zeros=zd, out=outs[1], dtype="bfloat16", config=cfg)
+    other.synchronize()
+    cp.cuda.Device().synchronize()
+    for i, out in enumerate(outs):
+        _check(out, x64, q, s, z, 128, "uint8", "bfloat16", what=f"oversubscribed grid copy, call {i}")
+    assert cp.array_equal(outs[0], outs[1]) and cp.array_equal(outs[0], outs[2])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["kernel", "shared", "grid"])
 @pytest.mark.parametrize("m, n, k, kind, group, zeros", [c for c in CASES if c[3] != "float8_e4m3" and c[0] <= 16])
 def test_x_half_shapes_gpu(m, n, k, kind, group, zeros, mode):
