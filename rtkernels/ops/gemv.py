@@ -100,8 +100,8 @@ class QuantGemvConfig(KernelConfig):
     template's header has the numerics and the PDL hand-over).  ``x_shared`` (with ``x_half``, M <= 8):
     each CTA makes that copy in its own shared memory instead (:meth:`x_shared_bytes` more per CTA,
     no conversion kernel).  ``x_grid`` (with ``x_half``, ``split_k`` 1): the GEMV's own first CTAs
-    make the copy in the workspace for the whole grid while every CTA's first weight blocks load (no
-    conversion kernel; the template's header says why the wait cannot deadlock).
+    make the copy in the workspace for the whole grid while the other CTAs' first weight blocks load
+    (no conversion kernel; the template's header says why the wait cannot deadlock).
     """
 
     family: ClassVar[str] = "quant_gemv"
@@ -148,7 +148,8 @@ class QuantGemvConfig(KernelConfig):
             self._check_choice("weight_dtype", WEIGHT_DTYPES + DENSE_DTYPES)
         self._check_dtype("scale_dtype", SCALE_DTYPES)
         self._check_choice("activation", ACTIVATIONS)
-        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster", "x_half", "x_shared", "x_grid"):
+        for f in ("has_zeros", "has_bias", "persistent", "n_major", "staged", "cluster", "x_half", "x_shared",
+                  "x_grid"):
             if not isinstance(getattr(self, f), bool):
                 self._fail(f, "True or False")
         if self.group_size != 0:
@@ -660,8 +661,9 @@ def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, boo
     if (k <= X_SHARED_MAX_K and any(s == scales and m <= top and n >= low for s, top, low in X_SHARED_RULES)
             and x_shared_fits(cfg, m, k)):
         return True, True, False
-    if USE_X_GRID and cfg.split_k == 1 and any(s == scales and lo <= m <= hi and n >= min_n and k >= min_k and n * k >= min_nk
-                                for s, (lo, hi), min_n, min_k, min_nk in X_GRID_RULES):
+    if USE_X_GRID and cfg.split_k == 1 and any(
+            s == scales and lo <= m <= hi and n >= min_n and k >= min_k and n * k >= min_nk
+            for s, (lo, hi), min_n, min_k, min_nk in X_GRID_RULES):
         return True, False, True
     return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)], False, False
 
