@@ -275,6 +275,12 @@ class QuantGemvConfig(KernelConfig):
         stages = self.num_warps * self.unroll * self.loads_per_slot * 512 if self.staged else 0
         return red + xch + stages
 
+    @property
+    def x_copy_in_workspace(self) -> bool:
+        """x_half's float16 copy lives in the stream workspace (made by the conversion kernel or, x_grid,
+        by the GEMV's own CTAs), not in each CTA's shared memory."""
+        return self.x_half and not self.x_shared
+
     def x_shared_bytes(self, m: int, k: int) -> int:
         """Shared memory x_shared adds to a CTA for M x K (:func:`shared_copy_bytes`); 0 without it."""
         return shared_copy_bytes(self.num_warps, m, k) if self.x_shared else 0
@@ -814,7 +820,7 @@ class Workspace(NamedTuple):
 def workspace(cfg: QuantGemvConfig, m: int, n: int, k: int) -> Workspace | None:
     """The stream workspace of a launch of ``cfg`` on (M, N, K); None where it needs none."""
     part, ctr = workspace_bytes(cfg, m, n)
-    copy = cfg.x_half and not cfg.x_shared
+    copy = cfg.x_copy_in_workspace
     xh = 2 * m * half_row_stride(k) if copy else 0
     offsets, total = carve((part, xh, 4 * m if copy else 0))
     return Workspace(offsets, total, ctr) if total or ctr else None
@@ -868,7 +874,7 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
                                    else (None, None, None, None))
     convert = None
     x = views_[1]
-    ldh = half_row_stride(k) if cfg.x_half and not cfg.x_shared else 0
+    ldh = half_row_stride(k) if cfg.x_copy_in_workspace else 0
     if ldh and not cfg.x_grid:
         convert = Launch(get_kernel(cfg, "quant_gemv_xhalf"), (m, 1, 1), (X_HALF_THREADS, 1, 1), 0,
                          (k, ints[4], ldh))

@@ -304,7 +304,8 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
     the sums): float16's dequantization is cheaper than bfloat16's.  The copy holds every value of
     x exactly except those below 2^-28 of their row's largest (which lose bits, and flush to zero
     below 2^-38 of it); inf and NaN stay inf and NaN.  ``QuantGemvConfig.x_half`` /
-    ``x_shared`` (or RTKERNELS_GEMV_XHALF=0) choose.  M > 16
+    ``x_shared`` / ``x_grid`` (or RTKERNELS_GEMV_XHALF=0, RTKERNELS_GEMV_XGRID=0) choose where the
+    copy is made.  M > 16
     dequantizes w_q into an (N, K) workspace of x's dtype and runs :func:`rtkernels.matmul` on its
     transpose: a correctness path, not tuned (and the dequantized weight is rounded to x's dtype).
     """
