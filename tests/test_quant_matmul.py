@@ -180,6 +180,7 @@ def test_x_half_config_and_rule(monkeypatch):
             (16, 8192, 8192, g, (False, False, False)), (16, 28672, 8192, g, (True, False, True)),
             (16, 14336, 4096, g, (False, False, False)), (16, 10240, 8192, g, (True, False, True)),
             (4, 8192, 28672, g, (True, False, True)), (1, 8192, 28672, g, (True, False, False)),
+            (4, 10240, 8192, g, (True, False, True)), (4, 14336, 4096, g, (True, False, False)),
             (4, 4096, 14336, g, (False, False, False)),
             (16, 8192, 8192, z, (True, False, True)), (1, 8192, 8192, z, (True, True, False)),
             (4, 8192, 8192, z, (True, False, True)), (4, 28672, 8192, z, (True, True, False)),
@@ -197,6 +198,11 @@ def test_x_half_config_and_rule(monkeypatch):
         QuantGemvConfig(dtype="bfloat16", x_half=True, x_shared=True, x_grid=True)
     assert e.value.field == "x_grid"
     assert not h("bfloat16", 16, 28672, 8192, sm_count=132, group_size=128, x_grid=False).x_grid
+    # the converting CTAs go ahead of the tile grid where the SMs hold M more (none converts then)
+    c = h("bfloat16", 4, 28672, 8192, sm_count=132, group_size=128)
+    assert c.x_grid and c.grid(28672, 132)[0] == 256
+    assert gemv.grid_copy_extra(c, 4, 256, 132) == 4 and gemv.grid_copy_extra(c, 16, 256, 132) == 0
+    assert gemv.grid_copy_extra(c.replace(x_grid=False), 4, 256, 132) == 0
     assert gemv.x_shared_fits(h("bfloat16", 1, 8192, 8192, sm_count=132), 1, 50000)
     assert not gemv.x_shared_fits(h("bfloat16", 4, 8192, 8192, sm_count=132), 4, 14336)   # 2 x 115 KiB
     assert not h("float16", 1, 28672, 8192, sm_count=132).x_half

@@ -648,11 +648,17 @@ X_SHARED_RULES = (("row", 1, X_SHARED_MIN_N), ("group", 1, X_SHARED_MIN_N), ("ze
 #     leanest path feels most.
 # (A variant whose converting CTAs issued their first weight blocks before converting lost 5-12 points
 # everywhere; one that read the conversion kernel's copy with ld.global instead of the read-only path
-# was level.)
+# was level.)  With the converting CTAs ahead of the tile grid where the SMs hold them (grid_copy_extra,
+# docs/data/gemv_xgrid_hybrid_session33_*, one run, bf16 / conversion kernel / grid / CTA copy): int8 g128
+# M = 4 10240x8192 56.1 / 62.7 / 65.6 / 58.8, 28672x8192 70.0 / 83.0 / 83.8 / 83.7, 8192x28672 71.7 /
+# 68.9 / 75.1; zero points M = 4 14336x4096 51.0 / 52.4 / 62.1 / 56.8.  So group scales at M = 2..8
+# take it from 10240x8192 weights (14336x4096 and 8192^2 unmeasured this way: the conversion kernel).
+# Per-row scales stay off it (28672x8192 M = 1 / 4 / 16: 89.7 / 89.3 / 81.9 kernel, 89.6 / 88.4 /
+# 80.8 grid; M = 8 84.3 / 86.8, one cell, not taken).
 USE_X_GRID = os.environ.get("RTKERNELS_GEMV_XGRID", "1") != "0"   # 0: the rule never takes x_grid (A/B)
 X_GRID_RULES = (   # (scales, M range, smallest N, smallest K, smallest N x K)
     ("zeros", (1, 16), 6144, 0, 0),
-    ("group", (2, 8), 8192, X_SHARED_MAX_K + 1, 0),
+    ("group", (2, 8), 8192, 0, 10240 * 8192),
     ("group", (9, 16), 0, 0, 10240 * 8192),
 )
 
@@ -867,7 +873,10 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
                           f"(at most {_SM90_SMEM_MAX}); pass x_shared=False (the conversion kernel's copy)",
                           field="x_shared", value=True)
     kern = get_kernel(cfg, "quant_gemv")
-    grid, block = cfg.grid(n, device.sm_count()), (cfg.threads_per_block, 1, 1)
+    sms = device.sm_count()
+    grid, block = cfg.grid(n, sms), (cfg.threads_per_block, 1, 1)
+    xextra = grid_copy_extra(cfg, m, grid[0], sms)
+    grid = (grid[0] + xextra, *grid[1:])
     keep = same_memory(views_, arrays)
     ws = workspace(cfg, m, n, k)
     parts, counters, xh, xscale = (_workspace_arrays(ws, arrays[1], stream) if ws is not None
@@ -880,7 +889,7 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
                          (k, ints[4], ldh))
         convert.run((x, xh, xscale), stream)
         x, ints = xh, (*ints[:4], ldh, *ints[5:])
-    main = Launch(kern, grid, block, smem, (*ints, ldh))
+    main = Launch(kern, grid, block, smem, (*ints, ldh, xextra))
     main.run((views_[0], x, *views_[2:], parts, counters, *_x_copies(cfg.x_grid, xh, xscale)), stream)
     if not keep:
         return None
@@ -903,6 +912,18 @@ def replay(plan: OutputPlan, inputs: tuple, out, stream):
         inputs = (inputs[0], xh, *inputs[2:])
     plan.replay((*inputs, out, parts, counters, *_x_copies(extra.grid, xh, xscale)), stream)
     return out
+
+
+def grid_copy_extra(cfg: QuantGemvConfig, m: int, tile_ctas: int, sm_count: int) -> int:
+    """x_grid's converting CTAs ahead of ``tile_ctas`` (the kernel's xextra): M where the SMs hold
+    them beside the tile grid (ctas_per_sm each), so that no tile CTA waits for a slot or converts;
+    else 0 (the first tile CTAs convert too).  Measured (H200, 2026-11-28, % of copy, extra CTAs /
+    tile CTAs converting, docs/data/gemv_xgrid_extra_ctas_session33_*, gemv_xgrid_ab_session33_*):
+    per-row int8 28672x8192 M = 1 / 4 92.1 / 89.8, 89.5 / 89.2; where M more exceed the slots (256
+    tile CTAs + 16 of 264) 8 tile CTAs start late: int8 g128 28672x8192 M = 16 60.8 / 66.7."""
+    if not cfg.x_grid or tile_ctas + m > sm_count * cfg.ctas_per_sm:
+        return 0
+    return m
 
 
 def _x_copies(x_grid: bool, xh, xscale) -> tuple:
