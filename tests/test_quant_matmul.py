@@ -100,7 +100,7 @@ def test_heuristic_slots_at_two_m_tiles():
     assert h("bfloat16", 16, 8192, 8192, weight_dtype="uint8", group_size=128, has_zeros=True,
              sm_count=132).unroll == 2
     assert h("bfloat16", 16, 8192, 8200, group_size=128, w_vec=8, sm_count=132).unroll == 2
-    assert h("bfloat16", 8, 8192, 8192, group_size=128, sm_count=132).unroll == 4   # one m tile, as before
+    assert h("bfloat16", 4, 8192, 8192, group_size=128, sm_count=132).unroll == 4   # one m tile, as before
 
 
 @pytest.mark.parametrize("n, k, tag", [
@@ -132,6 +132,38 @@ def test_busiest_sm_rows():
     assert gemv.busiest_sm_rows(c.replace(num_warps=8, warps_k=8, ctas_per_sm=2), 10240, 132) == 2 * 2 * 32
     assert gemv.busiest_sm_rows(c.replace(row_tiles=1, num_warps=8, warps_k=8, ctas_per_sm=2),
                                 10240, 132) == 2 * 3 * 16               # 214 CTAs of 3 16-row tiles
+
+
+# (M, N, K): 32-row tiles where rows are long (K >= 16384) or M >= 6, on a grid whose busiest SM walks
+# no more rows (15% more with the grid's copy: 28672 rows) (gemv._group_row_tiles, measured on the
+# H200); one row tile at 10240 rows (96 -> 128 busiest rows), 6144 rows (N < 8192), short rows at M < 6,
+# and two m tiles
+GROUP_ROW_TILES = [((1, 8192, 28672), 2), ((4, 8192, 28672), 2), ((8, 8192, 28672), 2), ((8, 8192, 8192), 2),
+                   ((6, 8192, 8192), 2), ((8, 14336, 4096), 2), ((8, 28672, 8192), "grid"),
+                   ((6, 28672, 8192), "grid"), ((8, 10240, 8192), 1), ((8, 6144, 4096), 1), ((4, 8192, 8192), 1),
+                   ((5, 8192, 8192), 1), ((16, 8192, 28672), 1)]
+
+
+@pytest.mark.parametrize("kind, zeros, dtype", [("int8", False, "float16"), ("float8_e4m3", False, "bfloat16"),
+                                               ("uint8", True, "bfloat16"), ("int8", False, "bfloat16")])
+def test_heuristic_group_row_tiles(kind, zeros, dtype):
+    def pick(m, n, k, group=128, **kw):
+        return qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group, has_zeros=zeros,
+                                   sm_count=132, sm90=True, **kw)
+    for (m, n, k), rows in GROUP_ROW_TILES:
+        c = pick(m, n, k)
+        want = (2 if c.x_grid else 1) if rows == "grid" else rows
+        assert c.row_tiles == want, (m, n, k, c.tag())
+        if want == 2 and kind == "int8":   # int8 with zero points through the grid's copy spilled (NVRTC 13.0)
+            z = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=128, has_zeros=True,
+                                    sm_count=132, sm90=True)
+            assert z.row_tiles == (1 if z.x_grid else 2), z.tag()
+        assert (c.unroll == 2) == (want == 2) or m == 16, c.tag()
+        if want == 2:
+            assert pick(m, n, k, group=0).row_tiles == 1          # per-row scales: one row tile
+            assert pick(m, n, k, w_vec=8).row_tiles == 1          # narrower loads keep their tiling
+            assert pick(m, n, k, group=64).row_tiles == 2
+    assert pick(1, 28672, 8192).row_tiles == 1   # (M = 1 at K = 8192: short rows; x_shared where it applies)
 
 
 def test_heuristic_small_n_splits_k():
@@ -281,6 +313,13 @@ def _compiled_configs():
           activation="silu", sm_count=132),                                                  # x_grid
         h("float16", 1, 6144, 4096, weight_dtype="float8_e4m3", scale_dtype="float16", activation="relu",
           sm_count=132),
+        # 32-row tiles at one m tile (group scales): the grid's copy with zero points, float16 x with
+        # group 64, the conversion kernel's copy
+        h("bfloat16", 8, 8192, 8192, weight_dtype="uint8", group_size=128, has_zeros=True, has_bias=True,
+          activation="silu", sm_count=132),
+        h("float16", 4, 8192, 28672, weight_dtype="int8", group_size=64, has_bias=True, activation="gelu",
+          sm_count=132),
+        h("bfloat16", 1, 8192, 28672, weight_dtype="int8", group_size=128, sm_count=132),
         h("bfloat16", 3, 129, 4096, weight_dtype="int8", w_vec=1, x_vec=1, group_size=64, has_zeros=True,
           has_bias=True, sm_count=132),                                                      # split-K, scalar loads
     ]
@@ -307,14 +346,15 @@ def compiled():
 def test_heuristic_configs_compile_clean(compiled):
     from rtkernels.inspect import sass_stats
     assert any(c.split_k > 1 for c, _, _ in compiled) and any(c.m_tiles == 2 for c, _, _ in compiled)
+    assert sum(c.m_tiles == 1 and c.row_tiles == 2 for c, _, _ in compiled) == 3
     for cfg, kernels, tight in compiled:
         for name, k in kernels.items():
             r = k.resources
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, (cfg.key(), name, r)
         # two m tiles with group scales take 4 slots in 128 registers with none to spare (gemv.py:
-        # measured without spill under NVRTC 13.0 and 13.5), and so do two row tiles: checked at
-        # their own cap only
-        if not (cfg.m_tiles == 2 and (cfg.group_size and cfg.unroll == 4 or cfg.row_tiles == 2)):
+        # measured without spill under NVRTC 13.0 and 13.5), and so do two row tiles (at one m tile
+        # too): checked at their own cap only
+        if not (cfg.row_tiles == 2 or cfg.m_tiles == 2 and cfg.group_size and cfg.unroll == 4):
             r = tight.resources
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, \
                 (f"no headroom: spills under a cap of {cfg.register_cap - HEADROOM}", cfg.key(), r)
@@ -576,6 +616,45 @@ def test_tilings_gpu(m):
         what = f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} tiling {cfg.tag()}"
         assert cp.array_equal(outs[0], outs[1]), f"{what}: two runs differ"
         _check(outs[1], x64, q, s, z, group, kind, dtype, what=what)
+
+
+# 32-row tiles at one m tile with group scales (gemv._group_row_tiles): x's three bfloat16 paths (the
+# grid's copy, the conversion kernel's, the bfloat16 MMAs) and float16 x, group 64 / 128, zero points
+GROUP_ROW_TILE_CASES = [("uint8", 128, True, "bfloat16", dict(x_half=True, x_grid=True)),
+                        ("int8", 128, False, "bfloat16", dict(x_half=True, x_grid=True)),
+                        ("int8", 128, False, "bfloat16", dict(x_half=True, x_grid=False)),
+                        ("int8", 64, True, "bfloat16", dict(x_half=False, x_grid=False)),
+                        ("float8_e4m3", 128, False, "float16", {}), ("int8", 64, False, "float16", {})]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_group_row_tiles_gpu(m):
+    """N = 9000 (282 32-row tiles, the last of 8 rows: its second row tile and rows g + 8 do not
+    exist), K = 1104 (a last block of 16 elements, a last group of 16 or 80), bias + SiLU, 2 and 1 CTAs
+    per SM (1-2 and 2-3 tiles each); two runs bit-equal, against the float64 reference."""
+    import cupy as cp
+    from gpu_util import poison, random_array
+    import rtkernels as rtk
+    n, k = 9000, 1104
+    rng = np.random.default_rng(500 + m)
+    for kind, group, zeros, dtype, xmode in GROUP_ROW_TILE_CASES:
+        x, x64, qd, sd, zd, q, s, z = _case(rng, m, n, k, dtype, kind, group, zeros)
+        b, b64 = random_array(rng, (n,), dtype)
+        base = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group, has_zeros=zeros,
+                                   has_bias=True, activation="silu")
+        wdt = "float8_e4m3" if kind == "float8_e4m3" else None
+        for cfg in (base.replace(row_tiles=2, unroll=2, x_shared=False, **xmode),
+                    base.replace(row_tiles=2, unroll=2, x_shared=False, ctas_per_sm=1, **xmode)):
+            outs = []
+            for _ in range(2):
+                out = poison(cp.empty((m, n), dtype=x.dtype))
+                rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, bias=b, activation="silu", out=out,
+                                     weight_dtype=wdt, dtype=dtype, config=cfg)
+                outs.append(out)
+            what = f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} tiling {cfg.tag()}"
+            assert cp.array_equal(outs[0], outs[1]), f"{what}: two runs differ"
+            _check(outs[1], x64, q, s, z, group, kind, dtype, bias64=b64, act="silu", what=what)
 
 
 @pytest.mark.gpu

@@ -543,6 +543,13 @@ QUANT_VARIANTS = (
     ("bf16 uint8 3x10240x200 g64 zeros x_grid", "bfloat16", 3, 10240, 200, "uint8", 64, True, False, "silu",
      False),
     ("bf16 uint8 16x6144x1000 g128 zeros x_grid", "bfloat16", 16, 6144, 1000, "uint8", 128, True, True, None, True),
+    # group scales at M = 8 from N = 8192 and at K >= 16384: 32-row tiles (the last of 8 rows), through
+    # the grid's copy and with float16 x
+    ("bf16 uint8 8x8200x1024 g128 zeros 32-row tiles", "bfloat16", 8, 8200, 1024, "uint8", 128, True, True, "silu",
+     True),
+    ("f16 int8 8x8200x1024 g64 32-row tiles", "float16", 8, 8200, 1024, "int8", 64, False, False, None, False),
+    ("bf16 int8 3x8200x16384 g128 32-row tiles x_grid", "bfloat16", 3, 8200, 16384, "int8", 128, False, False, None,
+     False),
 )
 
 

@@ -557,6 +557,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     cfg = cfg.replace(x_half=x_half, x_shared=x_shared, x_grid=x_grid)
     if m_tiles == 2 and not dense and group_size == 0 and not has_zeros and w_vec == 16 and split == 1:
         return _two_row_tiles(cfg, n, sm_count)
+    if m_tiles == 1 and not dense and group_size > 0 and w_vec == 16 and split == 1 and not x_shared:
+        return _group_row_tiles(cfg, m, n, k, sm_count)
     return cfg
 
 
@@ -721,6 +723,52 @@ _TWO_ROW_TILES = (   # (fields, taken with an activation)
     (dict(row_tiles=2, unroll=2), True),                                                 # 32-row tiles
     (dict(row_tiles=2, unroll=2, num_warps=4, warps_k=4, ctas_per_sm=4), True))          # 4 CTAs per SM
 _TWO_ROW_TILES_MIN_WARPS = 0.7
+
+
+# Group scales (with or without zero points) at one m tile (M <= 8): two row tiles per warp (32-row
+# tiles, 2 slots: the same weight bytes in flight as one row tile's 4) where rows are long or M >= 6, on
+# a grid as balanced as one row tile's.  A lane's x fragments then serve 32 weight rows, not 16: half
+# the x loads per weight byte, which grow with M and with the K a warp walks.  Measured (H200,
+# 2026-11-28, two runs, % of the 1 GiB copy, interleaved rounds, one row tile x 4 slots -> 32-row tiles,
+# the same x copy; docs/data/gemv_group_row_tiles_session34_*):
+#   8192x28672 (the same busiest-SM rows, 64), M = 1 / 2 / 4 / 8: int8 g128 76.5 -> 81.1, 77.5 -> 80.5,
+#     75.2 -> 78.9, 73.3 -> 77.1; uint8 g128 + zero points 73.9 -> 78.4, 71.2 -> 77.4, 69.5 -> 76.5,
+#     66.4 -> 75.2 (M = 6 67.7 -> 76.0); float8 e4m3 g128 70.8 -> 74.3, -, 70.1 -> 72.7, 68.1 -> 72.1;
+#     int8 g128 with float16 x 81.1 -> 82.3, -, 75.6 -> 78.4, 73.5 -> 76.6
+#   8192^2 (64 rows either way), int8 g128 / uint8 g128 + zero points: M = 8 57.6 -> 62.6 / 57.4 -> 62.7,
+#     M = 6 59.0 -> 62.7 / 58.8 -> 62.5, M = 4 60.8 -> 62.3 / 61.2 -> 62.5 but M = 2 64.4 -> 63.5 /
+#     65.5 -> 63.3; float8 M = 8 60.0 -> 59.6; int8 g64 float16 x M = 8 63.3 -> 65.2
+#   14336x4096 (128 rows either way), uint8 + zero points M = 8 57.4 -> 60.5, M = 6 61.0 -> 60.9; int8
+#     M = 8 59.9 -> 59.9
+#   28672x8192 (224 -> 256 busiest rows): won with the grid's copy (uint8 + zero points M = 8 70.8 -> 77.6,
+#     M = 6 74.7 -> 78.3), lost without a copy (float8 M = 8 68.3 -> 64.9, int8 float16 x 77.1 -> 74.7);
+#     hence _GROUP_ROW_SLACK with the grid's copy only
+#   lost where the busiest SM gets more rows still: 10240 rows 96 -> 128 (M = 8 62.2 -> 57.7 / 57.7 ->
+#     54.5), 4096 rows 32 -> 64 (4096x14336 M = 8 59.1 -> 49.3); 6144x4096 M = 8 43.0 -> 41.4 / 42.9 ->
+#     43.5 (hence N >= 8192).
+# Per-row scales at one m tile lost everywhere (28672x8192 M = 8 83.9 -> 79.9, 8192x28672 M = 4
+# 83.7 -> 77.6), and so did 64-row tiles (4 warps along K) and 4 CTAs of 4 warps at 8192x28672 (-11..-15),
+# and at two m tiles (M = 16) one CTA per SM with 2 row tiles x 2-4 slots (int8 g128 28672x8192 65.3 ->
+# 56.4-59.3; two CTAs would need ~144 registers).
+GROUP_ROW_TILES_MIN_N = 8192
+GROUP_ROW_TILES_MIN_K = 16384   # below it, M >= GROUP_ROW_TILES_MIN_M
+GROUP_ROW_TILES_MIN_M = 6
+_GROUP_ROW_SLACK = 1.15   # busiest-SM rows the 32-row tiles may add with the grid's copy (28672: 256 / 224)
+
+
+def _group_row_tiles(cfg: QuantGemvConfig, m: int, n: int, k: int, sm_count: int) -> QuantGemvConfig:
+    """``cfg`` with two row tiles of 2 slots where the measured rule above takes them, else ``cfg``."""
+    if n < GROUP_ROW_TILES_MIN_N or (k < GROUP_ROW_TILES_MIN_K and m < GROUP_ROW_TILES_MIN_M):
+        return cfg
+    if cfg.x_grid and cfg.has_zeros and cfg.weight_dtype == "int8":
+        # (int8 weights with zero points, through the grid's copy: 32-row tiles spilled 4 bytes under
+        # NVRTC 13.0 (the GPU host's), bias or not, group 128; none of the other 96 checked there did)
+        return cfg
+    two = cfg.replace(row_tiles=2, unroll=2)
+    slack = _GROUP_ROW_SLACK if cfg.x_grid else 1.0
+    if busiest_sm_rows(two, n, sm_count) > slack * busiest_sm_rows(cfg, n, sm_count):
+        return cfg
+    return two
 
 
 def busiest_sm_rows(cfg: QuantGemvConfig, n: int, sm_count: int) -> int:
