@@ -500,7 +500,8 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
     """The config the ops run for (M <= 16, N, K), the weight kind and layout, and the load widths.
     ``sm90``: the sm_90 N-major rule (:func:`_nmajor_sm90`); default: the target arch is sm_90 and
     RTKERNELS_GEMV_SM90 is not 0.  Quantized weights with per-row scales at M = 9..16 take two row
-    tiles per warp where the grid allows (:func:`_two_row_tiles`).  ``x_half`` / ``x_shared`` /
+    tiles per warp where the grid allows (:func:`_two_row_tiles`), group scales at M <= 8 where rows
+    are long or M >= 6 (:func:`_group_row_tiles`).  ``x_half`` / ``x_shared`` /
     ``x_grid``: convert a bfloat16 x to float16 (QuantGemvConfig.x_half), in each CTA's shared memory
     (x_shared) or by the grid's first CTAs (x_grid, where split_k is 1); default: :func:`x_half_mode`."""
     if sm_count is None:
