@@ -249,15 +249,16 @@ def test_x_half_config_and_rule(monkeypatch):
 
 
 def test_x_half_workspace_layout():
-    """The conversion's copy (rows of K rounded up to 8 halves) and its multipliers share the stream
-    workspace with split-K's partials, each 256-byte aligned and apart."""
+    """The conversion's copy (64-element K blocks of 8 interleaved rows per m tile) and its multipliers
+    share the stream workspace with split-K's partials, each 256-byte aligned and apart."""
     cfg = qm.heuristic_config("bfloat16", 3, 129, 4100, sm_count=132, x_half=True, x_shared=False)
     assert cfg.split_k > 1 and not cfg.cluster
     ws = gemv.workspace(cfg, 3, 129, 4100)
     part, ctr = gemv.workspace_bytes(cfg, 3, 129)
     assert ws.counter_bytes == ctr and ws.offsets[0] == 0
     assert gemv.half_row_stride(4100) == 4104 and ws.offsets[1] >= part and ws.offsets[1] % 256 == 0
-    assert ws.offsets[2] >= ws.offsets[1] + 2 * 3 * 4104 and ws.offsets[2] % 256 == 0
+    assert gemv.half_copy_elems(cfg, 4100) == 65 * 64 * 8 * cfg.m_tiles
+    assert ws.offsets[2] >= ws.offsets[1] + 2 * gemv.half_copy_elems(cfg, 4100) and ws.offsets[2] % 256 == 0
     assert ws.part_bytes >= ws.offsets[2] + 4 * 3
     assert gemv.workspace(cfg.replace(x_half=False, split_k=1), 3, 129, 4100) is None
     assert gemv.workspace(cfg.replace(x_shared=True, split_k=1), 3, 129, 4100) is None   # a CTA's own copy
@@ -898,12 +899,14 @@ def test_x_half_graph_replay_gpu(lib, grid):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k, shift, mode, m", [(4104, 1, "kernel", 5), (40000, 0, "kernel", 5), (1000, 3, "kernel", 5),
                                                (4104, 1, "shared", 5), (1000, 3, "shared", 2), (8192, 0, "shared", 8),
-                                               (4104, 1, "grid", 5), (40000, 0, "grid", 3), (8200, 0, "grid", 16)])
+                                               (4104, 1, "grid", 5), (40000, 0, "grid", 3), (8200, 0, "grid", 16),
+                                               (1001, 0, "kernel", 16), (1001, 0, "grid", 12), (4104, 1, "kernel", 16)])
 def test_x_half_row_lengths_gpu(k, shift, mode, m):
     """The conversion's two ways through a row: held in registers (up to 8 vectors per thread in the
     kernel, 4 in the grid's CTAs), or read twice (longer rows: 4104 scalar elements of a misaligned
     slice, 5000 16-byte vectors, 1025 of them over 256 threads); and a CTA's own copy (x_shared) of
-    such rows (M = 2, 5, 8)."""
+    such rows (M = 2, 5, 8).  M = 12 / 16 at one row tile: the interleaved copy, K = 1001 ending inside
+    an 8-element piece (zero-filled to its end)."""
     shared = mode == "shared"
     import cupy as cp
     from gpu_util import poison
@@ -922,7 +925,7 @@ def test_x_half_row_lengths_gpu(k, shift, mode, m):
         cfg = cfg.replace(split_k=1, cluster=False, x_grid=True)
     assert cfg.x_shared == shared
     rtk.quantized_matmul(xs, qd, sd, out=out, dtype="bfloat16", config=cfg)
-    assert cfg.x_vec == (8 if shift == 0 else 1), cfg.x_vec
+    assert cfg.x_vec == (8 if shift == 0 and k % 8 == 0 else 1), cfg.x_vec
     _check(out, xs64, q, s, None, None, "int8", "bfloat16", what=f"K={k} shift={shift} x_vec={cfg.x_vec}")
 
 

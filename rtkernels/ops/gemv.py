@@ -859,8 +859,16 @@ def workspace_bytes(cfg: QuantGemvConfig, m: int, n: int) -> tuple[int, int]:
 
 
 def half_row_stride(k: int) -> int:
-    """Elements between the rows of x_half's float16 copy: K rounded up to 8 (16-byte rows)."""
+    """The kernels' ``ldh`` argument: K rounded up to 8 (the row stride of a row-major float16 copy;
+    the workspace's copy is interleaved, :func:`half_copy_elems`, and nonzero ``ldh`` says it exists)."""
     return -(-k // 8) * 8
+
+
+def half_copy_elems(cfg: QuantGemvConfig, k: int) -> int:
+    """Halves of x_half's copy in the workspace: per 64-element K block and m tile, 8 rows x 64
+    (interleaved for the GEMV's loads at two m tiles and one row tile, the template's xi_offset; rows
+    of :func:`half_row_stride` elsewhere, which this holds too: M <= 8 x m_tiles)."""
+    return -(-k // 64) * 64 * 8 * cfg.m_tiles
 
 
 class Workspace(NamedTuple):
@@ -876,7 +884,7 @@ def workspace(cfg: QuantGemvConfig, m: int, n: int, k: int) -> Workspace | None:
     """The stream workspace of a launch of ``cfg`` on (M, N, K); None where it needs none."""
     part, ctr = workspace_bytes(cfg, m, n)
     copy = cfg.x_copy_in_workspace
-    xh = 2 * m * half_row_stride(k) if copy else 0
+    xh = 2 * half_copy_elems(cfg, k) if copy else 0
     offsets, total = carve((part, xh, 4 * m if copy else 0))
     return Workspace(offsets, total, ctr) if total or ctr else None
 
