@@ -922,7 +922,7 @@ def launch(cfg: QuantGemvConfig, ints: tuple, views_: tuple, arrays: tuple, stre
     copy of its array (``arrays``: the caller's, same order), so that replaying would read the wrong
     memory.  Split-K runs in the same launch (the last split of a tile to arrive sums the partials)
     on the stream's workspace; with x_half the conversion runs first, into that workspace, and the
-    GEMV reads its copy (row stride :func:`half_row_stride`)."""
+    GEMV reads its copy (:func:`half_copy_elems`)."""
     m, n, k = ints[0], ints[1], ints[2]
     smem = cfg.shared_mem_bytes + cfg.x_shared_bytes(m, k)
     if smem > _SM90_SMEM_MAX:
