@@ -859,8 +859,9 @@ def workspace_bytes(cfg: QuantGemvConfig, m: int, n: int) -> tuple[int, int]:
 
 
 def half_row_stride(k: int) -> int:
-    """The kernels' ``ldh`` argument: K rounded up to 8 (the row stride of a row-major float16 copy;
-    the workspace's copy is interleaved, :func:`half_copy_elems`, and nonzero ``ldh`` says it exists)."""
+    """The kernels' ``ldh`` argument: K rounded up to 8, the row stride of x_half's float16 copy in the
+    workspace (16-byte rows; at two m tiles and one row tile the copy is interleaved instead and ``ldh``
+    only says that it exists; :func:`half_copy_elems` sizes both)."""
     return -(-k // 8) * 8
 
 
