@@ -147,16 +147,15 @@ GROUP_ROW_TILES = [((1, 8192, 28672), 2), ((4, 8192, 28672), 2), ((8, 8192, 2867
 @pytest.mark.parametrize("kind, zeros, dtype", [("int8", False, "float16"), ("float8_e4m3", False, "bfloat16"),
                                                ("uint8", True, "bfloat16"), ("int8", False, "bfloat16")])
 def test_heuristic_group_row_tiles(kind, zeros, dtype):
-    def pick(m, n, k, group=128, **kw):
-        return qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group, has_zeros=zeros,
+    def pick(m, n, k, group=128, has_zeros=zeros, **kw):
+        return qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group, has_zeros=has_zeros,
                                    sm_count=132, sm90=True, **kw)
     for (m, n, k), rows in GROUP_ROW_TILES:
         c = pick(m, n, k)
         want = (2 if c.x_grid else 1) if rows == "grid" else rows
         assert c.row_tiles == want, (m, n, k, c.tag())
         if want == 2 and kind == "int8":   # int8 with zero points through the grid's copy spilled (NVRTC 13.0)
-            z = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=128, has_zeros=True,
-                                    sm_count=132, sm90=True)
+            z = pick(m, n, k, has_zeros=True)
             assert z.row_tiles == (1 if z.x_grid else 2), z.tag()
         assert (c.unroll == 2) == (want == 2) or m == 16, c.tag()
         if want == 2:
@@ -573,6 +572,23 @@ def test_quantized_matmul_gpu(m, n, k, kind, group, zeros):
            what=f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} ({cfg.key()})")
 
 
+def _two_runs(x, qd, sd, zd, group, kind, dtype, cfg, what, **kw):
+    """rtk.quantized_matmul through ``cfg`` twice, each into a poisoned output; the two must be
+    bit-equal (no arrival order in the sums).  Returns the second output."""
+    import cupy as cp
+    from gpu_util import poison
+    import rtkernels as rtk
+    m, n = x.shape[0], qd.shape[0]
+    outs = []
+    for _ in range(2):
+        out = poison(cp.empty((m, n), dtype=x.dtype))
+        rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, dtype=dtype, config=cfg,
+                             weight_dtype="float8_e4m3" if kind == "float8_e4m3" else None, **kw)
+        outs.append(out)
+    assert cp.array_equal(outs[0], outs[1]), f"{what}: two runs differ"
+    return outs[1]
+
+
 # tilings through config=: several tiles per CTA (persistent, 1 CTA per SM: 138 tiles of 16 rows
 # over 132 SMs, the last tile 8 rows), K slices of 8 or 9 blocks against 3 slots (padded groups),
 # warps along N and K, 16 warps, one CTA per tile, row_tiles 2, split-K beside persistence
@@ -594,9 +610,6 @@ TILING_KINDS = [("int8", 128, True, "bfloat16"), ("float8_e4m3", None, False, "f
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_tilings_gpu(m):
-    import cupy as cp
-    from gpu_util import poison
-    import rtkernels as rtk
     n, k = 2200, 4160   # 65 blocks of 64 over 8 warps
     rng = np.random.default_rng(40 + m)
     cases = [(kd, _case(rng, m, n, k, kd[3], *kd[:3])) for kd in TILING_KINDS]
@@ -607,16 +620,9 @@ def test_tilings_gpu(m):
         cfg = base.replace(**t)
         if cfg.cluster and not device.current_arch().startswith("sm_9"):
             continue   # (clusters need sm_90)
-        wdt = "float8_e4m3" if kind == "float8_e4m3" else None
-        outs = []
-        for _ in range(2):
-            out = poison(cp.empty((m, n), dtype=x.dtype))
-            rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, weight_dtype=wdt, dtype=dtype,
-                                 config=cfg)
-            outs.append(out)
         what = f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} tiling {cfg.tag()}"
-        assert cp.array_equal(outs[0], outs[1]), f"{what}: two runs differ"
-        _check(outs[1], x64, q, s, z, group, kind, dtype, what=what)
+        out = _two_runs(x, qd, sd, zd, group, kind, dtype, cfg, what)
+        _check(out, x64, q, s, z, group, kind, dtype, what=what)
 
 
 # 32-row tiles at one m tile with group scales (gemv._group_row_tiles): x's three bfloat16 paths (the
@@ -634,9 +640,7 @@ def test_group_row_tiles_gpu(m):
     """N = 9000 (282 32-row tiles, the last of 8 rows: its second row tile and rows g + 8 do not
     exist), K = 1104 (a last block of 16 elements, a last group of 16 or 80), bias + SiLU, 2 and 1 CTAs
     per SM (1-2 and 2-3 tiles each); two runs bit-equal, against the float64 reference."""
-    import cupy as cp
-    from gpu_util import poison, random_array
-    import rtkernels as rtk
+    from gpu_util import random_array
     n, k = 9000, 1104
     rng = np.random.default_rng(500 + m)
     for kind, group, zeros, dtype, xmode in GROUP_ROW_TILE_CASES:
@@ -644,18 +648,11 @@ def test_group_row_tiles_gpu(m):
         b, b64 = random_array(rng, (n,), dtype)
         base = qm.heuristic_config(dtype, m, n, k, weight_dtype=kind, group_size=group, has_zeros=zeros,
                                    has_bias=True, activation="silu")
-        wdt = "float8_e4m3" if kind == "float8_e4m3" else None
         for cfg in (base.replace(row_tiles=2, unroll=2, x_shared=False, **xmode),
                     base.replace(row_tiles=2, unroll=2, x_shared=False, ctas_per_sm=1, **xmode)):
-            outs = []
-            for _ in range(2):
-                out = poison(cp.empty((m, n), dtype=x.dtype))
-                rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, bias=b, activation="silu", out=out,
-                                     weight_dtype=wdt, dtype=dtype, config=cfg)
-                outs.append(out)
             what = f"M={m} N={n} K={k} {kind} group={group} zeros={zeros} {dtype} tiling {cfg.tag()}"
-            assert cp.array_equal(outs[0], outs[1]), f"{what}: two runs differ"
-            _check(outs[1], x64, q, s, z, group, kind, dtype, bias64=b64, act="silu", what=what)
+            out = _two_runs(x, qd, sd, zd, group, kind, dtype, cfg, what, bias=b, activation="silu")
+            _check(out, x64, q, s, z, group, kind, dtype, bias64=b64, act="silu", what=what)
 
 
 @pytest.mark.gpu
