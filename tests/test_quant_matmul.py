@@ -194,7 +194,8 @@ def test_x_half_config_and_rule(monkeypatch):
     monkeypatch.setenv("RTKERNELS_ARCH", "sm_90a")
     h = qm.heuristic_config
     # (x_half, x_shared, x_grid): a CTA's own copy at M = 1 (M <= 4 with zero points from N = 28672),
-    # the grid's for zero points and (large) group-scaled weights, the conversion kernel's by
+    # the grid's for zero points and group-scaled weights (large ones, and at M = 9..16 those whose converting
+    # CTAs fit beside the tile grid), the conversion kernel's by
     # gemv.X_HALF_MIN_N otherwise (gemv.X_SHARED_RULES, X_GRID_RULES)
     z = dict(weight_dtype="uint8", group_size=128, has_zeros=True)
     g = dict(group_size=128)
@@ -202,16 +203,21 @@ def test_x_half_config_and_rule(monkeypatch):
             (1, 28672, 8192, {}, (True, True, False)), (1, 6144, 4096, {}, (True, True, False)),
             (1, 8192, 8192, {}, (True, True, False)), (1, 4096, 4096, {}, (False, False, False)),
             (1, 4096, 14336, {}, (False, False, False)), (1, 8192, 28672, {}, (False, False, False)),
-            (1, 10240, 14336, {}, (True, False, False)), (4, 10240, 8192, {}, (True, False, False)),
-            (4, 8192, 8192, {}, (False, False, False)), (8, 8192, 28672, {}, (False, False, False)),
-            (8, 10240, 8192, {}, (True, False, False)), (16, 14336, 4096, {}, (True, False, False)),
+            (1, 10240, 14336, {}, (True, False, False)), (4, 10240, 8192, {}, (True, False, True)),
+            (4, 8192, 8192, {}, (True, False, True)), (8, 8192, 28672, {}, (True, False, True)),
+            (8, 10240, 8192, {}, (True, False, True)), (16, 14336, 4096, {}, (True, False, False)),
+            (4, 14336, 4096, {}, (True, False, False)),   # per-row: the grid's from 8192 x 8192 weights
+            (4, 5120, 4096, z, (True, False, True)), (16, 5120, 4096, z, (False, False, False)),
             (16, 8192, 28672, {}, (True, False, False)), (9, 6144, 4096, {}, (True, False, False)),
             (16, 4096, 14336, {}, (False, False, False)),
-            (1, 8192, 8192, g, (True, True, False)), (4, 8192, 8192, g, (True, False, False)),
+            (1, 8192, 8192, g, (True, True, False)), (4, 8192, 8192, g, (True, False, True)),
             (16, 8192, 8192, g, (False, False, False)), (16, 28672, 8192, g, (True, False, True)),
-            (16, 14336, 4096, g, (False, False, False)), (16, 10240, 8192, g, (True, False, True)),
+            (16, 14336, 4096, g, (True, False, True)), (16, 10240, 8192, g, (True, False, True)),
+            (9, 5120, 4096, g, (True, False, True)), (12, 14336, 2048, g, (True, False, True)),
+            (16, 8192, 4096, g, (False, False, False)),   # 256 tile CTAs: the copy's would not fit beside
+            (16, 4096, 4096, g, (False, False, False)), (16, 4096, 14336, g, (False, False, False)),
             (4, 8192, 28672, g, (True, False, True)), (1, 8192, 28672, g, (True, False, False)),
-            (4, 10240, 8192, g, (True, False, True)), (4, 14336, 4096, g, (True, False, False)),
+            (4, 10240, 8192, g, (True, False, True)), (4, 14336, 4096, g, (True, False, True)),
             (4, 4096, 14336, g, (False, False, False)),
             (16, 8192, 8192, z, (True, False, True)), (1, 8192, 8192, z, (True, True, False)),
             (4, 8192, 8192, z, (True, False, True)), (4, 28672, 8192, z, (True, True, False)),
@@ -311,6 +317,8 @@ def _compiled_configs():
           sm_count=132),
         h("bfloat16", 8, 10240, 8192, weight_dtype="uint8", group_size=128, has_zeros=True, has_bias=True,
           activation="silu", sm_count=132),                                                  # x_grid
+        h("bfloat16", 4, 8192, 8192, weight_dtype="int8", has_bias=True, activation="gelu",
+          sm_count=132),                                                                     # x_grid, per row
         h("float16", 1, 6144, 4096, weight_dtype="float8_e4m3", scale_dtype="float16", activation="relu",
           sm_count=132),
         # 32-row tiles at one m tile (group scales): the grid's copy with zero points, float16 x with

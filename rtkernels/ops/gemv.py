@@ -551,7 +551,7 @@ def heuristic_config(dtype: str, m: int, n: int, k: int, *, weight_dtype: str = 
                           n_major=n_major, w_vec=w_vec, x_vec=x_vec)
     if n_major:
         return _nmajor_sm90(cfg, n, k, sm_count) if sm90 else cfg
-    auto_half, auto_shared, auto_grid = x_half_mode(cfg, m, n, k)
+    auto_half, auto_shared, auto_grid = x_half_mode(cfg, m, n, k, sm_count)
     x_half = auto_half if x_half is None else x_half
     x_shared = (auto_shared if x_shared is None else x_shared) and x_half and m_tiles == 1
     x_grid = (auto_grid if x_grid is None else x_grid) and x_half and not x_shared and split == 1
@@ -658,15 +658,37 @@ X_SHARED_RULES = (("row", 1, X_SHARED_MIN_N), ("group", 1, X_SHARED_MIN_N), ("ze
 # take it from 10240x8192 weights (14336x4096 and 8192^2 unmeasured this way: the conversion kernel).
 # Per-row scales stay off it (28672x8192 M = 1 / 4 / 16: 89.7 / 89.3 / 81.9 kernel, 89.6 / 88.4 /
 # 80.8 grid; M = 8 84.3 / 86.8, one cell, not taken).
+# Session 35: smaller weights take it too where the converting CTAs fit beside the tile grid ("beside":
+# grid_copy_extra > 0, so no tile CTA converts): against bf16 MMAs or the conversion kernel (its launch
+# and ~2 us), and at M = 9..16 with the copy interleaved for the loads (session 34).  Measured (H200, 2026-11-28, % of copy, the rules before -> these, interleaved rounds,
+# min of five medians; docs/data/gemv_xgrid_rule_ab_session35_*, gemv_xgrid_rule2_ab_session35_*, probes in
+# gemv_xi_*_session35_*, gemv_xgrid_*_probe_session35_*):
+#   group scales (int8 g128; g64 alike), M = 2 / 4 / 8 / 16: 8192^2 64.0 -> 68.5, 63.5 -> 67.1, 61.4 -> 64.5
+#     (M = 16: 256 tile CTAs, no room: unchanged); 14336x4096 61.7 -> 64.8, 60.3 -> 63.9, 58.8 -> 61.0, 47.5 ->
+#     50.3; 8192x4096 53.3 -> 55.7, 51.2 -> 54.7, 49.5 -> 51.9; 5120x13824 42.5 -> 51.9, 42.6 -> 50.8, 42.6 ->
+#     49.4, 36.6 -> 41.3; 13824x5120 M = 9..16 +6 .. +7.5; 142 cells from 5120x4096 to 14336x4096, none
+#     below -0.2.  4096 rows lost (M = 2..8: 4096^2 -1 .. -1.6, 4096x14336 -2 .. -4.7; M = 16 -3 .. -6):
+#     hence N >= 5120.  Where 256 tile CTAs fill the slots at M = 9..16 it lost too (8192x4096 -2 .. -2.8).
+#   zero points at 5120 rows, M = 2..8: 5120x4096 35.2 -> 38.7 .. 34.3 -> 37.0, 5120x13824 41.6 -> 50.0 ..
+#     41.5 -> 46.5.
+#   per-row scales, M = 2..8, from 8192 x 8192 weights: 8192^2 72.0 -> 73.5, 69.1 -> 72.4, 69.0 -> 71.6
+#     (M = 2 / 4 / 8); 28672x8192 89.5 -> 90.3, 87.6 -> 89.6, 82.3 -> 87.5; 10240x8192 72.5 -> 72.4, 70.7 ->
+#     71.8, 66.1 -> 70.3; 8192x28672 85.6 -> 85.6, 84.6 -> 85.4, 81.9 -> 83.7; 5120x13824 +4.7 .. +5.5;
+#     13824x5120 +0.6 .. +1.1; smaller ones level (14336x4096 -0.3 .. +0.5, 6144x4096 -0.5 .. +0.5).  The
+#     session-33 rows above (M = 4 88.9 / 89.2) were one run at one M; M = 16 stays off (it spilled).
 USE_X_GRID = os.environ.get("RTKERNELS_GEMV_XGRID", "1") != "0"   # 0: the rule never takes x_grid (A/B)
-X_GRID_RULES = (   # (scales, M range, smallest N, smallest K, smallest N x K)
-    ("zeros", (1, 16), 6144, 0, 0),
-    ("group", (2, 8), 8192, 0, 10240 * 8192),
-    ("group", (9, 16), 0, 0, 10240 * 8192),
+X_GRID_RULES = (   # (scales, M range, smallest N, smallest K, smallest N x K, only beside the tile grid)
+    ("zeros", (1, 16), 6144, 0, 0, False),
+    ("group", (2, 8), 8192, 0, 10240 * 8192, False),
+    ("group", (9, 16), 0, 0, 10240 * 8192, False),
+    # session 35 (above)
+    ("group", (2, 16), 5120, 0, 0, True),
+    ("zeros", (2, 8), 5120, 0, 0, True),
+    ("row", (2, 8), 0, 0, 8192 * 8192, True),
 )
 
 
-def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, bool, bool]:
+def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int, sm_count: int) -> tuple[bool, bool, bool]:
     """(x_half, x_shared, x_grid) for ``cfg`` (its x_half fields ignored) on (M, N, K): a CTA's own
     copy by X_SHARED_RULES (where it fits); else the grid's by X_GRID_RULES (one CTA along K); else
     the conversion kernel's by X_HALF_MIN_N."""
@@ -678,7 +700,8 @@ def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int) -> tuple[bool, boo
         return True, True, False
     if USE_X_GRID and cfg.split_k == 1 and any(
             s == scales and lo <= m <= hi and n >= min_n and k >= min_k and n * k >= min_nk
-            for s, (lo, hi), min_n, min_k, min_nk in X_GRID_RULES):
+            and (not beside or copy_ctas_fit(cfg, m, cfg.grid(n, sm_count)[0], sm_count))
+            for s, (lo, hi), min_n, min_k, min_nk, beside in X_GRID_RULES):
         return True, False, True
     return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)], False, False
 
@@ -979,9 +1002,12 @@ def grid_copy_extra(cfg: QuantGemvConfig, m: int, tile_ctas: int, sm_count: int)
     tile CTAs converting, docs/data/gemv_xgrid_extra_ctas_session33_*, gemv_xgrid_ab_session33_*):
     per-row int8 28672x8192 M = 1 / 4 92.1 / 89.8, 89.5 / 89.2; where M more exceed the slots (256
     tile CTAs + 16 of 264) 8 tile CTAs start late: int8 g128 28672x8192 M = 16 60.8 / 66.7."""
-    if not cfg.x_grid or tile_ctas + m > sm_count * cfg.ctas_per_sm:
-        return 0
-    return m
+    return m if cfg.x_grid and copy_ctas_fit(cfg, m, tile_ctas, sm_count) else 0
+
+
+def copy_ctas_fit(cfg: QuantGemvConfig, m: int, tile_ctas: int, sm_count: int) -> bool:
+    """Whether the SMs hold x_grid's M converting CTAs beside ``tile_ctas`` of ``cfg`` at once."""
+    return tile_ctas + m <= sm_count * cfg.ctas_per_sm
 
 
 def _x_copies(x_grid: bool, xh, xscale) -> tuple:
