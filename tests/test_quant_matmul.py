@@ -207,7 +207,9 @@ def test_x_half_config_and_rule(monkeypatch):
             (4, 8192, 8192, {}, (True, False, True)), (8, 8192, 28672, {}, (True, False, True)),
             (8, 10240, 8192, {}, (True, False, True)), (16, 14336, 4096, {}, (True, False, False)),
             (4, 14336, 4096, {}, (True, False, False)),   # per-row: the grid's from 8192 x 8192 weights
-            (4, 5120, 4096, z, (True, False, True)), (16, 5120, 4096, z, (False, False, False)),
+            (4, 5120, 4096, z, (True, False, True)), (16, 5120, 4096, z, (True, False, True)),
+            (1, 5120, 13824, g, (True, False, True)), (1, 5120, 4096, z, (True, False, True)),
+            (1, 10240, 14336, g, (True, False, False)),   # M = 1: the conversion kernel where it runs
             (16, 8192, 28672, {}, (True, False, False)), (9, 6144, 4096, {}, (True, False, False)),
             (16, 4096, 14336, {}, (False, False, False)),
             (1, 8192, 8192, g, (True, True, False)), (4, 8192, 8192, g, (True, False, True)),

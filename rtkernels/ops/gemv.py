@@ -676,15 +676,40 @@ X_SHARED_RULES = (("row", 1, X_SHARED_MIN_N), ("group", 1, X_SHARED_MIN_N), ("ze
 #     71.8, 66.1 -> 70.3; 8192x28672 85.6 -> 85.6, 84.6 -> 85.4, 81.9 -> 83.7; 5120x13824 +4.7 .. +5.5;
 #     13824x5120 +0.6 .. +1.1; smaller ones level (14336x4096 -0.3 .. +0.5, 6144x4096 -0.5 .. +0.5).  The
 #     session-33 rows above (M = 4 88.9 / 89.2) were one run at one M; M = 16 stays off (it spilled).
+#   M = 1 (x_shared where it fits first): against bf16 MMAs 5120x4096 g128 37.4 -> 41.1, 5120x13824 42.8 ->
+#     52.4, 6144x14336 53.3 -> 61.9 (g64 +2.4 .. +3.6, zero points +3.8 / +8.8); against the conversion
+#     kernel one converting CTA per row was level or lost (g128 8192x28672 81.3 / 81.3, 10240x14336 72.3 /
+#     72.3; g64 76.2 -> 66.6, 73.6 -> 70.6): so M = 1 takes it only below the conversion kernel's N.
 USE_X_GRID = os.environ.get("RTKERNELS_GEMV_XGRID", "1") != "0"   # 0: the rule never takes x_grid (A/B)
-X_GRID_RULES = (   # (scales, M range, smallest N, smallest K, smallest N x K, only beside the tile grid)
-    ("zeros", (1, 16), 6144, 0, 0, False),
-    ("group", (2, 8), 8192, 0, 10240 * 8192, False),
-    ("group", (9, 16), 0, 0, 10240 * 8192, False),
+
+
+class GridRule(NamedTuple):
+    """Where x_grid applies: the weight's scales ("row" / "group" / "zeros"), M in ``m`` (a range),
+    N >= min_n (and <= max_n when given), K >= min_k, N x K >= min_nk; ``beside``: only where the
+    converting CTAs fit beside the tile grid (:func:`copy_ctas_fit`)."""
+    scales: str
+    m: tuple[int, int]
+    min_n: int = 0
+    min_k: int = 0
+    min_nk: int = 0
+    beside: bool = False
+    max_n: int | None = None
+
+    def takes(self, cfg: "QuantGemvConfig", m: int, n: int, k: int, sm_count: int) -> bool:
+        return (self.m[0] <= m <= self.m[1] and n >= self.min_n and k >= self.min_k and n * k >= self.min_nk
+                and (self.max_n is None or n <= self.max_n)
+                and (not self.beside or copy_ctas_fit(cfg, m, cfg.grid(n, sm_count)[0], sm_count)))
+
+
+X_GRID_RULES = (
+    GridRule("zeros", (1, 16), min_n=6144),
+    GridRule("group", (2, 8), min_n=8192, min_nk=10240 * 8192),
+    GridRule("group", (9, 16), min_nk=10240 * 8192),
     # session 35 (above)
-    ("group", (2, 16), 5120, 0, 0, True),
-    ("zeros", (2, 8), 5120, 0, 0, True),
-    ("row", (2, 8), 0, 0, 8192 * 8192, True),
+    GridRule("group", (2, 16), min_n=5120, beside=True),
+    GridRule("group", (1, 1), min_n=5120, beside=True, max_n=X_HALF_MIN_N[("group", 1)] - 1),
+    GridRule("zeros", (1, 16), min_n=5120, beside=True),
+    GridRule("row", (2, 8), min_nk=8192 * 8192, beside=True),
 )
 
 
@@ -698,10 +723,8 @@ def x_half_mode(cfg: QuantGemvConfig, m: int, n: int, k: int, sm_count: int) -> 
     if (k <= X_SHARED_MAX_K and any(s == scales and m <= top and n >= low for s, top, low in X_SHARED_RULES)
             and x_shared_fits(cfg, m, k)):
         return True, True, False
-    if USE_X_GRID and cfg.split_k == 1 and any(
-            s == scales and lo <= m <= hi and n >= min_n and k >= min_k and n * k >= min_nk
-            and (not beside or copy_ctas_fit(cfg, m, cfg.grid(n, sm_count)[0], sm_count))
-            for s, (lo, hi), min_n, min_k, min_nk, beside in X_GRID_RULES):
+    if USE_X_GRID and cfg.split_k == 1 and any(r.scales == scales and r.takes(cfg, m, n, k, sm_count)
+                                               for r in X_GRID_RULES):
         return True, False, True
     return n >= X_HALF_MIN_N[(scales, 1 if m <= 8 else 2)], False, False
 
