@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from rtkernels.torch._library import op  # noqa: E402
 
-OPS = ("attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+OPS = ("attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
        "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy", "cross_entropy_with_grad")
 
 
@@ -58,6 +58,49 @@ def test_fake_attention_shapes_and_strides():
         with pytest.raises(ConfigError, match="float16 or all bfloat16"):
             f = _fake((1, 4, 2, 64), torch.float32)
             rtt.attention(f, f, f)
+
+
+def test_fake_masked_and_varlen_attention():
+    """Windows, softcap and packed sequences on FakeTensors: shapes, and rtk's own argument errors."""
+    from rtkernels.errors import ConfigError
+    with FakeTensorMode():
+        q, k = _fake((2, 17, 8, 72)), _fake((2, 33, 2, 72))
+        o, lse = rtt.attention(q, k, k, causal=True, window=(8, 0), softcap=30.0)
+        assert o.shape == q.shape and lse.shape == (2, 8, 17)
+        dq, dk, dv = rtt.attention_backward(o, q, k, k, o, lse, True, window=(8, 0), softcap=30.0)
+        assert (dq.shape, dk.shape) == (q.shape, k.shape)
+        with pytest.raises(ConfigError, match="window"):
+            rtt.attention(q, k, k, causal=True, window=(8, 3))      # right of the diagonal under causal
+        with pytest.raises(ConfigError, match="softcap"):
+            rtt.attention(q, k, k, softcap=-1.0)
+        qp, kp = _fake((300, 8, 64)), _fake((410, 2, 64))
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        o, lse = rtt.attention_varlen(qp, kp, kp, cu, cu, 128, 200, causal=True, window=(31, 0))
+        assert o.shape == qp.shape and o.is_contiguous() and lse.shape == (8, 300) and lse.dtype == torch.float32
+        dq, dk, dv = rtt.attention_varlen_backward(o, qp, kp, kp, o, lse, cu, cu, 128, 200, True)
+        assert (dq.shape, dk.shape, dv.shape) == (qp.shape, kp.shape, kp.shape)
+        with pytest.raises(ConfigError, match="3-D"):
+            rtt.attention_varlen(q, k, k, cu, cu, 17, 33)
+        with pytest.raises(ConfigError, match="int32"):
+            rtt.attention_varlen(qp, kp, kp, cu.to(torch.int64), cu, 128, 200)
+        with pytest.raises(ConfigError, match="same length"):
+            rtt.attention_varlen(qp, kp, kp, cu, torch.empty(3, dtype=torch.int32, device="cuda"), 128, 200)
+
+
+def test_varlen_backward_graph_calls_rtk_ops():
+    """Gradients through packed, windowed, capped attention trace to the varlen ops (meta tensors)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(q, k, v, cu):
+        o, _ = rtt.attention_varlen(q, k, v, cu, cu, 64, 64, causal=True, window=(15, 0), softcap=20.0)
+        return torch.autograd.grad(o.float().sum(), (q, k, v))
+
+    args = (_meta((100, 4, 64)), _meta((100, 2, 64)), _meta((100, 2, 64)),
+            torch.zeros(3, dtype=torch.int32, device="meta"))
+    g = make_fx(f)(*args)
+    names = [str(n.target) for n in g.graph.nodes if n.op == "call_function" and "rtk" in str(n.target)]
+    assert names == ["rtk.attention_varlen.default", "rtk.attention_varlen_backward.default"], names
+    assert [tuple(t.shape) for t in f(*args)] == [tuple(a.shape) for a in args[:3]]
 
 
 @pytest.mark.parametrize("a_shape,b_shape,ta,tb,out", [
@@ -348,9 +391,25 @@ def test_transformers_mask_function(masking_utils):
     assert rtk_mask(2, 1, 9, q_offset=8, mask_function=causal, attention_mask=torch.ones(2, 9, dtype=torch.bool)) is None
     with pytest.raises(NotImplementedError, match="padding"):
         rtk_mask(2, 5, 5, mask_function=causal, attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]).bool())
-    with pytest.raises(NotImplementedError, match="mask pattern"):
-        rtk_mask(2, 5, 5, mask_function=lambda b, h, q, kv: kv <= q)
-    with pytest.raises(NotImplementedError, match="static or sliding cache"):
+    assert rtk_mask(2, 5, 5, mask_function=lambda b, h, q, kv: kv <= q) is None   # causal, whatever its name
+    # a sliding window of 3 keys (a new closure per call in transformers): any key range ending at the last query
+    sliding = lambda b, h, q, kv: (kv <= q) & (kv > q - 3)   # noqa: E731
+    assert rtk_mask(2, 9, 9, mask_function=sliding) is None
+    assert rtk_mask(2, 1, 3, q_offset=8, kv_offset=6, mask_function=sliding) is None
+    assert rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding) is None
+    ones = torch.ones(2, 12, dtype=torch.bool)   # padding over every position so far
+    assert rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding, attention_mask=ones) is None
+    ones[1, 2] = False   # padding outside the cache's window: not among the keys
+    assert rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding, attention_mask=ones) is None
+    ones[1, 8] = False
+    with pytest.raises(NotImplementedError, match="padding"):
+        rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding, attention_mask=ones)
+    for bad in (lambda b, h, q, kv: (kv <= q) & (kv // 4 == q // 4),   # chunked attention
+                lambda b, h, q, kv: kv < q,                               # a diagonal left out
+                lambda b, h, q, kv: (kv <= q) & (kv % 2 == 0)):           # holes
+        with pytest.raises(NotImplementedError, match="mask pattern"):
+            rtk_mask(2, 9, 9, mask_function=bad)
+    with pytest.raises(NotImplementedError, match="static cache"):
         rtk_mask(2, 1, 64, q_offset=8, mask_function=causal)
 
 
@@ -362,7 +421,12 @@ def test_transformers_attention_function_layout():
     kv = torch.empty(2, 2, 5, 64, device="meta", dtype=torch.bfloat16)
     o, weights = rtk_attention_forward(mod, q, kv, kv, None, scaling=0.125)
     assert o.shape == (2, 5, 8, 64) and o.is_contiguous() and weights is None
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    o, _ = rtk_attention_forward(mod, q, kv, kv, None, scaling=0.125, sliding_window=4, softcap=50.0)
+    assert o.shape == (2, 5, 8, 64)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        rtk_attention_forward(mod, q, kv, kv, None, s_aux=torch.empty(8, device="meta"))
+    mod.is_causal = False
+    with pytest.raises(NotImplementedError, match="bidirectional"):
         rtk_attention_forward(mod, q, kv, kv, None, sliding_window=4)
     with pytest.raises(NotImplementedError, match="mask tensor"):
         rtk_attention_forward(mod, q, kv, kv, torch.empty(2, 1, 5, 5, device="meta"))
@@ -552,6 +616,151 @@ def test_gpu_attention_forward_backward(b, sq, sk, h, hkv, d, causal):
     for name, t, r, lw in zip("qkv", (q, k, v), ref_in, low_in):
         _two_x(f"d{name}", t.grad, lw.grad, r.grad, 2e-3)
     assert lse.dtype == torch.float32 and not lse.requires_grad
+
+
+def _masked_ref(q, k, v, causal, scale, window=None, softcap=None, dtype=None):
+    """softmax(cap(scale q k^T) [bottom-right causal / window]) v in (B, S, H, D), GQA by repetition,
+    computed in ``dtype`` (default: the inputs'); a row that sees no key gives 0 (and no NaN in the
+    gradients)."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    if dtype is not None:
+        qh, kh, vh = qh.to(dtype), kh.to(dtype), vh.to(dtype)
+    rep = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = qh.shape[2], kh.shape[2]
+    i = torch.arange(sq, device=q.device)[:, None] + sk - sq
+    j = torch.arange(sk, device=q.device)[None, :]
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        ok &= j <= i + right
+    if left >= 0:
+        ok &= j >= i - left
+    seen = ok.any(-1, keepdim=True)
+    s = s.masked_fill(~ok, float("-inf")).masked_fill(~seen, 0.0)
+    o = (torch.softmax(s, -1) * seen) @ vh
+    return o.transpose(1, 2)
+
+
+def _three_ways(inputs, do, fn_rtk, fn_ref):
+    """(rtk outputs and grads, float64 reference, the same reference in the inputs' dtype)."""
+    got = fn_rtk(*inputs)
+    got.backward(do)
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    ref = fn_ref(*ref_in)
+    ref.backward(do.double())
+    low_in = [t.detach().clone().requires_grad_() for t in inputs]
+    low = fn_ref(*low_in)
+    low.backward(do)
+    return got, ref, low, ref_in, low_in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,window,softcap", [
+    (2, 97, 150, 4, 2, 64, True, (31, 0), None), (1, 128, 128, 4, 4, 128, False, (20, 40), 30.0),
+    (2, 64, 64, 8, 2, 96, True, None, 25.0), (1, 40, 200, 2, 1, 64, False, (-1, 5), None)])
+def test_gpu_masked_attention_forward_backward(b, sq, sk, h, hkv, d, causal, window, softcap):
+    _cuda()
+    torch.manual_seed(sq + sk + d)
+    q, k, v = _rand((b, sq, h, d), requires_grad=True), _rand((b, sk, hkv, d), requires_grad=True), \
+        _rand((b, sk, hkv, d), requires_grad=True)
+    scale = 1 / math.sqrt(d)
+    do = _rand((b, sq, h, d))
+    got, ref, low, ref_in, low_in = _three_ways(
+        (q, k, v), do, lambda *t: rtt.attention(*t, causal=causal, window=window, softcap=softcap)[0],
+        lambda *t: _masked_ref(*t, causal, scale, window, softcap))
+    _two_x("o", got, low, ref, 1e-3)
+    for name, t, r, lw in zip("qkv", (q, k, v), ref_in, low_in):
+        _two_x(f"d{name}", t.grad, lw.grad, r.grad, 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens_q,lens_k,h,hkv,d,causal,window,softcap", [
+    ((37, 0, 130, 1, 64), None, 4, 2, 64, True, (15, 0), 20.0),
+    ((50, 9, 77), (60, 40, 3), 2, 2, 128, False, None, None),
+    ((100, 33), None, 8, 1, 80, True, None, None)])
+def test_gpu_varlen_attention_forward_backward(lens_q, lens_k, h, hkv, d, causal, window, softcap):
+    """torch.ops.rtk.attention_varlen against per-sequence dense references (2x rule), gradients
+    through the packed op, empty and one-token sequences."""
+    _cuda()
+    lens_k = lens_k or lens_q
+    torch.manual_seed(sum(lens_q) + d)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = _rand((tq, h, d), requires_grad=True), _rand((tk, hkv, d), requires_grad=True), \
+        _rand((tk, hkv, d), requires_grad=True)
+    cu = [torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+          for ls in (lens_q, lens_k)]
+    scale = 1 / math.sqrt(d)
+    do = _rand((tq, h, d))
+    bq, bk = cu[0].tolist(), cu[1].tolist()
+
+    def ref_fn(q_, k_, v_):
+        parts = [_masked_ref(q_[None, bq[i]:bq[i + 1]], k_[None, bk[i]:bk[i + 1]], v_[None, bk[i]:bk[i + 1]], causal,
+                             scale, window, softcap)[0] for i in range(len(lens_q))]
+        return torch.cat(parts)
+
+    def rtk_fn(q_, k_, v_):
+        o, lse = rtt.attention_varlen(q_, k_, v_, cu[0], cu[1], max(lens_q), max(lens_k), causal, window=window,
+                                      softcap=softcap)
+        assert lse.shape == (h, tq) and lse.dtype == torch.float32
+        return o
+
+    got, ref, low, ref_in, low_in = _three_ways((q, k, v), do, rtk_fn, ref_fn)
+    _two_x("o", got, low, ref, 1e-3)
+    for name, t, r, lw in zip("qkv", (q, k, v), ref_in, low_in):
+        _two_x(f"d{name}", t.grad, lw.grad, r.grad, 2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_and_window_compile_fullgraph():
+    """A packed, windowed forward + backward under torch.compile(fullgraph=True): no graph break,
+    the compiled gradients equal eager's."""
+    _cuda()
+    torch.manual_seed(5)
+    cu = torch.tensor([0, 40, 41, 160], dtype=torch.int32, device="cuda")
+
+    def f(q, k, v):
+        o, _ = rtt.attention_varlen(q, k, v, cu, cu, 119, 119, True, window=(31, 0))
+        o2, _ = rtt.attention(q[None], k[None], v[None], True, softcap=30.0)
+        return o.float().square().sum() + o2.float().sum()
+
+    def run(fn):
+        ts = [t.detach().clone().requires_grad_() for t in base]
+        fn(*ts).backward()
+        return [t.grad for t in ts]
+
+    base = [_rand((160, 4, 64)), _rand((160, 2, 64)), _rand((160, 2, 64))]
+    explain = torch._dynamo.explain(f)(*[t.detach().clone().requires_grad_() for t in base])
+    assert explain.graph_break_count == 0, explain.break_reasons
+    for got, want in zip(run(torch.compile(f, fullgraph=True)), run(f)):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_masked_and_varlen():
+    _cuda()
+    torch.manual_seed(6)
+    q, k = _rand((1, 40, 4, 64), requires_grad=True), _rand((1, 56, 2, 64), requires_grad=True)
+    v = _rand((1, 56, 2, 64), requires_grad=True)
+    o, lse = rtt.attention(q, k, v, causal=True, window=(7, 0), softcap=20.0)
+    qp, kp, vp = (t.detach()[0].clone().requires_grad_() for t in (q, k, v))
+    cq = torch.tensor([0, 15, 40], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, 30, 56], dtype=torch.int32, device="cuda")
+    op_, lp = rtt.attention_varlen(qp, kp, vp, cq, ck, 25, 30, False, window=(9, 9))
+    cases = [
+        (torch.ops.rtk.attention.default, (q, k, v, True, None, [7, 0], 20.0)),
+        (torch.ops.rtk.attention_backward.default, (_rand(o.shape), q.detach(), k.detach(), v.detach(), o.detach(),
+                                                     lse, True, None, False, [7, 0], 20.0)),
+        (torch.ops.rtk.attention_varlen.default, (qp, kp, vp, cq, ck, 25, 30, False, None, [9, 9], None)),
+        (torch.ops.rtk.attention_varlen_backward.default, (_rand(op_.shape), qp.detach(), kp.detach(), vp.detach(),
+                                                            op_.detach(), lp, cq, ck, 25, 30, False, None, False,
+                                                            [9, 9], None)),
+    ]
+    _opcheck_all(torch, cases)
 
 
 @pytest.mark.gpu
@@ -854,16 +1063,46 @@ def test_gpu_custom_op_host_overhead():
 
 
 # ---- transformers ---------------------------------------------------------------------------------
-def _llama(attn, dtype, seed=0):
+def _llama(attn, dtype, seed=0, kind="llama"):
+    """A small causal LM: Llama; Mistral with a 16-key sliding window; Gemma 2 (sliding and full
+    layers alternating, logits capped at 30 in attention)."""
     transformers = pytest.importorskip("transformers")
     rtt.register_transformers()
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   initializer_range=0.2)
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+    if kind == "llama":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg, cls = transformers.MistralConfig(sliding_window=16, **common), transformers.MistralForCausalLM
+    else:
+        cfg = transformers.Gemma2Config(head_dim=64, sliding_window=16, attn_logit_softcapping=30.0,
+                                        final_logit_softcapping=None, query_pre_attn_scalar=64, **common)
+        cls = transformers.Gemma2ForCausalLM
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).to("cuda", dtype)
+    model = cls(cfg).to("cuda", dtype)
     model.set_attn_implementation(attn)
     return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_gpu_sliding_window_and_softcap_models_match_eager(kind):
+    """A sliding window (Mistral) and capped logits with alternating windows (Gemma 2) through
+    the "rtk" backend: loss and gradients against transformers' eager attention in float32 (the 2x
+    rule against eager in bfloat16), 48 tokens > the 16-key window."""
+    _cuda()
+    ids = torch.randint(0, 512, (2, 48), device="cuda")
+    loss_ref, g_ref = _grads(_llama("eager", torch.float32, kind=kind), ids)
+    loss_low, g_low = _grads(_llama("eager", torch.bfloat16, kind=kind), ids)
+    loss_rtk, g_rtk = _grads(_llama("rtk", torch.bfloat16, kind=kind), ids)
+    assert abs(loss_rtk - loss_ref) <= 2 * abs(loss_low - loss_ref) + 1e-2, (loss_rtk, loss_low, loss_ref)
+    bad = []
+    for name, ref in g_ref.items():
+        e = (g_rtk[name] - ref).norm().item()
+        e_low = (g_low[name] - ref).norm().item()
+        if e > 2 * e_low + 1e-3 * ref.norm().item():
+            bad.append(f"{name}: |rtk - fp32| {e:.3e} vs |eager bf16 - fp32| {e_low:.3e}")
+    assert not bad, "\n".join(bad)
 
 
 def _grads(model, ids):
@@ -891,18 +1130,23 @@ def test_gpu_llama_gradients_match_sdpa():
 
 
 @pytest.mark.gpu
-def test_gpu_llama_generate_agrees_with_sdpa():
-    """Greedy tokens agree with SDPA's; a divergence is allowed only where SDPA's own top-2
-    logits are closer than the two backends' logit difference (a numerical tie)."""
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_gpu_llama_generate_agrees_with_sdpa(kind):
+    """Greedy tokens agree with SDPA's (eager's for Gemma 2's capped logits); a divergence is
+    allowed only where the reference's own top-2 logits are closer than the two backends' logit
+    difference (a numerical tie).  Mistral and Gemma 2 generate past their 16-key window (the
+    sliding-window cache's key range)."""
     _cuda()
     ids = torch.randint(0, 512, (2, 24), device="cuda")
     outs = {}
-    for attn in ("sdpa", "rtk"):
-        model = _llama(attn, torch.bfloat16).eval()
+    ref_attn = "eager" if kind == "gemma2" else "sdpa"
+    for attn in (ref_attn, "rtk"):
+        model = _llama(attn, torch.bfloat16, kind=kind).eval()
         with torch.no_grad():
             outs[attn] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
                                         min_new_tokens=24, do_sample=False, output_scores=True,
                                         return_dict_in_generate=True, pad_token_id=0)
+    outs["sdpa"] = outs[ref_attn]
     t_s, t_r = outs["sdpa"].sequences, outs["rtk"].sequences
     if torch.equal(t_s, t_r):
         return

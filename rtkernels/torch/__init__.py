@@ -30,7 +30,7 @@ from .hf import register_transformers
 from .dist import ring_attention
 from .sdpa import scaled_dot_product_attention
 
-__all__ = ["attention", "attention_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
            "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
            "scaled_dot_product_attention", "register_transformers", "ring_attention", "op", "LIB", "REGISTERED"]
 
@@ -38,7 +38,8 @@ _rtk_ops = torch.ops.rtk
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              softmax_scale: float | None = None, *, window: tuple[int, int] | None = None,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward as ``torch.ops.rtk.attention``: differentiable in q, k, v.
 
     Parameters
@@ -49,20 +50,56 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         units, 16-byte aligned start (see :func:`rtkernels.attention`).
     causal : bottom-right aligned mask (query i sees key j iff j <= i + seqlen_k - seqlen_q).
     softmax_scale : default ``1 / sqrt(head_dim)``.
+    window : ``(left, right)``: query i sees keys j with ``i + seqlen_k - seqlen_q - left <= j <=
+        i + seqlen_k - seqlen_q + right`` (-1 = unbounded; FlashAttention's convention); with
+        causal, ``(left, 0)`` is the usual sliding window (``left + 1`` keys, the query's own
+        included).
+    softcap : > 0: scores ``s`` become ``softcap * tanh(s / softcap)`` before the softmax (the
+        backward differentiates through it).
 
     Returns
     -------
     ``(o, lse)``: o (batch, seqlen_q, nheads, head_dim) contiguous, lse float32 (batch, nheads,
     seqlen_q), natural log.  lse is not differentiable (a loss through it gets no gradient
-    from it).
+    from it).  A query that sees no key gets o = 0, lse = -inf and zero gradients.
     """
-    return _rtk_ops.attention.default(q, k, v, causal, softmax_scale)
+    return _rtk_ops.attention.default(q, k, v, causal, softmax_scale, window, softcap)
 
 
 def attention_backward(do, q, k, v, o, lse, causal: bool = False, softmax_scale: float | None = None,
-                       deterministic: bool = False):
+                       deterministic: bool = False, *, window: tuple[int, int] | None = None,
+                       softcap: float | None = None):
     """``(dq, dk, dv)`` of :func:`attention` (``torch.ops.rtk.attention_backward``)."""
-    return _rtk_ops.attention_backward.default(do, q, k, v, o, lse, causal, softmax_scale, deterministic)
+    return _rtk_ops.attention_backward.default(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window,
+                                               softcap)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     softmax_scale: float | None = None, *, window: tuple[int, int] | None = None,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences (FlashAttention's ``flash_attn_varlen_func``) as
+    ``torch.ops.rtk.attention_varlen``: differentiable in q, k, v.
+
+    q : (total_q, nheads, head_dim); k, v : (total_k, nheads_kv, head_dim); sequence i is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of q and ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of k and
+    v (int32 tensors of length batch + 1, starting at 0).  ``max_seqlen_q`` / ``max_seqlen_k``: the
+    longest sequences (ints; given, so nothing is read back from the device - CUDA-graph capture
+    works; the kernels clamp every sequence into the packed arrays, so malformed cu_seqlens give
+    wrong rows, never an access outside them).  causal, softmax_scale, window, softcap as in
+    :func:`attention`, per sequence.  Returns ``(o, lse)``: o like q, lse float32 (nheads, total_q).
+    """
+    return _rtk_ops.attention_varlen.default(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                             softmax_scale, window, softcap)
+
+
+def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool = False, softmax_scale: float | None = None, deterministic: bool = False,
+                              *, window: tuple[int, int] | None = None, softcap: float | None = None):
+    """``(dq, dk, dv)`` of :func:`attention_varlen` (``torch.ops.rtk.attention_varlen_backward``)."""
+    return _rtk_ops.attention_varlen_backward.default(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k, causal, softmax_scale, deterministic, window,
+                                                      softcap)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, activation: str | None = None,

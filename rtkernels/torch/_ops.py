@@ -17,6 +17,7 @@ import torch
 import rtkernels as _rtk
 from ..errors import ConfigError
 from ..ops._arrays import dtype_name
+from ..ops.attention_mask import mask_spec
 from ..ops.attention_bwd import compile_ahead
 from ..ops.matmul import matmul_positional
 from ._library import empty_like_contiguous as _like
@@ -31,40 +32,57 @@ def _ops():
 
 
 # ---- attention --------------------------------------------------------------------------------
-def _check_attention(q, k, v, where: str = "attention") -> None:
+def _check_attention(q, k, v, where: str = "attention", packed: bool = False) -> None:
     """The shape and dtype rules of rtk.attention, checked on fake tensors too (so torch.compile
-    reports them at trace time, in the eager op's words)."""
+    reports them at trace time, in the eager op's words).  ``packed``: the varlen layout, (total,
+    nheads, head_dim) tensors without the batch dimension."""
+    dims, layout = (3, "(total, nheads, head_dim) with cu_seqlens") if packed else \
+        (4, "(batch, seqlen, nheads, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}; expected 4-D (batch, seqlen, nheads, "
-                              "head_dim)", field=name, value=tuple(t.shape))
+        if t.dim() != dims:
+            raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}; expected {dims}-D {layout}", field=name,
+                              value=tuple(t.shape))
         if t.dtype not in _HALF or t.dtype != q.dtype:
             raise ConfigError(f"{where}: q, k, v must all be float16 or all bfloat16, got {q.dtype}, {k.dtype}, "
                               f"{v.dtype}", field="dtype", value=str(t.dtype))
-    b, _, h, d = q.shape
-    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != b or k.shape[3] != d:
-        raise ConfigError(f"{where}: k and v must have shape (batch={b}, seqlen_k, nheads_kv, head_dim={d}), got "
-                          f"{tuple(k.shape)} and {tuple(v.shape)}", field="k", value=tuple(k.shape))
-    if k.shape[2] == 0 or h % k.shape[2]:
-        raise ConfigError(f"{where}: nheads={h} must be a multiple of nheads_kv={k.shape[2]} (GQA/MQA)",
+    h, d = q.shape[-2:]
+    if tuple(k.shape) != tuple(v.shape) or k.shape[-1] != d or (not packed and k.shape[0] != q.shape[0]):
+        want = "(total_k, nheads_kv, head_dim" if packed else f"(batch={q.shape[0]}, seqlen_k, nheads_kv, head_dim"
+        raise ConfigError(f"{where}: k and v must have shape {want}={d}), got {tuple(k.shape)} and "
+                          f"{tuple(v.shape)}", field="k", value=tuple(k.shape))
+    if k.shape[-2] == 0 or h % k.shape[-2]:
+        raise ConfigError(f"{where}: nheads={h} must be a multiple of nheads_kv={k.shape[-2]} (GQA/MQA)",
                           field="k", value=tuple(k.shape))
     if d % 8 or not 8 <= d <= 256:
         raise ConfigError(f"{where}: head_dim={d} is not allowed; a multiple of 8 in [8, 256]",
                           field="head_dim", value=d)
 
 
-def _attention_fake(q, k, v, causal, softmax_scale):
+def _mask(causal, window, softcap, where: str, varlen: bool = False):
+    """The mask arguments as rtk takes them (window a tuple: the schema's ``int[]?`` arrives as a
+    list), checked by rtk's own rule (so fakes raise what the eager op raises)."""
+    window = None if window is None else tuple(window)
+    mask_spec(causal, window, softcap, varlen, family=where)
+    return window
+
+
+def _plain(window, softcap) -> bool:
+    return window is None and not softcap
+
+
+def _attention_fake(q, k, v, causal, softmax_scale, window=None, softcap=None):
     _check_attention(q, k, v)
+    _mask(causal, window, softcap, "attention")
     b, s, h, _ = q.shape
     return _like(q), _like(q, (b, h, s), torch.float32)
 
 
 def _attention_save(ctx, args, out):
-    q, k, v, causal, softmax_scale = args
+    q, k, v, causal, softmax_scale, window, softcap = args
     o, lse = out
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.causal, ctx.softmax_scale, ctx.window, ctx.softcap = causal, softmax_scale, window, softcap
 
 
 def attention_layout(t: torch.Tensor) -> torch.Tensor:
@@ -81,30 +99,41 @@ def attention_layout(t: torch.Tensor) -> torch.Tensor:
 def _attention_backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _ops().attention_backward.default(attention_layout(do), q, k, v, o, lse, ctx.causal,
-                                                   ctx.softmax_scale, False)
-    return dq, dk, dv, None, None
+                                                   ctx.softmax_scale, False, ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None
 
 
 def _attention_prepare(args):
     # a forward that records for autograd will be differentiated: its backward's kernels compile
-    # on a background thread while the forward's do (a cold first training step)
+    # on a background thread while the forward's do (a cold first training step); the plain mask's
+    # (a window or softcap compiles its own configs when its backward runs)
     q, causal = args[0], args[3]
     # (a symbolic head dim under torch.compile's dynamic shapes, or a dtype the op refuses: the call tells)
-    if not isinstance(q.shape[-1], int) or q.dtype not in _HALF:
+    # (meta tensors - make_fx over meta inputs - have no device to compile for)
+    if not isinstance(q.shape[-1], int) or q.dtype not in _HALF or not _plain(args[5], args[6]) \
+            or q.device.type != "cuda":
         return
     dev = q.device.index
     compile_ahead(dtype_name(q), q.shape[-1], bool(causal), torch.cuda.current_device() if dev is None else dev)
 
 
-attention_op = op("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None) "
-                  "-> (Tensor, Tensor)",
-                  _rtk.attention,   # its first five parameters are the schema's: no wrapper frame
-                  fake=_attention_fake, backward=_attention_backward, setup_context=_attention_save,
-                  prepare=_attention_prepare)
+def _attention_impl(q, k, v, causal, softmax_scale, window, softcap):
+    if window is None and softcap is None:
+        return _rtk.attention(q, k, v, causal, softmax_scale)
+    return _rtk.attention(q, k, v, causal, softmax_scale, window=_mask(causal, window, softcap, "attention"),
+                          softcap=softcap)
 
 
-def _attention_backward_fake(do, q, k, v, o, lse, causal, softmax_scale, deterministic):
+attention_op = op("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None, "
+                  "int[]? window=None, float? softcap=None) -> (Tensor, Tensor)",
+                  _attention_impl, fake=_attention_fake, backward=_attention_backward,
+                  setup_context=_attention_save, prepare=_attention_prepare)
+
+
+def _attention_backward_fake(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window=None,
+                             softcap=None):
     _check_attention(q, k, v, "attention_backward")
+    _mask(causal, window, softcap, "attention_backward")
     return _like(q), _like(k), _like(v)
 
 
@@ -125,17 +154,99 @@ def _torch_scratch():
     return memory.PythonFunctionAllocator(malloc, free).malloc
 
 
-def _attention_backward_impl(do, q, k, v, o, lse, causal, softmax_scale, deterministic):
+def _attention_backward_impl(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window=None, softcap=None,
+                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     import cupy
+    where = "attention_backward" if cu_seqlens_q is None else "attention_varlen_backward"
+    window = _mask(causal, window, softcap, where, cu_seqlens_q is not None)
     with cupy.cuda.using_allocator(_torch_scratch()):
-        return _rtk.attention_backward(do, q, k, v, o, lse, causal, softmax_scale, deterministic)
+        return _rtk.attention_backward(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window=window,
+                                       softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
+_NO_DOUBLE = "{} has no backward (double backward through attention is not supported)"
 attention_backward_op = op(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal=False, "
-    "float? softmax_scale=None, bool deterministic=False) -> (Tensor, Tensor, Tensor)",
-    _attention_backward_impl, fake=_attention_backward_fake,
-    backward="rtk.attention_backward has no backward (double backward through attention is not supported)")
+    "float? softmax_scale=None, bool deterministic=False, int[]? window=None, float? softcap=None) "
+    "-> (Tensor, Tensor, Tensor)",
+    _attention_backward_impl, fake=_attention_backward_fake, backward=_NO_DOUBLE.format("rtk.attention_backward"))
+
+
+# ---- varlen attention: packed sequences (FlashAttention's flash_attn_varlen_func) -----------------
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, where: str) -> None:
+    """The packed layout's rules (checked on fakes too): q (total_q, nheads, head_dim), k and v
+    (total_k, nheads_kv, head_dim), cu_seqlens int32 (batch + 1,) each; contents are the eager op's
+    (rtk.attention: read only where a max_seqlen hint is missing, which this op never lets happen)."""
+    _check_attention(q, k, v, where, packed=True)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
+            raise ConfigError(f"{where}: {name} must be a 1-D int32 tensor of length batch + 1 >= 2, got {t.dtype} "
+                              f"{tuple(t.shape)}", field=name, value=tuple(t.shape))
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ConfigError(f"{where}: cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}", field="cu_seqlens_k",
+                          value=tuple(cu_seqlens_k.shape))
+
+
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           window=None, softcap=None):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "attention_varlen")
+    _mask(causal, window, softcap, "attention_varlen", True)
+    return _like(q), _like(q, (q.shape[1], q.shape[0]), torch.float32)
+
+
+def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           window, softcap):
+    return _rtk.attention(q, k, v, causal, softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          window=_mask(causal, window, softcap, "attention_varlen", True), softcap=softcap)
+
+
+def _attention_varlen_save(ctx, args, out):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window, softcap = args
+    o, lse = out
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.rtk_mask = (max_q, max_k, causal, softmax_scale, window, softcap)
+
+
+def _attention_varlen_backward(ctx, do, _dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, causal, softmax_scale, window, softcap = ctx.rtk_mask
+    dq, dk, dv = _ops().attention_varlen_backward.default(attention_layout(do), q, k, v, o, lse, cu_q, cu_k, max_q,
+                                                          max_k, causal, softmax_scale, False, window, softcap)
+    return (dq, dk, dv) + (None,) * 8
+
+
+attention_varlen_op = op(
+    "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+    "int max_seqlen_k, bool causal=False, float? softmax_scale=None, int[]? window=None, float? softcap=None) "
+    "-> (Tensor, Tensor)",
+    _attention_varlen_impl, fake=_attention_varlen_fake, backward=_attention_varlen_backward,
+    setup_context=_attention_varlen_save)
+
+
+def _attention_varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    causal, softmax_scale, deterministic, window=None, softcap=None):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "attention_varlen_backward")
+    _mask(causal, window, softcap, "attention_varlen_backward", True)
+    return _like(q), _like(k), _like(v)
+
+
+def _attention_varlen_backward_impl(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    causal, softmax_scale, deterministic, window, softcap):
+    return _attention_backward_impl(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window, softcap,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+attention_varlen_backward_op = op(
+    "attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal=False, "
+    "float? softmax_scale=None, bool deterministic=False, int[]? window=None, float? softcap=None) "
+    "-> (Tensor, Tensor, Tensor)",
+    _attention_varlen_backward_impl, fake=_attention_varlen_backward_fake,
+    backward=_NO_DOUBLE.format("rtk.attention_varlen_backward"))
 
 
 # ---- matmul -----------------------------------------------------------------------------------
