@@ -987,3 +987,45 @@ def test_x_half_shapes_gpu(m, n, k, kind, group, zeros, mode):
     out = poison(cp.empty((m, n), dtype=x.dtype))
     rtk.quantized_matmul(x, qd, sd, group_size=group, zeros=zd, out=out, dtype="bfloat16", config=cfg)
     _check(out, x64, q, s, z, group, kind, "bfloat16", what=f"x_half M={m} N={n} K={k} {kind} group={group} ({cfg.tag()})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, group, zeros, dtype, n, k", [("int8", None, False, "bfloat16", 300, 1000),
+                                                          ("uint8", 64, True, "float16", 129, 200),
+                                                          ("float8_e4m3", 128, False, "bfloat16", 77, 136),
+                                                          ("int8", 128, True, "float16", 1, 7)])
+def test_dequantize_weight_gpu(kind, group, zeros, dtype, n, k):
+    """dequantize_weight against the float64 dequantization rounded as the kernel rounds it (the
+    product to float32, then to dtype: exact), into a fresh array and into a poisoned ``out``."""
+    import cupy as cp
+    from gpu_util import poison, to_f64
+    import rtkernels as rtk
+    rng = np.random.default_rng(n + k)
+    _, _, qd, sd, zd, q, s, z = _case(rng, 1, n, k, dtype, kind, group, zeros)
+    kw = dict(group_size=group, zeros=zd, weight_dtype=kind if kind == "float8_e4m3" else None, dtype=dtype)
+    ref = qm.dequantize_reference(q, s, group_size=group, zeros=z, weight_dtype=kind)
+    got = rtk.dequantize_weight(qd, sd, **kw)
+    rounded = to_f64(cp.asarray(ref, dtype=cp.float32).astype(cp.float16) if dtype == "float16" else
+                     _bf16_bits(ref), dtype)
+    assert np.array_equal(to_f64(got, dtype), rounded), (kind, group, zeros, dtype)
+    out = poison(cp.empty((n, k), dtype=cp.float16 if dtype == "float16" else cp.uint16))
+    assert rtk.dequantize_weight(qd, sd, out=out, **kw) is out and np.array_equal(to_f64(out, dtype), rounded)
+    with pytest.raises(ConfigError, match="out"):
+        rtk.dequantize_weight(qd, sd, out=cp.empty((n, k + 1), dtype=out.dtype), **kw)
+
+
+def _bf16_bits(x64):
+    """float64 values rounded to bfloat16 (round to nearest even) as uint16 bits on the device."""
+    import cupy as cp
+    b = np.asarray(x64, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    return cp.asarray(b)
+
+
+def test_dequantize_weight_checks():
+    import rtkernels as rtk
+    q = np.zeros((4, 64), np.int8)
+    with pytest.raises(ConfigError, match="dtype"):
+        rtk.dequantize_weight(q, np.ones(4, np.float32), dtype="float32")
+    with pytest.raises(ConfigError, match="group_size"):
+        rtk.dequantize_weight(q, np.ones(4, np.float32), group_size=48)

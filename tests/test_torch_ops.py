@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from rtkernels.torch._library import op  # noqa: E402
 
-OPS = ("attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+OPS = ("attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul",
+       "quantized_matmul", "dequantize_weight", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
        "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy", "cross_entropy_with_grad")
 
 
@@ -101,6 +102,39 @@ def test_varlen_backward_graph_calls_rtk_ops():
     names = [str(n.target) for n in g.graph.nodes if n.op == "call_function" and "rtk" in str(n.target)]
     assert names == ["rtk.attention_varlen.default", "rtk.attention_varlen_backward.default"], names
     assert [tuple(t.shape) for t in f(*args)] == [tuple(a.shape) for a in args[:3]]
+
+
+def test_quantized_matmul_fakes_and_backward_graph():
+    """quantized_matmul's fake shapes and errors, and its x / bias gradients traced on meta tensors:
+    the recomputed pre-activation, the dequantized weight, one rtk.matmul; scales get none."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from rtkernels.errors import ConfigError
+    w_q = torch.empty(96, 256, dtype=torch.int8, device="meta")
+    s = torch.empty(96, 2, dtype=torch.float32, device="meta")
+    with FakeTensorMode():
+        x = _fake((3, 5, 256))
+        assert rtt.quantized_matmul(x, _fake((96, 256), torch.int8), _fake((96, 2), torch.float32),
+                                    group_size=128).shape == (3, 5, 96)
+        assert rtt.dequantize_weight(_fake((96, 256), torch.uint8), _fake((96,), torch.float32),
+                                     dtype=torch.float16).dtype == torch.float16
+        with pytest.raises(ConfigError, match="K = 256"):
+            rtt.quantized_matmul(_fake((5, 200)), _fake((96, 256), torch.int8), _fake((96,), torch.float32))
+        with pytest.raises(ConfigError, match="w_q"):
+            rtt.quantized_matmul(_fake((5, 256)), _fake((96, 256)), _fake((96,), torch.float32))
+
+    def f(x, b):
+        y = rtt.quantized_matmul(x, w_q, s, group_size=128, bias=b, activation="gelu")
+        return torch.autograd.grad(y.float().sum(), (x, b))
+
+    args = (_meta((4, 256)), _meta((96,)))
+    g = make_fx(f)(*args)
+    names = [str(n.target) for n in g.graph.nodes if n.op == "call_function" and "rtk" in str(n.target)]
+    assert names == ["rtk.quantized_matmul.default", "rtk.quantized_matmul.default", "rtk.dequantize_weight.default",
+                     "rtk.matmul.default"], names
+    assert [tuple(t.shape) for t in f(*args)] == [(4, 256), (96,)]
+    with pytest.raises(NotImplementedError, match="frozen"):
+        y = rtt.quantized_matmul(_meta((4, 256)), w_q, s.clone().requires_grad_(), group_size=128)
+        y.float().sum().backward()
 
 
 @pytest.mark.parametrize("a_shape,b_shape,ta,tb,out", [
@@ -761,6 +795,44 @@ def test_gpu_opcheck_masked_and_varlen():
                                                             [9, 9], None)),
     ]
     _opcheck_all(torch, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,group,act,lead", [("int8", 128, "gelu", (3, 5)), ("uint8", 64, None, (7,)),
+                                                 ("float8_e4m3", None, "relu", (40,))])
+def test_gpu_quantized_matmul_gradients(kind, group, act, lead):
+    """torch.ops.rtk.quantized_matmul's output and x / bias gradients against torch on the
+    dequantized weight (float64 reference, the 2x rule against bfloat16 torch); opcheck of it and
+    of dequantize_weight."""
+    _cuda()
+    import numpy as np
+    import rtkernels as rtk
+    torch.manual_seed(len(lead) + (group or 0))
+    n, k = 96, 320
+    res = rtk.quantize_weight(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), dtype=kind,
+                              group_size=group)
+    w_q = torch.as_tensor(res[0], device="cuda")
+    if kind == "float8_e4m3":
+        w_q = w_q.view(torch.float8_e4m3fn)
+    s = torch.as_tensor(res[1], device="cuda")
+    z = torch.as_tensor(res[2], device="cuda") if len(res) == 3 else None
+    w64 = torch.as_tensor(rtk.ops.quant_matmul.dequantize_reference(res[0], res[1], group_size=group,
+                                                                    zeros=res[2] if z is not None else None,
+                                                                    weight_dtype=kind), device="cuda")
+    x, b = _rand((*lead, k), requires_grad=True), _rand((n,), requires_grad=True)
+    actf = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu}[act]
+    do = _rand((*lead, n))
+    got, ref, low, ref_in, low_in = _three_ways(
+        (x, b), do, lambda x_, b_: rtt.quantized_matmul(x_, w_q, s, group_size=group, zeros=z, bias=b_, activation=act),
+        lambda x_, b_: actf(x_ @ w64.to(x_.dtype).t() + b_))
+    _two_x("y", got, low, ref, 1e-3)
+    _two_x("dx", x.grad, low_in[0].grad, ref_in[0].grad, 2e-3)
+    _two_x("dbias", b.grad, low_in[1].grad, ref_in[1].grad, 2e-2)
+    torch.testing.assert_close(rtt.dequantize_weight(w_q, s, group_size=group, zeros=z).double(), w64,
+                               atol=0, rtol=2 ** -8)
+    if kind != "float8_e4m3":   # (opcheck's schema test multiplies the inputs: torch has no float8 mul)
+        _opcheck_all(torch, [(torch.ops.rtk.quantized_matmul.default, (x, w_q, s, group, z, b, act)),
+                             (torch.ops.rtk.dequantize_weight.default, (w_q, s, torch.float16, group, z))])
 
 
 @pytest.mark.gpu

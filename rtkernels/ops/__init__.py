@@ -42,5 +42,6 @@ PUBLIC = {
     "rowwise_bwd": ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "NormBwdConfig", "SoftmaxBwdConfig"),
     "cross_entropy": ("cross_entropy", "CrossEntropyConfig"),
     "adamw": ("adamw_step", "AdamWConfig"),
-    "quant_matmul": ("quantized_matmul", "quantize_weight", "quantized_matmul_reference", "QuantGemvConfig"),
+    "quant_matmul": ("quantized_matmul", "quantize_weight", "dequantize_weight", "quantized_matmul_reference",
+                     "QuantGemvConfig"),
 }

@@ -3,6 +3,7 @@
 >>> w_q, scales = rtk.quantize_weight(w, dtype="int8", group_size=128)     # w: (N, K), as nn.Linear
 >>> y = rtk.quantized_matmul(x, w_q, scales, group_size=128)               # x (..., K) -> y (..., N)
 >>> y = rtk.quantized_matmul(x, w_q, scales, bias=b, activation="silu")    # act(x @ w^T + b), fused
+>>> w_d = rtk.dequantize_weight(w_q, scales, group_size=128)               # (N, K) bfloat16
 
 Decode-time GEMMs (a few rows of x against a large weight) are bound by reading the weight: one
 byte per element instead of bf16's two halves the time.  For M <= 16 rows of x (the leading dims
@@ -26,6 +27,8 @@ Quantization (:func:`quantize_weight`; the kernels take any values of this form)
   bfloat16.
 """
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -269,6 +272,89 @@ def _dense(name: str, arr, stream):
 _PLANS = LaunchPlans()
 
 
+class _Weight(NamedTuple):
+    """A checked quantized weight: byte view and dtype name, (N, K), scales (view, dtype name), zeros."""
+    wv: Any
+    wdt: str
+    n: int
+    k: int
+    ss: Any
+    ds: str
+    zv: Any
+
+
+def _check_weight(op: str, w_q, scales, zeros, group: int, weight_dtype, stream) -> _Weight:
+    """w_q (N, K) C-contiguous, scales (N,) or (N, ceil(K / group)) and zeros alike, as the kernels
+    read them (scales and zeros copied first if not contiguous)."""
+    wv, wdt = _weight_kind(w_q, weight_dtype)
+    if wv.ndim != 2:
+        raise ConfigError(f"{op}: w_q has shape {wv.shape}; expected (N, K) as nn.Linear stores a weight",
+                          field="w_q", value=wv.shape)
+    n, k = (int(d) for d in wv.shape)
+    winfo = views.of(wv)
+    if winfo.kind not in (views.CONTIGUOUS, views.EMPTY):
+        raise views.reject(op, "w_q", winfo, "is not C-contiguous", "pass the (N, K) weight as stored "
+                           "(w_q.contiguous() once, outside the hot path)")
+    ss = _dense("scales", scales, stream)
+    ds = dtype_name(ss)
+    ds = "bfloat16" if ds == "uint16" else ds
+    if _is_torch(scales):
+        ds = dtype_name(scales)
+    want_s = (n,) if not group else (n, -(-k // group))
+    if ds not in SCALE_DTYPES or tuple(ss.shape) != want_s:
+        raise ConfigError(f"{op}: scales is {ds} {tuple(ss.shape)}; expected float32/float16/bfloat16 of shape "
+                          f"{want_s} (group_size={group or None})", field="scales", value=(ds, tuple(ss.shape)))
+    zv = None
+    if zeros is not None:
+        if wdt == "float8_e4m3":
+            raise ConfigError(f"{op}: zeros apply to integer weights, not float8_e4m3", field="zeros")
+        zv = _dense("zeros", zeros, stream)
+        if dtype_name(zv) != wdt or tuple(zv.shape) != want_s:
+            raise ConfigError(f"{op}: zeros is {dtype_name(zv)} {tuple(zv.shape)}; expected {wdt} of shape {want_s}",
+                              field="zeros", value=(dtype_name(zv), tuple(zv.shape)))
+    return _Weight(wv, wdt, n, k, ss, ds, zv)
+
+
+def dequantize_weight(w_q, scales, *, group_size: int | None = None, zeros=None, weight_dtype: str | None = None,
+                      dtype: str = "bfloat16", out=None, stream=None):
+    """``dequant(w_q)`` as an (N, K) array of ``dtype`` (float16 or bfloat16): ``(q - zero) * scale``
+    (``q * scale`` without zeros), each value rounded once to ``dtype`` - the weight
+    :func:`quantized_matmul` multiplies by (its M > 16 path multiplies by exactly this array).
+
+    w_q, scales, group_size, zeros, weight_dtype as for :func:`quantized_matmul`; the result is the
+    same kind of array as w_q (torch in, torch out; CuPy bfloat16 as uint16 bits), or ``out`` (N, K)
+    C-contiguous of ``dtype``.  One pass: N x K bytes read, 2 x N x K written.
+    """
+    OPD = "dequantize_weight"
+    if dtype not in ("float16", "bfloat16"):
+        raise ConfigError.bad_value(OPD, "dtype", dtype, "'float16' or 'bfloat16'")
+    group = _group(group_size, OPD)
+    stream = default_stream(w_q, stream)
+    w = _check_weight(OPD, w_q, scales, zeros, group, weight_dtype, stream)
+    if out is None:
+        out = new_like(w_q, (w.n, w.k), dtype)
+    ov = as_device_array(out, OPD, "out")
+    have = dtype_name(out) if _is_torch(out) else dtype_name(ov)
+    if tuple(ov.shape) != (w.n, w.k) or not (have == dtype or (have == "uint16" and dtype == "bfloat16")):
+        raise ConfigError(f"{OPD}: out is {have} {tuple(ov.shape)}; expected {dtype} ({w.n}, {w.k})", field="out",
+                          value=(have, tuple(ov.shape)))
+    if views.of(ov).kind not in (views.CONTIGUOUS, views.EMPTY):
+        raise views.reject(OPD, "out", views.of(ov), "is not C-contiguous", "pass a C-contiguous (N, K) array")
+    cfg = QuantGemvConfig(dtype=dtype, weight_dtype=w.wdt, scale_dtype=w.ds, group_size=group,
+                          has_zeros=w.zv is not None, w_vec=_vec_width(w.k, w.wv.data.ptr, None, 1, 16))
+    _dequantize(cfg, w, ov, stream)
+    return out
+
+
+def _dequantize(cfg: QuantGemvConfig, w: _Weight, wd, stream) -> None:
+    """``cfg``'s dequantize kernel: w into wd ((N, K) of cfg.dtype, C-contiguous)."""
+    if w.n and w.k:
+        chunks = w.n * (-(-w.k // 16))
+        ngroups = -(-w.k // cfg.group_size) if cfg.group_size else 0
+        get_kernel(cfg, "quant_dequantize").launch((-(-chunks // 256),), (256,), w.wv, w.ss, w.zv, wd, w.n, w.k,
+                                                   ngroups, stream=stream)
+
+
 def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=None, bias=None,
                      activation: str | None = None, out=None, weight_dtype: str | None = None,
                      dtype: str | None = None, stream=None, config: QuantGemvConfig | None = None):
@@ -320,15 +406,8 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
     stream = default_stream(x, stream)
 
     # checks: w_q (N, K) bytes, x (..., K), scales / zeros / bias, out (..., N)
-    wv, wdt = _weight_kind(w_q, weight_dtype)
-    if wv.ndim != 2:
-        raise ConfigError(f"{OP}: w_q has shape {wv.shape}; expected (N, K) as nn.Linear stores a weight",
-                          field="w_q", value=wv.shape)
-    n, k = (int(d) for d in wv.shape)
-    winfo = views.of(wv)
-    if winfo.kind not in (views.CONTIGUOUS, views.EMPTY):
-        raise views.reject(OP, "w_q", winfo, "is not C-contiguous", "pass the (N, K) weight as stored "
-                           "(w_q.contiguous() once, outside the hot path)")
+    w = _check_weight(OP, w_q, scales, zeros, group, weight_dtype, stream)
+    wv, wdt, n, k, ss, zv = w.wv, w.wdt, w.n, w.k, w.ss, w.zv
     xv = as_device_array(x, OP, "x")
     dx = _x_dtype(x, xv, dtype)
     if xv.ndim < 1 or xv.shape[-1] != k:
@@ -340,23 +419,6 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
         xv = views.compact(xv, stream)
         lay = _row_layout(xv)
     m, _, ldx = lay
-    ss = _dense("scales", scales, stream)
-    ds = dtype_name(ss)
-    ds = "bfloat16" if ds == "uint16" else ds
-    if _is_torch(scales):
-        ds = dtype_name(scales)
-    want_s = (n,) if not group else (n, -(-k // group))
-    if ds not in SCALE_DTYPES or tuple(ss.shape) != want_s:
-        raise ConfigError(f"{OP}: scales is {ds} {tuple(ss.shape)}; expected float32/float16/bfloat16 of shape "
-                          f"{want_s} (group_size={group_size})", field="scales", value=(ds, tuple(ss.shape)))
-    zv = None
-    if zeros is not None:
-        if wdt == "float8_e4m3":
-            raise ConfigError(f"{OP}: zeros apply to integer weights, not float8_e4m3", field="zeros")
-        zv = _dense("zeros", zeros, stream)
-        if dtype_name(zv) != wdt or tuple(zv.shape) != want_s:
-            raise ConfigError(f"{OP}: zeros is {dtype_name(zv)} {tuple(zv.shape)}; expected {wdt} of shape {want_s}",
-                              field="zeros", value=(dtype_name(zv), tuple(zv.shape)))
     bv = None
     if bias is not None:
         bv = _dense("bias", bias, stream)
@@ -385,11 +447,11 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
         raise ConfigError(f"{OP}: M, N, K = {m}, {n}, {k}; each must be < 2^31", field="shape", value=(m, n, k))
     ngroups = -(-k // group) if group else 0
     w_vec = _vec_width(k, wv.data.ptr, None, 1, 16)
-    common = dict(weight_dtype=wdt, scale_dtype=ds, group_size=group, has_zeros=zv is not None)
+    common = dict(weight_dtype=wdt, scale_dtype=w.ds, group_size=group, has_zeros=zv is not None)
 
     if m > GEMV_MAX_ROWS:
-        _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, QuantGemvConfig(
-            dtype=dx, w_vec=w_vec, **common), act, stream)
+        _dequantized_matmul(xv, w, bv, ov, m, ldx, ldo, QuantGemvConfig(dtype=dx, w_vec=w_vec, **common), act,
+                            stream)
         return out
 
     # plan: the heuristic's config for this shape and the load widths the alignments allow
@@ -408,17 +470,15 @@ def quantized_matmul(x, w_q, scales, *, group_size: int | None = None, zeros=Non
     return out
 
 
-def _dequantized_matmul(xv, wv, ss, zv, bv, ov, m, n, k, ldx, ldo, ngroups, cfg, act, stream) -> None:
+def _dequantized_matmul(xv, w: _Weight, bv, ov, m, ldx, ldo, cfg, act, stream) -> None:
     """M > 16: dequantize w into an (N, K) workspace of x's dtype (``cfg``'s dequantize kernel), then
     rtk.matmul(x, wd, trans_b=True) (a correctness path: 5 bytes of traffic per weight element, not
     tuned)."""
     import cupy
+    n, k = w.n, w.k
     with cupy_stream(stream):
         wd = cupy.empty((n, k), dtype=np.uint16 if cfg.dtype == "bfloat16" else np.float16)
-    if k:
-        chunks = n * (-(-k // 16))
-        get_kernel(cfg, "quant_dequantize").launch((-(-chunks // 256),), (256,), wv, ss, zv, wd, n, k, ngroups,
-                                                   stream=stream)
+    _dequantize(cfg, w, wd, stream)
     item = xv.itemsize
     x2 = cupy.lib.stride_tricks.as_strided(xv, (m, k), (ldx * item, item))
     o2 = cupy.lib.stride_tricks.as_strided(ov, (m, n), (ldo * item, item))

@@ -30,7 +30,8 @@ from .hf import register_transformers
 from .dist import ring_attention
 from .sdpa import scaled_dot_product_attention
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul",
+           "quantized_matmul", "dequantize_weight", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
            "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
            "scaled_dot_product_attention", "register_transformers", "ring_attention", "op", "LIB", "REGISTERED"]
 
@@ -109,6 +110,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     or (B, K, N), a 2-D operand broadcast over the other's batch; activation None, "relu", "gelu"
     (erf) or "silu".  See :func:`rtkernels.matmul` for layouts and dtypes."""
     return _rtk_ops.matmul.default(a, b, bias, activation, trans_a, trans_b)
+
+
+def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, group_size: int | None = None,
+                     zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     activation: str | None = None) -> torch.Tensor:
+    """``activation(x @ dequant(w_q)^T + bias)`` as ``torch.ops.rtk.quantized_matmul`` (see
+    :func:`rtkernels.quantized_matmul`: w_q (N, K) int8 / uint8 / float8_e4m3fn, scales (N,) or
+    (N, ceil(K / group_size)), zeros for integer weights).  Differentiable in x and bias (the
+    weight is frozen: dx = dz @ dequant(w_q) through ``torch.ops.rtk.dequantize_weight`` and
+    rtk.matmul); a gradient asked of scales or zeros raises NotImplementedError."""
+    return _rtk_ops.quantized_matmul.default(x, w_q, scales, group_size, zeros, bias, activation)
+
+
+def dequantize_weight(w_q: torch.Tensor, scales: torch.Tensor, *, group_size: int | None = None,
+                      zeros: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``dequant(w_q)`` as a new (N, K) tensor of ``dtype`` (``torch.ops.rtk.dequantize_weight``;
+    see :func:`rtkernels.dequantize_weight`)."""
+    return _rtk_ops.dequantize_weight.default(w_q, scales, dtype, group_size, zeros)
 
 
 def softmax(x: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:

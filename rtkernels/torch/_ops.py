@@ -358,6 +358,94 @@ matmul_op = op("matmul(Tensor a, Tensor b, Tensor? bias=None, str? activation=No
                matmul_positional, fake=_matmul_fake, backward=_matmul_backward, setup_context=_matmul_save)
 
 
+# ---- weight-only quantized matmul --------------------------------------------------------------
+_WEIGHT_TORCH = (torch.int8, torch.uint8, getattr(torch, "float8_e4m3fn", torch.uint8))
+_FROZEN = ("rtk.quantized_matmul: the quantized weight is frozen - scales and zeros get no gradient (detach them, "
+           "or train a separate adapter); x and bias do")
+
+
+def _check_quant_weight(w_q, where: str) -> None:
+    if w_q.dim() != 2 or w_q.dtype not in _WEIGHT_TORCH:
+        raise ConfigError(f"{where}: w_q is {w_q.dtype} {tuple(w_q.shape)}; expected (N, K) int8, uint8 or "
+                          "float8_e4m3fn", field="w_q", value=tuple(w_q.shape))
+
+
+def _check_quant(x, w_q, where: str) -> None:
+    """The layout rules of rtk.quantized_matmul (fakes too): x (..., K) float16 / bfloat16, w_q
+    (N, K) 8-bit; scales, zeros, group_size and contents are the eager op's checks."""
+    if x.dtype not in _HALF:
+        raise ConfigError(f"{where}: x has dtype {x.dtype}; allowed: float16, bfloat16", field="dtype",
+                          value=str(x.dtype))
+    _check_quant_weight(w_q, where)
+    if x.dim() < 1 or x.shape[-1] != w_q.shape[1]:
+        raise ConfigError(f"{where}: x has shape {tuple(x.shape)}; expected (..., K) with K = {w_q.shape[1]} (w_q is "
+                          f"{tuple(w_q.shape)})", field="x", value=tuple(x.shape))
+
+
+def _quantized_matmul_fake(x, w_q, scales, group_size, zeros, bias, activation):
+    _check_quant(x, w_q, "quantized_matmul")
+    return _like(x, (*x.shape[:-1], w_q.shape[0]))
+
+
+def _quantized_matmul_impl(x, w_q, scales, group_size, zeros, bias, activation):
+    return _rtk.quantized_matmul(x, w_q, scales, group_size=group_size, zeros=zeros, bias=bias, activation=activation)
+
+
+def _quantized_matmul_save(ctx, args, out):
+    x, w_q, scales, group_size, zeros, bias, activation = args
+    ctx.save_for_backward(x, w_q, scales, zeros, bias, out if activation == "relu" else None)
+    ctx.group_size, ctx.activation = group_size, activation
+
+
+def _quantized_matmul_backward(ctx, dy):
+    """y = act(z), z = x W^T + bias with W = dequant(w_q): dz = dy * act'(z); dx = dz W (the weight
+    dequantized to x's dtype by torch.ops.rtk.dequantize_weight, then rtk.matmul); dbias = dz summed
+    over rows.  gelu / silu recompute z with one more quantized_matmul (as rtk.matmul's backward)."""
+    x, w_q, scales, zeros, bias, out = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if need[2] or need[4]:
+        raise NotImplementedError(_FROZEN)
+    act = ctx.activation
+    dz = dy if dy.is_contiguous() else dy.contiguous()
+    if act == "relu":
+        dz = dz * (out > 0).to(dz.dtype)
+    elif act not in (None, "none"):
+        dz = _activation_grad(dz, _ops().quantized_matmul.default(x, w_q, scales, ctx.group_size, zeros, bias, None),
+                              act)
+    n = w_q.shape[0]
+    dx = dbias = None
+    if need[0]:
+        w = _ops().dequantize_weight.default(w_q, scales, x.dtype, ctx.group_size, zeros)
+        dx = _mm(dz.reshape(-1, n), w).reshape(x.shape)
+    if need[5] and bias is not None:
+        dbias = dz.reshape(-1, n).float().sum(0).to(bias.dtype)
+    return dx, None, None, None, None, dbias, None
+
+
+quantized_matmul_op = op(
+    "quantized_matmul(Tensor x, Tensor w_q, Tensor scales, int? group_size=None, Tensor? zeros=None, "
+    "Tensor? bias=None, str? activation=None) -> Tensor",
+    _quantized_matmul_impl, fake=_quantized_matmul_fake, backward=_quantized_matmul_backward,
+    setup_context=_quantized_matmul_save)
+
+
+def _dequantize_weight_fake(w_q, scales, dtype, group_size, zeros):
+    _check_quant_weight(w_q, "dequantize_weight")
+    if dtype not in _HALF:
+        raise ConfigError(f"dequantize_weight: dtype={dtype}; allowed: float16, bfloat16", field="dtype",
+                          value=str(dtype))
+    return _like(w_q, None, dtype)
+
+
+dequantize_weight_op = op(
+    "dequantize_weight(Tensor w_q, Tensor scales, ScalarType dtype, int? group_size=None, Tensor? zeros=None) "
+    "-> Tensor",
+    lambda w_q, scales, dtype, group_size, zeros: _rtk.dequantize_weight(
+        w_q, scales, group_size=group_size, zeros=zeros, dtype=str(dtype).removeprefix("torch.")),
+    fake=_dequantize_weight_fake,
+    backward="rtk.dequantize_weight has no backward (the quantized weight is frozen)")
+
+
 # ---- row ops: softmax, rmsnorm, layernorm, reduce ---------------------------------------------
 # Backward kernels: rtk.softmax_backward / rmsnorm_backward / layernorm_backward, each also a torch op
 # (torch.ops.rtk.*_backward) that the forward's backward calls, so AOTAutograd traces it.
