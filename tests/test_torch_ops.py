@@ -104,6 +104,23 @@ def test_varlen_backward_graph_calls_rtk_ops():
     assert [tuple(t.shape) for t in f(*args)] == [tuple(a.shape) for a in args[:3]]
 
 
+def test_attention_kvcache_op_declares_its_mutation():
+    """torch.ops.rtk.attention_kvcache writes k_new / v_new into the caches: the schema says so
+    (functionalization, version counters); fakes give (o, lse) and check the layouts."""
+    from rtkernels.errors import ConfigError
+    opov = torch.ops.rtk.attention_kvcache.default
+    mutated = [a.name for a in opov._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert mutated == ["k_cache", "v_cache"] and torch.Tag.pt2_compliant_tag in opov.tags
+    with FakeTensorMode():
+        q, kc, sl = _fake((3, 4, 8, 64)), _fake((5, 128, 2, 64)), torch.empty(3, dtype=torch.int32, device="cuda")
+        o, lse = rtt.attention_kvcache(q, kc, kc, sl, k_new=_fake((3, 4, 2, 64)), v_new=_fake((3, 4, 2, 64)))
+        assert o.shape == q.shape and lse.shape == (3, 8, 4) and lse.dtype == torch.float32
+        with pytest.raises(ConfigError, match="k_cache"):
+            rtt.attention_kvcache(q, _fake((5, 128, 3, 64)), _fake((5, 128, 3, 64)), sl)
+        with pytest.raises(ConfigError, match="together"):
+            rtt.attention_kvcache(q, kc, kc, sl, k_new=_fake((3, 4, 2, 64)))
+
+
 def test_quantized_matmul_fakes_and_backward_graph():
     """quantized_matmul's fake shapes and errors, and its x / bias gradients traced on meta tensors:
     the recomputed pre-activation, the dequantized weight, one rtk.matmul; scales get none."""
@@ -833,6 +850,42 @@ def test_gpu_quantized_matmul_gradients(kind, group, act, lead):
     if kind != "float8_e4m3":   # (opcheck's schema test multiplies the inputs: torch has no float8 mul)
         _opcheck_all(torch, [(torch.ops.rtk.quantized_matmul.default, (x, w_q, s, group, z, b, act)),
                              (torch.ops.rtk.dequantize_weight.default, (w_q, s, torch.float16, group, z))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_attention_kvcache_op(paged):
+    """A decode step through torch.ops.rtk.attention_kvcache: the same o, lse and written caches
+    as rtk.attention_kvcache on copies of the caches, eagerly and under torch.compile(fullgraph=True)
+    (no graph break; the in-place cache write kept); opcheck."""
+    _cuda()
+    import rtkernels as rtk
+    torch.manual_seed(7)
+    b, h, hkv, d, page = 3, 8, 2, 128, 64
+    lens = torch.tensor([0, 70, 129], dtype=torch.int32, device="cuda")
+    if paged:
+        kc, vc = _rand((12, page, hkv, d)), _rand((12, page, hkv, d))
+        table = torch.randperm(12, device="cuda").to(torch.int32).reshape(b, 4)
+    else:
+        kc, vc = _rand((b, 256, hkv, d)), _rand((b, 256, hkv, d))
+        table = None
+    q, kn, vn = _rand((b, 2, h, d)), _rand((b, 2, hkv, d)), _rand((b, 2, hkv, d))
+
+    def step(q_, kc_, vc_):
+        return rtt.attention_kvcache(q_, kc_, vc_, lens, k_new=kn, v_new=vn, block_table=table)
+
+    k_ref, v_ref = kc.clone(), vc.clone()
+    o_ref, lse_ref = rtk.attention_kvcache(q, k_ref, v_ref, lens, k_new=kn, v_new=vn, block_table=table,
+                                           return_lse=True)
+    for name, fn in (("eager", step), ("compiled", torch.compile(step, fullgraph=True))):
+        k2, v2 = kc.clone(), vc.clone()
+        o, lse = fn(q, k2, v2)
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), name
+        assert torch.equal(k2, k_ref) and torch.equal(v2, v_ref), f"{name}: the cache write"
+    explain = torch._dynamo.explain(step)(q, kc.clone(), vc.clone())
+    assert explain.graph_break_count == 0, explain.break_reasons
+    _opcheck_all(torch, [(torch.ops.rtk.attention_kvcache.default,
+                          (q, kc.clone(), vc.clone(), lens, kn, vn, table, True, None, None))])
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ from .dist import ring_attention
 from .sdpa import scaled_dot_product_attention
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul",
-           "quantized_matmul", "dequantize_weight", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+           "attention_kvcache", "quantized_matmul", "dequantize_weight", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
            "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
            "scaled_dot_product_attention", "register_transformers", "ring_attention", "op", "LIB", "REGISTERED"]
 
@@ -110,6 +110,21 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     or (B, K, N), a 2-D operand broadcast over the other's batch; activation None, "relu", "gelu"
     (erf) or "silu".  See :func:`rtkernels.matmul` for layouts and dtypes."""
     return _rtk_ops.matmul.default(a, b, bias, activation, trans_a, trans_b)
+
+
+def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, *,
+                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                      block_table: torch.Tensor | None = None, causal: bool = True,
+                      softmax_scale: float | None = None,
+                      num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode / chunked-prefill attention against a KV cache as ``torch.ops.rtk.attention_kvcache``
+    (FlashAttention's ``flash_attn_with_kvcache``; see :func:`rtkernels.attention_kvcache` for the
+    layouts: contiguous or paged caches with ``block_table``, ragged ``cache_seqlens``).
+    k_new / v_new are written into the caches in place (declared to torch as a mutation of k_cache
+    and v_cache); cache_seqlens is not modified.  Returns ``(o, lse)``; not differentiable
+    (inference).  Nothing reads device data on the host, so a decode step captures in a CUDA graph."""
+    return _rtk_ops.attention_kvcache.default(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                                              softmax_scale, num_splits)
 
 
 def quantized_matmul(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, group_size: int | None = None,

@@ -21,7 +21,7 @@ from ..ops.attention_mask import mask_spec
 from ..ops.attention_bwd import compile_ahead
 from ..ops.matmul import matmul_positional
 from ._library import empty_like_contiguous as _like
-from ._library import op
+from ._library import TAGS, op
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -356,6 +356,42 @@ def _matmul_backward(ctx, dc):
 matmul_op = op("matmul(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, bool trans_a=False, "
                "bool trans_b=False) -> Tensor",
                matmul_positional, fake=_matmul_fake, backward=_matmul_backward, setup_context=_matmul_save)
+
+
+# ---- KV-cache attention (serving): the cache is written in place --------------------------------
+# A mutating schema goes through torch.library.custom_op (version counters of k_cache / v_cache
+# bumped, functionalization under torch.compile); it pays custom_op's Python layers on the host
+# (the _library header) - eager decode loops that want the lean path call rtk.attention_kvcache on
+# the same tensors, and a captured decode step pays none of it.
+@torch.library.custom_op("rtk::attention_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda",
+                         tags=TAGS)
+def attention_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                         block_table: torch.Tensor | None = None, causal: bool = True,
+                         softmax_scale: float | None = None,
+                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rtk.attention_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new,
+                                  block_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                  return_lse=True, num_splits=num_splits)
+
+
+@attention_kvcache_op.register_fake
+def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,
+                            causal=True, softmax_scale=None, num_splits=None):
+    where = "attention_kvcache"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4 or t.dtype not in _HALF or t.dtype != q.dtype:
+            raise ConfigError(f"{where}: {name} is {t.dtype} {tuple(t.shape)}; q, k_cache, v_cache must be 4-D, all "
+                              "float16 or all bfloat16", field=name, value=tuple(t.shape))
+    h, d = q.shape[-2:]
+    if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.shape[-1] != d or h % max(1, k_cache.shape[-2]):
+        raise ConfigError(f"{where}: k_cache / v_cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q "
+                          f"{tuple(q.shape)} (same shape, head_dim {d}, nheads a multiple of nheads_kv)",
+                          field="k_cache", value=tuple(k_cache.shape))
+    if (k_new is None) != (v_new is None):
+        raise ConfigError(f"{where}: k_new and v_new come together", field="v_new" if v_new is None else "k_new")
+    b, s, h, _ = q.shape
+    return _like(q), _like(q, (b, h, s), torch.float32)
 
 
 # ---- weight-only quantized matmul --------------------------------------------------------------
