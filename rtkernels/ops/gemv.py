@@ -660,22 +660,28 @@ X_SHARED_RULES = (("row", 1, X_SHARED_MIN_N), ("group", 1, X_SHARED_MIN_N), ("ze
 # 80.8 grid; M = 8 84.3 / 86.8, one cell, not taken).
 # Session 35: smaller weights take it too where the converting CTAs fit beside the tile grid ("beside":
 # grid_copy_extra > 0, so no tile CTA converts): against bf16 MMAs or the conversion kernel (its launch
-# and ~2 us), and at M = 9..16 with the copy interleaved for the loads (session 34).  Measured (H200, 2026-11-28, % of copy, the rules before -> these, interleaved rounds,
-# min of five medians; docs/data/gemv_xgrid_rule_ab_session35_*, gemv_xgrid_rule2_ab_session35_*, probes in
-# gemv_xi_*_session35_*, gemv_xgrid_*_probe_session35_*):
+# and ~2 us), and at M = 9..16 with the copy interleaved for the loads (session 34).  Measured (H200,
+# 2026-11-28, % of copy, the rules before -> these, each config passed as config=, interleaved rounds, min
+# of five medians; docs/data/gemv_xgrid_rule{,2,3}_ab_session35_*, probes in gemv_xi_*_session35_*,
+# gemv_xgrid_*_probe_session35_*; the benchmark, bench_quant_matmul_session35_* against session 34's run,
+# agrees where its shapes changed: int8 g128 M = 4 14336x4096 60.9 -> 64.6, 8192^2 60.5 -> 65.0, 6144x4096
+# 42.8 -> 46.0; M = 16 14336x4096 48.2 -> 50.9, 6144x4096 37.0 -> 38.5):
 #   group scales (int8 g128; g64 alike), M = 2 / 4 / 8 / 16: 8192^2 64.0 -> 68.5, 63.5 -> 67.1, 61.4 -> 64.5
 #     (M = 16: 256 tile CTAs, no room: unchanged); 14336x4096 61.7 -> 64.8, 60.3 -> 63.9, 58.8 -> 61.0, 47.5 ->
 #     50.3; 8192x4096 53.3 -> 55.7, 51.2 -> 54.7, 49.5 -> 51.9; 5120x13824 42.5 -> 51.9, 42.6 -> 50.8, 42.6 ->
 #     49.4, 36.6 -> 41.3; 13824x5120 M = 9..16 +6 .. +7.5; 142 cells from 5120x4096 to 14336x4096, none
 #     below -0.2.  4096 rows lost (M = 2..8: 4096^2 -1 .. -1.6, 4096x14336 -2 .. -4.7; M = 16 -3 .. -6):
 #     hence N >= 5120.  Where 256 tile CTAs fill the slots at M = 9..16 it lost too (8192x4096 -2 .. -2.8).
-#   zero points at 5120 rows, M = 2..8: 5120x4096 35.2 -> 38.7 .. 34.3 -> 37.0, 5120x13824 41.6 -> 50.0 ..
-#     41.5 -> 46.5.
-#   per-row scales, M = 2..8, from 8192 x 8192 weights: 8192^2 72.0 -> 73.5, 69.1 -> 72.4, 69.0 -> 71.6
-#     (M = 2 / 4 / 8); 28672x8192 89.5 -> 90.3, 87.6 -> 89.6, 82.3 -> 87.5; 10240x8192 72.5 -> 72.4, 70.7 ->
-#     71.8, 66.1 -> 70.3; 8192x28672 85.6 -> 85.6, 84.6 -> 85.4, 81.9 -> 83.7; 5120x13824 +4.7 .. +5.5;
-#     13824x5120 +0.6 .. +1.1; smaller ones level (14336x4096 -0.3 .. +0.5, 6144x4096 -0.5 .. +0.5).  The
-#     session-33 rows above (M = 4 88.9 / 89.2) were one run at one M; M = 16 stays off (it spilled).
+#   zero points at 5120 rows (from 6144 above), M = 1 / 2 / 8 / 16: 5120x4096 35.8 -> 39.6, 35.2 -> 38.7,
+#     34.3 -> 37.0, 29.5 -> 31.2; 5120x13824 41.6 -> 50.5, 41.6 -> 50.0, 41.5 -> 46.5, 32.9 -> 38.5.
+#   per-row scales stay off it: at M = 2..8 from 8192 x 8192 weights this A/B (the config passed as
+#     config=, old and new alternating) read +0.8 .. +5.2 (8192^2 M = 4 69.1 -> 72.4, 28672x8192 M = 8 82.3 ->
+#     87.5), but the benchmark's own loop (rtk and cuBLAS alternating, tools/bench_quant_matmul.py run_case,
+#     old and new rules alternating in one process; docs/data/perrow_grid_bench_check_session35_*) read the
+#     grid slower at every cell: M = 4 / 8 28672x8192 87.4 -> 82.2 / 83.2 -> 81.7, 8192x28672 83.3 -> 77.6 /
+#     80.7 -> 76.8, 10240x8192 70.1 -> 67.0 / 66.5 -> 66.2, 8192^2 68.7 -> 66.9 / 68.1 -> 66.1.  The two methods
+#     agree on every group-scaled cell both ran (and on the per-row configs before the change); why they part
+#     on the per-row grid is not known, so it is not taken.
 #   M = 1 (x_shared where it fits first): against bf16 MMAs 5120x4096 g128 37.4 -> 41.1, 5120x13824 42.8 ->
 #     52.4, 6144x14336 53.3 -> 61.9 (g64 +2.4 .. +3.6, zero points +3.8 / +8.8); against the conversion
 #     kernel one converting CTA per row was level or lost (g128 8192x28672 81.3 / 81.3, 10240x14336 72.3 /
@@ -709,7 +715,6 @@ X_GRID_RULES = (
     GridRule("group", (2, 16), min_n=5120, beside=True),
     GridRule("group", (1, 1), min_n=5120, beside=True, max_n=X_HALF_MIN_N[("group", 1)] - 1),
     GridRule("zeros", (1, 16), min_n=5120, beside=True),
-    GridRule("row", (2, 8), min_nk=8192 * 8192, beside=True),
 )
 
 
