@@ -1009,6 +1009,12 @@ def test_dequantize_weight_gpu(kind, group, zeros, dtype, n, k):
     assert rtk.dequantize_weight(qd, sd, out=out, **kw) is out and np.array_equal(to_f64(out, dtype), rounded)
     with pytest.raises(ConfigError, match="out"):
         rtk.dequantize_weight(qd, sd, out=cp.empty((n, k + 1), dtype=out.dtype), **kw)
+    # an out starting 2 bytes past a 16-byte boundary (C-contiguous all the same)
+    flat = poison(cp.empty(n * k + 8, dtype=out.dtype))
+    shifted = flat[1:1 + n * k].reshape(n, k)
+    assert rtk.dequantize_weight(qd, sd, out=shifted, **kw) is shifted
+    edges = cp.concatenate([flat[:1], flat[1 + n * k:]]).view(cp.uint16)
+    assert np.array_equal(to_f64(shifted, dtype), rounded) and bool(cp.all(edges == 0xFFFF))
 
 
 def _bf16_bits(x64):

@@ -792,29 +792,6 @@ def test_gpu_varlen_and_window_compile_fullgraph():
 
 
 @pytest.mark.gpu
-def test_gpu_opcheck_masked_and_varlen():
-    _cuda()
-    torch.manual_seed(6)
-    q, k = _rand((1, 40, 4, 64), requires_grad=True), _rand((1, 56, 2, 64), requires_grad=True)
-    v = _rand((1, 56, 2, 64), requires_grad=True)
-    o, lse = rtt.attention(q, k, v, causal=True, window=(7, 0), softcap=20.0)
-    qp, kp, vp = (t.detach()[0].clone().requires_grad_() for t in (q, k, v))
-    cq = torch.tensor([0, 15, 40], dtype=torch.int32, device="cuda")
-    ck = torch.tensor([0, 30, 56], dtype=torch.int32, device="cuda")
-    op_, lp = rtt.attention_varlen(qp, kp, vp, cq, ck, 25, 30, False, window=(9, 9))
-    cases = [
-        (torch.ops.rtk.attention.default, (q, k, v, True, None, [7, 0], 20.0)),
-        (torch.ops.rtk.attention_backward.default, (_rand(o.shape), q.detach(), k.detach(), v.detach(), o.detach(),
-                                                     lse, True, None, False, [7, 0], 20.0)),
-        (torch.ops.rtk.attention_varlen.default, (qp, kp, vp, cq, ck, 25, 30, False, None, [9, 9], None)),
-        (torch.ops.rtk.attention_varlen_backward.default, (_rand(op_.shape), qp.detach(), kp.detach(), vp.detach(),
-                                                            op_.detach(), lp, cq, ck, 25, 30, False, None, False,
-                                                            [9, 9], None)),
-    ]
-    _opcheck_all(torch, cases)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind,group,act,lead", [("int8", 128, "gelu", (3, 5)), ("uint8", 64, None, (7,)),
                                                  ("float8_e4m3", None, "relu", (40,))])
 def test_gpu_quantized_matmul_gradients(kind, group, act, lead):
@@ -895,6 +872,11 @@ def test_gpu_opcheck_every_op():
     q, k = _rand((1, 40, 4, 64), requires_grad=True), _rand((1, 56, 2, 64), requires_grad=True)
     v = _rand((1, 56, 2, 64), requires_grad=True)
     o, lse = rtt.attention(q, k, v, causal=True)
+    om, lm = rtt.attention(q, k, v, causal=True, window=(7, 0), softcap=20.0)
+    qp, kp, vp = (t.detach()[0].clone().requires_grad_() for t in (q, k, v))
+    cq = torch.tensor([0, 15, 40], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, 30, 56], dtype=torch.int32, device="cuda")
+    op_, lp = rtt.attention_varlen(qp, kp, vp, cq, ck, 25, 30, False, window=(9, 9))
     a, bm = _rand((3, 40, 64), requires_grad=True), _rand((64, 48), requires_grad=True)
     bias = _rand((48,), requires_grad=True)
     x = _rand((6, 96), torch.float16)
@@ -903,6 +885,14 @@ def test_gpu_opcheck_every_op():
         (torch.ops.rtk.attention.default, (q, k, v, True, None)),
         (torch.ops.rtk.attention_backward.default, (_rand(o.shape), q.detach(), k.detach(), v.detach(), o.detach(),
                                                      lse, True, None, False)),
+        # windows, softcap, packed sequences
+        (torch.ops.rtk.attention.default, (q, k, v, True, None, [7, 0], 20.0)),
+        (torch.ops.rtk.attention_backward.default, (_rand(om.shape), q.detach(), k.detach(), v.detach(), om.detach(),
+                                                     lm, True, None, False, [7, 0], 20.0)),
+        (torch.ops.rtk.attention_varlen.default, (qp, kp, vp, cq, ck, 25, 30, False, None, [9, 9], None)),
+        (torch.ops.rtk.attention_varlen_backward.default, (_rand(op_.shape), qp.detach(), kp.detach(), vp.detach(),
+                                                            op_.detach(), lp, cq, ck, 25, 30, False, None, False,
+                                                            [9, 9], None)),
         (torch.ops.rtk.matmul.default, (a, bm, bias, "gelu", False, False)),
         (torch.ops.rtk.matmul.default, (a, bm.detach().t().contiguous().requires_grad_(), None, "relu", False, True)),
         (torch.ops.rtk.softmax.default, (x, False)),
@@ -1216,18 +1206,7 @@ def test_gpu_sliding_window_and_softcap_models_match_eager(kind):
     the "rtk" backend: loss and gradients against transformers' eager attention in float32 (the 2x
     rule against eager in bfloat16), 48 tokens > the 16-key window."""
     _cuda()
-    ids = torch.randint(0, 512, (2, 48), device="cuda")
-    loss_ref, g_ref = _grads(_llama("eager", torch.float32, kind=kind), ids)
-    loss_low, g_low = _grads(_llama("eager", torch.bfloat16, kind=kind), ids)
-    loss_rtk, g_rtk = _grads(_llama("rtk", torch.bfloat16, kind=kind), ids)
-    assert abs(loss_rtk - loss_ref) <= 2 * abs(loss_low - loss_ref) + 1e-2, (loss_rtk, loss_low, loss_ref)
-    bad = []
-    for name, ref in g_ref.items():
-        e = (g_rtk[name] - ref).norm().item()
-        e_low = (g_low[name] - ref).norm().item()
-        if e > 2 * e_low + 1e-3 * ref.norm().item():
-            bad.append(f"{name}: |rtk - fp32| {e:.3e} vs |eager bf16 - fp32| {e_low:.3e}")
-    assert not bad, "\n".join(bad)
+    _model_matches(kind, "eager", torch.randint(0, 512, (2, 48), device="cuda"))
 
 
 def _grads(model, ids):
@@ -1237,21 +1216,26 @@ def _grads(model, ids):
     return out.loss.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()}
 
 
-@pytest.mark.gpu
-def test_gpu_llama_gradients_match_sdpa():
-    _cuda()
-    ids = torch.randint(0, 512, (2, 96), device="cuda")
-    loss_ref, g_ref = _grads(_llama("sdpa", torch.float32), ids)
-    loss_low, g_low = _grads(_llama("sdpa", torch.bfloat16), ids)
-    loss_rtk, g_rtk = _grads(_llama("rtk", torch.bfloat16), ids)
+def _model_matches(kind, ref_attn, ids):
+    """The "rtk" backend's loss and gradients against ``ref_attn``'s in float32, by the 2x rule
+    against ``ref_attn`` in bfloat16."""
+    loss_ref, g_ref = _grads(_llama(ref_attn, torch.float32, kind=kind), ids)
+    loss_low, g_low = _grads(_llama(ref_attn, torch.bfloat16, kind=kind), ids)
+    loss_rtk, g_rtk = _grads(_llama("rtk", torch.bfloat16, kind=kind), ids)
     assert abs(loss_rtk - loss_ref) <= 2 * abs(loss_low - loss_ref) + 1e-2, (loss_rtk, loss_low, loss_ref)
     bad = []
     for name, ref in g_ref.items():
         e = (g_rtk[name] - ref).norm().item()
         e_low = (g_low[name] - ref).norm().item()
         if e > 2 * e_low + 1e-3 * ref.norm().item():
-            bad.append(f"{name}: |rtk - fp32| {e:.3e} vs |sdpa bf16 - fp32| {e_low:.3e}")
+            bad.append(f"{name}: |rtk - fp32| {e:.3e} vs |{ref_attn} bf16 - fp32| {e_low:.3e}")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_gradients_match_sdpa():
+    _cuda()
+    _model_matches("llama", "sdpa", torch.randint(0, 512, (2, 96), device="cuda"))
 
 
 @pytest.mark.gpu

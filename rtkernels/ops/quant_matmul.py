@@ -270,6 +270,7 @@ def _dense(name: str, arr, stream):
 
 
 _PLANS = LaunchPlans()
+DEQUANT_OP = "dequantize_weight"
 
 
 class _Weight(NamedTuple):
@@ -325,24 +326,33 @@ def dequantize_weight(w_q, scales, *, group_size: int | None = None, zeros=None,
     same kind of array as w_q (torch in, torch out; CuPy bfloat16 as uint16 bits), or ``out`` (N, K)
     C-contiguous of ``dtype``.  One pass: N x K bytes read, 2 x N x K written.
     """
-    OPD = "dequantize_weight"
     if dtype not in ("float16", "bfloat16"):
-        raise ConfigError.bad_value(OPD, "dtype", dtype, "'float16' or 'bfloat16'")
-    group = _group(group_size, OPD)
+        raise ConfigError.bad_value(DEQUANT_OP, "dtype", dtype, "'float16' or 'bfloat16'")
+    group = _group(group_size, DEQUANT_OP)
     stream = default_stream(w_q, stream)
-    w = _check_weight(OPD, w_q, scales, zeros, group, weight_dtype, stream)
+    w = _check_weight(DEQUANT_OP, w_q, scales, zeros, group, weight_dtype, stream)
     if out is None:
         out = new_like(w_q, (w.n, w.k), dtype)
-    ov = as_device_array(out, OPD, "out")
+    ov = as_device_array(out, DEQUANT_OP, "out")
     have = dtype_name(out) if _is_torch(out) else dtype_name(ov)
     if tuple(ov.shape) != (w.n, w.k) or not (have == dtype or (have == "uint16" and dtype == "bfloat16")):
-        raise ConfigError(f"{OPD}: out is {have} {tuple(ov.shape)}; expected {dtype} ({w.n}, {w.k})", field="out",
-                          value=(have, tuple(ov.shape)))
-    if views.of(ov).kind not in (views.CONTIGUOUS, views.EMPTY):
-        raise views.reject(OPD, "out", views.of(ov), "is not C-contiguous", "pass a C-contiguous (N, K) array")
+        raise ConfigError(f"{DEQUANT_OP}: out is {have} {tuple(ov.shape)}; expected {dtype} ({w.n}, {w.k})",
+                          field="out", value=(have, tuple(ov.shape)))
+    oinfo = views.of(ov)
+    if oinfo.kind not in (views.CONTIGUOUS, views.EMPTY):
+        raise views.reject(DEQUANT_OP, "out", oinfo, "is not C-contiguous", "pass a C-contiguous (N, K) array")
     cfg = QuantGemvConfig(dtype=dtype, weight_dtype=w.wdt, scale_dtype=w.ds, group_size=group,
                           has_zeros=w.zv is not None, w_vec=_vec_width(w.k, w.wv.data.ptr, None, 1, 16))
-    _dequantize(cfg, w, ov, stream)
+    if ov.size and ov.data.ptr % 16:
+        # the kernel stores 16-byte vectors from a 16-byte aligned base (rows of a multiple of 8): an
+        # out that starts elsewhere gets a fresh array's values, copied on the stream
+        import cupy
+        with cupy_stream(stream):
+            tmp = cupy.empty(ov.shape, dtype=ov.dtype)
+            _dequantize(cfg, w, tmp, stream)
+            ov[...] = tmp
+    else:
+        _dequantize(cfg, w, ov, stream)
     return out
 
 

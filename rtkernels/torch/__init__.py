@@ -30,8 +30,8 @@ from .hf import register_transformers
 from .dist import ring_attention
 from .sdpa import scaled_dot_product_attention
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "matmul",
-           "attention_kvcache", "quantized_matmul", "dequantize_weight", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_kvcache",
+           "matmul", "quantized_matmul", "dequantize_weight", "softmax", "rmsnorm", "layernorm", "reduce", "elementwise",
            "softmax_backward", "rmsnorm_backward", "layernorm_backward", "cross_entropy",
            "scaled_dot_product_attention", "register_transformers", "ring_attention", "op", "LIB", "REGISTERED"]
 

@@ -58,12 +58,15 @@ def _check_attention(q, k, v, where: str = "attention", packed: bool = False) ->
                           field="head_dim", value=d)
 
 
-def _mask(causal, window, softcap, where: str, varlen: bool = False):
-    """The mask arguments as rtk takes them (window a tuple: the schema's ``int[]?`` arrives as a
-    list), checked by rtk's own rule (so fakes raise what the eager op raises)."""
-    window = None if window is None else tuple(window)
-    mask_spec(causal, window, softcap, varlen, family=where)
-    return window
+def _window(window):
+    """The schema's ``int[]?`` window (a list) as rtk takes it: a tuple (a launch plan's key part)."""
+    return None if window is None else tuple(window)
+
+
+def _mask(causal, window, softcap, where: str, varlen: bool = False) -> None:
+    """rtk's own rule for the mask arguments, on fakes (so torch.compile raises what the eager op
+    raises; the eager op checks them itself)."""
+    mask_spec(causal, _window(window), softcap, varlen, family=where)
 
 
 def _plain(window, softcap) -> bool:
@@ -120,8 +123,7 @@ def _attention_prepare(args):
 def _attention_impl(q, k, v, causal, softmax_scale, window, softcap):
     if window is None and softcap is None:
         return _rtk.attention(q, k, v, causal, softmax_scale)
-    return _rtk.attention(q, k, v, causal, softmax_scale, window=_mask(causal, window, softcap, "attention"),
-                          softcap=softcap)
+    return _rtk.attention(q, k, v, causal, softmax_scale, window=_window(window), softcap=softcap)
 
 
 attention_op = op("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None, "
@@ -157,12 +159,11 @@ def _torch_scratch():
 def _attention_backward_impl(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window=None, softcap=None,
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     import cupy
-    where = "attention_backward" if cu_seqlens_q is None else "attention_varlen_backward"
-    window = _mask(causal, window, softcap, where, cu_seqlens_q is not None)
     with cupy.cuda.using_allocator(_torch_scratch()):
-        return _rtk.attention_backward(do, q, k, v, o, lse, causal, softmax_scale, deterministic, window=window,
-                                       softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return _rtk.attention_backward(do, q, k, v, o, lse, causal, softmax_scale, deterministic,
+                                       window=_window(window), softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                       max_seqlen_k=max_seqlen_k)
 
 
 _NO_DOUBLE = "{} has no backward (double backward through attention is not supported)"
@@ -199,8 +200,8 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            window, softcap):
     return _rtk.attention(q, k, v, causal, softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          window=_mask(causal, window, softcap, "attention_varlen", True), softcap=softcap)
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window=_window(window),
+                          softcap=softcap)
 
 
 def _attention_varlen_save(ctx, args, out):
