@@ -579,6 +579,36 @@ def _quant_gemv(ctx: Ctx):
         ctx.check("y", out, dt, ref, 2 * TOL[dt], exact_rerun=True)
 
 
+# (label, dtype, N, K, kind, group, zeros, out shifted 2 bytes off a 16-byte boundary, quick)
+DEQUANT_VARIANTS = (
+    ("bf16 int8 129x200", "bfloat16", 129, 200, "int8", None, False, False, True),
+    ("f16 uint8 77x136 g64 zeros, shifted out", "float16", 77, 136, "uint8", 64, True, True, True),
+    ("bf16 e4m3 33x1000 g128", "bfloat16", 33, 1000, "float8_e4m3", 128, False, False, False),
+)
+
+
+@case("quant_dequantize", families=("quant_gemv",), ops=("dequantize_weight",),
+      note="rtk.dequantize_weight: the GEMV family's dequantize kernel into a fresh or a misaligned out")
+def _quant_dequantize(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import quant_matmul as qm
+    for label, dt, N, K, kind, group, zeros, shifted, quick in DEQUANT_VARIANTS:
+        if not ctx.variant(label, quick=quick):
+            continue
+        res = qm.quantize_weight(ctx.rng.standard_normal((N, K)).astype(np.float32), dtype=kind, group_size=group)
+        q, s = res[0], res[1]
+        z = res[2] if len(res) == 3 and zeros else None
+        if shifted:   # C-contiguous, starting 2 bytes past a 16-byte boundary
+            out = ctx.poisoned((N * K + 8,), dt)[1:1 + N * K].reshape(N, K)
+        else:
+            out = ctx.poisoned((N, K), dt)
+        rtk.dequantize_weight(ctx.cp.asarray(q), ctx.cp.asarray(s), group_size=group,
+                              zeros=None if z is None else ctx.cp.asarray(z), dtype=dt, out=out,
+                              weight_dtype="float8_e4m3" if kind == "float8_e4m3" else None)
+        ref = lambda: qm.dequantize_reference(q, s, group_size=group, zeros=z, weight_dtype=kind)  # noqa: E731
+        ctx.check("w", out, dt, ref, TOL[dt], exact_rerun=True)
+
+
 # ---- cases: attention forward ------------------------------------------------------------------
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dtype, layout, quick); layout
 # "packed": q, k, v slices of one (b, s, 3, h, d) array.  Sq > Sk causal leaves rows that see no
