@@ -343,16 +343,7 @@ def dequantize_weight(w_q, scales, *, group_size: int | None = None, zeros=None,
         raise views.reject(DEQUANT_OP, "out", oinfo, "is not C-contiguous", "pass a C-contiguous (N, K) array")
     cfg = QuantGemvConfig(dtype=dtype, weight_dtype=w.wdt, scale_dtype=w.ds, group_size=group,
                           has_zeros=w.zv is not None, w_vec=_vec_width(w.k, w.wv.data.ptr, None, 1, 16))
-    if ov.size and ov.data.ptr % 16:
-        # the kernel stores 16-byte vectors from a 16-byte aligned base (rows of a multiple of 8): an
-        # out that starts elsewhere gets a fresh array's values, copied on the stream
-        import cupy
-        with cupy_stream(stream):
-            tmp = cupy.empty(ov.shape, dtype=ov.dtype)
-            _dequantize(cfg, w, tmp, stream)
-            ov[...] = tmp
-    else:
-        _dequantize(cfg, w, ov, stream)
+    _dequantize(cfg, w, ov, stream)
     return out
 
 
