@@ -6,7 +6,10 @@ then greedy generation - transformers' model, rtkernels' attention forward and b
 ``rtkernels.torch.register_transformers()`` registers the "rtk" attention (and its mask
 function); ``model.set_attn_implementation("rtk")`` switches the layers to
 ``torch.ops.rtk.attention``, whose backward is ``torch.ops.rtk.attention_backward``.
-``--compare`` trains an SDPA copy of the same model on the same batches beside it.
+``--compare`` trains an SDPA copy of the same model on the same batches beside it.  ``--packed``
+packs each step's sequences into one row with restarting position ids (as
+``DataCollatorWithFlattening`` does): the backend runs them as varlen sequences, no attention
+across them and no padding.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--compare", action="store_true", help="train an SDPA copy beside it")
+    ap.add_argument("--packed", action="store_true", help="the batch's sequences packed into one row")
     ns = ap.parse_args()
     import torch
     import rtkernels.torch as rtt
@@ -45,11 +49,16 @@ def main() -> None:
         # a learnable toy task: each sequence repeats its first 64 tokens
         head = torch.randint(0, 4096, (ns.batch, 64), device="cuda", generator=gen)
         ids = head.repeat(1, ns.seqlen // 64)
+        inputs = {"input_ids": ids, "labels": ids}
+        if ns.packed:   # one row, positions restarting per sequence; transformers finds them without a cache
+            pos = torch.arange(ns.seqlen, device="cuda").repeat(ns.batch)[None]
+            inputs = {"input_ids": ids.reshape(1, -1), "labels": ids.reshape(1, -1), "position_ids": pos,
+                      "use_cache": False}
         line = []
         for name, model in models.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**inputs).loss
             loss.backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)

@@ -4,14 +4,12 @@ CPU (skipped without torch): the import rule, the registration, each op's fake k
 dtypes, strides on FakeTensors), the autograd wiring traced on meta tensors, and the
 registration helper itself on a CPU test op (eager, gradients, inference mode, opcheck,
 torch.compile fullgraph without graph breaks).  GPU (``-m gpu``): opcheck per op, numerics and
-gradients against torch (the 2x error rule), torch.compile fullgraph and reduce-overhead, and
-a small transformers Llama through ``register_transformers`` (training and generate()).
+gradients against torch (the 2x error rule), torch.compile fullgraph and reduce-overhead.  The
+transformers backend's tests are in test_torch_hf.py.
 """
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import pytest
 
@@ -420,67 +418,6 @@ def test_sdpa_helper_refuses_what_it_cannot_do():
         rtt.scaled_dot_product_attention(q, torch.empty(1, 1, 8, 64, device="meta", dtype=torch.float16),
                                          torch.empty(1, 1, 8, 64, device="meta", dtype=torch.float16))
     assert rtt.scaled_dot_product_attention(q, k, k).shape == q.shape
-
-
-# ---- the transformers backend's logic (CPU, a stand-in masking_utils) --------------------------
-@pytest.fixture
-def masking_utils(monkeypatch):
-    mu = types.ModuleType("transformers.masking_utils")
-    mu.causal_mask_function = lambda b, h, q, kv: kv <= q
-    mu.bidirectional_mask_function = lambda b, h, q, kv: True
-    pkg = sys.modules.get("transformers") or types.ModuleType("transformers")
-    monkeypatch.setitem(sys.modules, "transformers", pkg)
-    monkeypatch.setitem(sys.modules, "transformers.masking_utils", mu)
-    monkeypatch.setattr(pkg, "masking_utils", mu, raising=False)
-    return mu
-
-
-def test_transformers_mask_function(masking_utils):
-    from rtkernels.torch.hf import rtk_mask
-    causal = masking_utils.causal_mask_function
-    assert rtk_mask(2, 5, 5, mask_function=causal) is None
-    assert rtk_mask(2, 1, 9, q_offset=8, mask_function=causal, attention_mask=torch.ones(2, 9, dtype=torch.bool)) is None
-    with pytest.raises(NotImplementedError, match="padding"):
-        rtk_mask(2, 5, 5, mask_function=causal, attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]).bool())
-    assert rtk_mask(2, 5, 5, mask_function=lambda b, h, q, kv: kv <= q) is None   # causal, whatever its name
-    # a sliding window of 3 keys (a new closure per call in transformers): any key range ending at the last query
-    sliding = lambda b, h, q, kv: (kv <= q) & (kv > q - 3)   # noqa: E731
-    assert rtk_mask(2, 9, 9, mask_function=sliding) is None
-    assert rtk_mask(2, 1, 3, q_offset=8, kv_offset=6, mask_function=sliding) is None
-    assert rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding) is None
-    ones = torch.ones(2, 12, dtype=torch.bool)   # padding over every position so far
-    assert rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding, attention_mask=ones) is None
-    ones[1, 2] = False   # padding outside the cache's window: not among the keys
-    assert rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding, attention_mask=ones) is None
-    ones[1, 8] = False
-    with pytest.raises(NotImplementedError, match="padding"):
-        rtk_mask(2, 4, 6, q_offset=8, kv_offset=6, mask_function=sliding, attention_mask=ones)
-    for bad in (lambda b, h, q, kv: (kv <= q) & (kv // 4 == q // 4),   # chunked attention
-                lambda b, h, q, kv: kv < q,                               # a diagonal left out
-                lambda b, h, q, kv: (kv <= q) & (kv % 2 == 0)):           # holes
-        with pytest.raises(NotImplementedError, match="mask pattern"):
-            rtk_mask(2, 9, 9, mask_function=bad)
-    with pytest.raises(NotImplementedError, match="static cache"):
-        rtk_mask(2, 1, 64, q_offset=8, mask_function=causal)
-
-
-def test_transformers_attention_function_layout():
-    from rtkernels.torch.hf import rtk_attention_forward
-    mod = torch.nn.Module()
-    mod.is_causal = True
-    q = torch.empty(2, 8, 5, 64, device="meta", dtype=torch.bfloat16)
-    kv = torch.empty(2, 2, 5, 64, device="meta", dtype=torch.bfloat16)
-    o, weights = rtk_attention_forward(mod, q, kv, kv, None, scaling=0.125)
-    assert o.shape == (2, 5, 8, 64) and o.is_contiguous() and weights is None
-    o, _ = rtk_attention_forward(mod, q, kv, kv, None, scaling=0.125, sliding_window=4, softcap=50.0)
-    assert o.shape == (2, 5, 8, 64)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        rtk_attention_forward(mod, q, kv, kv, None, s_aux=torch.empty(8, device="meta"))
-    mod.is_causal = False
-    with pytest.raises(NotImplementedError, match="bidirectional"):
-        rtk_attention_forward(mod, q, kv, kv, None, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="mask tensor"):
-        rtk_attention_forward(mod, q, kv, kv, torch.empty(2, 1, 5, 5, device="meta"))
 
 
 def test_training_step_compiles_fullgraph_cpu(rtk_cpu_kernels):
@@ -1175,101 +1112,6 @@ def test_gpu_custom_op_host_overhead():
         assert added - floor <= 5.0, (f"{name}: custom op {best[name + ' op']:.1f} us vs direct "
                                       f"{best[name + ' direct']:.1f} us (+{added:.1f}); torch's floor for the "
                                       f"schema +{floor:.1f} us; rtk's share {added - floor:.1f} us > 5 us")
-
-
-# ---- transformers ---------------------------------------------------------------------------------
-def _llama(attn, dtype, seed=0, kind="llama"):
-    """A small causal LM: Llama; Mistral with a 16-key sliding window; Gemma 2 (sliding and full
-    layers alternating, logits capped at 30 in attention)."""
-    transformers = pytest.importorskip("transformers")
-    rtt.register_transformers()
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
-    if kind == "llama":
-        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    elif kind == "mistral":
-        cfg, cls = transformers.MistralConfig(sliding_window=16, **common), transformers.MistralForCausalLM
-    else:
-        cfg = transformers.Gemma2Config(head_dim=64, sliding_window=16, attn_logit_softcapping=30.0,
-                                        final_logit_softcapping=None, query_pre_attn_scalar=64, **common)
-        cls = transformers.Gemma2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(cfg).to("cuda", dtype)
-    model.set_attn_implementation(attn)
-    return model
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
-def test_gpu_sliding_window_and_softcap_models_match_eager(kind):
-    """A sliding window (Mistral) and capped logits with alternating windows (Gemma 2) through
-    the "rtk" backend: loss and gradients against transformers' eager attention in float32 (the 2x
-    rule against eager in bfloat16), 48 tokens > the 16-key window."""
-    _cuda()
-    _model_matches(kind, "eager", torch.randint(0, 512, (2, 48), device="cuda"))
-
-
-def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.loss.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()}
-
-
-def _model_matches(kind, ref_attn, ids):
-    """The "rtk" backend's loss and gradients against ``ref_attn``'s in float32, by the 2x rule
-    against ``ref_attn`` in bfloat16."""
-    loss_ref, g_ref = _grads(_llama(ref_attn, torch.float32, kind=kind), ids)
-    loss_low, g_low = _grads(_llama(ref_attn, torch.bfloat16, kind=kind), ids)
-    loss_rtk, g_rtk = _grads(_llama("rtk", torch.bfloat16, kind=kind), ids)
-    assert abs(loss_rtk - loss_ref) <= 2 * abs(loss_low - loss_ref) + 1e-2, (loss_rtk, loss_low, loss_ref)
-    bad = []
-    for name, ref in g_ref.items():
-        e = (g_rtk[name] - ref).norm().item()
-        e_low = (g_low[name] - ref).norm().item()
-        if e > 2 * e_low + 1e-3 * ref.norm().item():
-            bad.append(f"{name}: |rtk - fp32| {e:.3e} vs |{ref_attn} bf16 - fp32| {e_low:.3e}")
-    assert not bad, "\n".join(bad)
-
-
-@pytest.mark.gpu
-def test_gpu_llama_gradients_match_sdpa():
-    _cuda()
-    _model_matches("llama", "sdpa", torch.randint(0, 512, (2, 96), device="cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
-def test_gpu_llama_generate_agrees_with_sdpa(kind):
-    """Greedy tokens agree with SDPA's (eager's for Gemma 2's capped logits); a divergence is
-    allowed only where the reference's own top-2 logits are closer than the two backends' logit
-    difference (a numerical tie).  Mistral and Gemma 2 generate past their 16-key window (the
-    sliding-window cache's key range)."""
-    _cuda()
-    ids = torch.randint(0, 512, (2, 24), device="cuda")
-    outs = {}
-    ref_attn = "eager" if kind == "gemma2" else "sdpa"
-    for attn in (ref_attn, "rtk"):
-        model = _llama(attn, torch.bfloat16, kind=kind).eval()
-        with torch.no_grad():
-            outs[attn] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                        min_new_tokens=24, do_sample=False, output_scores=True,
-                                        return_dict_in_generate=True, pad_token_id=0)
-    outs["sdpa"] = outs[ref_attn]
-    t_s, t_r = outs["sdpa"].sequences, outs["rtk"].sequences
-    if torch.equal(t_s, t_r):
-        return
-    for row in range(t_s.shape[0]):
-        diff = (t_s[row] != t_r[row]).nonzero()
-        if not len(diff):
-            continue
-        step = int(diff[0]) - ids.shape[1]
-        s_ref = outs["sdpa"].scores[step][row].float()
-        s_rtk = outs["rtk"].scores[step][row].float()
-        top2 = s_ref.topk(2).values
-        margin, err = (top2[0] - top2[1]).item(), (s_ref - s_rtk).abs().max().item()
-        assert margin <= 2 * err, (f"row {row}: tokens diverge at step {step} with SDPA's top-2 margin {margin:.3e} > "
-                                   f"2 x the logit difference {err:.3e}\nsdpa {t_s[row].tolist()}\nrtk  {t_r[row].tolist()}")
 
 
 def _opcheck_all(torch, cases):
