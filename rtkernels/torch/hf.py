@@ -132,28 +132,24 @@ def _causal_band(mask_function, q_rows, kv_offset: int, kv_length: int, starts: 
     ``kv_offset`` (batch row 0 probed).  Returns (whether it is, L where a row showed one).
     Evaluated, not recognized by identity: transformers builds a new closure for each sliding-window
     mask."""
+    rows = torch.tensor(sorted(q_rows, reverse=True))
     kv = torch.arange(kv_offset, kv_offset + kv_length)
-    zero = torch.zeros((), dtype=torch.long)
-    batch = zero if starts is None else torch.arange(starts.shape[0])[:, None]
     nb = 1 if starts is None else starts.shape[0]
-    left = None   # keys left of the diagonal each row sees (None: all of its sequence so far)
-    for q in sorted(q_rows, reverse=True):
-        try:
-            seen = torch.as_tensor(mask_function(batch, zero, torch.tensor(q), kv[None, :]))
-            seen = seen.to(device="cpu", dtype=torch.bool).expand(nb, kv_length)
-        except Exception:   # noqa: BLE001 - a mask we cannot evaluate this way is not one we can trust
-            return False, None
-        floor = torch.full((nb,), kv_offset) if starts is None else starts[:, q - q_offset]
-        if left is None:
-            # the first row whose keys start after its sequence's first fixes the window's reach
-            first = torch.where(seen.any(1), seen.to(torch.int8).argmax(1) + kv_offset, floor)
-            cut = (first > floor).nonzero()
-            if len(cut):
-                left = q - int(first[cut[0, 0]])
-        lo = floor if left is None else floor.clamp(min=q - left)
-        if not torch.equal(seen, (kv[None, :] <= q) & (kv[None, :] >= lo[:, None])):
-            return False, None
-    return True, left
+    batch = torch.zeros((), dtype=torch.long) if starts is None else torch.arange(nb)[:, None, None]
+    try:   # every probed row in one evaluation: one transfer where the mask's tensors live on the GPU
+        seen = torch.as_tensor(mask_function(batch, torch.zeros((), dtype=torch.long), rows[None, :, None],
+                                             kv[None, None, :]))
+        seen = seen.to(device="cpu", dtype=torch.bool).expand(nb, len(rows), kv_length)
+    except Exception:   # noqa: BLE001 - a mask we cannot evaluate this way is not one we can trust
+        return False, None
+    floor = torch.full((nb, len(rows)), kv_offset) if starts is None else starts[:, rows - q_offset]
+    # a row whose keys start after its sequence's first fixes the window's reach L
+    first = torch.where(seen.any(2), seen.to(torch.int8).argmax(2) + kv_offset, floor)
+    cut = (first > floor).nonzero()
+    left = int(rows[cut[0, 1]] - first[cut[0, 0], cut[0, 1]]) if len(cut) else None
+    lo = floor if left is None else torch.maximum(floor, rows[None, :] - left)
+    want = (kv[None, None, :] <= rows[None, :, None]) & (kv[None, None, :] >= lo[:, :, None])
+    return (True, left) if torch.equal(seen, want) else (False, None)
 
 
 def _check_window(left: int | None, config) -> None:
