@@ -416,3 +416,20 @@ def test_compile_by_name_fills_tiles_from_the_heuristics():
     k = rtk.compile("attention", head_dim=64, block_m=64, num_warps=4, block_n=32, num_stages=1, q_in_regs=False,
                     arch="sm_90")
     assert (k.config.block_m, k.config.block_n) == (64, 32)   # explicit tiles win
+
+
+def test_dense_calls_with_few_query_rows_route_to_the_decode_kernel(monkeypatch):
+    """attention.decode_route: seqlen_q <= 16 with <= 64 rows per kv head, or a small dense grid
+    over long keys, runs on the KV-cache kernel (measured reasons beside the rule)."""
+    from rtkernels.ops.attention import DECODE_ENV, decode_route
+    monkeypatch.delenv(DECODE_ENV, raising=False)
+    assert decode_route(1, 1, 4096, 32, 8) and decode_route(64, 1, 512, 16, 16)
+    assert decode_route(8, 16, 1024, 32, 8)            # 16 rows x group 4 = 64
+    assert not decode_route(8, 16, 1024, 32, 4)        # 128 rows per kv head
+    assert not decode_route(8, 64, 8192, 16, 16)       # seqlen_q 64, a full dense grid
+    assert decode_route(1, 128, 32768, 32, 8)          # 32 dense CTAs over 32k keys
+    assert not decode_route(2, 128, 32768, 32, 8) and not decode_route(1, 129, 32768, 16, 16)
+    assert not decode_route(1, 64, 8192, 16, 16)       # keys too short for that
+    assert not decode_route(4, 1, 255, 8, 8)           # too few keys to split
+    monkeypatch.setenv(DECODE_ENV, "0")
+    assert not decode_route(1, 1, 4096, 32, 8)

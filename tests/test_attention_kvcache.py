@@ -467,6 +467,29 @@ def test_checks_accept_contiguous_paged_and_append():
     assert check(_views(q=q), None, None, None).strides["q"] == (4 * 3 * 8 * 64, 3 * 8 * 64, 64, 1)
 
 
+def test_checks_take_full_caches_without_lengths():
+    """cache_seqlens=None: every cache full (what rtk.attention's dense calls with few query rows
+    pass); the kernels then read no lengths (cs_stride 0, a null pointer); k_new needs lengths."""
+    p = check(_views(cache_seqlens=None), None, None, None)
+    assert p.capacity == 100 and p.strides["cache_seqlens"] == (0,) and kv_mod._args(p, None, 1, 1)["cs_stride"] == 0
+    p = check(_views(cache_seqlens=None, k_cache=Fake((7, 32, 2, 64)), v_cache=Fake((7, 32, 2, 64)),
+                     block_table=Fake((2, 5), "int32")), None, None, None)
+    assert p.paged and p.capacity == 160
+    with pytest.raises(ConfigError, match="cache_seqlens"):
+        check(_views(cache_seqlens=None, k_new=Fake((2, 3, 2, 64)), v_new=Fake((2, 3, 2, 64))), None, None, None)
+    # the host content check and the reference read "full" the same way
+    kc = np.zeros((10, 16, 2, 64), np.float16)
+    check_kvcache_inputs(np.zeros((2, 100, 2, 64), np.float16), None)
+    check_kvcache_inputs(kc, None, np.array([[3, 1], [0, 5]], np.int32))
+    with pytest.raises(ConfigError, match=r"block_table\[1, 1\] = 10"):
+        check_kvcache_inputs(kc, None, np.array([[3, 1], [0, 10]], np.int32))
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 3, 4, 8)), rng.standard_normal((2, 20, 2, 8)), rng.standard_normal((2, 20, 2, 8))
+    full = attention_kvcache_reference(q, k, v, None)
+    same = attention_kvcache_reference(q, k, v, np.array([20, 20], np.int32))
+    assert all(np.array_equal(a, b) for a, b in zip(full, same))
+
+
 def test_args_struct_holds_strides_and_sizes():
     kc = Fake((7, 32, 2, 64))
     views = _views(k_cache=kc, v_cache=Fake((7, 32, 2, 64), strides=(2 * 4096 * 2, 128 * 2, 64 * 2, 2)),
@@ -854,6 +877,105 @@ def test_gpu_long_sequence_uses_the_combine_path():
     x = _run(_seed(), 1, 1, 32, 8, 128, "bfloat16", None, True, 0, 20000, lens=[19999])
     plan, _ = kv_mod._plan((x.q, x.kc, x.vc, x.lens, None, None, None, None), True, None, False, None, "bfloat16")
     assert plan.num_splits > 1 and (plan.fused or plan.combine is not None), plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 32])
+def test_gpu_full_caches_without_lengths(page):
+    """cache_seqlens=None reads every cache whole: the same o and lse, bit for bit, as lengths
+    equal to the capacity (contiguous, and paged with every page of a row used)."""
+    import cupy as cp
+    x = _make(_seed(), 3, 4, 16, 4, 128, "bfloat16", page, 320, lens=[320, 320, 320])
+    if page is not None:   # no spare block-table entries: a full cache uses every page of its row
+        x.table, x.table_h = x.table[:, :320 // page], x.table_h[:, :320 // page]
+    o_full, lse_full = attention_kvcache(x.q, x.kc, x.vc, None, block_table=x.table, dtype="bfloat16",
+                                         return_lse=True, out=poison_like(x.q))
+    o_lens, lse_lens = _call(x, out=poison_like(x.q), return_lse=True)
+    cp.cuda.Device().synchronize()
+    assert cp.array_equal(o_full, o_lens) and cp.array_equal(lse_full, lse_lens)
+    _check(x, o_full, lse_full, True, None, f"full caches page={page}")
+
+
+# rtk.attention's dense calls with few query rows run on this kernel (attention.decode_route):
+# (batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_k, causal, dtype, layout)
+ROUTE_CASES = [
+    (3, 1, 32, 8, 128, 700, True, "bfloat16", "bshd"),     # decode, GQA 4
+    (2, 4, 16, 2, 64, 1000, True, "float16", "bhsd"),      # speculative rows, HF's (b, h, s, d) storage
+    (2, 16, 8, 2, 80, 300, False, "bfloat16", "bshd"),     # 64 rows per kv head, not causal
+    (1, 16, 16, 16, 96, 257, True, "float16", "bhsd"),     # MHA, odd key count
+    (1, 100, 16, 2, 128, 16500, True, "bfloat16", "bshd"),  # long keys, a small dense grid
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,sq,h,hkv,d,sk,causal,dtype,layout", ROUTE_CASES)
+def test_gpu_dense_attention_routes_to_decode(monkeypatch, batch, sq, h, hkv, d, sk, causal, dtype, layout):
+    """rtk.attention on few query rows runs the decode kernel over the whole k / v (a DecodeRoute
+    plan): o and lse against the float64 reference by the 2x rule, the backward from its lse as
+    accurate as from the dense kernel's, and RTKERNELS_ATTENTION_DECODE=0 keeps the dense kernel."""
+    import cupy as cp
+    from rtkernels.ops import attention as attn_mod
+    from rtkernels.ops.attention_bwd import attention_backward_reference
+    assert attn_mod.decode_route(batch, sq, sk, h, hkv)
+    x = _make(_seed(), batch, sq, h, hkv, d, dtype, None, sk, lens=[sk] * batch, hnd=layout == "bhsd")
+    extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    results = {}
+    for route in ("1", "0"):
+        monkeypatch.setenv(attn_mod.DECODE_ENV, route)
+        attn_mod._FORWARD_PLANS._plans.clear()
+        for call in range(2):   # the full path, then the plan's replay
+            o, lse = rtk.attention(x.q, x.kc, x.vc, causal=causal, out=poison_like(x.q), **extra)
+            cp.cuda.Device().synchronize()
+            _check(x, o, lse, causal, None, f"route={route} call={call}")
+        routed = [p for p in attn_mod._FORWARD_PLANS._plans.values() if isinstance(p, attn_mod.DecodeRoute)]
+        assert bool(routed) == (route == "1"), route
+        results[route] = (o, lse)
+    rng = np.random.default_rng(_seed())
+    do, do_h = _arr(rng, (batch, sq, h, d), dtype)
+    ref = attention_backward_reference(do, x.q, x.kc, x.vc, causal, dtype=dtype if dtype == "bfloat16" else None,
+                                       compute="float64")
+    errs = {}
+    for route, (o, lse) in results.items():
+        grads = rtk.attention_backward(do, x.q, x.kc, x.vc, o, lse, causal, **extra)
+        errs[route] = [float(cp.linalg.norm(cp.asarray(_f32(g, dtype)) - r) / cp.linalg.norm(r))
+                       for g, r in zip(grads, ref)]
+    for e_route, e_dense, name in zip(errs["1"], errs["0"], ("dq", "dk", "dv")):
+        assert e_route <= 1.5 * e_dense + 1e-3, (name, errs)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_attention_routes_to_decode_torch_and_graphs():
+    """torch tensors in transformers' layout (k, v views of (batch, kv_heads, seqlen, head_dim)
+    storage) on the routed path: against SDPA in float32, and captured in a CUDA graph, replayed
+    with new queries (the decode kernel's workspace and launches are graph-safe)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cuda").manual_seed(_seed())
+    q = torch.randn(3, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(3, 8, 900, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+            for _ in range(2))
+
+    def ref(q):
+        r = torch.nn.functional.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)),
+                                                             enable_gqa=True)
+        return r.transpose(1, 2)
+
+    o, lse = rtk.attention(q, k, v, causal=True)
+    assert (o - ref(q)).abs().max().item() < 2e-2 and lse.shape == (3, 32, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, _ = rtk.attention(q, k, v, causal=True)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, rtk.attention(q, k, v, causal=True)[0])
+        assert (o_g - ref(q)).abs().max().item() < 2e-2
+
+
+def _f32(a, dtype):
+    import cupy as cp
+    from gpu_util import to_f64
+    return cp.asarray(to_f64(a, dtype))
 
 
 # Variants of the kernel (kv_mod.set_variant: what tools/bench_decode.py --variants times): each

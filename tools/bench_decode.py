@@ -156,6 +156,18 @@ def _rtk_fn(rtk, kv, layout, dtype, torch, variant=None, **kw):
     return fn
 
 
+def _dense_fn(rtk, dtype, torch, nhd=False):
+    """rtk.attention on the whole cache as dense k / v (no cache_seqlens): the call a model's own
+    attention makes (transformers' backend, SDPA's drop-in); attention.decode_route sends few query
+    rows to the decode kernel.  ``nhd``: on (B, Hkv, S, D) storage (transformers' layout)."""
+    extra = {} if torch is not None else ({"dtype": "bfloat16"} if dtype == "bfloat16" else {})
+
+    def fn(s):
+        k, v = (s.sdpa[1].transpose(1, 2), s.sdpa[2].transpose(1, 2)) if nhd else (s.k, s.v)
+        rtk.attention(s.q, k, v, causal=True, out=s.out, **extra)
+    return fn
+
+
 def _sdpa_fn(torch, backend, nhd=False):
     """SDPA without a mask: its is_causal aligns top-left (query i sees keys <= i), which for
     seqlen_q < seqlen_k would skip nearly the whole cache; the bottom-right triangle rtk masks
@@ -278,6 +290,10 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
                 for vname, v in args.variants.items():
                     cands[f"rtk_{layout}@{vname}_x{n}"] = (_rtk_fn(rtk, kv, layout, dtype, torch, v, num_splits=n),
                                                            layout, {"num_splits": n}, v)
+    if args.dense:
+        cands["rtk_attention"] = (_dense_fn(rtk, dtype, torch), None, None, None)
+        if sets[0].sdpa is not None:
+            cands["rtk_attention_bhsd"] = (_dense_fn(rtk, dtype, torch, nhd=True), None, None, None)
     if torch is not None and not args.no_sdpa:
         from torch.nn.attention import SDPBackend
         for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
@@ -308,6 +324,8 @@ def bench_shape(shape, dtype, torch, rtk, kv, args, copy_gbs):
     kv.set_variant(None)
     if "rtk_contig_GBs" in row and "sdpa_cudnn_GBs" in row:
         row["rtk/cudnn"] = row["rtk_contig_GBs"] / row["sdpa_cudnn_GBs"]
+    if "rtk_attention_GBs" in row and "sdpa_cudnn_GBs" in row:
+        row["attention/cudnn"] = row["rtk_attention_GBs"] / row["sdpa_cudnn_GBs"]
     peers = [row[f"{n}_GBs"] for n in ("sdpa_cudnn", "sdpa_flash", "fa4") if f"{n}_GBs" in row]
     if "rtk_contig_GBs" in row and peers:
         row["rtk/best_peer"] = row["rtk_contig_GBs"] / max(peers)
@@ -447,6 +465,8 @@ def main():
                                                "(each timed as its own pass; tuning aid)")
     p.add_argument("--shapes", default="", help="b:sk:h:hkv:d:sq,... instead of the built-in lists")
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--dense", action="store_true", help="also rtk.attention on the whole cache as dense k / v "
+                                                       "(rtk_attention; _bhsd: on transformers' storage)")
     p.add_argument("--events", choices=("ends", "each"), default="ends",
                    help="ends: two events around each queue of calls (back to back, as a pipeline runs them); "
                         "each: an event after every call, the median interval (the method before 2026-11-27)")
@@ -552,9 +572,9 @@ def main():
         print(bu.table(sweep, shape_cols + ["candidate", "cfg", "%copy"] + other_layouts
                        + [f"x{k}" for k in args.splits]))
     cols = shape_cols + [f"rtk_{lay}_%copy" for lay in args.layouts]
-    cols += [c for c in ("sdpa_cudnn_%copy", "sdpa_cudnn_nhd_%copy", "sdpa_flash_%copy", "fa4_%copy")
-             if any(c in r for r in rows)]
-    cols += ["rtk/cudnn", "rtk/best_peer"] + [f"{lay}/contig" for lay in args.layouts if lay.startswith("paged")]
+    cols += [c for c in ("rtk_attention_%copy", "rtk_attention_bhsd_%copy", "sdpa_cudnn_%copy", "sdpa_cudnn_nhd_%copy",
+                         "sdpa_flash_%copy", "fa4_%copy") if any(c in r for r in rows)]
+    cols += ["rtk/cudnn"] + (["attention/cudnn"] if args.dense else []) + ["rtk/best_peer"] + [f"{lay}/contig" for lay in args.layouts if lay.startswith("paged")]
     cols += ["best", "best_%copy", "rtk_contig_cfg"]
     if args.tiles:
         cols.append("tiles")

@@ -1138,6 +1138,25 @@ KVCACHE_VARIANTS = (
 )
 
 
+@case("attention_dense_decode", families=("attention_decode",), ops=("attention",),
+      note="rtk.attention with few query rows: the decode kernel over the whole k / v (no cache_seqlens read)")
+def _attention_dense_decode(ctx: Ctx):
+    import rtkernels as rtk
+    from rtkernels.ops import attention_kvcache as kv
+    for label, batch, sq, h, hkv, d, dt, sk, causal in (("gqa", 2, 1, 16, 4, 128, "bfloat16", 700, True),
+                                                        ("rows", 1, 16, 8, 2, 64, "float16", 300, False)):
+        if not ctx.variant(label, quick=True):
+            continue
+        q, q64 = ctx.randn((batch, sq, h, d), dt)
+        k, k64 = ctx.randn((batch, sk, hkv, d), dt)
+        v, v64 = ctx.randn((batch, sk, hkv, d), dt)
+        out = ctx.poisoned((batch, sq, h, d), dt)
+        o, lse = rtk.attention(q, k, v, causal=causal, out=out, **_bf(dt))
+        ref = kv.attention_kvcache_reference(q64, k64, v64, None, causal=causal)
+        ctx.check("o", o, dt, ref[0], ATT_TOL[dt], "norm", exact_rerun=True)
+        ctx.check("lse", lse, "float32", ref[1], 1e-3, exact_rerun=True)
+
+
 @case("attention_kvcache", families=("attention_decode",), ops=("attention_kvcache",),
       note="contiguous and paged caches, k_new appended across pages, split keys with lse (the combine, the "
            "last CTA's merges, the keys mode's one-trip, cluster and group merges, the rows mode's group and cluster merges)")

@@ -501,6 +501,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         plan_key = _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, window, softcap)
         plan = _FORWARD_PLANS.get(plan_key)
         if plan is not None:
+            if plan.__class__ is DecodeRoute:
+                return plan.run(q, k, v, out, return_lse, stream)
             return _replay_forward(plan, q, k, v, out, return_lse, stream, plan_key[1])
     # the full path is a function of its own: its nested ``run`` closes over 18 of its variables,
     # and a function with closed-over variables makes a cell for each at every call - plan hits
@@ -528,6 +530,16 @@ def _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_
     user_shape = tuple(q_.shape[1:]) if varlen else tuple(q_.shape)
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
+    if spec.dense and not empty and decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv):
+        routed = DecodeRoute(causal, softmax_scale, dtype)
+        try:
+            result = routed.run(q, k, v, out, return_lse, stream)
+        except ConfigError:   # arrays the decode kernel does not take (e.g. broadcast heads): the dense path
+            pass
+        else:
+            if plan_key is not None:
+                _FORWARD_PLANS.put(plan_key, routed)
+            return result
     with cupy.cuda.Device(dev):
         arch = _device_arch(dev)
         stream = default_stream(q, stream)
@@ -627,6 +639,61 @@ def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, l
                     table), slots
 
 
+# ---- dense calls with few query rows: the split-KV decode kernel ---------------------------------
+# This module's kernels give a CTA a tile of query rows of one (batch, head): with a few rows per
+# sequence the grid is batch x heads CTAs of mostly idle rows, every query head of a GQA group reads
+# the group's K/V again, and at batch 1 a long key range runs on `heads` CTAs.  The KV-cache kernel
+# (attention_kvcache, issue 15) packs a group's query rows into one CTA and splits the keys across
+# the GPU; with cache_seqlens=None it reads the whole cache, which is exactly a dense call (same
+# bottom-right causal mask, same o and lse).  Measured (H200, 2026-11-28, 252 cells: head dims 64 /
+# 128, GQA 1 / 4 / 8, batch 1-128, keys 256-32k, seqlen_q 1-256, causal or not; bf16 torch
+# tensors, GPU time of calls queued back to back, the two paths interleaved;
+# docs/data/attention_decode_route_probe_session36_*), dense -> decode kernel:
+#   seqlen_q <= 16 with seqlen_q x group <= 64 rows per kv head: faster or level in every cell,
+#     1.05-12.8x (d64 GQA 8 B1 S32k 217 -> 17 us, d128 GQA 4 B8 S8k 193 -> 65 us, d128 MHA B32 S2k
+#     135 -> 125 us); the lowest 0.986 (d128 GQA 4, seqlen_q 16, B8 S1k, not causal).
+#   more rows: the dense kernel wins from batch 8 (d128 MHA seqlen_q 64 0.85-0.97x, seqlen_q 128
+#     0.53-0.73x; d64 GQA 8 seqlen_q 16 loses 0.72x at B1 S4k, 0.83-0.88x at B8 S1k), except where
+#     its grid is a fraction of the GPU over long keys: batch 1, 16-32 heads, 32k keys, seqlen_q <= 128
+#     1.67-5.8x (seqlen_q 256: d128 GQA 4 0.88x).
+# Host time: the routed call costs ~8 us more per call than a dense plan replay (26-29 against 18-20,
+# the KV-cache path's plan and one or two launches); calls queued behind others (pipelines, CUDA
+# graphs) do not see it.  RTKERNELS_ATTENTION_DECODE=0 keeps every call on the dense kernels.
+DECODE_ENV = "RTKERNELS_ATTENTION_DECODE"
+DECODE_MAX_SEQLEN_Q = 16
+DECODE_MAX_ROWS = 64          # seqlen_q x group
+DECODE_MIN_KEYS = 256         # the smallest key count measured
+DECODE_LONG_KEYS = 16384      # ... and where the dense grid is small:
+DECODE_LONG_MAX_SEQLEN_Q = 128
+DECODE_LONG_MAX_CTAS = 32     # batch x heads x 128-row query tiles
+
+
+def decode_route(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int) -> bool:
+    """Whether a dense call (no window, softcap or varlen) runs on the KV-cache decode kernel
+    (see the measurements above)."""
+    if seqlen_k < DECODE_MIN_KEYS or getenv_raw(DECODE_ENV) in (b"0", "0"):
+        return False
+    if seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_q * (nheads // nheads_kv) <= DECODE_MAX_ROWS:
+        return True
+    return seqlen_q <= DECODE_LONG_MAX_SEQLEN_Q and seqlen_k >= DECODE_LONG_KEYS and \
+        batch * nheads * -(-seqlen_q // 128) <= DECODE_LONG_MAX_CTAS
+
+
+class DecodeRoute:
+    """A dense call signature's plan that runs :func:`rtkernels.ops.attention_kvcache.attention_kvcache`
+    over the whole of k and v as a full cache (which keeps a launch plan of its own)."""
+    __slots__ = ("causal", "softmax_scale", "dtype", "_kvcache")
+
+    def __init__(self, causal: bool, softmax_scale, dtype):
+        # imported here: attention_kvcache imports this module's checks at its top
+        from .attention_kvcache import attention_kvcache
+        self.causal, self.softmax_scale, self.dtype, self._kvcache = causal, softmax_scale, dtype, attention_kvcache
+
+    def run(self, q, k, v, out, return_lse: bool, stream):
+        return self._kvcache(q, k, v, None, causal=self.causal, softmax_scale=self.softmax_scale,
+                             return_lse=return_lse, out=out, dtype=self.dtype, stream=stream)
+
+
 # ---- per-signature launch plans (Hopper kernel, heuristic tiles) ---------------------------------
 # check_inputs, the views of torch tensors, the stride checks and the tensor-map lookups cost
 # ~120 us of host time per rtk.attention call with torch tensors (H200 host, 2026-11-21: 5-20x
@@ -643,7 +710,7 @@ def _forward_plan_key(q, k, v, out, causal, softmax_scale, return_lse, dtype, wi
     if not _sm90.ENABLED or (getenv_raw("RTKERNELS_AUTOTUNE") is not None and _autotune.enabled()):
         return None
     return _FORWARD_PLANS.key((q, k, v, out), (bool(causal), softmax_scale, bool(return_lse), dtype, window, softcap,
-                                                  getenv_raw("RTKERNELS_ARCH")))
+                                                  getenv_raw("RTKERNELS_ARCH"), getenv_raw(DECODE_ENV)))
 
 
 def _remember_forward(key, kern, cfg, views, o, lse, softmax_scale, mask_args, q) -> None:

@@ -1244,7 +1244,7 @@ def check(views: dict, dtype: str | None, softmax_scale, num_splits, arrays: dic
     tensor's view is uint16); default the views."""
     arrays = arrays or views
     q_, kc, vc = views["q"], views["k_cache"], views["v_cache"]
-    cs, bt = views["cache_seqlens"], views.get("block_table")
+    cs, bt = views.get("cache_seqlens"), views.get("block_table")
     kn, vn, out = views.get("k_new"), views.get("v_new"), views.get("out")
     floats = {n: v for n, v in views.items() if n in ("q", "k_cache", "v_cache", "k_new", "v_new")}
     dts = {n: _dtype_of(arrays[n], n, dtype, OP) for n in floats}
@@ -1267,12 +1267,15 @@ def check(views: dict, dtype: str | None, softmax_scale, num_splits, arrays: dic
     if nheads_kv == 0 or nheads % nheads_kv:
         raise _bad("k_cache", tuple(kc.shape), f"nheads={nheads} (q.shape[2]) must be a multiple of nheads_kv="
                                                f"{nheads_kv} (k_cache.shape[2])")
-    # cache_seqlens: int32 (batch,)
-    if dtype_name(cs) != "int32" or cs.ndim != 1 or cs.shape[0] != batch:
+    # cache_seqlens: int32 (batch,), or None (every cache full; the kernels read no lengths)
+    if cs is not None and (dtype_name(cs) != "int32" or cs.ndim != 1 or cs.shape[0] != batch):
         raise _bad("cache_seqlens", (dtype_name(cs), tuple(cs.shape)),
-                   f"cache_seqlens must be an int32 array of shape (batch,) = ({batch},), got {dtype_name(cs)} "
-                   f"{tuple(cs.shape)}")
-    strides = {"cache_seqlens": _int_strides(cs, "cache_seqlens")}
+                   f"cache_seqlens must be an int32 array of shape (batch,) = ({batch},) or None, got "
+                   f"{dtype_name(cs)} {tuple(cs.shape)}")
+    if cs is None and kn is not None:
+        raise _bad("cache_seqlens", None, "k_new / v_new are appended at cache_seqlens: pass cache_seqlens with "
+                                          "them (None means every cache is already full)")
+    strides = {"cache_seqlens": (0,) if cs is None else _int_strides(cs, "cache_seqlens")}
     paged = bt is not None
     if paged:
         if dtype_name(bt) != "int32" or bt.ndim != 2 or bt.shape[0] != batch or bt.shape[1] < 1:
@@ -1820,7 +1823,9 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=N
         ``block_table``.  nheads % nheads_kv == 0 (GQA / MQA: one CTA serves all query heads of
         a kv head, so each cache byte is read once).
     cache_seqlens : int32 (batch,): the number of keys already in each sequence's cache (ragged
-        batches are the normal case).  Not modified, also not when k_new is appended.
+        batches are the normal case).  Not modified, also not when k_new is appended.  None: every
+        sequence's cache is full (seqlen_cache keys, or max_blocks_per_seq x page_size when paged;
+        not with k_new) - how :func:`rtkernels.attention` runs dense calls with few query rows.
     k_new, v_new : optional (batch, seqlen_new, nheads_kv, head_dim): written into the cache at
         positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 (through the block
         table when paged; in place) before the attention, which then sees
@@ -1942,13 +1947,16 @@ def check_kvcache_inputs(k_cache, cache_seqlens, block_table=None, *, seqlen_new
     Accepts device arrays and NumPy arrays.
     """
     shape = tuple(k_cache.shape)
-    lens = _host(cache_seqlens).astype(np.int64).reshape(-1)
     if block_table is None:
         capacity = shape[1]
     else:
         table = _host(block_table)
         page_size, num_blocks = shape[1], shape[0]
         capacity = table.shape[1] * page_size
+    if cache_seqlens is None:   # every cache full: a paged one uses every page of its row
+        lens = np.full(0 if block_table is None else table.shape[0], capacity - seqlen_new, np.int64)
+    else:
+        lens = _host(cache_seqlens).astype(np.int64).reshape(-1)
     for b, n in enumerate(lens):
         if n < 0:
             raise _bad("cache_seqlens", int(n), f"cache_seqlens[{b}] = {int(n)} is negative")
@@ -2007,8 +2015,11 @@ def attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=Non
     and output rounded): FlashAttention's test rule compares errors against that.
     """
     q = np.asarray(q, dtype=np.float64)
-    lens = np.asarray(cache_seqlens).reshape(-1).astype(np.int64)
     table = None if block_table is None else np.asarray(block_table)
+    if cache_seqlens is None:   # every cache full
+        capacity = k_cache.shape[1] * (1 if table is None else table.shape[1])
+        cache_seqlens = np.full(q.shape[0], capacity, np.int64)
+    lens = np.asarray(cache_seqlens).reshape(-1).astype(np.int64)
     kc, vc = append_kvcache_reference(np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64), lens,
                                       None if k_new is None else np.asarray(k_new, np.float64),
                                       None if v_new is None else np.asarray(v_new, np.float64), table)
