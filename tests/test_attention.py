@@ -420,16 +420,21 @@ def test_compile_by_name_fills_tiles_from_the_heuristics():
 
 def test_dense_calls_with_few_query_rows_route_to_the_decode_kernel(monkeypatch):
     """attention.decode_route: seqlen_q <= 16 with <= 64 rows per kv head, or a small dense grid
-    over long keys, runs on the KV-cache kernel (measured reasons beside the rule)."""
+    over long keys, runs on the KV-cache kernel when K/V hold >= 16 MiB (multi-head attention on a
+    full grid: >= 128 MiB) - measured reasons beside the rule."""
     from rtkernels.ops.attention import DECODE_ENV, decode_route
     monkeypatch.delenv(DECODE_ENV, raising=False)
-    assert decode_route(1, 1, 4096, 32, 8) and decode_route(64, 1, 512, 16, 16)
-    assert decode_route(8, 16, 1024, 32, 8)            # 16 rows x group 4 = 64
-    assert not decode_route(8, 16, 1024, 32, 4)        # 128 rows per kv head
-    assert not decode_route(8, 64, 8192, 16, 16)       # seqlen_q 64, a full dense grid
-    assert decode_route(1, 128, 32768, 32, 8)          # 32 dense CTAs over 32k keys
-    assert not decode_route(2, 128, 32768, 32, 8) and not decode_route(1, 129, 32768, 16, 16)
-    assert not decode_route(1, 64, 8192, 16, 16)       # keys too short for that
-    assert not decode_route(4, 1, 255, 8, 8)           # too few keys to split
+    assert decode_route(1, 1, 4096, 32, 8, 128) and decode_route(16, 1, 1024, 32, 4, 64)   # 16 MiB of K/V
+    assert not decode_route(16, 1, 1023, 32, 4, 64)                                      # just under
+    assert decode_route(8, 16, 1024, 32, 8, 128)          # 16 rows x group 4 = 64
+    assert not decode_route(8, 16, 1024, 32, 4, 128)      # 128 rows per kv head
+    assert decode_route(1, 16, 4096, 16, 16, 128)         # multi-head: 16 dense CTAs
+    assert not decode_route(8, 1, 2048, 16, 16, 64)       # multi-head on 128 CTAs, 64 MiB: left dense
+    assert decode_route(8, 1, 4096, 16, 16, 64)           # ... 128 MiB: routed
+    assert not decode_route(8, 64, 8192, 16, 16, 128)     # seqlen_q 64, a full dense grid
+    assert decode_route(1, 128, 32768, 32, 8, 128)        # 32 dense CTAs over 32k keys
+    assert not decode_route(2, 128, 32768, 32, 8, 128) and not decode_route(1, 129, 32768, 16, 16, 128)
+    assert not decode_route(1, 64, 8192, 16, 16, 128)     # keys too short for that
+    assert not decode_route(64, 1, 255, 8, 8, 128)        # too few keys to split
     monkeypatch.setenv(DECODE_ENV, "0")
-    assert not decode_route(1, 1, 4096, 32, 8)
+    assert not decode_route(1, 1, 4096, 32, 8, 128)

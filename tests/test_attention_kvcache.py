@@ -898,11 +898,11 @@ def test_gpu_full_caches_without_lengths(page):
 
 # rtk.attention's dense calls with few query rows run on this kernel (attention.decode_route):
 # (batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_k, causal, dtype, layout)
-ROUTE_CASES = [
-    (3, 1, 32, 8, 128, 700, True, "bfloat16", "bshd"),     # decode, GQA 4
-    (2, 4, 16, 2, 64, 1000, True, "float16", "bhsd"),      # speculative rows, HF's (b, h, s, d) storage
-    (2, 16, 8, 2, 80, 300, False, "bfloat16", "bshd"),     # 64 rows per kv head, not causal
-    (1, 16, 16, 16, 96, 257, True, "float16", "bhsd"),     # MHA, odd key count
+ROUTE_CASES = [   # (K/V of >= 16 MiB: below it calls stay dense)
+    (3, 1, 32, 8, 128, 1400, True, "bfloat16", "bshd"),     # decode, GQA 4
+    (2, 4, 16, 2, 64, 17000, True, "float16", "bhsd"),      # speculative rows, HF's (b, h, s, d) storage
+    (2, 16, 8, 2, 80, 14000, False, "bfloat16", "bshd"),    # 64 rows per kv head, not causal
+    (1, 16, 16, 16, 96, 2817, True, "float16", "bhsd"),     # MHA on a small grid, odd key count
     (1, 100, 16, 2, 128, 16500, True, "bfloat16", "bshd"),  # long keys, a small dense grid
 ]
 
@@ -916,7 +916,7 @@ def test_gpu_dense_attention_routes_to_decode(monkeypatch, batch, sq, h, hkv, d,
     import cupy as cp
     from rtkernels.ops import attention as attn_mod
     from rtkernels.ops.attention_bwd import attention_backward_reference
-    assert attn_mod.decode_route(batch, sq, sk, h, hkv)
+    assert attn_mod.decode_route(batch, sq, sk, h, hkv, d)
     x = _make(_seed(), batch, sq, h, hkv, d, dtype, None, sk, lens=[sk] * batch, hnd=layout == "bhsd")
     extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
     results = {}
@@ -951,7 +951,7 @@ def test_gpu_dense_attention_routes_to_decode_torch_and_graphs():
     torch = pytest.importorskip("torch")
     g = torch.Generator(device="cuda").manual_seed(_seed())
     q = torch.randn(3, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(3, 8, 900, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    k, v = (torch.randn(3, 8, 1800, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
             for _ in range(2))
 
     def ref(q):

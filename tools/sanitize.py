@@ -1143,10 +1143,12 @@ KVCACHE_VARIANTS = (
 def _attention_dense_decode(ctx: Ctx):
     import rtkernels as rtk
     from rtkernels.ops import attention_kvcache as kv
-    for label, batch, sq, h, hkv, d, dt, sk, causal in (("gqa", 2, 1, 16, 4, 128, "bfloat16", 700, True),
-                                                        ("rows", 1, 16, 8, 2, 64, "float16", 300, False)):
+    from rtkernels.ops.attention import decode_route
+    for label, batch, sq, h, hkv, d, dt, sk, causal in (("gqa", 2, 1, 16, 4, 128, "bfloat16", 4100, True),
+                                                        ("rows", 1, 16, 8, 2, 64, "float16", 33000, False)):
         if not ctx.variant(label, quick=True):
             continue
+        assert decode_route(batch, sq, sk, h, hkv, d), label
         q, q64 = ctx.randn((batch, sq, h, d), dt)
         k, k64 = ctx.randn((batch, sk, hkv, d), dt)
         v, v64 = ctx.randn((batch, sk, hkv, d), dt)

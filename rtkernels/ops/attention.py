@@ -530,15 +530,17 @@ def _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_
     user_shape = tuple(q_.shape[1:]) if varlen else tuple(q_.shape)
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
-    if spec.dense and not empty and decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv):
-        routed = DecodeRoute(causal, softmax_scale, dtype)
+    if spec.dense and not empty and decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
+                                                 q_.dtype.itemsize):
+        from .attention_kvcache import attention_kvcache   # (see DecodeRoute)
         try:
-            result = routed.run(q, k, v, out, return_lse, stream)
-        except ConfigError:   # arrays the decode kernel does not take (e.g. broadcast heads): the dense path
+            result = attention_kvcache(q, k, v, None, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=return_lse, out=out, dtype=dtype, stream=stream)
+        except ConfigError:   # arrays the decode kernel does not take: the dense path
             pass
         else:
-            if plan_key is not None:
-                _FORWARD_PLANS.put(plan_key, routed)
+            if plan_key is not None:   # (CuPy arrays or torch tensors on the current device)
+                _FORWARD_PLANS.put(plan_key, DecodeRoute(q, k, v, out, causal, softmax_scale, return_lse, dtype))
             return result
     with cupy.cuda.Device(dev):
         arch = _device_arch(dev)
@@ -649,49 +651,66 @@ def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, l
 # 128, GQA 1 / 4 / 8, batch 1-128, keys 256-32k, seqlen_q 1-256, causal or not; bf16 torch
 # tensors, GPU time of calls queued back to back, the two paths interleaved;
 # docs/data/attention_decode_route_probe_session36_*), dense -> decode kernel:
-#   seqlen_q <= 16 with seqlen_q x group <= 64 rows per kv head: faster or level in every cell,
-#     1.05-12.8x (d64 GQA 8 B1 S32k 217 -> 17 us, d128 GQA 4 B8 S8k 193 -> 65 us, d128 MHA B32 S2k
-#     135 -> 125 us); the lowest 0.986 (d128 GQA 4, seqlen_q 16, B8 S1k, not causal).
-#   more rows: the dense kernel wins from batch 8 (d128 MHA seqlen_q 64 0.85-0.97x, seqlen_q 128
-#     0.53-0.73x; d64 GQA 8 seqlen_q 16 loses 0.72x at B1 S4k, 0.83-0.88x at B8 S1k), except where
-#     its grid is a fraction of the GPU over long keys: batch 1, 16-32 heads, 32k keys, seqlen_q <= 128
-#     1.67-5.8x (seqlen_q 256: d128 GQA 4 0.88x).
-# Host time: the routed call costs ~8 us more per call than a dense plan replay (26-29 against 18-20,
-# the KV-cache path's plan and one or two launches); calls queued behind others (pipelines, CUDA
-# graphs) do not see it.  RTKERNELS_ATTENTION_DECODE=0 keeps every call on the dense kernels.
+#   seqlen_q <= 16 with seqlen_q x group <= 64 rows per kv head (126 cells): faster or level in
+#     every cell, 0.986-12.8x (d64 GQA 8 B1 S32k 217 -> 17 us, d128 GQA 4 B8 S8k 193 -> 65 us, d128
+#     MHA B32 S2k 135 -> 125 us); below 1.05 only d128 GQA 4 seqlen_q 16 B8 S1k (0.986 / 1.028).
+#   more rows: the dense kernel wins from batch 8 at group 1-4 (seqlen_q 64-256: 0.40-1.19x, d128
+#     0.40-1.03x), except where its grid is a fraction of the GPU over long keys: batch 1, 16-32 heads,
+#     32k keys, seqlen_q 16-128: 1.67-5.2x (14 cells; seqlen_q 256: 0.88-3.1x, not taken).  d64 GQA 8
+#     seqlen_q 16 (128 rows) gained 2.4-4.7x from batch x keys = 32k but lost at B1 S4k (0.70) and B8
+#     S1k (0.83): one head config measured, no rule for it yet.
+# Host time (H200 host, torch tensors, d128 GQA 4 B1 S2k, 8 MiB of K/V; host_decode_route_session36_*):
+# a routed call enqueues in 33 us against 23 for a dense plan replay (the decode plan's arguments and
+# its launches), while its GPU time is 6 against 22 us.  An eager loop waits for the slower of the
+# two, so routing pays there only where the dense kernel's GPU time exceeds ~33 us: K/V of at least
+# 16 MiB with GQA or a small dense grid (B1 S4k d128 GQA 4: 39 -> 10 us of GPU), and for multi-head
+# attention on a full grid (1.05-1.4x faster only) at least 128 MiB, where both are GPU-bound.
+# Calls queued behind others (pipelines, CUDA graphs) gain at any size.
+# RTKERNELS_ATTENTION_DECODE=0 keeps every call dense.
 DECODE_ENV = "RTKERNELS_ATTENTION_DECODE"
 DECODE_MAX_SEQLEN_Q = 16
 DECODE_MAX_ROWS = 64          # seqlen_q x group
 DECODE_MIN_KEYS = 256         # the smallest key count measured
-DECODE_LONG_KEYS = 16384      # ... and where the dense grid is small:
+DECODE_MIN_KV_BYTES = 16 << 20
+DECODE_MHA_MIN_KV_BYTES = 128 << 20   # group 1 on a full dense grid
+DECODE_SMALL_GRID = 32        # dense CTAs (batch x heads x 128-row query tiles) that leave most SMs idle
+DECODE_LONG_KEYS = 16384      # ... over this many keys any seqlen_q up to:
 DECODE_LONG_MAX_SEQLEN_Q = 128
-DECODE_LONG_MAX_CTAS = 32     # batch x heads x 128-row query tiles
 
 
-def decode_route(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int) -> bool:
+def decode_route(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int, head_dim: int,
+                 itemsize: int = 2) -> bool:
     """Whether a dense call (no window, softcap or varlen) runs on the KV-cache decode kernel
-    (see the measurements above)."""
-    if seqlen_k < DECODE_MIN_KEYS or getenv_raw(DECODE_ENV) in (b"0", "0"):
+    (see the measurements above); ``itemsize``: bytes per element of k and v."""
+    kv_bytes = batch * seqlen_k * nheads_kv * head_dim * 2 * itemsize
+    if seqlen_k < DECODE_MIN_KEYS or kv_bytes < DECODE_MIN_KV_BYTES or getenv_raw(DECODE_ENV) in (b"0", "0"):
         return False
+    small_grid = batch * nheads * -(-seqlen_q // 128) <= DECODE_SMALL_GRID
     if seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_q * (nheads // nheads_kv) <= DECODE_MAX_ROWS:
-        return True
-    return seqlen_q <= DECODE_LONG_MAX_SEQLEN_Q and seqlen_k >= DECODE_LONG_KEYS and \
-        batch * nheads * -(-seqlen_q // 128) <= DECODE_LONG_MAX_CTAS
+        return nheads_kv < nheads or small_grid or kv_bytes >= DECODE_MHA_MIN_KV_BYTES
+    return small_grid and seqlen_q <= DECODE_LONG_MAX_SEQLEN_Q and seqlen_k >= DECODE_LONG_KEYS
 
 
 class DecodeRoute:
-    """A dense call signature's plan that runs :func:`rtkernels.ops.attention_kvcache.attention_kvcache`
-    over the whole of k and v as a full cache (which keeps a launch plan of its own)."""
-    __slots__ = ("causal", "softmax_scale", "dtype", "_kvcache")
+    """A dense call signature's plan that runs the KV-cache decode kernel over the whole of k and v
+    as a full cache (``cache_seqlens=None``): its plan, made once, replayed directly."""
+    __slots__ = ("plan", "causal", "softmax_scale", "dtype", "_kv")
 
-    def __init__(self, causal: bool, softmax_scale, dtype):
+    def __init__(self, q, k, v, out, causal: bool, softmax_scale, return_lse: bool, dtype):
         # imported here: attention_kvcache imports this module's checks at its top
-        from .attention_kvcache import attention_kvcache
-        self.causal, self.softmax_scale, self.dtype, self._kvcache = causal, softmax_scale, dtype, attention_kvcache
+        from . import attention_kvcache as kv
+        self._kv, self.causal, self.softmax_scale, self.dtype = kv, causal, softmax_scale, dtype
+        self.plan = kv._plan((q, k, v, None, None, None, None, out), causal, softmax_scale, return_lse, None,
+                             dtype)[0]
 
     def run(self, q, k, v, out, return_lse: bool, stream):
-        return self._kvcache(q, k, v, None, causal=self.causal, softmax_scale=self.softmax_scale,
-                             return_lse=return_lse, out=out, dtype=self.dtype, stream=stream)
+        if self.plan is not None:
+            try:
+                return self._kv._execute(self.plan, q, k, v, None, None, None, None, out, stream)
+            except self._kv._GroupRefused:   # the cooperative merge was refused: attention_kvcache replans
+                self.plan = None
+        return self._kv.attention_kvcache(q, k, v, None, causal=self.causal, softmax_scale=self.softmax_scale,
+                                          return_lse=return_lse, out=out, dtype=self.dtype, stream=stream)
 
 
 # ---- per-signature launch plans (Hopper kernel, heuristic tiles) ---------------------------------
