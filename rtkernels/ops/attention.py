@@ -430,6 +430,10 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
               dtype: str | None = None, stream=None):
     """FlashAttention-2 forward: ``softmax(softmax_scale * q k^T [+ mask]) v``.
 
+    Dense calls with few query rows (decoding through a model's own attention call) run on the
+    KV-cache decode kernel over the whole of k and v where :func:`decode_route` says it is faster
+    (the same o and lse; ``RTKERNELS_ATTENTION_DECODE=0`` keeps them on the dense kernels).
+
     Parameters
     ----------
     q : (batch, seqlen_q, nheads, head_dim) device array, or (total_q, nheads, head_dim) with
