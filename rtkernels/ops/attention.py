@@ -534,8 +534,10 @@ def _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_
     user_shape = tuple(q_.shape[1:]) if varlen else tuple(q_.shape)
 
     empty = batch == 0 or seqlen_q == 0 or nheads == 0
-    if spec.dense and not empty and decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                                                 q_.dtype.itemsize):
+    # (not with K/V broadcast over their heads: the decode kernel would read the one head per query
+    # head, where the dense kernels read it as multi-query attention)
+    if spec.dense and not empty and p.views["k"].shape[2] == nheads_kv and \
+            decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_.dtype.itemsize):
         from .attention_kvcache import attention_kvcache   # (see DecodeRoute)
         try:
             result = attention_kvcache(q, k, v, None, causal=causal, softmax_scale=softmax_scale,
