@@ -419,15 +419,22 @@ def test_compile_by_name_fills_tiles_from_the_heuristics():
 
 
 def test_dense_calls_with_few_query_rows_route_to_the_decode_kernel(monkeypatch):
-    """attention.decode_route: seqlen_q <= 16 with <= 64 rows per kv head, or a small dense grid
-    over long keys, runs on the KV-cache kernel when K/V hold >= 16 MiB (multi-head attention on a
-    full grid: >= 128 MiB) - measured reasons beside the rule."""
+    """attention.decode_route: seqlen_q <= 16 with <= 64 rows per kv head, GQA with up to 512 rows
+    at seqlen_q <= 32 over >= 2k keys or a dense grid of >= 512 CTAs, or a small dense grid over
+    long keys, runs on the KV-cache kernel when K/V hold >= 16 MiB (multi-head attention on a full
+    grid: >= 128 MiB) - measured reasons beside the rule."""
     from rtkernels.ops.attention import DECODE_ENV, decode_route
     monkeypatch.delenv(DECODE_ENV, raising=False)
     assert decode_route(1, 1, 4096, 32, 8, 128) and decode_route(16, 1, 1024, 32, 4, 64)   # 16 MiB of K/V
     assert not decode_route(16, 1, 1023, 32, 4, 64)                                      # just under
     assert decode_route(8, 16, 1024, 32, 8, 128)          # 16 rows x group 4 = 64
-    assert not decode_route(8, 16, 1024, 32, 4, 128)      # 128 rows per kv head
+    assert not decode_route(8, 16, 1024, 32, 4, 128)      # 128 rows per kv head, 1k keys, 256 dense CTAs
+    assert decode_route(8, 16, 1024, 64, 8, 128)          # ... on 512 dense CTAs
+    assert decode_route(8, 16, 2048, 32, 4, 128)          # ... over 2k keys
+    assert decode_route(1, 32, 32768, 32, 2, 128)         # 512 rows (seqlen_q 32 x group 16)
+    assert not decode_route(1, 32, 32768, 64, 2, 128)     # 1024 rows
+    assert not decode_route(2, 33, 8192, 32, 4, 128)      # seqlen_q 33
+    assert not decode_route(8, 32, 4096, 16, 16, 128)     # multi-head at seqlen_q 32 stays dense
     assert decode_route(1, 16, 4096, 16, 16, 128)         # multi-head: 16 dense CTAs
     assert not decode_route(8, 1, 2048, 16, 16, 64)       # multi-head on 128 CTAs, 64 MiB: left dense
     assert decode_route(8, 1, 4096, 16, 16, 64)           # ... 128 MiB: routed

@@ -904,6 +904,7 @@ ROUTE_CASES = [   # (K/V of >= 16 MiB: below it calls stay dense)
     (2, 16, 8, 2, 80, 14000, False, "bfloat16", "bshd"),    # 64 rows per kv head, not causal
     (1, 16, 16, 16, 96, 2817, True, "float16", "bhsd"),     # MHA on a small grid, odd key count
     (1, 100, 16, 2, 128, 16500, True, "bfloat16", "bshd"),  # long keys, a small dense grid
+    (2, 20, 24, 4, 96, 11000, True, "float16", "bhsd"),     # GQA 6 x seqlen_q 20: 120 rows per kv head
 ]
 
 
@@ -920,6 +921,9 @@ def test_gpu_dense_attention_routes_to_decode(monkeypatch, batch, sq, h, hkv, d,
     x = _make(_seed(), batch, sq, h, hkv, d, dtype, None, sk, lens=[sk] * batch, hnd=layout == "bhsd")
     extra = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
     results = {}
+    plans = []   # the decode plans made: one, by the first routed call (the route holds it)
+    real_plan = kv_mod._plan
+    monkeypatch.setattr(kv_mod, "_plan", lambda *a: plans.append(1) or real_plan(*a))
     for route in ("1", "0"):
         monkeypatch.setenv(attn_mod.DECODE_ENV, route)
         attn_mod._FORWARD_PLANS._plans.clear()
@@ -927,6 +931,7 @@ def test_gpu_dense_attention_routes_to_decode(monkeypatch, batch, sq, h, hkv, d,
             o, lse = rtk.attention(x.q, x.kc, x.vc, causal=causal, out=poison_like(x.q), **extra)
             cp.cuda.Device().synchronize()
             _check(x, o, lse, causal, None, f"route={route} call={call}")
+        assert len(plans) == 1, (route, len(plans))
         routed = [p for p in attn_mod._FORWARD_PLANS._plans.values() if isinstance(p, attn_mod.DecodeRoute)]
         assert bool(routed) == (route == "1"), route
         results[route] = (o, lse)

@@ -319,6 +319,11 @@ def decode_rows(rows: Rows) -> None:
         "cupy: rtk.attention_kvcache 4 splits + lse": lambda: rtk.attention_kvcache(q, kc, vc, lens, num_splits=4,
                                                                                  return_lse=True, dtype="bfloat16"),
     }
+    # rtk.attention on few query rows over >= 16 MiB of K/V: the decode route (attention.DecodeRoute)
+    sk_r = 8192
+    qr, kr, vr = (fake_array((b, 1, h, d), np.uint16), fake_array((b, sk_r, hkv, d), np.uint16),
+                  fake_array((b, sk_r, hkv, d), np.uint16))
+    calls["cupy: rtk.attention routed to decode (B1 S8k)"] = lambda: rtk.attention(qr, kr, vr, True, dtype="bfloat16")
     try:
         for name, fn in calls.items():
             fn()   # the full path: records the plan

@@ -539,14 +539,19 @@ def _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_
     if spec.dense and not empty and p.views["k"].shape[2] == nheads_kv and \
             decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_.dtype.itemsize):
         from .attention_kvcache import attention_kvcache   # (see DecodeRoute)
+        route = None
         try:
-            result = attention_kvcache(q, k, v, None, causal=causal, softmax_scale=softmax_scale,
-                                       return_lse=return_lse, out=out, dtype=dtype, stream=stream)
+            if plan_key is not None:   # (CuPy arrays or torch tensors on the current device)
+                # planned once: the route's plan serves this call and the replays
+                route = DecodeRoute(q, k, v, out, causal, softmax_scale, return_lse, dtype)
+            else:
+                return attention_kvcache(q, k, v, None, causal=causal, softmax_scale=softmax_scale,
+                                         return_lse=return_lse, out=out, dtype=dtype, stream=stream)
         except ConfigError:   # arrays the decode kernel does not take: the dense path
             pass
         else:
-            if plan_key is not None:   # (CuPy arrays or torch tensors on the current device)
-                _FORWARD_PLANS.put(plan_key, DecodeRoute(q, k, v, out, causal, softmax_scale, return_lse, dtype))
+            result = route.run(q, k, v, out, return_lse, stream)
+            _FORWARD_PLANS.put(plan_key, route)
             return result
     with cupy.cuda.Device(dev):
         arch = _device_arch(dev)
@@ -662,9 +667,14 @@ def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, l
 #     MHA B32 S2k 135 -> 125 us); below 1.05 only d128 GQA 4 seqlen_q 16 B8 S1k (0.986 / 1.028).
 #   more rows: the dense kernel wins from batch 8 at group 1-4 (seqlen_q 64-256: 0.40-1.19x, d128
 #     0.40-1.03x), except where its grid is a fraction of the GPU over long keys: batch 1, 16-32 heads,
-#     32k keys, seqlen_q 16-128: 1.67-5.2x (14 cells; seqlen_q 256: 0.88-3.1x, not taken).  d64 GQA 8
-#     seqlen_q 16 (128 rows) gained 2.4-4.7x from batch x keys = 32k but lost at B1 S4k (0.70) and B8
-#     S1k (0.83): one head config measured, no rule for it yet.
+#     32k keys, seqlen_q 16-128: 1.67-5.2x (14 cells; seqlen_q 256: 0.88-3.1x, not taken).
+#   GQA with 65-512 rows per kv head at seqlen_q 4-32 (H200, 2026-11-29, 106 cells of >= 16 MiB of
+#     K/V: d64 / d96 / d128, groups 4 / 8 / 16 (32/8, 32/4, 64/8, 32/2 heads), batch 1-64, keys 1k-32k;
+#     docs/data/attention_decode_route_rows_probe_session37_*): 1.22-6.2x wherever the keys are >= 2k
+#     or the dense grid holds >= 512 CTAs (d128 64/8 seqlen_q 16 B8 S1k 46 -> 31 us); the decode
+#     kernel's short splits of 128-512 rows run ~31 us at 1k keys, so a dense grid of 256 CTAs there
+#     wins (d128 32/4 and 32/8, B8 S1k, seqlen_q 16 / 32: 0.81-0.84x).  Multi-head attention at
+#     seqlen_q 32 stays dense (B8: 0.98-0.99x).
 # Host time (H200 host, torch tensors, d128 GQA 4 B1 S2k, 8 MiB of K/V; host_decode_route_session36_*):
 # a routed call enqueues in 33 us against 23 for a dense plan replay (the decode plan's arguments and
 # its launches), while its GPU time is 6 against 22 us.  An eager loop waits for the slower of the
@@ -680,6 +690,10 @@ DECODE_MIN_KEYS = 256         # the smallest key count measured
 DECODE_MIN_KV_BYTES = 16 << 20
 DECODE_MHA_MIN_KV_BYTES = 128 << 20   # group 1 on a full dense grid
 DECODE_SMALL_GRID = 32        # dense CTAs (batch x heads x 128-row query tiles) that leave most SMs idle
+DECODE_GQA_MAX_SEQLEN_Q = 32  # GQA: more rows per kv head, when the keys are long or the dense grid is large
+DECODE_GQA_MAX_ROWS = 512
+DECODE_GQA_KEYS = 2048
+DECODE_GQA_GRID = 512
 DECODE_LONG_KEYS = 16384      # ... over this many keys any seqlen_q up to:
 DECODE_LONG_MAX_SEQLEN_Q = 128
 
@@ -691,9 +705,14 @@ def decode_route(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k
     kv_bytes = batch * seqlen_k * nheads_kv * head_dim * 2 * itemsize
     if seqlen_k < DECODE_MIN_KEYS or kv_bytes < DECODE_MIN_KV_BYTES or getenv_raw(DECODE_ENV) in (b"0", "0"):
         return False
-    small_grid = batch * nheads * -(-seqlen_q // 128) <= DECODE_SMALL_GRID
-    if seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_q * (nheads // nheads_kv) <= DECODE_MAX_ROWS:
+    dense_ctas = batch * nheads * -(-seqlen_q // 128)
+    small_grid = dense_ctas <= DECODE_SMALL_GRID
+    rows = seqlen_q * (nheads // nheads_kv)
+    if seqlen_q <= DECODE_MAX_SEQLEN_Q and rows <= DECODE_MAX_ROWS:
         return nheads_kv < nheads or small_grid or kv_bytes >= DECODE_MHA_MIN_KV_BYTES
+    if nheads_kv < nheads and seqlen_q <= DECODE_GQA_MAX_SEQLEN_Q and rows <= DECODE_GQA_MAX_ROWS and \
+            (seqlen_k >= DECODE_GQA_KEYS or dense_ctas >= DECODE_GQA_GRID):
+        return True
     return small_grid and seqlen_q <= DECODE_LONG_MAX_SEQLEN_Q and seqlen_k >= DECODE_LONG_KEYS
 
 
