@@ -198,9 +198,10 @@ def test_num_splits_heuristic():
     lean = dict(lean=True)
     assert [kv_mod.compute_fill(d, **lean) for d in (128, 96, 64)] == [1, 1, 2]
     assert kv_mod.compute_fill(128, paged=True, **lean) == 2 and kv_mod.compute_fill(128) == 2   # paged, unknown memory
-    # deep memory, the wgmma rows mode: four per SM at d <= 64 over contiguous caches only
+    # deep memory, the wgmma rows mode: four per SM at d <= 64, contiguous or paged
     assert [kv_mod.compute_fill(d, wgmma=True) for d in (128, 96, 64, 32)] == [2, 2, 4, 4]
-    assert kv_mod.compute_fill(64, paged=True, wgmma=True) == 2 and kv_mod.compute_fill(64, wgmma=True, **lean) == 2
+    assert kv_mod.compute_fill(64, paged=True, wgmma=True) == 4 and kv_mod.compute_fill(96, paged=True, wgmma=True) == 2
+    assert kv_mod.compute_fill(64, wgmma=True, **lean) == 2
     assert kv_mod.compute_fill(64) == 2   # mma.sync rows mode / keys mode
     # lean memory, wgmma rows mode: two below d112 (COMPUTE_FILL_LEAN_WGMMA_HEAD_DIM), one from d112 and
     # for grids with a CTA for every SM unsplit
