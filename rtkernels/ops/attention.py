@@ -668,13 +668,13 @@ def _schedule_for(vl: Varlen, block: int, descending: bool, arch: str, stream, l
 #   more rows: the dense kernel wins from batch 8 at group 1-4 (seqlen_q 64-256: 0.40-1.19x, d128
 #     0.40-1.03x), except where its grid is a fraction of the GPU over long keys: batch 1, 16-32 heads,
 #     32k keys, seqlen_q 16-128: 1.67-5.2x (14 cells; seqlen_q 256: 0.88-3.1x, not taken).
-#   GQA with 65-512 rows per kv head at seqlen_q 4-32 (H200, 2026-11-29, 106 cells of >= 16 MiB of
+#   GQA with 65-512 rows per kv head at seqlen_q 8-32 (H200, 2026-11-29, 99 cells of >= 16 MiB of
 #     K/V: d64 / d96 / d128, groups 4 / 8 / 16 (32/8, 32/4, 64/8, 32/2 heads), batch 1-64, keys 1k-32k;
-#     docs/data/attention_decode_route_rows_probe_session37_*): 1.22-6.2x wherever the keys are >= 2k
-#     or the dense grid holds >= 512 CTAs (d128 64/8 seqlen_q 16 B8 S1k 46 -> 31 us); the decode
-#     kernel's short splits of 128-512 rows run ~31 us at 1k keys, so a dense grid of 256 CTAs there
-#     wins (d128 32/4 and 32/8, B8 S1k, seqlen_q 16 / 32: 0.81-0.84x).  Multi-head attention at
-#     seqlen_q 32 stays dense (B8: 0.98-0.99x).
+#     docs/data/attention_decode_route_rows_probe_session37_*): 1.22-6.2x in the 95 cells whose keys
+#     are >= 2k or whose dense grid holds >= 512 CTAs (d128 64/8 seqlen_q 16 B8 S1k 46 -> 31 us); the
+#     decode kernel's short splits of 128-256 rows run ~31 us at 1k keys, so a dense grid of 256 CTAs
+#     there wins (the other 4: d128 32/4 and 32/8, B8 S1k, seqlen_q 16 / 32, 0.81-0.84x).  Multi-head
+#     attention at seqlen_q 32 stays dense (B8: 0.98-0.99x; 21 cells measured).
 # Host time (H200 host, torch tensors, d128 GQA 4 B1 S2k, 8 MiB of K/V; host_decode_route_session36_*):
 # a routed call enqueues in 33 us against 23 for a dense plan replay (the decode plan's arguments and
 # its launches), while its GPU time is 6 against 22 us.  An eager loop waits for the slower of the
