@@ -5,7 +5,8 @@ per-tile page lookups), to tell the lookups' cost from the pages' scatter.
     PYTHONPATH=. python3 tools/decode_paged_probe.py [--out DIR]
 
 Per shape: % of the copy rate (1 GiB of traffic) of contig / p16 / p16id / p64 / p64id at each
-split count (``--shapes``: other shapes at the plan's own count).  Session 21 (H100, 2026-11-27, docs/data/decode_paged_identity_table_session21_*):
+split count (``--shapes``: other shapes at the plan's own count).  Session 21 (H100, 2026-11-27,
+docs/data/decode_paged_identity_table_session21_*):
 B8 S8k 32/8 d128 at one split, paged16 80.7 / identity 80.4 / contiguous 101.9 - the lookups,
 not the scatter; with the keys mode's page ids read a batch ahead (decode_page_batch_ab_*) 92.2.
 Timing as tools/bench_decode.py (queued calls, interleaved rounds, two rotating input sets).

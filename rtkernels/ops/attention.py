@@ -539,18 +539,15 @@ def _attention_full(q, k, v, causal, softmax_scale, return_lse, out, cu_seqlens_
     if spec.dense and not empty and p.views["k"].shape[2] == nheads_kv and \
             decode_route(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q_.dtype.itemsize):
         from .attention_kvcache import attention_kvcache   # (see DecodeRoute)
-        route = None
         try:
-            if plan_key is not None:   # (CuPy arrays or torch tensors on the current device)
-                # planned once: the route's plan serves this call and the replays
-                route = DecodeRoute(q, k, v, out, causal, softmax_scale, return_lse, dtype)
-            else:
+            if plan_key is None:   # (no launch plan for this call: see _forward_plan_key)
                 return attention_kvcache(q, k, v, None, causal=causal, softmax_scale=softmax_scale,
                                          return_lse=return_lse, out=out, dtype=dtype, stream=stream)
+            route = DecodeRoute(q, k, v, out, causal, softmax_scale, return_lse, dtype)   # planned once
         except ConfigError:   # arrays the decode kernel does not take: the dense path
             pass
         else:
-            result = route.run(q, k, v, out, return_lse, stream)
+            result = route.run(q, k, v, out, return_lse, stream)   # (the plan serves this call too)
             _FORWARD_PLANS.put(plan_key, route)
             return result
     with cupy.cuda.Device(dev):

@@ -598,10 +598,10 @@ HEAVY_KEYS_PER_ROW = 16
 # with more splits then (2026-11-27: paged16 B8 S8k 52.5 at 4, 41.4 at 8; B16 S4k 52.4 at 2, 43.6 at
 # 4), but gain on today's kernel - page ids read a batch ahead since, and checked where used; which
 # change turned it is not isolated (H200, 2026-11-29, `--layouts paged16,contig --splits 2,4,8,16`,
-# seqlen_q 16 32/8 d64, % of copy, `decode_paged_splits_session37_*`): B8 S8k 55.4 at the two-per-SM rule's 4 splits against 73.1 at
-# 8 (contiguous 78.2), B16 S4k 56.8 at 2 against 72.8 at 4 (77.1), B4 S8k 48.2 at 8 against 56.0 at 16
-# (56.0).  d96 keeps two per SM (B16 S4k 68.1 at 2 against 51.1 at 4; B4 S8k 57.5 at 8 against 43.7
-# at 16), as do d80 and d128.
+# seqlen_q 16 32/8 d64, % of copy, `decode_paged_splits_session37_*`): B8 S8k 55.4 at the two-per-SM
+# rule's 4 splits against 73.1 at 8 (contiguous 78.2), B16 S4k 56.8 at 2 against 72.8 at 4 (77.1), B4
+# S8k 48.2 at 8 against 56.0 at 16 (56.0; the key floor keeps it at 8).  d96 keeps two per SM (B16 S4k
+# 68.1 at 2 against 51.1 at 4; B4 S8k 57.5 at 8 against 43.7 at 16), as do d80 and d128.
 COMPUTE_FILL_DEEP_SMALL_HEAD = 4
 # Lean memory, the wgmma rows mode over a contiguous cache below this head dim, grids of fewer CTAs
 # than SMs: two CTAs per SM (COMPUTE_FILL_SMALL_HEAD), not one.  One 64-row CTA per SM is latency-
